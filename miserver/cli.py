@@ -1,0 +1,68 @@
+"""The ``miserver`` command: ``serve``, ``check``, ``docs``, ``import-default``.
+
+Every ``serve`` flag is the lower-case, dashed form of a configuration variable (contract section
+1): ``--port 9000`` is ``PORT=9000``; flags win over the environment. An invalid value exits with
+status 2 and one line naming the variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from miserver.spec.settings import VARIABLES, ConfigError, load_settings
+
+EXTRA_VARIABLES = ("WEIGHTS_TOKENS", "WEIGHTS_TOKENS_FILE")
+
+
+def _flag(variable: str) -> str:
+    return "--" + variable.lower().replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="miserver", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the server (contract sections 1-9)")
+    for variable, _field, _kind in VARIABLES:
+        serve.add_argument(_flag(variable), dest=variable, metavar=variable, default=None,
+                           help=f"overrides ${variable}")
+    serve.add_argument(_flag("WEIGHTS_TOKENS_FILE"), dest="WEIGHTS_TOKENS_FILE", default=None,
+                       metavar="PATH", help="overrides $WEIGHTS_TOKENS_FILE")
+    check = sub.add_parser("check", help="exhaustively model-check the weights lifecycle table")
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
+    sub.add_parser("docs", help="regenerate docs/state-machine.md and the JSON schema")
+    imp = sub.add_parser("import-default", help="import the embedded default model now")
+    imp.add_argument(_flag("MISERVER_HOME"), dest="MISERVER_HOME", default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command in ("serve", "import-default"):
+        overrides = {k: v for k, v in vars(args).items() if k.isupper() and v is not None}
+        try:
+            settings = load_settings(overrides=overrides)
+        except ConfigError as exc:
+            print(f"miserver: invalid configuration: {exc}", file=sys.stderr)
+            return 2
+        if args.command == "serve":
+            from miserver.serving.server import serve
+
+            return serve(settings)
+        from miserver.serving.default_model import import_default
+
+        import_default(settings.home, progress=True)
+        return 0
+    if args.command == "check":
+        from miserver.fsm.check import main as check_main
+
+        return check_main(json_output=args.json)
+    if args.command == "docs":
+        from miserver.docs_gen import main as docs_main
+
+        return docs_main()
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The management envelope, OpenAI-shaped errors, and the middleware that makes every error JSON.
+
+Contract section 2: management routes answer ``{"success", "data", "error"}``; ``/v1`` routes
+answer ``{"error": {"message", "type", "param", "code"}}``. Every error body is JSON, also 404,
+405, 413 and 500. No error echoes a token or a raw request body.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from miserver.spec import codes
+from miserver.spec.codes import ErrorCode
+
+log = logging.getLogger("miserver.http")
+
+_encoder = msgspec.json.Encoder()
+
+
+class ApiError(Exception):
+    """Raise anywhere under a handler to answer with ``code`` (status from the code unless given).
+
+    ``details`` must never hold a token or an attachment ID.
+    """
+
+    def __init__(self, code: ErrorCode, message: str, *, reason: str | None = None,
+                 details: Mapping[str, Any] | None = None, status: int | None = None,
+                 param: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.reason = reason
+        self.details = dict(details) if details is not None else None
+        self.status = status or code.status
+        self.param = param
+        self.headers = dict(headers or {})
+
+
+def json_response(body: Any, status: int = 200, headers: Mapping[str, str] | None = None
+                  ) -> web.Response:
+    """A JSON response encoded with msgspec (Structs, dicts, lists)."""
+    return web.Response(body=_encoder.encode(body), status=status,
+                        content_type="application/json", headers=headers)
+
+
+def ok(data: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
+    """``{"success": true, "data": data, "error": null}``."""
+    return json_response({"success": True, "data": data, "error": None}, status, headers)
+
+
+def management_error_body(err: ApiError) -> dict[str, Any]:
+    return {
+        "success": False,
+        "data": None,
+        "error": {"code": err.code.name, "message": err.message, "reason": err.reason,
+                  "details": err.details},
+    }
+
+
+def openai_error_body(err: ApiError) -> dict[str, Any]:
+    return {"error": {"message": err.message, "type": err.code.openai_type,
+                      "param": err.param, "code": err.code.wire}}
+
+
+def is_openai_path(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def error_response(request_path: str, err: ApiError) -> web.Response:
+    """The error in the shape of the route family of ``request_path``."""
+    body = openai_error_body(err) if is_openai_path(request_path) else management_error_body(err)
+    return json_response(body, err.status, err.headers)
+
+
+_HTTP_CODES: dict[int, ErrorCode] = {
+    400: codes.INVALID_REQUEST,
+    404: codes.NOT_FOUND,
+    405: codes.METHOD_NOT_ALLOWED,
+    413: codes.PAYLOAD_TOO_LARGE,
+    415: codes.UNSUPPORTED_MEDIA_TYPE,
+}
+
+
+@web.middleware
+async def json_errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Turn :class:`ApiError` and aiohttp's own HTTP errors into JSON bodies; never a plain 500."""
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return error_response(request.path, err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = _HTTP_CODES.get(exc.status, codes.INTERNAL_ERROR if exc.status >= 500
+                               else codes.INVALID_REQUEST)
+        message = {
+            404: f"no route for {request.method} {request.path}",
+            405: f"method {request.method} is not allowed on {request.path}",
+            413: "the request body is larger than MAX_REQUEST_BYTES",
+        }.get(exc.status, exc.reason or "request refused")
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+        return error_response(request.path, ApiError(code, message, status=exc.status,
+                                                     headers=headers))
+    except Exception:  # noqa: BLE001 - the last line of defence: log it, answer JSON 500
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(request.path, ApiError(codes.INTERNAL_ERROR,
+                                                     "internal server error"))

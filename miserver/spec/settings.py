@@ -1,0 +1,236 @@
+"""Configuration: environment variables and ``miserver serve`` flags (contract section 1).
+
+Every value is validated at start; :func:`load_settings` raises :class:`ConfigError` naming the
+variable, and the CLI turns that into one line on stderr and exit status 2. A secret never appears
+in an error message or a ``repr``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import msgspec
+
+ROLES = ("trainer", "operator")
+LABEL_RE = re.compile(r"^[a-z0-9_-]{1,64}$")
+MIN_SECRET_LEN = 16
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. ``variable`` names it; the message never holds a secret."""
+
+    def __init__(self, variable: str, problem: str) -> None:
+        super().__init__(f"{variable}: {problem}")
+        self.variable = variable
+        self.problem = problem
+
+
+class WeightsToken(msgspec.Struct, frozen=True):
+    """One bearer token: ``label:role:secret`` (contract section 1)."""
+
+    label: str
+    role: str
+    secret: str
+
+    def __repr__(self) -> str:  # never show the secret
+        return f"WeightsToken(label={self.label!r}, role={self.role!r}, secret=***)"
+
+    __str__ = __repr__
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    """The validated configuration of one server process. Times are seconds unless ``_ms``."""
+
+    home: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    default_model: str = "smollm2-135m-instruct"
+    device: str = "auto"
+    weights_tokens: tuple[WeightsToken, ...] = ()
+    weights_hold_timeout_s: float = 5.0
+    weights_commit_watchdog_ms: float = 800.0
+    weights_heartbeat_timeout_s: float = 30.0
+    weights_quiesce_drain_timeout_s: float = 60.0
+    weights_heartbeat_interval_hint_s: float = 5.0
+    weights_cpu_attach: bool = False
+    weights_audit_log: str | None = None
+    max_concurrent_requests: int = 1
+    continuous_batching: bool = False
+    max_queued_requests: int = 64
+    max_request_bytes: int = 8 * 1024 * 1024
+    log_level: str = "info"
+    log_format: str = "json"
+
+    def __repr__(self) -> str:
+        fields = {f: getattr(self, f) for f in self.__struct_fields__}
+        fields["weights_tokens"] = [f"{t.label}:{t.role}:***" for t in self.weights_tokens]
+        return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
+
+    @property
+    def has_trainer_token(self) -> bool:
+        """At least one token is configured (a load is then made attachable; weights page)."""
+        return bool(self.weights_tokens)
+
+    def resolved_device(self) -> str:
+        """``auto`` becomes ``cuda:0`` when CUDA is available, else ``cpu``."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+# (variable, field, kind) in the order they are validated.
+VARIABLES: tuple[tuple[str, str, str], ...] = (
+    ("MISERVER_HOME", "home", "path"),
+    ("HOST", "host", "str"),
+    ("PORT", "port", "port"),
+    ("DEFAULT_MODEL", "default_model", "str0"),
+    ("DEVICE", "device", "device"),
+    ("WEIGHTS_HOLD_TIMEOUT_S", "weights_hold_timeout_s", "pos_float"),
+    ("WEIGHTS_COMMIT_WATCHDOG_MS", "weights_commit_watchdog_ms", "pos_float"),
+    ("WEIGHTS_HEARTBEAT_TIMEOUT_S", "weights_heartbeat_timeout_s", "pos_float"),
+    ("WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S", "weights_quiesce_drain_timeout_s", "pos_float"),
+    ("WEIGHTS_HEARTBEAT_INTERVAL_HINT_S", "weights_heartbeat_interval_hint_s", "pos_float"),
+    ("WEIGHTS_CPU_ATTACH", "weights_cpu_attach", "bool"),
+    ("WEIGHTS_AUDIT_LOG", "weights_audit_log", "opt_path"),
+    ("MAX_CONCURRENT_REQUESTS", "max_concurrent_requests", "pos_int"),
+    ("CONTINUOUS_BATCHING", "continuous_batching", "bool"),
+    ("MAX_QUEUED_REQUESTS", "max_queued_requests", "pos_int"),
+    ("MAX_REQUEST_BYTES", "max_request_bytes", "pos_int"),
+    ("LOG_LEVEL", "log_level", "log_level"),
+    ("LOG_FORMAT", "log_format", "log_format"),
+)
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def default_home() -> str:
+    """The platform's user data dir plus ``/miserver`` (contract section 1)."""
+    import platformdirs
+
+    return str(Path(platformdirs.user_data_dir()) / "miserver")
+
+
+def _convert(variable: str, kind: str, raw: str) -> object:
+    raw = raw.strip()
+    if kind in ("str", "path") and not raw:
+        raise ConfigError(variable, "must not be empty")
+    if kind in ("str", "str0", "path"):
+        return raw
+    if kind == "opt_path":
+        return raw or None
+    if kind == "bool":
+        low = raw.lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ConfigError(variable, f"expected 0 or 1, got {raw!r}")
+    if kind in ("pos_int", "port"):
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ConfigError(variable, f"expected an integer, got {raw!r}") from None
+        if kind == "port" and not 0 <= value <= 65535:
+            raise ConfigError(variable, f"expected a port 0..65535, got {value}")
+        if kind == "pos_int" and value < 1:
+            raise ConfigError(variable, f"must be at least 1, got {value}")
+        return value
+    if kind == "pos_float":
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(variable, f"expected a number, got {raw!r}") from None
+        if not value > 0 or value != value or value == float("inf"):
+            raise ConfigError(variable, f"must be a positive finite number, got {raw}")
+        return value
+    if kind == "device":
+        if raw == "auto" or raw == "cpu" or re.fullmatch(r"cuda(:\d+)?", raw):
+            return raw
+        raise ConfigError(variable, f"expected auto, cpu, cuda or cuda:N, got {raw!r}")
+    if kind == "log_level":
+        low = raw.lower()
+        if low in ("debug", "info", "warning", "error", "critical"):
+            return low
+        raise ConfigError(variable, f"expected debug, info, warning, error or critical, got {raw!r}")
+    if kind == "log_format":
+        low = raw.lower()
+        if low in ("json", "text"):
+            return low
+        raise ConfigError(variable, f"expected json or text, got {raw!r}")
+    raise AssertionError(kind)
+
+
+def parse_tokens(text: str, variable: str) -> list[WeightsToken]:
+    """Parse ``label:role:secret`` entries (comma- or newline-separated, ``#`` comments).
+
+    Raises :class:`ConfigError` naming ``variable`` and the entry's position, never the secret.
+    """
+    tokens: list[WeightsToken] = []
+    entries = [e.split("#", 1)[0].strip() for line in text.splitlines() for e in line.split(",")]
+    for n, entry in enumerate(e for e in entries if e):
+        parts = entry.split(":", 2)
+        if len(parts) != 3:
+            raise ConfigError(variable, f"entry {n + 1} is not label:role:secret")
+        label, role, secret = (p.strip() for p in parts)
+        if not LABEL_RE.match(label):
+            raise ConfigError(variable, f"entry {n + 1}: label must match [a-z0-9_-]{{1,64}}")
+        if role not in ROLES:
+            raise ConfigError(variable, f"entry {n + 1} ({label}): role must be trainer or operator")
+        if len(secret) < MIN_SECRET_LEN:
+            raise ConfigError(
+                variable, f"entry {n + 1} ({label}): secret must be at least {MIN_SECRET_LEN} characters"
+            )
+        tokens.append(WeightsToken(label=label, role=role, secret=secret))
+    return tokens
+
+
+def load_settings(env: Mapping[str, str] | None = None,
+                  overrides: Mapping[str, object] | None = None) -> Settings:
+    """Build :class:`Settings` from ``env`` (default ``os.environ``) and CLI ``overrides``.
+
+    ``overrides`` maps a variable name (``PORT``) to a raw string value; flags win over the
+    environment. Raises :class:`ConfigError` on the first invalid value (contract section 1).
+    """
+    env = dict(os.environ if env is None else env)
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            env[key] = str(value)
+    values: dict[str, object] = {}
+    for variable, field, kind in VARIABLES:
+        if variable in env:
+            values[field] = _convert(variable, kind, env[variable])
+    values.setdefault("home", default_home())
+    tokens = parse_tokens(env.get("WEIGHTS_TOKENS", ""), "WEIGHTS_TOKENS")
+    token_file = env.get("WEIGHTS_TOKENS_FILE", "").strip()
+    if token_file:
+        try:
+            text = Path(token_file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError("WEIGHTS_TOKENS_FILE", f"cannot read {token_file}: {exc.strerror}") from None
+        tokens += parse_tokens(text, "WEIGHTS_TOKENS_FILE")
+    labels = [t.label for t in tokens]
+    dup = sorted({label for label in labels if labels.count(label) > 1})
+    if dup:
+        raise ConfigError("WEIGHTS_TOKENS", f"label {dup[0]!r} is used more than once")
+    secrets_ = [t.secret for t in tokens]
+    if len(set(secrets_)) != len(secrets_):
+        raise ConfigError("WEIGHTS_TOKENS", "two entries share one secret")
+    values["weights_tokens"] = tuple(tokens)
+    settings = Settings(**values)  # type: ignore[arg-type]
+    if settings.weights_heartbeat_interval_hint_s >= settings.weights_heartbeat_timeout_s:
+        raise ConfigError(
+            "WEIGHTS_HEARTBEAT_INTERVAL_HINT_S",
+            f"must be below WEIGHTS_HEARTBEAT_TIMEOUT_S ({settings.weights_heartbeat_timeout_s:g})",
+        )
+    if settings.continuous_batching:
+        raise ConfigError(
+            "CONTINUOUS_BATCHING",
+            "continuous batching is not implemented in this version; set CONTINUOUS_BATCHING=0",
+        )
+    return settings

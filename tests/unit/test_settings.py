@@ -1,0 +1,71 @@
+"""Configuration validation (contract section 1): bad values name the variable, secrets never leak."""
+
+import subprocess
+import sys
+
+import pytest
+
+from miserver.spec.settings import ConfigError, load_settings
+
+SECRET = "s3cret-value-0123456789"
+
+
+def test_defaults_are_the_contracts():
+    s = load_settings({"MISERVER_HOME": "/tmp/x"})
+    assert (s.host, s.port, s.default_model, s.device) == ("127.0.0.1", 8000, "smollm2-135m-instruct", "auto")
+    assert (s.weights_hold_timeout_s, s.weights_commit_watchdog_ms) == (5.0, 800.0)
+    assert (s.weights_heartbeat_timeout_s, s.weights_quiesce_drain_timeout_s) == (30.0, 60.0)
+    assert s.weights_heartbeat_interval_hint_s == 5.0
+    assert (s.max_concurrent_requests, s.max_queued_requests, s.max_request_bytes) == (1, 64, 8388608)
+    assert s.weights_tokens == ()
+
+
+@pytest.mark.parametrize(
+    "env, variable",
+    [
+        ({"PORT": "eighty"}, "PORT"),
+        ({"PORT": "70000"}, "PORT"),
+        ({"MAX_CONCURRENT_REQUESTS": "0"}, "MAX_CONCURRENT_REQUESTS"),
+        ({"WEIGHTS_HOLD_TIMEOUT_S": "-1"}, "WEIGHTS_HOLD_TIMEOUT_S"),
+        ({"WEIGHTS_COMMIT_WATCHDOG_MS": "nan"}, "WEIGHTS_COMMIT_WATCHDOG_MS"),
+        ({"DEVICE": "tpu"}, "DEVICE"),
+        ({"WEIGHTS_CPU_ATTACH": "maybe"}, "WEIGHTS_CPU_ATTACH"),
+        ({"LOG_FORMAT": "xml"}, "LOG_FORMAT"),
+        ({"WEIGHTS_HEARTBEAT_INTERVAL_HINT_S": "30"}, "WEIGHTS_HEARTBEAT_INTERVAL_HINT_S"),
+        ({"CONTINUOUS_BATCHING": "1"}, "CONTINUOUS_BATCHING"),
+        ({"WEIGHTS_TOKENS": f"Bad Label:trainer:{SECRET}"}, "WEIGHTS_TOKENS"),
+        ({"WEIGHTS_TOKENS": f"a:admin:{SECRET}"}, "WEIGHTS_TOKENS"),
+        ({"WEIGHTS_TOKENS": "a:trainer:short"}, "WEIGHTS_TOKENS"),
+        ({"WEIGHTS_TOKENS": f"a:trainer:{SECRET},a:operator:{SECRET}x"}, "WEIGHTS_TOKENS"),
+        ({"WEIGHTS_TOKENS_FILE": "/nonexistent/tokens"}, "WEIGHTS_TOKENS_FILE"),
+    ],
+)
+def test_bad_value_names_the_variable_and_hides_secrets(env, variable):
+    with pytest.raises(ConfigError) as info:
+        load_settings({"MISERVER_HOME": "/tmp/x", **env})
+    assert info.value.variable == variable
+    assert SECRET not in str(info.value)
+
+
+def test_tokens_from_variable_and_file_are_merged(tmp_path):
+    f = tmp_path / "tokens"
+    f.write_text(f"# a comment\nops:operator:{SECRET}-op\n\n")
+    s = load_settings({"MISERVER_HOME": "/tmp/x", "WEIGHTS_TOKENS": f"trn:trainer:{SECRET}",
+                       "WEIGHTS_TOKENS_FILE": str(f)})
+    assert [(t.label, t.role) for t in s.weights_tokens] == [("trn", "trainer"), ("ops", "operator")]
+    assert SECRET not in repr(s)
+
+
+def test_flags_win_over_environment():
+    s = load_settings({"MISERVER_HOME": "/tmp/x", "PORT": "1234"}, {"PORT": "4321"})
+    assert s.port == 4321
+
+
+def test_cli_exits_2_with_one_line_naming_the_variable(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "miserver.cli", "serve", "--port", "nope"],
+        capture_output=True, text=True, env={"MISERVER_HOME": str(tmp_path), "PATH": "/usr/bin"},
+    )
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "PORT" in lines[0]

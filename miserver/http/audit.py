@@ -1,0 +1,73 @@
+"""The ``weights_audit`` log: one JSON line per gated call, accepted or refused.
+
+Weights page, Authentication and headers: operation, outcome, code and reason, role, label, an
+8-character reference to the attachment (never the ID), the resident model's served name, the
+weights state after the call (``weights_state``) and before it (``weights_state_before``), and
+``elapsed_ms`` and ``steps`` for a commit-end. A token refusal (401/403) is audited too. Lines go
+to the ``miserver.audit`` logger and, with ``WEIGHTS_AUDIT_LOG`` set, are appended to that file,
+flushed per line (contract section 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+
+log = logging.getLogger("miserver.audit")
+
+#: The operation names of the weights page. ``save``/``load`` are used for the checkpoint routes'
+#: accepted and non-token refusals; ``weights_save``/``weights_load`` for their token refusals.
+OPERATIONS = (
+    "weights_attach", "weights_detach", "weights_heartbeat", "weights_quiesce", "weights_resume",
+    "weights_commit_begin", "weights_commit_end", "weights_clear_stale",
+    "weights_save", "weights_load", "save", "load", "adapter",
+)
+
+
+class AuditRecord(msgspec.Struct, kw_only=True):
+    """One ``weights_audit`` line. ``elapsed_ms`` and ``steps`` are set for a commit-end only."""
+
+    operation: str
+    outcome: str  # "accepted" | "refused"
+    code: str | None
+    reason: str | None
+    role: str | None
+    label: str | None
+    attachment_ref: str | None
+    model: str | None
+    weights_state: str
+    weights_state_before: str
+    elapsed_ms: float | None = None
+    steps: int | None = None
+    ts: float = 0.0
+    event: str = "weights_audit"
+
+
+class AuditLog:
+    """Writes :class:`AuditRecord` lines to the log and, optionally, to a file (thread-safe)."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self._path = Path(path) if path else None
+        self._lock = threading.Lock()
+        self._encoder = msgspec.json.Encoder()
+        self.count = 0
+        if self._path is not None:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: AuditRecord) -> None:
+        if record.operation not in OPERATIONS:
+            raise ValueError(f"unknown audit operation {record.operation!r}")
+        if not record.ts:
+            record.ts = time.time()
+        line = self._encoder.encode(record).decode()
+        with self._lock:
+            self.count += 1
+            log.info(line)
+            if self._path is not None:
+                with self._path.open("a", encoding="utf-8") as fh:
+                    fh.write(line + "\n")
+                    fh.flush()

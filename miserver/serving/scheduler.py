@@ -1,0 +1,316 @@
+"""The execution slots: a bounded priority queue in front of ``max_concurrent`` slots.
+
+Companion contract 1 and 4, weights page "The write cycle" 2. A forward pass runs only while its
+caller holds a slot. Waiters are granted in priority order (:class:`Priority`: the barrier first,
+then interactive requests, then batch chunks), first come first served within a priority.
+
+The step barrier is built on :meth:`Scheduler.barrier_acquire`: it stops granting slots, waits
+until every running holder has released its slot (the drain), then holds all of them. Waiters
+that arrive meanwhile are *held*, not failed; :meth:`Scheduler.barrier_release` lets them run in
+their original order, :meth:`Scheduler.fail_held` refuses them (a torn set).
+
+Everything here runs on the event loop's thread; nothing blocks and nothing imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from enum import IntEnum
+
+log = logging.getLogger("miserver.scheduler")
+
+
+class Priority(IntEnum):
+    """Who gets the next free slot: lower values first (design notes, "Serving")."""
+
+    BARRIER = 0
+    INTERACTIVE = 1
+    BATCH = 2
+
+
+class QueueFull(Exception):
+    """More interactive requests would wait than ``max_queued`` allows (503 QUEUE_FULL)."""
+
+    def __init__(self, max_queued: int) -> None:
+        super().__init__(f"the request queue is full ({max_queued} waiting); retry later")
+        self.max_queued = max_queued
+
+
+class DrainTimeout(Exception):
+    """The running requests did not finish within the drain timeout (409 MODEL_BUSY,
+    reason drain_timeout). The barrier holds nothing when this is raised."""
+
+    def __init__(self, timeout_s: float, running: int) -> None:
+        super().__init__(f"{running} running request(s) did not finish within {timeout_s:g} s")
+        self.timeout_s = timeout_s
+        self.running = running
+
+
+@dataclass(frozen=True)
+class HeldCounts:
+    """A snapshot of the scheduler.
+
+    Attributes:
+        held_interactive: interactive requests waiting because the barrier is held or draining.
+        held_batch: batch chunks waiting because the barrier is held or draining.
+        running: slots held by requests (the barrier's own hold is not counted).
+        queued: requests waiting for a slot while the barrier is neither held nor draining.
+    """
+
+    held_interactive: int
+    held_batch: int
+    running: int
+    queued: int
+
+
+class _Waiter:
+    __slots__ = ("priority", "seq", "future")
+
+    def __init__(self, priority: Priority, seq: int, future: asyncio.Future[None]) -> None:
+        self.priority = priority
+        self.seq = seq
+        self.future = future
+
+    def __lt__(self, other: _Waiter) -> bool:
+        return (self.priority, self.seq) < (other.priority, other.seq)
+
+
+class Scheduler:
+    """``max_concurrent`` execution slots behind a priority queue of at most ``max_queued``
+    waiting interactive requests.
+
+    Use :meth:`slot` around every forward pass::
+
+        async with scheduler.slot(Priority.INTERACTIVE):
+            ...  # run the generation to its end
+
+    Raises ``ValueError`` for a limit below 1.
+    """
+
+    def __init__(self, max_concurrent: int = 1, max_queued: int = 64) -> None:
+        self._max_concurrent = 1
+        self._max_queued = 1
+        self.set_limits(max_concurrent=max_concurrent, max_queued=max_queued)
+        self._running = 0
+        self._heap: list[_Waiter] = []
+        self._seq = itertools.count()
+        self._barrier_draining = False
+        self._barrier_held = False
+        self._drained: asyncio.Event | None = None
+        self._cache_droppers: list[Callable[[], None]] = []
+
+    # --- limits -------------------------------------------------------------------------------
+    @property
+    def max_concurrent(self) -> int:
+        return self._max_concurrent
+
+    @property
+    def max_queued(self) -> int:
+        return self._max_queued
+
+    def set_limits(self, max_concurrent: int | None = None, max_queued: int | None = None) -> None:
+        """Change the limits at run time (``PATCH /api/settings``, contract 1).
+
+        A lower ``max_concurrent`` lets running requests finish and grants no new slot until
+        fewer run; a higher one grants waiting requests at once. Raises ``ValueError`` below 1.
+        """
+        for name, value in (("max_concurrent", max_concurrent), ("max_queued", max_queued)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} must be an integer of at least 1, got {value!r}")
+        if max_concurrent is not None:
+            self._max_concurrent = max_concurrent
+        if max_queued is not None:
+            self._max_queued = max_queued
+        if hasattr(self, "_heap"):
+            self._grant()
+
+    # --- state --------------------------------------------------------------------------------
+    @property
+    def barrier_held(self) -> bool:
+        """The barrier holds every slot (quiesced)."""
+        return self._barrier_held
+
+    @property
+    def barrier_draining(self) -> bool:
+        """:meth:`barrier_acquire` is waiting for running requests to finish."""
+        return self._barrier_draining
+
+    def counts(self) -> HeldCounts:
+        """The current :class:`HeldCounts`."""
+        waiting = [w for w in self._heap if not w.future.done()]
+        inter = sum(1 for w in waiting if w.priority == Priority.INTERACTIVE)
+        batch = sum(1 for w in waiting if w.priority == Priority.BATCH)
+        if self._barrier_held or self._barrier_draining:
+            return HeldCounts(inter, batch, self._running, len(waiting) - inter - batch)
+        return HeldCounts(0, 0, self._running, len(waiting))
+
+    def _waiting_interactive(self) -> int:
+        return sum(1 for w in self._heap
+                   if w.priority == Priority.INTERACTIVE and not w.future.done())
+
+    # --- slots --------------------------------------------------------------------------------
+    async def acquire(self, priority: Priority) -> None:
+        """Wait for a slot. Pair with :meth:`release`; prefer :meth:`slot`.
+
+        Raises :class:`QueueFull` at once (nothing queued) when an interactive request would
+        make more than ``max_queued`` interactive requests wait. Cancelled while waiting, it
+        leaves no trace (a slot granted in that instant is handed on).
+        """
+        priority = Priority(priority)
+        if self._can_grant_now(priority):
+            self._running += 1
+            return
+        if priority == Priority.INTERACTIVE and self._waiting_interactive() >= self._max_queued:
+            raise QueueFull(self._max_queued)
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(priority, next(self._seq), loop.create_future())
+        heapq.heappush(self._heap, waiter)
+        try:
+            await waiter.future
+        except BaseException:
+            if waiter.future.done() and not waiter.future.cancelled() \
+                    and waiter.future.exception() is None:
+                # Granted, then cancelled before we could use it: hand the slot on.
+                self.release()
+            else:
+                self._remove(waiter)
+            raise
+
+    def release(self) -> None:
+        """Give a slot back and grant the next waiter. Raises ``RuntimeError`` if none is held."""
+        if self._running <= 0:
+            raise RuntimeError("release() without a held slot")
+        self._running -= 1
+        if self._running == 0 and self._drained is not None:
+            self._drained.set()
+        self._grant()
+
+    @asynccontextmanager
+    async def slot(self, priority: Priority = Priority.INTERACTIVE) -> AsyncIterator[None]:
+        """Hold one slot for the body of the ``async with`` (see :meth:`acquire`)."""
+        await self.acquire(priority)
+        try:
+            yield
+        finally:
+            self.release()
+
+    def _blocked(self) -> bool:
+        return self._barrier_held or self._barrier_draining
+
+    def _can_grant_now(self, priority: Priority) -> bool:
+        if self._blocked() or self._running >= self._max_concurrent:
+            return False
+        # Nobody of the same or a better priority is waiting (FIFO within a priority).
+        return not any(w.priority <= priority and not w.future.done() for w in self._heap)
+
+    def _remove(self, waiter: _Waiter) -> None:
+        try:
+            self._heap.remove(waiter)
+        except ValueError:
+            return
+        heapq.heapify(self._heap)
+
+    def _grant(self) -> None:
+        while self._heap and not self._blocked() and self._running < self._max_concurrent:
+            waiter = heapq.heappop(self._heap)
+            if waiter.future.done():  # cancelled or failed: already gone
+                continue
+            self._running += 1
+            waiter.future.set_result(None)
+
+    # --- the barrier --------------------------------------------------------------------------
+    async def barrier_acquire(self, timeout_s: float) -> HeldCounts:
+        """Take every slot ahead of the queue once the running requests finish (quiesce).
+
+        From the call on no slot is granted; new interactive and batch waiters are held. Returns
+        the counts at the moment the barrier holds (``running`` is 0). Raises
+        :class:`DrainTimeout` when requests still run after ``timeout_s`` seconds, and
+        ``RuntimeError`` when the barrier is already held or draining; in both cases, and when
+        cancelled, the barrier holds nothing and held waiters are granted again.
+        Weights page, "The write cycle" 2.
+        """
+        if self._barrier_held or self._barrier_draining:
+            raise RuntimeError("the barrier is already held or draining")
+        self._barrier_draining = True
+        self._drained = asyncio.Event()
+        if self._running == 0:
+            self._drained.set()
+        try:
+            await asyncio.wait_for(self._drained.wait(), timeout_s)
+        except TimeoutError:
+            running = self._running
+            self._abandon_drain()
+            raise DrainTimeout(timeout_s, running) from None
+        except BaseException:
+            self._abandon_drain()
+            raise
+        self._barrier_draining = False
+        self._barrier_held = True
+        self._drained = None
+        return self.counts()
+
+    def _abandon_drain(self) -> None:
+        self._barrier_draining = False
+        self._drained = None
+        self._grant()
+
+    def barrier_release(self) -> None:
+        """Release the barrier: held waiters run in their original order (resume).
+
+        Releasing a barrier that is not held is a no-op.
+        """
+        if not self._barrier_held:
+            return
+        self._barrier_held = False
+        self._grant()
+
+    def fail_held(self, exc: BaseException,
+                  priorities: Iterable[Priority] = (Priority.INTERACTIVE, Priority.BATCH)) -> int:
+        """Refuse every waiter of ``priorities`` with ``exc`` (a torn set); returns how many.
+
+        The barrier stays held. Pass ``(Priority.INTERACTIVE,)`` to keep batch chunks waiting
+        (weights page, "States": batch rows do not fail on torn).
+        """
+        wanted = {Priority(p) for p in priorities}
+        failed = 0
+        keep: list[_Waiter] = []
+        for waiter in self._heap:
+            if waiter.future.done():
+                continue
+            if waiter.priority in wanted:
+                waiter.future.set_exception(exc)
+                failed += 1
+            else:
+                keep.append(waiter)
+        heapq.heapify(keep)
+        self._heap = keep
+        return failed
+
+    # --- cross-request caches -----------------------------------------------------------------
+    def register_cache_dropper(self, dropper: Callable[[], None]) -> None:
+        """Register a function that empties a cross-request cache computed from the weights.
+
+        :meth:`drop_caches` calls it inside the barrier (weights page, "The write cycle" 2).
+        """
+        self._cache_droppers.append(dropper)
+
+    def drop_caches(self) -> int:
+        """Call every registered cache dropper; returns how many ran.
+
+        An exception in one is logged and the others still run.
+        """
+        ran = 0
+        for dropper in list(self._cache_droppers):
+            try:
+                dropper()
+                ran += 1
+            except Exception:  # noqa: BLE001 - one bad hook must not keep stale caches alive
+                log.exception("cache dropper %r failed", dropper)
+        return ran

@@ -1,0 +1,283 @@
+"""The scheduler: slots, priorities, the bounded queue, cancellation and the barrier."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from miserver.serving.scheduler import (
+    DrainTimeout,
+    HeldCounts,
+    Priority,
+    QueueFull,
+    Scheduler,
+)
+
+
+async def _spin(n: int = 5) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def _holder(s: Scheduler, prio: Priority, log: list[str], name: str,
+                  gate: asyncio.Event | None = None) -> None:
+    async with s.slot(prio):
+        log.append(name)
+        if gate is not None:
+            await gate.wait()
+
+
+async def test_one_slot_serialises_and_fifo_within_priority() -> None:
+    s = Scheduler(1, 10)
+    gate = asyncio.Event()
+    log: list[str] = []
+    first = asyncio.create_task(_holder(s, Priority.INTERACTIVE, log, "a", gate))
+    await _spin()
+    others = [asyncio.create_task(_holder(s, Priority.INTERACTIVE, log, n)) for n in "bcd"]
+    await _spin()
+    assert log == ["a"]
+    assert s.counts() == HeldCounts(0, 0, 1, 3)
+    gate.set()
+    await asyncio.gather(first, *others)
+    assert log == ["a", "b", "c", "d"]
+    assert s.counts() == HeldCounts(0, 0, 0, 0)
+
+
+async def test_priority_order_barrier_then_interactive_then_batch() -> None:
+    s = Scheduler(1, 10)
+    gate = asyncio.Event()
+    log: list[str] = []
+    first = asyncio.create_task(_holder(s, Priority.INTERACTIVE, log, "running", gate))
+    await _spin()
+    tasks = []
+    for name, prio in (("batch1", Priority.BATCH), ("int1", Priority.INTERACTIVE),
+                       ("bar", Priority.BARRIER), ("batch2", Priority.BATCH),
+                       ("int2", Priority.INTERACTIVE)):
+        tasks.append(asyncio.create_task(_holder(s, prio, log, name)))
+        await _spin(1)
+    await _spin()
+    gate.set()
+    await asyncio.gather(first, *tasks)
+    assert log == ["running", "bar", "int1", "int2", "batch1", "batch2"]
+
+
+async def test_queue_full_counts_waiting_interactive_only() -> None:
+    s = Scheduler(1, 2)
+    gate = asyncio.Event()
+    log: list[str] = []
+    running = asyncio.create_task(_holder(s, Priority.INTERACTIVE, log, "r", gate))
+    await _spin()
+    waiting = [asyncio.create_task(_holder(s, Priority.INTERACTIVE, log, n)) for n in "xy"]
+    await _spin()
+    with pytest.raises(QueueFull) as info:
+        await s.acquire(Priority.INTERACTIVE)
+    assert info.value.max_queued == 2
+    # Refused: nothing was queued by the refusal.
+    assert s.counts() == HeldCounts(0, 0, 1, 2)
+    # Batch chunks are not bounded by MAX_QUEUED_REQUESTS.
+    batch = asyncio.create_task(_holder(s, Priority.BATCH, log, "b"))
+    await _spin()
+    assert s.counts().queued == 3
+    gate.set()
+    await asyncio.gather(running, *waiting, batch)
+    assert log == ["r", "x", "y", "b"]
+
+
+async def test_cancel_while_waiting_leaves_no_trace() -> None:
+    s = Scheduler(1, 1)
+    gate = asyncio.Event()
+    log: list[str] = []
+    running = asyncio.create_task(_holder(s, Priority.INTERACTIVE, log, "r", gate))
+    await _spin()
+    doomed = asyncio.create_task(_holder(s, Priority.INTERACTIVE, log, "doomed"))
+    await _spin()
+    assert s.counts().queued == 1
+    doomed.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await doomed
+    assert s.counts() == HeldCounts(0, 0, 1, 0)
+    # The queue has room again (max_queued 1).
+    later = asyncio.create_task(_holder(s, Priority.INTERACTIVE, log, "later"))
+    await _spin()
+    gate.set()
+    await asyncio.gather(running, later)
+    assert log == ["r", "later"]
+    assert s.counts() == HeldCounts(0, 0, 0, 0)
+
+
+async def test_cancel_after_grant_hands_the_slot_on() -> None:
+    s = Scheduler(1, 5)
+    await s.acquire(Priority.INTERACTIVE)
+    log: list[str] = []
+    granted_then_cancelled = asyncio.create_task(s.acquire(Priority.INTERACTIVE))
+    nxt = asyncio.create_task(_holder(s, Priority.INTERACTIVE, log, "next"))
+    await _spin()
+    s.release()  # grants the first waiter's future ...
+    granted_then_cancelled.cancel()  # ... which is cancelled before it runs
+    with pytest.raises(asyncio.CancelledError):
+        await granted_then_cancelled
+    await asyncio.wait_for(nxt, 1)
+    assert log == ["next"]
+    assert s.counts() == HeldCounts(0, 0, 0, 0)
+
+
+async def test_exception_in_body_frees_the_slot() -> None:
+    s = Scheduler(1, 5)
+    with pytest.raises(ZeroDivisionError):
+        async with s.slot(Priority.INTERACTIVE):
+            raise ZeroDivisionError
+    assert s.counts().running == 0
+    async with s.slot(Priority.INTERACTIVE):
+        assert s.counts().running == 1
+
+
+async def test_max_concurrent_runs_that_many_at_once() -> None:
+    s = Scheduler(3, 5)
+    gate = asyncio.Event()
+    log: list[str] = []
+    tasks = [asyncio.create_task(_holder(s, Priority.INTERACTIVE, log, n, gate)) for n in "abcd"]
+    await _spin()
+    assert log == ["a", "b", "c"]
+    assert s.counts() == HeldCounts(0, 0, 3, 1)
+    gate.set()
+    await asyncio.gather(*tasks)
+
+
+async def test_set_limits_at_run_time() -> None:
+    s = Scheduler(1, 5)
+    gate = asyncio.Event()
+    log: list[str] = []
+    tasks = [asyncio.create_task(_holder(s, Priority.INTERACTIVE, log, n, gate)) for n in "abc"]
+    await _spin()
+    assert log == ["a"]
+    s.set_limits(max_concurrent=3)
+    await _spin()
+    assert log == ["a", "b", "c"]
+    s.set_limits(max_queued=1)
+    assert s.max_queued == 1 and s.max_concurrent == 3
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError):
+            s.set_limits(max_concurrent=bad)  # type: ignore[arg-type]
+    gate.set()
+    await asyncio.gather(*tasks)
+
+
+async def test_barrier_drains_holds_and_releases_in_order() -> None:
+    s = Scheduler(1, 10)
+    gate = asyncio.Event()
+    log: list[str] = []
+    running = asyncio.create_task(_holder(s, Priority.INTERACTIVE, log, "r", gate))
+    await _spin()
+    barrier = asyncio.create_task(s.barrier_acquire(5))
+    await _spin()
+    assert s.barrier_draining and not barrier.done()
+    held = [asyncio.create_task(_holder(s, p, log, n)) for n, p in
+            (("b1", Priority.BATCH), ("i1", Priority.INTERACTIVE), ("i2", Priority.INTERACTIVE))]
+    await _spin()
+    assert s.counts() == HeldCounts(2, 1, 1, 0)
+    gate.set()
+    counts = await asyncio.wait_for(barrier, 1)
+    assert counts == HeldCounts(2, 1, 0, 0)
+    assert s.barrier_held
+    await _spin()
+    assert log == ["r"], "nothing runs while the barrier holds"
+    s.barrier_release()
+    await asyncio.gather(running, *held)
+    assert log == ["r", "i1", "i2", "b1"]
+    s.barrier_release()  # a second release is a no-op
+    assert s.counts() == HeldCounts(0, 0, 0, 0)
+
+
+async def test_barrier_on_idle_scheduler_is_immediate_and_exclusive() -> None:
+    s = Scheduler(2, 10)
+    counts = await asyncio.wait_for(s.barrier_acquire(1), 1)
+    assert counts == HeldCounts(0, 0, 0, 0)
+    with pytest.raises(RuntimeError):
+        await s.barrier_acquire(1)
+    s.barrier_release()
+    async with s.slot(Priority.INTERACTIVE):
+        pass
+
+
+async def test_drain_timeout_holds_nothing() -> None:
+    s = Scheduler(1, 10)
+    gate = asyncio.Event()
+    log: list[str] = []
+    running = asyncio.create_task(_holder(s, Priority.INTERACTIVE, log, "r", gate))
+    await _spin()
+    waiter = asyncio.create_task(_holder(s, Priority.INTERACTIVE, log, "w"))
+    with pytest.raises(DrainTimeout) as info:
+        await s.barrier_acquire(0.05)
+    assert info.value.running == 1
+    assert not s.barrier_held and not s.barrier_draining
+    gate.set()
+    await asyncio.gather(running, waiter)
+    assert log == ["r", "w"]
+
+
+async def test_cancelled_barrier_acquire_holds_nothing() -> None:
+    s = Scheduler(1, 10)
+    gate = asyncio.Event()
+    log: list[str] = []
+    running = asyncio.create_task(_holder(s, Priority.INTERACTIVE, log, "r", gate))
+    await _spin()
+    barrier = asyncio.create_task(s.barrier_acquire(10))
+    await _spin()
+    barrier.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await barrier
+    assert not s.barrier_draining
+    gate.set()
+    await running
+    async with s.slot(Priority.INTERACTIVE):
+        pass
+
+
+async def test_fail_held_refuses_waiters_and_keeps_the_barrier() -> None:
+    s = Scheduler(1, 10)
+    await s.barrier_acquire(1)
+    log: list[str] = []
+    inter = asyncio.create_task(_holder(s, Priority.INTERACTIVE, log, "i"))
+    batch = asyncio.create_task(_holder(s, Priority.BATCH, log, "b"))
+    await _spin()
+    assert s.fail_held(RuntimeError("torn"), priorities=(Priority.INTERACTIVE,)) == 1
+    with pytest.raises(RuntimeError, match="torn"):
+        await inter
+    assert s.barrier_held
+    assert s.counts() == HeldCounts(0, 1, 0, 0)
+    s.barrier_release()
+    await batch
+    assert log == ["b"]
+    assert s.counts() == HeldCounts(0, 0, 0, 0)
+
+
+async def test_fail_held_default_refuses_every_held_waiter() -> None:
+    s = Scheduler(1, 10)
+    await s.barrier_acquire(1)
+    tasks = [asyncio.create_task(s.acquire(p)) for p in (Priority.INTERACTIVE, Priority.BATCH)]
+    await _spin()
+    assert s.fail_held(ValueError("x")) == 2
+    for t in tasks:
+        with pytest.raises(ValueError):
+            await t
+    s.barrier_release()
+    assert s.counts() == HeldCounts(0, 0, 0, 0)
+
+
+async def test_drop_caches_runs_every_hook_even_after_a_failure() -> None:
+    s = Scheduler()
+    calls: list[str] = []
+
+    def bad() -> None:
+        raise RuntimeError("boom")
+
+    s.register_cache_dropper(bad)
+    s.register_cache_dropper(lambda: calls.append("ok"))
+    assert s.drop_caches() == 1
+    assert calls == ["ok"]
+
+
+def test_release_without_slot_is_an_error() -> None:
+    with pytest.raises(RuntimeError):
+        Scheduler().release()

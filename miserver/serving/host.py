@@ -1,0 +1,319 @@
+"""The model host: which catalogue row is resident, and loads, unloads, swaps and auto-loads.
+
+One model is resident at a time. A load of another row is a swap: the previous model is dropped
+and its memory freed (``gc`` + ``torch.cuda.empty_cache``) before the new one is read, so a card
+never needs room for two. Loads and unloads are serialised: while one runs, a second is refused
+with 409 MODEL_BUSY (reason ``model_transition``; contract 3). The blocking part of a load runs in
+a worker thread, so the event loop keeps answering (``/api/health``, ``/api/weights/status``).
+
+Every refusal of a load, unload or auto-load is decided in :meth:`ModelHost._check_transition`,
+the single place the weights lifecycle (issue 5) routes through its state machine: attached
+(409 ALREADY_ATTACHED), torn (503 WEIGHTS_TORN), unsaved commits (409 WEIGHTS_UNSAVED).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+import torch
+
+from miserver.http.errors import ApiError
+from miserver.serving import loader as loader_module
+from miserver.serving.catalogue import Catalogue, CatalogueRow
+from miserver.serving.loader import LoadedModel
+from miserver.serving.metrics import Metrics
+from miserver.spec import codes
+from miserver.spec.settings import Settings
+
+log = logging.getLogger("miserver.host")
+
+TransitionKind = Literal["load", "unload", "auto_load"]
+#: A guard of :meth:`ModelHost._check_transition`: raises :class:`ApiError` to refuse.
+#: Arguments: the kind, the target row (None for an unload of nothing), the resident (or None).
+TransitionGuard = Callable[[TransitionKind, "CatalogueRow | None", "Resident | None"], None]
+LOAD_POLICIES = ("auto", "refuse")
+
+
+def normalize_load_policy(value: str | None) -> str:
+    """``X-miLLM-Load-Policy``: absent or ``auto`` (case-insensitive) is ``auto``; ``refuse``.
+
+    Raises:
+        ApiError: 400 INVALID_REQUEST for any other value (contract 4).
+    """
+    policy = (value or "auto").strip().lower()
+    if policy not in LOAD_POLICIES:
+        raise ApiError(codes.INVALID_REQUEST,
+                       f"X-miLLM-Load-Policy must be auto or refuse, got {value[:64]!r}",
+                       param="X-miLLM-Load-Policy")
+    return policy
+
+
+@dataclass
+class Resident:
+    """The resident model.
+
+    Attributes:
+        row: its catalogue row.
+        model: the ``torch.nn.Module`` (eval mode) on ``device``.
+        tokenizer: its transformers tokenizer (with the chat template).
+        device: where its parameters live.
+        base_name: the catalogue name of the base model (a checkpoint's root model row).
+        served_name: the name ``X-miLLM-Model`` and ``/v1/models`` report; a save or an adapter
+            changes it (weights page: Which weights answered).
+        origin: ``model``, ``checkpoint`` or ``adapter``.
+        commits: commit-ends since ``served_name`` was set; None when not known.
+        attachable: whether the load placed the parameters in one shared allocation.
+        loaded_at: ``time.time()`` when the load finished.
+    """
+
+    row: CatalogueRow
+    model: torch.nn.Module
+    tokenizer: Any
+    device: torch.device
+    base_name: str
+    served_name: str
+    origin: Literal["model", "checkpoint", "adapter"]
+    commits: int | None
+    attachable: bool
+    loaded_at: float = 0.0
+
+    def names(self) -> tuple[str, ...]:
+        """The names a request may use for this model: served name and base name."""
+        return (self.served_name, self.base_name)
+
+
+def free_memory() -> None:
+    """Collect garbage and return cached CUDA blocks to the driver."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class ModelHost:
+    """Holds at most one resident model of one catalogue.
+
+    Args:
+        settings: the server's settings (device, tokens for attachable loads).
+        catalogue: the catalogue rows are loaded from; its ``resident`` view is kept in step.
+        metrics: optional; loads and unloads are counted there.
+        loader: the blocking load function (default :func:`miserver.serving.loader.load_model`).
+    """
+
+    def __init__(self, settings: Settings, catalogue: Catalogue, *, metrics: Metrics | None = None,
+                 loader: Callable[[CatalogueRow, Settings], LoadedModel] | None = None) -> None:
+        self.settings = settings
+        self.catalogue = catalogue
+        self.metrics = metrics
+        self._loader = loader or loader_module.load_model
+        self._lock = asyncio.Lock()
+        self._busy: TransitionKind | None = None
+        self.resident: Resident | None = None
+        #: Extra refusal checks run by :meth:`_check_transition` (issue 5 plugs in here).
+        self.transition_guards: list[TransitionGuard] = []
+        catalogue.set_resident(None)
+
+    # --- state ---------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """Whether a load or unload is in progress."""
+        return self._busy is not None
+
+    @property
+    def transition(self) -> TransitionKind | None:
+        """The kind of transition in progress (``load``, ``unload``, ``auto_load``) or None."""
+        return self._busy
+
+    def resolve(self, name: str) -> CatalogueRow | None:
+        """The catalogue row called ``name``, or None."""
+        return self.catalogue.get_by_name(name)
+
+    def serves(self, name: str) -> bool:
+        """Whether the resident answers to ``name`` (its served name or its base name)."""
+        return self.resident is not None and name in self.resident.names()
+
+    # --- the one refusal decision ---------------------------------------------------------------
+    def _check_transition(self, kind: TransitionKind, row: CatalogueRow | None, *,
+                          load_policy: str | None = None) -> None:
+        """Refuse a load, unload or auto-load, or return to let it run. Changes nothing.
+
+        Order: ``X-miLLM-Load-Policy: refuse`` first (weights page: Unsaved commits), then the
+        lifecycle guards (attached, torn, unsaved commits; issue 5), then a transition already
+        in progress (409 MODEL_BUSY, reason ``model_transition``; contract 3).
+
+        Raises:
+            ApiError: the refusal.
+        """
+        if kind == "auto_load" and normalize_load_policy(load_policy) == "refuse":
+            assert row is not None
+            resident = self.resident.served_name if self.resident else None
+            raise ApiError(
+                codes.MODEL_NOT_LOADED,
+                f"model {row.name!r} is not resident and X-miLLM-Load-Policy is refuse"
+                + (f" (resident: {resident!r})" if resident else " (nothing is resident)")
+                + f"; load it with POST /api/models/{row.id}/load or drop the header",
+                status=409,
+                details={"model": row.name, "model_id": row.id, "resident": resident},
+                param="model")
+        for guard in self.transition_guards:
+            guard(kind, row, self.resident)
+        if self._busy is not None:
+            raise ApiError(
+                codes.MODEL_BUSY,
+                f"a model {self._busy.replace('_', '-')} is in progress; retry when it finishes",
+                reason="model_transition",
+                details={"transition": self._busy},
+                headers={"Retry-After": "1"})
+
+    # --- transitions ----------------------------------------------------------------------------
+    def _row_or_404(self, row_id: int) -> CatalogueRow:
+        row = self.catalogue.get(row_id)
+        if row is None:
+            raise ApiError(codes.MODEL_NOT_FOUND, f"no catalogue row with id {row_id}",
+                           details={"model_id": row_id})
+        return row
+
+    def _base_name(self, row: CatalogueRow) -> str:
+        seen: set[int] = set()
+        current = row
+        while current.origin == "checkpoint" and current.parent_id is not None:
+            if current.id in seen:
+                break
+            seen.add(current.id)
+            parent = self.catalogue.get(current.parent_id)
+            if parent is None:
+                break
+            current = parent
+        return current.name
+
+    async def load(self, row_id: int, *, kind: TransitionKind = "load",
+                   load_policy: str | None = None) -> Resident:
+        """Make catalogue row ``row_id`` resident (a swap if another is; contract 3).
+
+        Loading the resident row is a no-op that returns the resident unchanged.
+
+        Raises:
+            ApiError: 404 MODEL_NOT_FOUND (no such row), 400 BACKEND_UNAVAILABLE (a gguf row),
+                409 MODEL_BUSY (a transition runs), a lifecycle refusal, 500 MODEL_LOAD_FAILED
+                (the files could not be loaded: nothing is resident afterwards).
+        """
+        row = self._row_or_404(row_id)
+        self._check_transition(kind, row, load_policy=load_policy)
+        if self.resident is not None and self.resident.row.id == row.id:
+            return self.resident
+        loader_module.check_loadable(row)  # refuse before the resident is dropped
+        self._busy = kind
+        try:
+            async with self._lock:
+                previous = self.resident.row.name if self.resident else None
+                self._drop_resident()
+                log.info("loading model %s (id %s)%s", row.name, row.id,
+                         f", replacing {previous}" if previous else "")
+                started = time.perf_counter()
+                try:
+                    loaded = await asyncio.to_thread(self._loader, row, self.settings)
+                except BaseException:
+                    if self.metrics:
+                        self.metrics.model_loads.labels(outcome="failed").inc()
+                    free_memory()
+                    raise
+                elapsed = time.perf_counter() - started
+                origin = "checkpoint" if row.origin == "checkpoint" else "model"
+                self.resident = Resident(
+                    row=msgspec.structs.replace(row, resident=True), model=loaded.model, tokenizer=loaded.tokenizer,
+                    device=loaded.device, base_name=self._base_name(row), served_name=row.name,
+                    origin=origin, commits=0, attachable=loaded.attachable,
+                    loaded_at=time.time())
+                del loaded
+                self.catalogue.set_resident(row.id)
+                if self.metrics:
+                    self.metrics.model_loads.labels(outcome="ok").inc()
+                    self.metrics.model_load_seconds.observe(elapsed)
+                    self.metrics.set_resident(row.name)
+                log.info("model %s resident on %s in %.1f s (attachable: %s)", row.name,
+                         self.resident.device, elapsed, self.resident.attachable)
+                return self.resident
+        finally:
+            self._busy = None
+
+    def _drop_resident(self) -> None:
+        if self.resident is None:
+            return
+        name = self.resident.row.name
+        self.resident = None
+        self.catalogue.set_resident(None)
+        if self.metrics:
+            self.metrics.model_unloads.inc()
+            self.metrics.set_resident(None)
+        free_memory()
+        log.info("model %s unloaded", name)
+
+    async def unload(self, row_id: int | None = None) -> CatalogueRow:
+        """Unload the resident model and free its memory; returns its row.
+
+        ``row_id``: when given, it must be the resident row (``POST /api/models/{id}/unload``).
+
+        Raises:
+            ApiError: 404 MODEL_NOT_FOUND (no such row), 409 MODEL_NOT_LOADED (the row, or
+                anything, is not resident), 409 MODEL_BUSY, a lifecycle refusal.
+        """
+        row = self._row_or_404(row_id) if row_id is not None else None
+        resident = self.resident
+        if resident is None or (row is not None and resident.row.id != row.id):
+            target = f"catalogue row {row.name!r}" if row else "no model"
+            raise ApiError(
+                codes.MODEL_NOT_LOADED,
+                f"{target} is not resident" + (
+                    f"; the resident model is {resident.row.name!r} (id {resident.row.id})"
+                    if resident else "; nothing is resident"),
+                status=409,
+                details={"resident_id": resident.row.id if resident else None})
+        self._check_transition("unload", resident.row)
+        self._busy = "unload"
+        try:
+            async with self._lock:
+                unloaded = resident.row
+                del resident
+                self._drop_resident()
+                return unloaded
+        finally:
+            self._busy = None
+
+    async def ensure_for_request(self, name: str, load_policy: str | None = None) -> Resident:
+        """The resident that serves ``name``, auto-loading the catalogue row of that name.
+
+        Contract 4: ``name`` is the resident's served name or base name (served at once), or a
+        catalogue row's name (a swap), unless ``X-miLLM-Load-Policy: refuse``.
+
+        Raises:
+            ApiError: 404 MODEL_NOT_FOUND (no resident or row of that name), 409
+                MODEL_NOT_LOADED (policy refuse), 400 INVALID_REQUEST (an unknown policy), and
+                every refusal of :meth:`load`.
+        """
+        normalize_load_policy(load_policy)
+        if self.resident is not None and self.serves(name):
+            return self.resident
+        row = self.resolve(name)
+        if row is None:
+            available = [r.name for r in self.catalogue.list()]
+            raise ApiError(
+                codes.MODEL_NOT_FOUND,
+                f"model {name!r} is neither resident nor in the catalogue",
+                details={"model": name, "available": available}, param="model")
+        return await self.load(row.id, kind="auto_load", load_policy=load_policy)
+
+    def describe(self) -> dict[str, Any] | None:
+        """A JSON-ready summary of the resident (for ``/api/health/detailed``), or None."""
+        r = self.resident
+        if r is None:
+            return None
+        return {"model_id": r.row.id, "name": r.row.name, "served_name": r.served_name,
+                "base_name": r.base_name, "origin": r.origin, "commits": r.commits,
+                "dtype": r.row.dtype, "device": str(r.device), "attachable": r.attachable,
+                "loaded_at": r.loaded_at}

@@ -1,0 +1,131 @@
+"""Loading a catalogue row into memory: a transformers model, its tokenizer, its device.
+
+Blocking code: the model host runs :func:`load_model` in a worker thread. The one place a load is
+made attachable is :func:`make_attachable` (issue 4 places the parameters of a 16-bit load in one
+shared allocation there; weights page: Which models can be attached).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miserver.http.errors import ApiError
+from miserver.serving.catalogue import CatalogueRow
+from miserver.spec import codes
+from miserver.spec.settings import Settings
+
+log = logging.getLogger("miserver.loader")
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+}
+GGUF_EXTRA = "miserver[gguf]"
+
+
+class ModelLoadError(RuntimeError):
+    """The files of a row could not be loaded (missing, corrupt, unsupported architecture)."""
+
+
+@dataclass
+class LoadedModel:
+    """What :func:`load_model` returns.
+
+    Attributes:
+        model: the ``torch.nn.Module`` in eval mode on ``device``, parameters of ``row.dtype``.
+        tokenizer: the transformers tokenizer saved with the model (chat template included).
+        device: where the parameters live.
+        attachable: whether :func:`make_attachable` placed the parameters in one shared allocation.
+    """
+
+    model: torch.nn.Module
+    tokenizer: Any
+    device: torch.device
+    attachable: bool
+
+
+def llama_cpp_available() -> bool:
+    """Whether llama-cpp-python (the extra ``miserver[gguf]``) is importable."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def check_loadable(row: CatalogueRow) -> None:
+    """Refuse a row this build cannot load, before anything is unloaded (contract 3).
+
+    Raises:
+        ApiError: 400 BACKEND_UNAVAILABLE (reason ``gguf``) for a gguf row, naming the extra
+            ``miserver[gguf]``; 500 MODEL_LOAD_FAILED when the row's files are gone.
+    """
+    if row.format == "gguf":
+        if not llama_cpp_available():
+            raise ApiError(
+                codes.BACKEND_UNAVAILABLE,
+                f"catalogue row {row.name!r} is a GGUF file, served through llama.cpp; install the "
+                f"optional extra {GGUF_EXTRA} (pip install '{GGUF_EXTRA}') and restart, or load "
+                "a safetensors row",
+                reason="gguf",
+                details={"model_id": row.id, "name": row.name, "extra": GGUF_EXTRA},
+            )
+        raise ApiError(
+            codes.BACKEND_UNAVAILABLE,
+            f"catalogue row {row.name!r} is a GGUF file; llama-cpp-python is installed but this "
+            "version of miserver does not serve GGUF files yet; load a safetensors row",
+            reason="gguf",
+            details={"model_id": row.id, "name": row.name, "extra": GGUF_EXTRA},
+        )
+    if not (Path(row.path) / "config.json").is_file():
+        raise ApiError(
+            codes.MODEL_LOAD_FAILED,
+            f"catalogue row {row.name!r}: {row.path} has no config.json (moved or deleted?)",
+            details={"model_id": row.id, "name": row.name, "path": row.path},
+        )
+
+
+def make_attachable(model: torch.nn.Module, settings: Settings) -> bool:
+    """Place the parameters of ``model`` in one shared allocation so a trainer can attach.
+
+    The hook of issue 4 (``miserver/ipc/``): there, when ``settings.has_trainer_token`` and the
+    model is an unquantized 16-bit load (on CUDA, or on the CPU with ``WEIGHTS_CPU_ATTACH=1``),
+    every parameter of a device moves into one allocation and this returns True. Until then it
+    changes nothing and returns False, so attach answers 400 NOT_ATTACHABLE reason ``allocator``.
+    """
+    del model, settings
+    return False
+
+
+def load_model(row: CatalogueRow, settings: Settings) -> LoadedModel:
+    """Load ``row`` (a safetensors Hugging Face folder) onto ``settings.resolved_device()``.
+
+    Blocking (seconds for a small model on CPU): call it in a worker thread.
+
+    Raises:
+        ApiError: as :func:`check_loadable`; 500 MODEL_LOAD_FAILED when transformers cannot
+            load the folder (the message names the row and transformers' error).
+    """
+    check_loadable(row)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device(settings.resolved_device())
+    dtype = TORCH_DTYPES[row.dtype]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(row.path)
+        model = AutoModelForCausalLM.from_pretrained(row.path, dtype=dtype)
+        model.to(device)
+        model.eval()
+    except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
+        log.warning("loading catalogue row %s (%s) failed: %s", row.id, row.name, exc)
+        raise ApiError(
+            codes.MODEL_LOAD_FAILED,
+            f"catalogue row {row.name!r} could not be loaded from {row.path}: "
+            f"{type(exc).__name__}: {str(exc)[:500]}",
+            details={"model_id": row.id, "name": row.name, "path": row.path},
+        ) from exc
+    attachable = make_attachable(model, settings)
+    return LoadedModel(model=model, tokenizer=tokenizer, device=device, attachable=attachable)

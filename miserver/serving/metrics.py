@@ -1,0 +1,80 @@
+"""Prometheus metrics of one server process (contract section 9), on its own registry.
+
+One :class:`Metrics` per app (a ``CollectorRegistry`` each, so two apps in one test process never
+share counters). ``GET /metrics`` answers :meth:`Metrics.render` in the Prometheus text format.
+The request metrics are incremented by the scheduler and ``/v1``; the barrier metrics (holds,
+commit durations, watchdog expiries, hold timeouts, attach/detach, pinned bytes) are added by the
+weights lifecycle on the same registry through :attr:`Metrics.registry`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+#: Latency buckets in seconds: a 135M model on a CPU answers in 0.05-5 s, a long stream in ~60 s.
+LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+    """The metric families of one app.
+
+    Attributes:
+        registry: the app's ``CollectorRegistry`` (register further families on it).
+        requests_served: ``miserver_requests_served_total{route}``: answered with a 2xx.
+        requests_refused: ``miserver_requests_refused_total{route, code}``: answered with an
+            error; ``code`` is the management code (``QUEUE_FULL``, ``WEIGHTS_TORN``, ...).
+        requests_held: ``miserver_requests_held_total``: requests that waited behind a barrier.
+        queue_depth: ``miserver_queue_depth``: interactive requests waiting or held now.
+        request_latency: ``miserver_request_latency_seconds{route}``: admission to last byte.
+        model_loads: ``miserver_model_loads_total{outcome}``: loads that ended ``ok`` or
+            ``failed``.
+        model_unloads: ``miserver_model_unloads_total``.
+        model_load_seconds: ``miserver_model_load_seconds``: duration of successful loads.
+        resident: ``miserver_model_resident{name}``: 1 for the resident row's name, else absent.
+    """
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests_served = Counter(
+            "miserver_requests_served", "Requests answered with a 2xx status", ["route"],
+            registry=r)
+        self.requests_refused = Counter(
+            "miserver_requests_refused", "Requests answered with an error, by code",
+            ["route", "code"], registry=r)
+        self.requests_held = Counter(
+            "miserver_requests_held", "Requests that waited behind a barrier hold", registry=r)
+        self.queue_depth = Gauge(
+            "miserver_queue_depth", "Interactive requests waiting or held now", registry=r)
+        self.request_latency = Histogram(
+            "miserver_request_latency_seconds", "Request latency from admission to last byte",
+            ["route"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.model_loads = Counter(
+            "miserver_model_loads", "Model loads, by outcome (ok or failed)", ["outcome"],
+            registry=r)
+        self.model_unloads = Counter(
+            "miserver_model_unloads", "Model unloads (including the unload of a swap)",
+            registry=r)
+        self.model_load_seconds = Histogram(
+            "miserver_model_load_seconds", "Duration of successful model loads",
+            buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300), registry=r)
+        self.resident = Gauge(
+            "miserver_model_resident", "1 for the resident model's catalogue name", ["name"],
+            registry=r)
+
+    def set_resident(self, name: str | None) -> None:
+        """Record the resident row's name (None: nothing resident)."""
+        self.resident.clear()
+        if name is not None:
+            self.resident.labels(name=name).set(1)
+
+    def render(self) -> tuple[bytes, str]:
+        """``(body, content_type)`` of ``GET /metrics`` in the Prometheus text format."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,252 @@
+"""The Batch API routes: OpenAI-compatible ``/v1/files`` and ``/v1/batches`` (contract 7).
+
+| Route | Does |
+|---|---|
+| ``POST /v1/files`` | multipart ``file`` (JSONL) + ``purpose=batch``; validated line by line; File |
+| ``GET /v1/files`` | list (``purpose``, ``after``, ``limit``, ``order``) |
+| ``GET /v1/files/{id}``, ``GET /v1/files/{id}/content`` | the File object, its bytes |
+| ``DELETE /v1/files/{id}`` | ``{id, object: "file", deleted: true}`` |
+| ``POST /v1/batches`` | ``{input_file_id, endpoint, completion_window: "24h", metadata?}``; Batch |
+| ``GET /v1/batches`` | list, newest first (``after``, ``limit`` 1..100) |
+| ``GET /v1/batches/{id}`` | the Batch object plus ``waiting_reason`` |
+| ``POST /v1/batches/{id}/cancel`` | cancelling, then cancelled with the results so far |
+
+Errors are :class:`~miserver.http.errors.ApiError` with codes from :mod:`miserver.spec.codes`;
+the JSON-errors middleware renders them in OpenAI's shape on ``/v1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from aiohttp import BodyPartReader, web
+
+from miserver.http.errors import ApiError, json_response
+from miserver.serving.batches import BatchRequestError, BatchRunner, BatchStore, RowExecutor
+from miserver.spec import codes
+
+BATCH_STORE: web.AppKey[BatchStore] = web.AppKey("batch_store", BatchStore)
+BATCH_RUNNER: web.AppKey[BatchRunner] = web.AppKey("batch_runner", BatchRunner)
+
+#: Multipart fields OpenAI's client may send besides ``file`` and ``purpose``; ignored.
+_IGNORED_FILE_FIELDS = frozenset({"expires_after[anchor]", "expires_after[seconds]"})
+_READ_CHUNK = 1 << 16
+
+ExecutorSource = RowExecutor | Callable[[web.Application], RowExecutor]
+
+
+def _api_error(exc: BatchRequestError) -> ApiError:
+    return ApiError(exc.code, exc.message, param=exc.param)
+
+
+def _store(request: web.Request) -> BatchStore:
+    return request.app[BATCH_STORE]
+
+
+def _runner(request: web.Request) -> BatchRunner:
+    return request.app[BATCH_RUNNER]
+
+
+def _waiting(request: web.Request) -> Callable[[str], str | None]:
+    return _runner(request).waiting_reason
+
+
+def _int_query(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ApiError(codes.INVALID_REQUEST, f"{name} must be an integer, got {raw[:40]!r}",
+                       param=name) from None
+    if not lo <= value <= hi:
+        raise ApiError(codes.INVALID_REQUEST, f"{name} must be between {lo} and {hi}",
+                       param=name)
+    return value
+
+
+# -- files -------------------------------------------------------------------------------------
+
+
+async def create_file(request: web.Request) -> web.Response:
+    """``POST /v1/files``: multipart ``purpose=batch`` and ``file``; 400 naming bad lines."""
+    if request.content_type != "multipart/form-data":
+        raise ApiError(codes.INVALID_REQUEST, "POST /v1/files takes multipart/form-data with the "
+                       "fields file and purpose", param="file")
+    max_bytes: int = request.app.get(_MAX_UPLOAD, 8 * 1024 * 1024)
+    try:
+        reader = await request.multipart()
+        purpose: str | None = None
+        data: bytes | None = None
+        filename = "batch.jsonl"
+        while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader):
+                raise ApiError(codes.INVALID_REQUEST, "nested multipart bodies are not accepted",
+                               param="file")
+            name = part.name or ""
+            if name == "purpose":
+                purpose = (await part.read(decode=True)).decode("utf-8", "replace").strip()
+            elif name == "file":
+                filename = part.filename or filename
+                chunks: list[bytes] = []
+                size = 0
+                while chunk := await part.read_chunk(_READ_CHUNK):
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise ApiError(codes.PAYLOAD_TOO_LARGE,
+                                       f"the file is larger than {max_bytes} bytes "
+                                       f"(MAX_REQUEST_BYTES)", param="file")
+                    chunks.append(chunk)
+                data = b"".join(chunks)
+            elif name in _IGNORED_FILE_FIELDS:
+                await part.read()
+            else:
+                raise ApiError(codes.INVALID_REQUEST, f"unknown field {name[:64]!r}", param=name)
+    except (ValueError, AssertionError) as exc:
+        raise ApiError(codes.INVALID_REQUEST, f"malformed multipart body ({exc})"[:200],
+                       param="file") from None
+    if purpose is None:
+        raise ApiError(codes.INVALID_REQUEST, "purpose is required (\"batch\")", param="purpose")
+    if data is None:
+        raise ApiError(codes.INVALID_REQUEST, "file is required", param="file")
+    try:
+        obj = await asyncio.to_thread(_store(request).create_file, data, filename=filename,
+                                      purpose=purpose)
+    except BatchRequestError as exc:
+        raise _api_error(exc) from None
+    return json_response(obj)
+
+
+async def list_files(request: web.Request) -> web.Response:
+    """``GET /v1/files``."""
+    limit = _int_query(request, "limit", 10000, 1, 10000)
+    try:
+        page = _store(request).list_files(purpose=request.query.get("purpose"),
+                                          after=request.query.get("after"), limit=limit,
+                                          order=request.query.get("order", "desc"))
+    except BatchRequestError as exc:
+        raise _api_error(exc) from None
+    return json_response(page)
+
+
+async def get_file(request: web.Request) -> web.Response:
+    """``GET /v1/files/{file_id}``."""
+    try:
+        return json_response(_store(request).get_file(request.match_info["file_id"]))
+    except BatchRequestError as exc:
+        raise _api_error(exc) from None
+
+
+async def file_content(request: web.Request) -> web.Response:
+    """``GET /v1/files/{file_id}/content``: the JSONL bytes."""
+    try:
+        data = await asyncio.to_thread(_store(request).file_content,
+                                       request.match_info["file_id"])
+    except BatchRequestError as exc:
+        raise _api_error(exc) from None
+    return web.Response(body=data, content_type="application/jsonl")
+
+
+async def delete_file(request: web.Request) -> web.Response:
+    """``DELETE /v1/files/{file_id}``."""
+    try:
+        return json_response(_store(request).delete_file(request.match_info["file_id"]))
+    except BatchRequestError as exc:
+        raise _api_error(exc) from None
+
+
+# -- batches -----------------------------------------------------------------------------------
+
+
+async def create_batch(request: web.Request) -> web.Response:
+    """``POST /v1/batches``: the Batch object, status ``in_progress``."""
+    raw = await request.read()
+    try:
+        body: Any = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        raise ApiError(codes.INVALID_REQUEST, "the body is not valid JSON") from None
+    try:
+        obj = await asyncio.to_thread(_store(request).create_batch, body)
+    except BatchRequestError as exc:
+        raise _api_error(exc) from None
+    _runner(request).wake()
+    obj["waiting_reason"] = None
+    return json_response(obj)
+
+
+async def list_batches(request: web.Request) -> web.Response:
+    """``GET /v1/batches``."""
+    limit = _int_query(request, "limit", 20, 1, 100)
+    try:
+        page = _store(request).list_batches(after=request.query.get("after"), limit=limit,
+                                            waiting=_waiting(request))
+    except BatchRequestError as exc:
+        raise _api_error(exc) from None
+    return json_response(page)
+
+
+async def get_batch(request: web.Request) -> web.Response:
+    """``GET /v1/batches/{batch_id}``."""
+    batch_id = request.match_info["batch_id"]
+    try:
+        return json_response(_store(request).get_batch(batch_id, _waiting(request)(batch_id)))
+    except BatchRequestError as exc:
+        raise _api_error(exc) from None
+
+
+async def cancel_batch(request: web.Request) -> web.Response:
+    """``POST /v1/batches/{batch_id}/cancel``."""
+    batch_id = request.match_info["batch_id"]
+    try:
+        obj = _store(request).cancel_batch(batch_id)
+    except BatchRequestError as exc:
+        raise _api_error(exc) from None
+    _runner(request).wake()
+    return json_response(obj)
+
+
+_MAX_UPLOAD: web.AppKey[int] = web.AppKey("batch_max_upload_bytes", int)
+
+
+def setup_routes(app: web.Application, *, home: str, executor: ExecutorSource | None = None,
+                 max_upload_bytes: int = 8 * 1024 * 1024, chunk_size: int = 8,
+                 poll_s: float = 0.5) -> None:
+    """Register the Batch API on ``app`` and run its runner with the app (contract 7).
+
+    ``home`` is ``MISERVER_HOME`` (``batches.sqlite3`` and ``files/`` live there).
+    ``executor`` is the runtime seam, or a function of the app returning it, called at start-up
+    (after the app's earlier ``on_startup`` hooks built the runtime). Without one the routes
+    work and no batch runs. ``max_upload_bytes`` caps an uploaded file (``MAX_REQUEST_BYTES``).
+    """
+    store = BatchStore(home)
+    runner = BatchRunner(store, None, chunk_size=chunk_size, poll_s=poll_s)
+    app[BATCH_STORE] = store
+    app[BATCH_RUNNER] = runner
+    app[_MAX_UPLOAD] = max_upload_bytes
+    app.router.add_post("/v1/files", create_file)
+    app.router.add_get("/v1/files", list_files)
+    app.router.add_get("/v1/files/{file_id}", get_file)
+    app.router.add_delete("/v1/files/{file_id}", delete_file)
+    app.router.add_get("/v1/files/{file_id}/content", file_content)
+    app.router.add_post("/v1/batches", create_batch)
+    app.router.add_get("/v1/batches", list_batches)
+    app.router.add_get("/v1/batches/{batch_id}", get_batch)
+    app.router.add_post("/v1/batches/{batch_id}/cancel", cancel_batch)
+
+    async def start_runner(app: web.Application) -> None:
+        if executor is None:
+            return
+        runner.executor = (executor(app) if not hasattr(executor, "execute_row")
+                           else executor)  # type: ignore[operator]
+        runner.start()
+
+    async def stop_runner(app: web.Application) -> None:
+        await runner.stop()
+        store.close()
+
+    app.on_startup.append(start_runner)
+    app.on_cleanup.append(stop_runner)

@@ -1,0 +1,574 @@
+"""The Batch API store, validation, runner and routes (contract 7), with a fake runtime seam.
+
+The seam (``waiting_reason`` / ``execute_row``) stands in for the generation runtime here; the
+real path runs in tests/e2e/test_batch_openai.py against a live server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from miserver.http import batches as batch_routes
+from miserver.http.errors import json_errors_middleware
+from miserver.serving.batches import (
+    BatchRequestError,
+    BatchRunner,
+    BatchStore,
+    RowDeferred,
+    parse_batch_input,
+)
+
+MODEL = "smollm2-135m-instruct"
+HEADER = '"smollm2-135m-instruct";origin=model;commits=0'
+
+
+def line(cid: str, *, url: str = "/v1/chat/completions", model: str = MODEL,
+         **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": cid}]}
+    body.update(extra)
+    return {"custom_id": cid, "method": "POST", "url": url, "body": body}
+
+
+def jsonl(rows: list[Any]) -> bytes:
+    return b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+
+
+class FakeExecutor:
+    """The runtime seam: echoes the prompt, refuses ``max_tokens < 1``, counts every call."""
+
+    def __init__(self) -> None:
+        self.reasons: dict[str, str | None] = {}
+        self.global_reason: str | None = None
+        self.calls: Counter[str] = Counter()
+        self.crash_after: int | None = None
+        self.respond: tuple[int, dict[str, Any]] | None = None
+        self.defer: str | None = None
+
+    def waiting_reason(self, model: str) -> str | None:
+        return self.global_reason or self.reasons.get(model)
+
+    async def execute_row(self, method: str, url: str, body: dict[str, Any]
+                          ) -> tuple[int, dict[str, str], dict[str, Any]]:
+        assert method == "POST"
+        prompt = body["messages"][0]["content"]
+        if self.defer is not None:
+            raise RowDeferred(self.defer)
+        if self.crash_after is not None and sum(self.calls.values()) >= self.crash_after:
+            self.calls[prompt] += 1
+            raise SimulatedCrash(prompt)
+        self.calls[prompt] += 1
+        if self.respond is not None:
+            return 200 if self.respond[0] == 200 else self.respond[0], {}, self.respond[1]
+        if body.get("max_tokens", 1) < 1:
+            return 400, {}, {"error": {"message": "max_tokens must be at least 1",
+                                       "type": "invalid_request_error", "param": "max_tokens",
+                                       "code": "invalid_request"}}
+        return 200, {"X-miLLM-Model": HEADER}, {
+            "id": "chatcmpl-1", "object": "chat.completion", "model": body["model"],
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": "echo " + prompt}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+
+
+class SimulatedCrash(BaseException):
+    """The process dies in the middle of a row (not an Exception: nothing may catch it)."""
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> BatchStore:
+    s = BatchStore(tmp_path)
+    yield s
+    s.close()
+
+
+def new_batch(store: BatchStore, rows: list[dict[str, Any]], **kw: Any) -> dict[str, Any]:
+    f = store.create_file(jsonl(rows), filename="in.jsonl", purpose="batch")
+    return store.create_batch({"input_file_id": f["id"], "endpoint": "/v1/chat/completions",
+                               "completion_window": "24h", **kw})
+
+
+def output(store: BatchStore, batch: dict[str, Any]) -> tuple[list[dict], list[dict]]:
+    def read(fid: str | None) -> list[dict]:
+        if fid is None:
+            return []
+        return [json.loads(x) for x in store.file_content(fid).decode().splitlines()]
+    b = store.get_batch(batch["id"])
+    return read(b["output_file_id"]), read(b["error_file_id"])
+
+
+# -- validation --------------------------------------------------------------------------------
+
+
+def test_valid_file_parses_in_order_and_skips_blank_lines():
+    rows = parse_batch_input(jsonl([line("a"), line("b", url="/v1/completions")]) + b"\n\n")
+    assert [(r.line, r.custom_id, r.url, r.model) for r in rows] == [
+        (1, "a", "/v1/chat/completions", MODEL), (2, "b", "/v1/completions", MODEL)]
+
+
+@pytest.mark.parametrize("bad, words", [
+    ('{"custom_id": "x"', "line 2: is not valid JSON"),
+    ('[1, 2]', "line 2: must be a JSON object"),
+    (json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/completions"}),
+     "line 2: missing body"),
+    (json.dumps({**line("x"), "extra": 1}), "line 2: unknown field extra"),
+    (json.dumps({**line("x"), "method": "GET"}), 'line 2: method must be "POST"'),
+    (json.dumps(line("x", url="/v1/embeddings")), "line 2: url must be one of"),
+    (json.dumps({**line("x"), "custom_id": ""}), "line 2: custom_id must be a non-empty"),
+    (json.dumps({**line("x"), "custom_id": 7}), "line 2: custom_id must be a non-empty"),
+    (json.dumps({**line("x"), "body": []}), "line 2: body must be a JSON object"),
+    (json.dumps(line("x", model="")), "line 2: body.model must be a non-empty string"),
+    (json.dumps(line("x", stream=True)), "line 2: body.stream must be false"),
+    (json.dumps(line("a")), 'line 2: custom_id "a" repeats line 1'),
+])
+def test_each_bad_line_is_named_by_number(bad: str, words: str):
+    data = jsonl([line("a")]) + bad.encode() + b"\n"
+    with pytest.raises(BatchRequestError) as info:
+        parse_batch_input(data)
+    assert words in info.value.message
+    assert info.value.code.status == 400 and info.value.param == "file"
+
+
+def test_many_bad_lines_are_summarised():
+    data = b"x\n" * 9
+    with pytest.raises(BatchRequestError) as info:
+        parse_batch_input(data)
+    assert "line 1:" in info.value.message and "line 5:" in info.value.message
+    assert "line 6:" not in info.value.message and "(and 4 more)" in info.value.message
+
+
+@pytest.mark.parametrize("data, words", [(b"", "no requests"), (b"\n  \n", "no requests"),
+                                         (b"\xff\xfe", "not UTF-8")])
+def test_empty_or_undecodable_files_are_refused(data: bytes, words: str):
+    with pytest.raises(BatchRequestError, match=words):
+        parse_batch_input(data)
+
+
+# -- the store ---------------------------------------------------------------------------------
+
+
+def test_file_round_trip_and_refusals_store_nothing(store: BatchStore, tmp_path: Path):
+    data = jsonl([line("a")])
+    f = store.create_file(data, filename="in.jsonl", purpose="batch")
+    assert f["id"].startswith("file-") and f["object"] == "file" and f["bytes"] == len(data)
+    assert (f["purpose"], f["filename"], f["status"]) == ("batch", "in.jsonl", "processed")
+    assert store.get_file(f["id"]) == f and store.file_content(f["id"]) == data
+    for kwargs in ({"purpose": "fine-tune"}, {"purpose": "batch", "data": b"nope\n"}):
+        with pytest.raises(BatchRequestError):
+            store.create_file(kwargs.pop("data", data), filename="x", **kwargs)
+    assert [x["id"] for x in store.list_files()["data"]] == [f["id"]]
+    assert sorted(p.name for p in (tmp_path / "files").iterdir()) == [f["id"] + ".jsonl"]
+    with pytest.raises(BatchRequestError) as info:
+        store.get_file("file-nope")
+    assert info.value.code.status == 404
+    assert store.delete_file(f["id"]) == {"id": f["id"], "object": "file", "deleted": True}
+    assert store.list_files()["data"] == [] and not list((tmp_path / "files").iterdir())
+
+
+def test_batch_object_has_openai_fields(store: BatchStore):
+    b = new_batch(store, [line("a"), line("b")], metadata={"run": "7"})
+    assert b["id"].startswith("batch_") and b["object"] == "batch"
+    assert (b["status"], b["endpoint"], b["completion_window"]) == (
+        "in_progress", "/v1/chat/completions", "24h")
+    assert b["request_counts"] == {"total": 2, "completed": 0, "failed": 0}
+    assert b["expires_at"] - b["created_at"] == 24 * 3600 and b["in_progress_at"] is not None
+    assert b["metadata"] == {"run": "7"} and b["model"] == MODEL and b["waiting_reason"] is None
+    for key in ("errors", "output_file_id", "error_file_id", "finalizing_at", "completed_at",
+                "failed_at", "expired_at", "cancelling_at", "cancelled_at"):
+        assert b[key] is None, key
+
+
+@pytest.mark.parametrize("change, param", [
+    ({"endpoint": "/v1/embeddings"}, "endpoint"),
+    ({"completion_window": "1h"}, "completion_window"),
+    ({"input_file_id": "file-missing"}, "input_file_id"),
+    ({"metadata": {"k": 1}}, "metadata"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ({"surprise": True}, "surprise"),
+    ({"endpoint": None}, "endpoint"),
+    ({"endpoint": "/v1/completions"}, "endpoint"),  # the lines say chat/completions
+])
+def test_bad_batch_requests_are_refused_and_create_nothing(store: BatchStore, change, param):
+    f = store.create_file(jsonl([line("a")]), filename="in.jsonl", purpose="batch")
+    req = {"input_file_id": f["id"], "endpoint": "/v1/chat/completions",
+           "completion_window": "24h", **change}
+    with pytest.raises(BatchRequestError) as info:
+        store.create_batch(req)
+    assert info.value.param == param
+    assert store.list_batches()["data"] == []
+
+
+def test_output_files_cannot_start_a_batch(store: BatchStore):
+    b = new_batch(store, [line("a")])
+    runner = BatchRunner(store, FakeExecutor())
+    asyncio.run(runner.run_until_idle())
+    out_id = store.get_batch(b["id"])["output_file_id"]
+    with pytest.raises(BatchRequestError, match="purpose batch_output"):
+        store.create_batch({"input_file_id": out_id, "endpoint": "/v1/chat/completions",
+                            "completion_window": "24h"})
+
+
+def test_list_batches_pages_newest_first(store: BatchStore):
+    ids = [new_batch(store, [line("a")])["id"] for _ in range(5)]
+    page = store.list_batches(limit=2)
+    assert [b["id"] for b in page["data"]] == ids[::-1][:2] and page["has_more"]
+    page2 = store.list_batches(limit=2, after=page["last_id"])
+    assert [b["id"] for b in page2["data"]] == ids[::-1][2:4] and page2["has_more"]
+    page3 = store.list_batches(limit=2, after=page2["last_id"])
+    assert [b["id"] for b in page3["data"]] == ids[:1] and not page3["has_more"]
+    with pytest.raises(BatchRequestError):
+        store.list_batches(limit=0)
+
+
+# -- the runner --------------------------------------------------------------------------------
+
+
+async def test_rows_complete_with_openai_output_lines(store: BatchStore):
+    b = new_batch(store, [line("a"), line("bad", max_tokens=0), line("c")])
+    ex = FakeExecutor()
+    await BatchRunner(store, ex, chunk_size=2).run_until_idle()
+    done = store.get_batch(b["id"])
+    assert done["status"] == "completed" and done["completed_at"] is not None
+    assert done["finalizing_at"] is not None
+    assert done["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    assert done["usage"]["input_tokens"] == 6 and done["usage"]["total_tokens"] == 10
+    out, err = output(store, b)
+    assert [x["custom_id"] for x in out] == ["a", "c"] and [x["custom_id"] for x in err] == ["bad"]
+    first = out[0]
+    assert first["id"].startswith("batch_req_") and first["error"] is None
+    assert first["response"]["status_code"] == 200
+    assert first["response"]["headers"] == {"X-miLLM-Model": HEADER}
+    assert first["response"]["body"]["choices"][0]["message"]["content"] == "echo a"
+    assert err[0]["response"]["status_code"] == 400
+    assert err[0]["response"]["body"]["error"]["param"] == "max_tokens"
+    assert store.get_file(done["output_file_id"])["purpose"] == "batch_output"
+    assert ex.calls == Counter({"a": 1, "bad": 1, "c": 1})
+
+
+@pytest.mark.parametrize("reason", ["weights_torn", "model_not_resident"])
+async def test_a_waiting_batch_runs_nothing_and_fails_nothing(store: BatchStore, reason: str):
+    b = new_batch(store, [line("a"), line("b")])
+    ex = FakeExecutor()
+    ex.global_reason = reason
+    runner = BatchRunner(store, ex)
+    await runner.run_until_idle()
+    now = store.get_batch(b["id"], runner.waiting_reason(b["id"]))
+    assert now["status"] == "in_progress" and now["waiting_reason"] == reason
+    assert now["request_counts"] == {"total": 2, "completed": 0, "failed": 0} and not ex.calls
+    ex.global_reason = None
+    await runner.run_until_idle()
+    assert store.get_batch(b["id"])["request_counts"]["completed"] == 2
+    assert runner.waiting_reason(b["id"]) is None
+
+
+async def test_rows_for_a_model_not_resident_wait_while_others_run(store: BatchStore):
+    b = new_batch(store, [line("x1", model="other"), line("a"), line("x2", model="other")])
+    ex = FakeExecutor()
+    ex.reasons["other"] = "model_not_resident"
+    runner = BatchRunner(store, ex)
+    await runner.run_until_idle()
+    assert ex.calls == Counter({"a": 1})
+    assert runner.waiting_reason(b["id"]) == "model_not_resident"
+    assert store.get_batch(b["id"])["status"] == "in_progress"
+    ex.reasons.clear()
+    await runner.run_until_idle()
+    assert store.get_batch(b["id"])["status"] == "completed"
+    assert ex.calls == Counter({"a": 1, "x1": 1, "x2": 1})
+
+
+async def test_quiesced_rows_still_go_to_the_scheduler_and_report_it(store: BatchStore):
+    b = new_batch(store, [line("a")])
+    ex = FakeExecutor()
+    gate = asyncio.Event()
+    seen: list[str | None] = []
+    runner = BatchRunner(store, ex)
+
+    async def held(method: str, url: str, body: dict[str, Any]):
+        seen.append(runner.waiting_reason(b["id"]))
+        await gate.wait()  # the scheduler holds the chunk until resume
+        return await FakeExecutor.execute_row(ex, method, url, body)
+
+    ex.global_reason = "quiesced"
+    ex.execute_row = held  # type: ignore[method-assign]
+    task = asyncio.create_task(runner.run_until_idle())
+    await asyncio.sleep(0.05)
+    assert seen == ["quiesced"]
+    assert store.get_batch(b["id"], runner.waiting_reason(b["id"]))["waiting_reason"] == "quiesced"
+    ex.global_reason = None
+    gate.set()
+    await task
+    assert store.get_batch(b["id"])["status"] == "completed"
+
+
+@pytest.mark.parametrize("code, reason", [("weights_torn", "weights_torn"),
+                                          ("model_not_loaded", "model_not_resident")])
+async def test_runtime_refusals_that_mean_not_now_defer_the_row(store: BatchStore, code, reason):
+    b = new_batch(store, [line("a")])
+    ex = FakeExecutor()
+    ex.respond = (503, {"error": {"message": "m", "type": "server_error", "param": None,
+                                  "code": code}})
+    runner = BatchRunner(store, ex)
+    await runner.run_until_idle()
+    assert runner.waiting_reason(b["id"]) == reason
+    assert store.get_batch(b["id"])["request_counts"]["failed"] == 0
+    ex.respond = None
+    await runner.run_until_idle()
+    assert store.get_batch(b["id"])["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
+
+
+async def test_row_deferred_by_the_seam_waits(store: BatchStore):
+    b = new_batch(store, [line("a")])
+    ex = FakeExecutor()
+    ex.defer = "weights_torn"
+    runner = BatchRunner(store, ex)
+    await runner.run_until_idle()
+    assert runner.waiting_reason(b["id"]) == "weights_torn"
+    assert store.get_batch(b["id"])["status"] == "in_progress"
+
+
+async def test_a_seam_exception_fails_only_that_row(store: BatchStore):
+    b = new_batch(store, [line("boom"), line("a")])
+    ex = FakeExecutor()
+    real = ex.execute_row
+
+    async def flaky(method, url, body):
+        if body["messages"][0]["content"] == "boom":
+            raise RuntimeError("bug")
+        return await real(method, url, body)
+
+    ex.execute_row = flaky  # type: ignore[method-assign]
+    await BatchRunner(store, ex).run_until_idle()
+    out, err = output(store, b)
+    assert [x["custom_id"] for x in out] == ["a"]
+    assert err[0]["response"]["status_code"] == 500
+    assert err[0]["response"]["body"]["error"]["code"] == "internal_error"
+
+
+async def test_cancel_keeps_results_so_far(store: BatchStore):
+    b = new_batch(store, [line(c) for c in "abcd"])
+    ex = FakeExecutor()
+    runner = BatchRunner(store, ex)
+    real = ex.execute_row
+
+    async def cancel_after_b(method, url, body):
+        result = await real(method, url, body)
+        if body["messages"][0]["content"] == "b":
+            assert store.cancel_batch(b["id"])["status"] == "cancelling"
+        return result
+
+    ex.execute_row = cancel_after_b  # type: ignore[method-assign]
+    await runner.run_until_idle()
+    done = store.get_batch(b["id"])
+    assert done["status"] == "cancelled" and done["cancelled_at"] and done["cancelling_at"]
+    assert [x["custom_id"] for x in output(store, b)[0]] == ["a", "b"]
+    assert store.cancel_batch(b["id"])["status"] == "cancelled"  # idempotent
+    other = new_batch(store, [line("z")])
+    await runner.run_until_idle()
+    with pytest.raises(BatchRequestError, match="completed and cannot be cancelled"):
+        store.cancel_batch(other["id"])
+
+
+async def test_the_completion_window_expires_waiting_rows(tmp_path: Path):
+    now = [1_000_000.0]
+    store = BatchStore(tmp_path, clock=lambda: now[0])
+    b = new_batch(store, [line("a"), line("b", model="gone")])
+    ex = FakeExecutor()
+    ex.reasons["gone"] = "model_not_resident"
+    runner = BatchRunner(store, ex)
+    await runner.run_until_idle()
+    assert store.get_batch(b["id"])["status"] == "in_progress"
+    now[0] += 24 * 3600
+    await runner.run_until_idle()
+    done = store.get_batch(b["id"])
+    assert done["status"] == "expired" and done["expired_at"] == int(now[0])
+    assert done["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
+    out, err = output(store, b)
+    assert [x["custom_id"] for x in out] == ["a"]
+    assert err[0]["custom_id"] == "b" and err[0]["error"]["code"] == "batch_expired"
+    store.close()
+
+
+async def test_exactly_once_across_a_crash_and_a_reopen(tmp_path: Path):
+    cids = [f"r{i}" for i in range(12)]
+    store = BatchStore(tmp_path)
+    b = new_batch(store, [line(c) for c in cids])
+    ex = FakeExecutor()
+    ex.crash_after = 5
+    with pytest.raises(SimulatedCrash):
+        await BatchRunner(store, ex, chunk_size=4).run_until_idle()
+    recorded = store.done_results(b["id"])
+    assert list(recorded) == cids[:5]
+    store.close()
+
+    store = BatchStore(tmp_path)  # the restart
+    ex2 = FakeExecutor()
+    await BatchRunner(store, ex2, chunk_size=4).run_until_idle()
+    out, err = output(store, b)
+    assert err == [] and sorted(x["custom_id"] for x in out) == sorted(cids)
+    assert Counter(x["custom_id"] for x in out) == Counter(cids)
+    for x in out[:5]:  # the lines recorded before the crash, untouched
+        assert x == recorded[x["custom_id"]]
+    # rows finished before the crash never ran again; the one running at the crash ran again
+    assert ex.calls == Counter({c: 1 for c in cids[:6]})
+    assert ex2.calls == Counter({c: 1 for c in cids[5:]})
+    assert store.get_batch(b["id"])["request_counts"] == {"total": 12, "completed": 12,
+                                                          "failed": 0}
+    store.close()
+
+
+def test_record_result_counts_a_row_once(store: BatchStore):
+    b = new_batch(store, [line("a")])
+    row = store.pending_rows(b["id"], MODEL, 10)[0]
+    assert store.record_result(row, ok=True, line={"custom_id": "a"})
+    assert not store.record_result(row, ok=True, line={"custom_id": "a", "again": 1})
+    assert store.get_batch(b["id"])["request_counts"]["completed"] == 1
+    assert store.done_results(b["id"]) == {"a": {"custom_id": "a"}}
+
+
+_CHILD = textwrap.dedent("""
+    import asyncio, os, sys
+    from miserver.serving.batches import BatchRunner, BatchStore
+    home, log = sys.argv[1], sys.argv[2]
+
+    class Slow:
+        def waiting_reason(self, model):
+            return None
+        async def execute_row(self, method, url, body):
+            cid = body["messages"][0]["content"]
+            with open(log, "a") as fh:
+                fh.write(cid + "\\n"); fh.flush(); os.fsync(fh.fileno())
+            await asyncio.sleep(0.02)
+            return 200, {"X-miLLM-Model": '"m";origin=model'}, {"echo": cid}
+
+    asyncio.run(BatchRunner(BatchStore(home), Slow(), chunk_size=3).run_until_idle())
+""")
+
+
+def test_kill_9_mid_batch_then_restart_runs_every_row_exactly_once(tmp_path: Path):
+    cids = [f"k{i}" for i in range(60)]
+    store = BatchStore(tmp_path)
+    b = new_batch(store, [line(c) for c in cids])
+    log = tmp_path / "executed.log"
+    cmd = [sys.executable, "-c", _CHILD, str(tmp_path), str(log)]
+    child = subprocess.Popen(cmd)
+    deadline = time.monotonic() + 30
+    while len(store.done_results(b["id"])) < 10:
+        assert time.monotonic() < deadline and child.poll() is None, "the child did not progress"
+        time.sleep(0.01)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    before = store.done_results(b["id"])
+    assert 10 <= len(before) < len(cids)
+    subprocess.run(cmd, check=True, timeout=60)
+    out, err = output(store, b)
+    assert err == [] and Counter(x["custom_id"] for x in out) == Counter(cids)
+    for x in out:
+        assert x["response"]["body"] == {"echo": x["custom_id"]}
+        if x["custom_id"] in before:
+            assert x == before[x["custom_id"]]  # recorded before the kill: never run again
+    executed = Counter(log.read_text().split())
+    assert all(executed[c] == 1 for c in before)
+    assert sum(executed.values()) - len(cids) <= 1  # at most the row that was running at the kill
+    store.close()
+
+
+# -- the routes --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def client(tmp_path: Path):
+    app = web.Application(middlewares=[json_errors_middleware])
+    ex = FakeExecutor()
+    batch_routes.setup_routes(app, home=str(tmp_path), executor=lambda _app: ex,
+                              max_upload_bytes=4096, poll_s=0.02)
+    async with TestClient(TestServer(app)) as c:
+        yield c
+
+
+def _form(data: bytes, purpose: str = "batch") -> aiohttp.FormData:
+    form = aiohttp.FormData()
+    form.add_field("purpose", purpose)
+    form.add_field("file", data, filename="in.jsonl", content_type="application/jsonl")
+    return form
+
+
+async def _wait_done(client: TestClient, batch_id: str) -> dict[str, Any]:
+    for _ in range(200):
+        r = await client.get(f"/v1/batches/{batch_id}")
+        b = await r.json()
+        if b["status"] not in ("in_progress", "finalizing", "cancelling"):
+            return b
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"batch did not end: {b}")
+
+
+async def test_routes_run_a_batch_end_to_end(client: TestClient):
+    r = await client.post("/v1/files", data=_form(jsonl([line("a"), line("b")])))
+    assert r.status == 200
+    f = await r.json()
+    r = await client.post("/v1/batches", json={"input_file_id": f["id"], "completion_window":
+                                               "24h", "endpoint": "/v1/chat/completions"})
+    assert r.status == 200
+    b = await r.json()
+    assert b["status"] == "in_progress" and "waiting_reason" in b
+    done = await _wait_done(client, b["id"])
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 2
+    r = await client.get(f"/v1/files/{done['output_file_id']}/content")
+    lines = [json.loads(x) for x in (await r.read()).decode().splitlines()]
+    assert [x["custom_id"] for x in lines] == ["a", "b"]
+    assert (await (await client.get(f"/v1/files/{done['output_file_id']}")).json())["purpose"] \
+        == "batch_output"
+    listing = await (await client.get("/v1/batches?limit=1")).json()
+    assert listing["object"] == "list" and listing["data"][0]["id"] == b["id"]
+    files = await (await client.get("/v1/files?purpose=batch")).json()
+    assert [x["id"] for x in files["data"]] == [f["id"]]
+
+
+@pytest.mark.parametrize("method, path, kwargs, status, param", [
+    ("post", "/v1/files", {"data": b"x"}, 400, "file"),
+    ("post", "/v1/batches", {"data": b"{not json"}, 400, None),
+    ("post", "/v1/batches", {"json": {"input_file_id": "file-x", "endpoint":
+                                      "/v1/chat/completions", "completion_window": "24h"}},
+     404, "input_file_id"),
+    ("get", "/v1/batches/batch_nope", {}, 404, "batch_id"),
+    ("post", "/v1/batches/batch_nope/cancel", {}, 404, "batch_id"),
+    ("get", "/v1/files/file-nope/content", {}, 404, "file_id"),
+    ("get", "/v1/batches?limit=abc", {}, 400, "limit"),
+    ("get", "/v1/batches?after=batch_nope", {}, 400, "after"),
+])
+async def test_route_errors_are_openai_shaped(client: TestClient, method, path, kwargs, status,
+                                              param):
+    r = await getattr(client, method)(path, **kwargs)
+    assert r.status == status
+    body = await r.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["param"] == param and body["error"]["message"]
+
+
+async def test_upload_refusals_name_the_problem(client: TestClient):
+    r = await client.post("/v1/files", data=_form(jsonl([line("a")]), purpose="fine-tune"))
+    assert r.status == 400 and (await r.json())["error"]["param"] == "purpose"
+    r = await client.post("/v1/files", data=_form(jsonl([line("a"), line("a")])))
+    err = (await r.json())["error"]
+    assert r.status == 400 and "line 2" in err["message"] and err["code"] == "invalid_request"
+    r = await client.post("/v1/files", data=_form(b"x" * 5000))
+    assert r.status == 413 and (await r.json())["error"]["code"] == "payload_too_large"
+    form = aiohttp.FormData()
+    form.add_field("purpose", "batch")
+    r = await client.post("/v1/files", data=form)
+    assert r.status == 400 and (await r.json())["error"]["param"] == "file"
+    assert (await (await client.get("/v1/files")).json())["data"] == []

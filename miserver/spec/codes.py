@@ -93,6 +93,8 @@ MODEL_RESIDENT = _c("MODEL_RESIDENT", 409, src=C + " 3")
 BACKEND_UNAVAILABLE = _c("BACKEND_UNAVAILABLE", 400, "gguf", src=C + " 3")
 # A registered row whose files cannot be loaded (deleted, corrupt, unsupported architecture).
 MODEL_LOAD_FAILED = _c("MODEL_LOAD_FAILED", 500, t="server_error", src=C + " 3")
+# POST /api/models with a name another catalogue row already has.
+MODEL_EXISTS = _c("MODEL_EXISTS", 409, src=C + " 3")
 CHECKPOINT_CORRUPT = _c("CHECKPOINT_CORRUPT", 400, src=C + " 5")
 CHECKPOINT_NOT_FOUND = _c("CHECKPOINT_NOT_FOUND", 404, t="not_found_error", src=C + " 5")
 CHECKPOINT_EXISTS = _c("CHECKPOINT_EXISTS", 409, src=C + " 5")

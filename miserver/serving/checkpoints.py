@@ -1,0 +1,707 @@
+"""Checkpoints of the resident weights: atomic save, verified open, in-place load (contract 5).
+
+A checkpoint is a normal Hugging Face model folder (``AutoModelForCausalLM.from_pretrained``
+loads it) with one extra file, ``manifest.json``::
+
+    MISERVER_HOME/checkpoints/<name>/
+        model.safetensors     every tensor once (tied names share one entry: the manifest's aliases)
+        config.json           the served model's architecture config (dtype set to the weights')
+        generation_config.json  when the model has one
+        tokenizer.json, tokenizer_config.json, chat_template.jinja, ...  (the served tokenizer)
+        manifest.json         see :class:`Manifest`
+
+``checkpoint_sha256`` is the sha256 of the ``manifest.json`` bytes; the manifest holds the sha256
+of every tensor (and of every other file), so that one hash names the whole checkpoint.
+
+This module is the layer the routes ``POST /api/weights/save``, ``POST /api/weights/load`` and
+``GET /api/weights/checkpoints`` call; it takes no lock and knows nothing of the barrier: the
+caller runs it inside the pause (weights page: "Unsaved commits and the auto-load", contract 5).
+Errors are :class:`CheckpointError` subclasses carrying their :class:`ErrorCode`; a route turns
+one into its answer with :meth:`CheckpointError.as_api_error`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from miserver.spec import codes
+from miserver.spec.codes import ErrorCode
+
+if TYPE_CHECKING:
+    from miserver.http.errors import ApiError
+
+MANIFEST_NAME = "manifest.json"
+WEIGHTS_NAME = "model.safetensors"
+MANIFEST_FORMAT = "miserver-checkpoint"
+MANIFEST_VERSION = 1
+#: Prefix of the temporary folder a save writes into (inside ``root``); never a checkpoint.
+PARTIAL_PREFIX = ".saving-"
+#: A checkpoint name: a folder name and an RFC 8941 sf-string (it becomes the served name).
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16",
+                 "int32", "int64", "bool", "float8_e4m3fn", "float8_e5m2")
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+class CheckpointError(Exception):
+    """A checkpoint operation was refused; nothing was changed.
+
+    Attributes:
+        code: the error code the route answers with (status from the code).
+        message: one human sentence (never holds a token).
+        reason: the error's ``reason`` value, or None.
+        details: machine-readable details (tensor name, path, ...), or None.
+    """
+
+    code: ErrorCode = codes.INVALID_REQUEST
+
+    def __init__(self, message: str, *, details: Mapping[str, Any] | None = None,
+                 reason: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.reason = reason
+        self.details = dict(details) if details is not None else None
+
+    def as_api_error(self) -> ApiError:
+        """The :class:`miserver.http.errors.ApiError` a route raises for this refusal."""
+        from miserver.http.errors import ApiError
+
+        return ApiError(self.code, self.message, reason=self.reason, details=self.details)
+
+
+class CheckpointCorrupt(CheckpointError):
+    """The folder is not a valid checkpoint, or a tensor/file does not match its sha256.
+
+    ``tensor`` names the first tensor that failed (None when the failure is not a tensor's).
+    Answered ``400 CHECKPOINT_CORRUPT`` (contract 5), always before anything is written.
+    """
+
+    code = codes.CHECKPOINT_CORRUPT
+
+    def __init__(self, message: str, *, path: Path, tensor: str | None = None,
+                 file: str | None = None) -> None:
+        details: dict[str, Any] = {"path": str(path)}
+        if tensor is not None:
+            details["tensor"] = tensor
+        if file is not None:
+            details["file"] = file
+        super().__init__(message, details=details)
+        self.tensor = tensor
+        self.file = file
+
+
+class CheckpointNotFound(CheckpointError):
+    """No checkpoint matches the reference (``404 CHECKPOINT_NOT_FOUND``)."""
+
+    code = codes.CHECKPOINT_NOT_FOUND
+
+
+class CheckpointExists(CheckpointError):
+    """A save was given a name whose folder already exists (``409 CHECKPOINT_EXISTS``)."""
+
+    code = codes.CHECKPOINT_EXISTS
+
+
+class InvalidCheckpointRequest(CheckpointError):
+    """A malformed name or reference (``400 INVALID_REQUEST``)."""
+
+    code = codes.INVALID_REQUEST
+
+
+class LayoutMismatch(CheckpointError):
+    """:func:`load_in_place` was asked to write a checkpoint whose layout differs from the model.
+
+    The route checks :func:`layout_matches` first and takes the full-reload path instead; this is
+    the guard that keeps a wrong call from writing anything (``400 INVALID_REQUEST``).
+    """
+
+    code = codes.INVALID_REQUEST
+
+
+# --- the manifest -------------------------------------------------------------------------------
+
+
+class TensorEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """One stored tensor.
+
+    Attributes:
+        name: its key in ``model.safetensors`` (the model's state-dict name).
+        dtype: torch dtype name without ``torch.`` (``bfloat16``).
+        shape: its shape.
+        sha256: sha256 (hex) of its bytes as stored: C-contiguous, little-endian.
+        aliases: further state-dict names that share this tensor (tied weights, e.g.
+            ``lm_head.weight`` for ``model.embed_tokens.weight``); not stored again.
+    """
+
+    name: str
+    dtype: str
+    shape: list[int]
+    sha256: str
+    aliases: list[str] = []
+
+
+class BaseRef(msgspec.Struct, frozen=True, kw_only=True):
+    """The catalogue row the weights were first loaded from (origin ``model``)."""
+
+    row_id: int
+    name: str
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True):
+    """``manifest.json`` (contract 5). Encoded with sorted keys and 2-space indent.
+
+    Attributes:
+        format, format_version: ``miserver-checkpoint``, 1.
+        saved_at: RFC 3339 UTC time of the save (``2026-11-30T08:00:00.000000Z``).
+        base: the base catalogue row.
+        parent_checkpoint_sha256: the checkpoint the weights were loaded from, or None.
+        steps_since_load: commits since the parameter set became resident (weights page).
+        architecture: ``{"model_type": ..., "architectures": [...]}`` from the config.
+        weights_file: the safetensors file (``model.safetensors``).
+        tensors: every stored tensor, sorted by name.
+        files: sha256 of every other file in the folder (config, tokenizer, ...), by relative path.
+    """
+
+    format: str
+    format_version: int
+    saved_at: str
+    base: BaseRef
+    parent_checkpoint_sha256: str | None
+    steps_since_load: int
+    architecture: dict[str, Any]
+    weights_file: str
+    tensors: list[TensorEntry]
+    files: dict[str, str] = {}
+
+    def names(self) -> set[str]:
+        """Every state-dict name the checkpoint covers (stored names and their aliases)."""
+        out: set[str] = set()
+        for t in self.tensors:
+            out.add(t.name)
+            out.update(t.aliases)
+        return out
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    """The exact bytes written to ``manifest.json`` (sorted keys, indent 2, final newline)."""
+    return (json.dumps(msgspec.to_builtins(manifest), indent=2, sort_keys=True) + "\n").encode()
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """What :func:`save_checkpoint` wrote; the route registers the catalogue row from it.
+
+    Attributes:
+        name: the folder name, also the new served name (contract 5).
+        path: the absolute path of the checkpoint folder.
+        checkpoint_sha256: sha256 (hex) of ``manifest.json``.
+        manifest: the decoded manifest.
+        saved_at: RFC 3339 UTC time, as in the manifest.
+        dtype: the floating dtype of the weights (``bfloat16``), for the catalogue row.
+        weights_bytes: size of ``model.safetensors`` in bytes.
+    """
+
+    name: str
+    path: Path
+    checkpoint_sha256: str
+    manifest: Manifest
+    saved_at: str
+    dtype: str
+    weights_bytes: int
+
+
+@dataclass(frozen=True)
+class CheckpointHandle:
+    """An opened checkpoint folder whose manifest parsed; tensors are not yet verified.
+
+    Attributes:
+        path: the absolute folder path.
+        name: the folder name.
+        checkpoint_sha256: sha256 (hex) of the ``manifest.json`` bytes read.
+        manifest: the decoded manifest.
+    """
+
+    path: Path
+    name: str
+    checkpoint_sha256: str
+    manifest: Manifest
+
+
+# --- the model's tensors ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Group:
+    """State-dict names that are one tensor (same data pointer, dtype, shape and stride)."""
+
+    names: tuple[str, ...]  # canonical first
+    tensor: torch.Tensor  # the Parameter/buffer itself (keep_vars), never a copy
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _tensor_groups(model: torch.nn.Module) -> list[_Group]:
+    """The model's base tensors (LoRA layers looked through), tied names grouped.
+
+    The canonical name of a tied group is its first state-dict name that the model does not
+    declare as a tied alias (``_tied_weights_keys``), so ``from_pretrained`` re-ties it.
+    """
+    from miserver.serving.adapters import base_state_dict
+
+    state = base_state_dict(model)
+    tied = getattr(model, "_tied_weights_keys", None)
+    alias_names = set(tied) if isinstance(tied, Mapping) else set()
+    by_key: dict[tuple, list[str]] = {}
+    tensors: dict[tuple, torch.Tensor] = {}
+    for name, t in state.items():
+        if t.device.type == "meta":
+            raise InvalidCheckpointRequest(f"tensor {name} is on the meta device: nothing to save")
+        ptr = t.data_ptr() if t.numel() else f"empty:{name}"  # empty tensors share address 0
+        key = (t.device, t.dtype, ptr, tuple(t.shape), tuple(t.stride()))
+        by_key.setdefault(key, []).append(name)
+        tensors.setdefault(key, t)
+    groups = []
+    for key, names in by_key.items():
+        names.sort(key=lambda n: n in alias_names)  # stable: keeps state-dict order otherwise
+        groups.append(_Group(tuple(names), tensors[key]))
+    return groups
+
+
+def _layout(groups: Iterable[tuple[Iterable[str], str, Iterable[int]]]) -> set[tuple]:
+    return {(frozenset(names), dtype, tuple(shape)) for names, dtype, shape in groups}
+
+
+def _model_layout(model: torch.nn.Module) -> set[tuple]:
+    return _layout((g.names, _dtype_name(g.tensor.dtype), g.tensor.shape)
+                   for g in _tensor_groups(model))
+
+
+def _manifest_layout(manifest: Manifest) -> set[tuple]:
+    return _layout(((t.name, *t.aliases), t.dtype, t.shape) for t in manifest.tensors)
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 (hex) of a CPU tensor's bytes in C order (what safetensors stores)."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(flat.numpy().data).hexdigest()
+
+
+# --- files --------------------------------------------------------------------------------------
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """fsync every file and folder under ``folder``, the folder itself last."""
+    for dirpath, _dirnames, filenames in os.walk(folder, topdown=False):
+        for f in filenames:
+            _fsync_path(Path(dirpath) / f)
+        _fsync_path(Path(dirpath))
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished temporary folder to its final name (atomic on one filesystem)."""
+    if final.exists():
+        raise CheckpointExists(f"a checkpoint named {final.name!r} already exists",
+                               details={"name": final.name, "path": str(final)})
+    os.rename(tmp, final)
+    _fsync_path(final.parent)
+
+
+def rfc3339(now: float) -> str:
+    """Unix seconds as an RFC 3339 UTC timestamp with microseconds (``...T08:00:00.000000Z``)."""
+    return datetime.fromtimestamp(now, UTC).isoformat(timespec="microseconds").replace(
+        "+00:00", "Z")
+
+
+def _safe_relative(name: str) -> bool:
+    p = Path(name)
+    return bool(name) and not p.is_absolute() and ".." not in p.parts and name != MANIFEST_NAME
+
+
+def default_name(base_name: str, steps_since_load: int, checkpoint_sha256: str) -> str:
+    """``<base name>-step<steps_since_load>-<first 8 of sha256>`` (contract 5).
+
+    Characters of ``base_name`` outside ``[A-Za-z0-9._-]`` become ``-`` so the result is a valid
+    folder and served name.
+    """
+    safe = re.sub(r"[^A-Za-z0-9._-]", "-", base_name).lstrip(".-_") or "checkpoint"
+    return f"{safe[:100]}-step{steps_since_load}-{checkpoint_sha256[:8]}"
+
+
+def validate_name(name: str) -> str:
+    """Return ``name`` if it is a valid checkpoint name, else raise InvalidCheckpointRequest.
+
+    Valid: 1-128 characters of ``[A-Za-z0-9._-]``, starting with a letter or digit (a folder
+    name, never a path, and a valid served name in ``X-miLLM-Model``).
+    """
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise InvalidCheckpointRequest(
+            "a checkpoint name is 1-128 characters of letters, digits, '.', '_' and '-',"
+            " starting with a letter or digit", details={"field": "name"})
+    return name
+
+
+# --- save ---------------------------------------------------------------------------------------
+
+
+def save_checkpoint(model: torch.nn.Module, tokenizer: Any, *, root: Path, name: str | None,
+                    base_row_id: int, base_name: str, parent_sha256: str | None,
+                    steps_since_load: int, now: float) -> SavedCheckpoint:
+    """Write the model's current weights as the checkpoint ``root/<name>/``, atomically.
+
+    Everything is written into a temporary folder ``root/.saving-*``, every file and the folder are
+    fsynced, the manifest's sha256 is computed, and only then is the folder renamed to its final
+    name (and ``root`` fsynced). Any failure removes the temporary folder and re-raises; a process
+    killed mid-save leaves only a ``.saving-*`` folder, which is never a checkpoint and which
+    :func:`remove_partial_saves` deletes. Tied tensors are stored once. With a LoRA adapter
+    applied, the base weights are saved (the adapter is not part of the checkpoint).
+
+    Runs inside the barrier (contract 5): the weights must not change while it reads them. Needs
+    one host copy of the weights at a time (tensors are copied to CPU before writing).
+
+    Args:
+        model: the served ``PreTrainedModel`` (any device).
+        tokenizer: its tokenizer (``save_pretrained``), or None to save weights and config only.
+        root: the checkpoints folder (``MISERVER_HOME/checkpoints``), created if missing.
+        name: the folder name, or None for :func:`default_name`.
+        base_row_id, base_name: the base catalogue row (origin ``model``).
+        parent_sha256: the checkpoint the resident weights were loaded from, or None.
+        steps_since_load: commits since the weights became resident (weights page).
+        now: the wall-clock time of the save, Unix seconds.
+
+    Returns:
+        The :class:`SavedCheckpoint`.
+
+    Raises:
+        InvalidCheckpointRequest: ``name`` is not a valid name (nothing written).
+        CheckpointExists: ``root/<name>`` exists (nothing left behind).
+        OSError: the disk failed (nothing left behind).
+    """
+    if name is not None:
+        validate_name(name)
+        if (root / name).exists():
+            raise CheckpointExists(f"a checkpoint named {name!r} already exists",
+                                   details={"name": name, "path": str(root / name)})
+    root = Path(root).absolute()
+    root.mkdir(parents=True, exist_ok=True)
+    saved_at = rfc3339(now)
+    tmp = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=root))
+    try:
+        os.chmod(tmp, 0o755)
+        groups = _tensor_groups(model)
+        entries: list[TensorEntry] = []
+        host: dict[str, torch.Tensor] = {}
+        for g in groups:
+            cpu = g.tensor.detach().to("cpu", copy=True).contiguous()
+            host[g.names[0]] = cpu
+            entries.append(TensorEntry(name=g.names[0], dtype=_dtype_name(cpu.dtype),
+                                       shape=list(cpu.shape), sha256=tensor_sha256(cpu),
+                                       aliases=list(g.names[1:])))
+        save_file(host, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        del host
+        dtype = _weights_dtype(entries)
+        _save_config(model, tmp, dtype)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        files = {
+            p.relative_to(tmp).as_posix(): _file_sha256(p)
+            for p in sorted(tmp.rglob("*"))
+            if p.is_file() and p.name != WEIGHTS_NAME
+        }
+        config = getattr(model, "config", None)
+        manifest = Manifest(
+            format=MANIFEST_FORMAT, format_version=MANIFEST_VERSION, saved_at=saved_at,
+            base=BaseRef(row_id=base_row_id, name=base_name),
+            parent_checkpoint_sha256=parent_sha256, steps_since_load=steps_since_load,
+            architecture={"model_type": getattr(config, "model_type", None),
+                          "architectures": list(getattr(config, "architectures", None)
+                                                or [type(model).__name__])},
+            weights_file=WEIGHTS_NAME, tensors=sorted(entries, key=lambda e: e.name),
+            files=files,
+        )
+        data = encode_manifest(manifest)
+        (tmp / MANIFEST_NAME).write_bytes(data)
+        _fsync_tree(tmp)
+        sha = hashlib.sha256(data).hexdigest()
+        final_name = name if name is not None else default_name(base_name, steps_since_load, sha)
+        final = root / final_name
+        weights_bytes = (tmp / WEIGHTS_NAME).stat().st_size
+        _publish(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return SavedCheckpoint(name=final_name, path=final, checkpoint_sha256=sha, manifest=manifest,
+                           saved_at=saved_at, dtype=dtype, weights_bytes=weights_bytes)
+
+
+def _weights_dtype(entries: list[TensorEntry]) -> str:
+    """The most common floating dtype by element count (the catalogue row's dtype)."""
+    counts: dict[str, int] = {}
+    for e in entries:
+        if _DTYPES.get(e.dtype, torch.int8).is_floating_point:
+            n = 1
+            for d in e.shape:
+                n *= d
+            counts[e.dtype] = counts.get(e.dtype, 0) + n
+    return max(counts, key=counts.__getitem__) if counts else "float32"
+
+
+def _save_config(model: torch.nn.Module, folder: Path, dtype: str) -> None:
+    """config.json (dtype set to the weights' dtype, the live config untouched) and the
+    generation config."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config = config.__class__.from_dict(config.to_dict())
+        config.dtype = dtype
+        if not getattr(config, "architectures", None):
+            config.architectures = [type(model).__name__]
+        config.save_pretrained(str(folder))
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and hasattr(gen, "save_pretrained"):
+        gen.save_pretrained(str(folder))
+
+
+def remove_partial_saves(root: Path) -> list[Path]:
+    """Delete the ``.saving-*`` folders a killed save left in ``root``; returns what it removed.
+
+    Call it at start-up (no save can be running then). Never touches a finished checkpoint.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    removed = []
+    for p in sorted(root.glob(PARTIAL_PREFIX + "*")):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+# --- open, verify, load -------------------------------------------------------------------------
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointHandle:
+    """Open a checkpoint folder and parse its manifest (tensors are not read yet).
+
+    Raises:
+        CheckpointNotFound: ``path`` is not a folder.
+        CheckpointCorrupt: no ``manifest.json``, or it does not parse as a version-1 manifest,
+            or it names a file outside the folder, or the weights file is missing.
+    """
+    folder = Path(path).absolute()
+    if not folder.is_dir() or folder.name.startswith(PARTIAL_PREFIX):
+        raise CheckpointNotFound(f"no checkpoint folder at {str(folder)!r}",
+                                 details={"path": str(folder)})
+    mpath = folder / MANIFEST_NAME
+    try:
+        data = mpath.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointCorrupt(f"{folder.name!r} is not a miserver checkpoint: manifest.json is"
+                                " missing", path=folder, file=MANIFEST_NAME) from None
+    try:
+        manifest = msgspec.json.decode(data, type=Manifest)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise CheckpointCorrupt(f"manifest.json of {folder.name!r} is invalid: {e}",
+                                path=folder, file=MANIFEST_NAME) from None
+    if manifest.format != MANIFEST_FORMAT or manifest.format_version != MANIFEST_VERSION:
+        raise CheckpointCorrupt(
+            f"manifest.json of {folder.name!r} is format {manifest.format!r} version"
+            f" {manifest.format_version}, not {MANIFEST_FORMAT!r} version {MANIFEST_VERSION}",
+            path=folder, file=MANIFEST_NAME)
+    for rel in [manifest.weights_file, *manifest.files]:
+        if not _safe_relative(rel):
+            raise CheckpointCorrupt(f"manifest.json names a file outside the checkpoint: {rel!r}",
+                                    path=folder, file=MANIFEST_NAME)
+    if manifest.weights_file in manifest.files:
+        raise CheckpointCorrupt("manifest.json lists the weights file among the other files",
+                                path=folder, file=MANIFEST_NAME)
+    seen: set[str] = set()
+    for t in manifest.tensors:
+        for n in (t.name, *t.aliases):
+            if n in seen:
+                raise CheckpointCorrupt(f"manifest.json names tensor {n!r} twice", path=folder,
+                                        tensor=n)
+            seen.add(n)
+        if t.dtype not in _DTYPES or any(d < 0 for d in t.shape) or not _SHA256_RE.fullmatch(
+                t.sha256):
+            raise CheckpointCorrupt(f"manifest entry of tensor {t.name!r} is invalid",
+                                    path=folder, tensor=t.name)
+    if not (folder / manifest.weights_file).is_file():
+        raise CheckpointCorrupt(f"{manifest.weights_file} is missing", path=folder,
+                                file=manifest.weights_file)
+    return CheckpointHandle(path=folder, name=folder.name,
+                            checkpoint_sha256=hashlib.sha256(data).hexdigest(), manifest=manifest)
+
+
+def _read_verified(handle: CheckpointHandle, keep: bool) -> dict[str, torch.Tensor]:
+    folder, manifest = handle.path, handle.manifest
+    for rel, want in manifest.files.items():
+        p = folder / rel
+        if not p.is_file():
+            raise CheckpointCorrupt(f"{rel} is missing", path=folder, file=rel)
+        if _file_sha256(p) != want:
+            raise CheckpointCorrupt(f"{rel} does not match its sha256 in manifest.json",
+                                    path=folder, file=rel)
+    out: dict[str, torch.Tensor] = {}
+    wpath = folder / manifest.weights_file
+    try:
+        with safe_open(str(wpath), framework="pt", device="cpu") as f:
+            stored = set(f.keys())
+            listed = {t.name for t in manifest.tensors}
+            if stored != listed:
+                missing = sorted(listed - stored)
+                extra = sorted(stored - listed)
+                culprit = (missing or extra)[0]
+                raise CheckpointCorrupt(
+                    f"{manifest.weights_file} and manifest.json list different tensors"
+                    f" (missing from the file: {missing[:5]}, not in the manifest: {extra[:5]})",
+                    path=folder, tensor=culprit)
+            for entry in manifest.tensors:
+                t = f.get_tensor(entry.name)
+                if _dtype_name(t.dtype) != entry.dtype or list(t.shape) != entry.shape:
+                    raise CheckpointCorrupt(
+                        f"tensor {entry.name!r} is {_dtype_name(t.dtype)}{list(t.shape)} in the"
+                        f" file but {entry.dtype}{entry.shape} in manifest.json",
+                        path=folder, tensor=entry.name)
+                if tensor_sha256(t) != entry.sha256:
+                    raise CheckpointCorrupt(
+                        f"tensor {entry.name!r} does not match its sha256 in manifest.json",
+                        path=folder, tensor=entry.name)
+                if keep:
+                    out[entry.name] = t
+    except SafetensorError as e:
+        raise CheckpointCorrupt(f"{manifest.weights_file} cannot be read: {e}", path=folder,
+                                file=manifest.weights_file) from None
+    except OSError as e:
+        raise CheckpointCorrupt(f"{manifest.weights_file} cannot be read: {e.strerror}",
+                                path=folder, file=manifest.weights_file) from None
+    return out
+
+
+def verify(handle: CheckpointHandle) -> None:
+    """Check every tensor (dtype, shape, sha256) and every listed file against the manifest.
+
+    Reads the whole weights file, one tensor at a time.
+
+    Raises:
+        CheckpointCorrupt: naming the first tensor (``.tensor``) or file (``.file``) that does not
+            match, or the weights file is unreadable.
+    """
+    _read_verified(handle, keep=False)
+
+
+def layout_matches(model: torch.nn.Module, handle: CheckpointHandle) -> bool:
+    """Whether ``handle`` can be written in place into ``model`` (contract 5).
+
+    True when the model's base state dict (LoRA layers looked through) and the checkpoint cover
+    the same names with the same dtypes and shapes, and the same names are tied together (a tied
+    pair in the checkpoint is one tensor in the model, and the reverse).
+    """
+    return _model_layout(model) == _manifest_layout(handle.manifest)
+
+
+def load_in_place(model: torch.nn.Module, handle: CheckpointHandle) -> None:
+    """Write the checkpoint's tensors into the model's existing parameters and buffers.
+
+    Every tensor is read and verified first (dtype, shape, sha256), all before the first write;
+    then each is ``copy_``-ed under ``torch.no_grad()`` into the existing storage: no parameter
+    storage is allocated and every ``data_ptr()`` stays the same (weights page: "Releasing the
+    handles": the in-place load writes into the exported storages). A tied group is written once.
+    Needs one host copy of the weights. Runs inside the barrier, in state ``writing``.
+
+    Raises:
+        LayoutMismatch: :func:`layout_matches` is false (nothing written).
+        CheckpointCorrupt: a tensor or file does not match the manifest (nothing written).
+    """
+    if not layout_matches(model, handle):
+        raise LayoutMismatch(
+            f"checkpoint {handle.name!r} does not have the resident model's layout (names,"
+            " shapes, dtypes, tied weights); it needs a full reload",
+            details={"path": str(handle.path)})
+    tensors = _read_verified(handle, keep=True)
+    stored_name = {n: t.name for t in handle.manifest.tensors for n in (t.name, *t.aliases)}
+    with torch.no_grad():
+        for g in _tensor_groups(model):
+            g.tensor.copy_(tensors[stored_name[g.names[0]]])
+
+
+# --- references ---------------------------------------------------------------------------------
+
+
+def _field(row: Any, key: str) -> Any:
+    return row[key] if isinstance(row, Mapping) else getattr(row, key)
+
+
+def resolve_checkpoint(catalogue_rows: Iterable[Any], ref: str) -> Any:
+    """The catalogue row of origin ``checkpoint`` that ``ref`` names (contract 5 ``load``).
+
+    ``ref`` is tried as a full sha256 (64 hex digits, any case), then as a row name, then as a
+    path (compared after resolving). Rows are :class:`CatalogueRow` objects or mappings with
+    ``origin``, ``name``, ``path`` and ``checkpoint_sha256``.
+
+    Raises:
+        InvalidCheckpointRequest: ``ref`` is empty or not a string.
+        CheckpointNotFound: no checkpoint row matches.
+    """
+    if not isinstance(ref, str) or not ref.strip():
+        raise InvalidCheckpointRequest("checkpoint must be a sha256, a name or a path",
+                                       details={"field": "checkpoint"})
+    ref = ref.strip()
+    rows = [r for r in catalogue_rows if _field(r, "origin") == "checkpoint"]
+    if _SHA256_RE.fullmatch(ref.lower()):
+        for r in rows:
+            if (_field(r, "checkpoint_sha256") or "").lower() == ref.lower():
+                return r
+    for r in rows:
+        if _field(r, "name") == ref:
+            return r
+    try:
+        wanted = Path(ref).expanduser().resolve()
+    except (OSError, RuntimeError, ValueError):
+        wanted = None
+    if wanted is not None:
+        for r in rows:
+            if Path(_field(r, "path")).expanduser().resolve() == wanted:
+                return r
+    shown = ref if len(ref) <= 200 else ref[:200] + "..."
+    raise CheckpointNotFound(f"no checkpoint with sha256, name or path {shown!r}",
+                             details={"checkpoint": shown})

@@ -1,0 +1,290 @@
+"""The parameter arena: every parameter of one device in one dedicated allocation.
+
+Weights page, "Which models can be attached" and "Rebuilding the tensors in the trainer"; design
+notes, "Serving": an attachable load places all parameters of one device in one dedicated
+allocation, so that the exported handle exposes parameters and nothing else and each device
+exports exactly one storage.
+
+On CUDA the allocation is one exact-size ``torch.UntypedStorage`` made inside its own
+``torch.cuda.MemPool``: nothing else is ever allocated in that pool, so the CUDA IPC handle of
+its segment covers our parameters and nothing else. On the CPU (contract section 8,
+``WEIGHTS_CPU_ATTACH=1``) it is one storage in shared memory made through PyTorch's file-system
+sharing strategy (``torch_shm_manager``).
+
+Layouts are preserved: parameters that share a source storage (tied embeddings, slices of a fused
+tensor, transposed or otherwise strided views) are copied as one byte span, so in the arena they
+keep their relative offsets and strides; a tied parameter (one ``nn.Parameter`` reachable under
+several names) is one region listed under every name. Buffers are never moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+#: Byte alignment of each copied span inside the arena (vectorised kernels want 16; 256 keeps
+#: every span on its own cache-line group and matches cudaMalloc's own alignment guarantees).
+SPAN_ALIGN = 256
+#: The arena's total size is rounded up to this, the CUDA caching allocator's block granule, so
+#: the storage's size equals the allocator's block size and ``pinned_bytes`` is exact.
+SIZE_GRANULE = 512
+
+
+class NotArenaCompatible(ValueError):
+    """The model cannot be placed in an arena (a meta parameter, a mixed device, a bad target)."""
+
+
+@dataclass(frozen=True)
+class ParameterSlot:
+    """Where one parameter lives in the arena.
+
+    Attributes:
+        name: the parameter's qualified name (``model.layers.0.mlp.up_proj.weight``).
+        storage: index into :attr:`ParameterArena.storages`.
+        dtype: the parameter's dtype.
+        shape: its size.
+        stride: its strides, in elements.
+        storage_offset: its offset into the storage, in elements of ``dtype``.
+        requires_grad: the parameter's ``requires_grad`` at placement.
+        tied_to: the first name under which the same ``nn.Parameter`` was found, or None.
+    """
+
+    name: str
+    storage: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    requires_grad: bool
+    tied_to: str | None = None
+
+
+@dataclass
+class ParameterArena:
+    """The dedicated allocations of one attachable model, one per device.
+
+    Attributes:
+        storages: one ``torch.UntypedStorage`` per device, in device order.
+        devices: the device of each storage.
+        nbytes: the size of each storage in bytes (a multiple of :data:`SIZE_GRANULE`).
+        slots: name -> :class:`ParameterSlot`, every parameter name, tied names included, in
+            ``named_parameters(remove_duplicate=False)`` order.
+        addresses: name -> ``data_ptr()`` when the layout was last recorded (at placement and at
+            every export); :func:`miserver.ipc.export.moved_parameters` compares against it.
+        cpu_shared: whether the storages are CPU shared memory (contract section 8).
+        pools: the ``torch.cuda.MemPool`` of each CUDA storage (None on the CPU); kept alive
+            with the arena so nothing else is ever placed in them.
+    """
+
+    storages: list[torch.UntypedStorage]
+    devices: list[torch.device]
+    nbytes: list[int]
+    slots: dict[str, ParameterSlot]
+    addresses: dict[str, int]
+    cpu_shared: bool
+    pools: list[object | None] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes held by all storages together (what an export pins)."""
+        return sum(self.nbytes)
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """A fresh tensor view per parameter name, built from the arena alone (no model needed)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, s in self.slots.items():
+            st = self.storages[s.storage]
+            t = torch.empty(0, dtype=s.dtype, device=self.devices[s.storage])
+            t.set_(st, s.storage_offset, s.shape, s.stride)
+            out[name] = t
+        return out
+
+    def record_addresses(self, model: torch.nn.Module) -> None:
+        """Store every parameter's current ``data_ptr()`` (called at placement and export)."""
+        self.addresses = {
+            n: p.data_ptr() for n, p in model.named_parameters(remove_duplicate=False)
+        }
+
+
+def _byte_extent(t: torch.Tensor) -> int:
+    """Bytes from the tensor's first element to one past its last one (0 when empty)."""
+    if t.numel() == 0:
+        return 0
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
+
+
+def _round_up(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
+
+
+def _storage_key(p: torch.Tensor) -> tuple[str, int]:
+    st = p.untyped_storage()
+    return (str(p.device), st.data_ptr() if st.nbytes() else -id(p))
+
+
+def _unique_parameters(
+    model: torch.nn.Module,
+) -> tuple[list[tuple[str, torch.nn.Parameter]], dict[str, str]]:
+    """Unique parameters (first name) and tied names -> first name."""
+    first: dict[int, str] = {}
+    unique: list[tuple[str, torch.nn.Parameter]] = []
+    tied: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+            unique.append((name, p))
+    return unique, tied
+
+
+def _allocate(nbytes: int, device: torch.device, cpu_shared: bool
+              ) -> tuple[torch.UntypedStorage, object | None]:
+    if device.type == "cuda":
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool, device=device):
+            st = torch.zeros(nbytes, dtype=torch.uint8, device=device).untyped_storage()
+        return st, pool
+    st = torch.UntypedStorage(nbytes)
+    if cpu_shared:
+        # Move it into shared memory through the file-system strategy now, so views taken later
+        # already point at the shared pages; the data pointer never changes after this.
+        st._share_filename_cpu_()
+    # Zero the padding: the handle then exposes parameters and zeros, nothing stale.
+    torch.empty(0, dtype=torch.uint8).set_(st, 0, (nbytes,), (1,)).zero_()
+    return st, None
+
+
+def make_attachable(model: torch.nn.Module, *, cpu_shared: bool,
+                    device: torch.device | str | None = None) -> ParameterArena:
+    """Move every parameter of ``model`` into one dedicated allocation per device.
+
+    Weights page "Which models can be attached" (the ``allocator`` condition) and contract
+    section 8. Each parameter keeps its ``nn.Parameter`` object (only ``.data`` is replaced), so
+    ties, hooks and references held elsewhere stay valid; shape, stride, dtype and
+    ``requires_grad`` are unchanged and values are copied bit for bit. Buffers are not moved.
+
+    Args:
+        model: the loaded model; its parameters must be on CUDA devices (or on the CPU when
+            ``cpu_shared``). Several CUDA devices give one storage each.
+        cpu_shared: place CPU parameters in shared memory (``WEIGHTS_CPU_ATTACH=1``). Without it
+            a CPU parameter is refused.
+        device: place the arena on this device instead of each parameter's own (for a model
+            loaded on the CPU and served from one GPU: the GPU then never holds two copies).
+
+    Returns:
+        The :class:`ParameterArena` describing the layout, with addresses recorded.
+
+    Raises:
+        NotArenaCompatible: a parameter is on the meta device, or on the CPU without
+            ``cpu_shared``, or ``device`` is the CPU without ``cpu_shared``.
+    """
+    target = torch.device(device) if device is not None else None
+    if target is not None and target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
+    unique, tied = _unique_parameters(model)
+    if not unique:
+        raise NotArenaCompatible("the model has no parameters")
+
+    # group: device -> source storage -> params
+    by_device: dict[torch.device, dict[tuple[str, int], list[tuple[str, torch.Tensor]]]] = {}
+    for name, p in unique:
+        if p.device.type == "meta":
+            raise NotArenaCompatible(f"parameter {name} is on the meta device (not loaded)")
+        dev = target or p.device
+        if dev.type == "cpu" and not cpu_shared:
+            raise NotArenaCompatible(
+                f"parameter {name} is on the CPU; CPU placement needs cpu_shared=True "
+                "(WEIGHTS_CPU_ATTACH=1)")
+        if dev.type not in ("cpu", "cuda"):
+            raise NotArenaCompatible(f"parameter {name} is on {dev}, not CUDA or CPU")
+        by_device.setdefault(dev, {}).setdefault(_storage_key(p), []).append((name, p.data))
+
+    storages: list[torch.UntypedStorage] = []
+    devices: list[torch.device] = []
+    nbytes_list: list[int] = []
+    pools: list[object | None] = []
+    slots_by_name: dict[str, ParameterSlot] = {}
+    new_data: dict[str, torch.Tensor] = {}
+
+    def _dev_order(d: torch.device) -> tuple[int, int]:
+        return (0 if d.type == "cuda" else 1, d.index or 0)
+
+    with torch.no_grad():
+        for dev in sorted(by_device, key=_dev_order):
+            groups = by_device[dev]
+            # Plan: each source storage's used byte span, placed at an aligned arena offset.
+            plan: list[tuple[int, int, int, list[tuple[str, torch.Tensor]]]] = []
+            cursor = 0
+            for members in groups.values():
+                lo = min(t.storage_offset() * t.element_size() for _, t in members)
+                hi = max(t.storage_offset() * t.element_size() + _byte_extent(t)
+                         for _, t in members)
+                lo = lo // 16 * 16  # keeps every member's element alignment (itemsize | 16)
+                plan.append((cursor, lo, hi, members))
+                cursor = _round_up(cursor + (hi - lo), SPAN_ALIGN)
+            total = max(_round_up(cursor, SIZE_GRANULE), SIZE_GRANULE)
+            st, pool = _allocate(total, dev, cpu_shared)
+            index = len(storages)
+            storages.append(st)
+            devices.append(dev)
+            nbytes_list.append(total)
+            pools.append(pool)
+            dst_bytes = torch.empty(0, dtype=torch.uint8, device=dev).set_(st, 0, (total,), (1,))
+            for arena_off, lo, hi, members in plan:
+                src0 = members[0][1]
+                if hi > lo:
+                    src = torch.empty(0, dtype=torch.uint8, device=src0.device).set_(
+                        src0.untyped_storage(), lo, (hi - lo,), (1,))
+                    dst_bytes[arena_off:arena_off + (hi - lo)].copy_(src)
+                for name, t in members:
+                    byte_off = arena_off + t.storage_offset() * t.element_size() - lo
+                    assert byte_off % t.element_size() == 0
+                    elem_off = byte_off // t.element_size()
+                    view = torch.empty(0, dtype=t.dtype, device=dev).set_(
+                        st, elem_off, tuple(t.shape), tuple(t.stride()))
+                    new_data[name] = view
+                    slots_by_name[name] = ParameterSlot(
+                        name=name, storage=index, dtype=t.dtype, shape=tuple(t.shape),
+                        stride=tuple(t.stride()), storage_offset=elem_off,
+                        requires_grad=False)
+        if any(d.type == "cuda" for d in devices):
+            for d in devices:
+                if d.type == "cuda":
+                    torch.cuda.synchronize(d)
+        # Swap .data in place: the Parameter objects (and so ties and optimizer references)
+        # stay the same; the old storages are freed once nothing else holds them.
+        for name, p in unique:
+            p.data = new_data[name]
+
+    slots: dict[str, ParameterSlot] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        base = tied.get(name, name)
+        s = slots_by_name[base]
+        slots[name] = ParameterSlot(
+            name=name, storage=s.storage, dtype=s.dtype, shape=s.shape, stride=s.stride,
+            storage_offset=s.storage_offset, requires_grad=p.requires_grad,
+            tied_to=tied.get(name))
+    arena = ParameterArena(storages=storages, devices=devices, nbytes=nbytes_list, slots=slots,
+                           addresses={}, cpu_shared=cpu_shared, pools=pools)
+    arena.record_addresses(model)
+    return arena
+
+
+def parameter_devices(model: torch.nn.Module) -> list[str]:
+    """The distinct devices of the model's parameters, as strings (``cuda:0``, ``cpu``)."""
+    return sorted({str(p.device) for p in model.parameters()})
+
+
+def parameter_dtypes(model: torch.nn.Module) -> list[str]:
+    """The distinct dtypes of the model's parameters, without the ``torch.`` prefix."""
+    return sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+
+
+def is_in_arena(arena: ParameterArena, tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every tensor's storage is one of the arena's storages."""
+    ptrs = {st.data_ptr() for st in arena.storages}
+    return all(t.untyped_storage().data_ptr() in ptrs for t in tensors)

@@ -1,0 +1,238 @@
+"""Exporting an arena's handles: ``storages[]``, ``parameters[]``, ``producer``, ``release``,
+``config`` of the POST /attach response, plus ``exports_since_start`` and ``cuda_memory``.
+
+Weights page, "Routes" (POST /attach), "Rebuilding the tensors in the trainer", "Releasing the
+handles", "Status"; contract section 8 for ``cpu_shared_memory`` entries.
+
+Each storage is shared exactly once per export, which opens one CUDA IPC reference count for it
+(or, on the CPU, one shared-memory reference that the trainer's rebuild takes over). A storage
+entry carries the fields PyTorch's own reducer emits (``torch.multiprocessing.reductions``:
+``reduce_tensor`` for CUDA, ``reduce_storage`` under the ``file_system`` strategy for the CPU),
+byte fields base64-encoded.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from typing import Any
+
+import msgspec
+import torch
+
+from miserver.ipc.arena import ParameterArena
+from miserver.ipc.devices import device_uuid, producer_info
+
+#: The release contract stated in every export (weights page "Releasing the handles").
+RELEASE_CONTRACT = (
+    "Rebuild each storage exactly once and take every parameter as a view of it. To release: "
+    "drop every rebuilt tensor and anything viewing them, call torch.cuda.ipc_collect(), then "
+    "POST /api/weights/detach. pinned_bytes stays reserved in miserver until every storage has "
+    "been rebuilt once and released; handles never rebuilt, or still held by a process that "
+    "exits or crashes, stay pinned until miserver restarts (detach, clear-stale, reload and "
+    "unload do not return them). miserver.trainer does this by construction."
+)
+
+
+class CudaIpcStorage(msgspec.Struct, kw_only=True, tag_field="kind", tag="cuda_ipc"):
+    """One CUDA storage: the arguments of ``rebuild_cuda_tensor`` that describe the storage.
+
+    ``handle`` is the ``cudaIpcMemHandle_t`` of the allocation (64 bytes, base64);
+    ``storage_offset_bytes`` the storage's offset inside it; ``ref_counter_handle`` and
+    ``ref_counter_offset`` the shared-memory reference counter the receiver releases;
+    ``event_handle`` an IPC event to wait on before reading when ``event_sync_required``.
+    ``device_index`` is the producer's index; match devices by ``device_uuid``.
+    """
+
+    device_index: int
+    device_uuid: str
+    handle: str
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: str
+    ref_counter_offset: int
+    event_handle: str | None
+    event_sync_required: bool
+
+
+class CpuSharedMemoryStorage(msgspec.Struct, kw_only=True, tag_field="kind",
+                             tag="cpu_shared_memory"):
+    """One CPU shared-memory storage (contract section 8): what PyTorch's ``file_system``
+    strategy emits, ``(manager_handle, storage_handle, size)``, with byte fields base64.
+    Rebuild with ``rebuild_storage_filename(torch.UntypedStorage, manager, handle, size)``.
+    ``device_index`` and ``device_uuid`` are null."""
+
+    manager_handle: str
+    storage_handle: str
+    storage_size_bytes: int
+    device_index: int | None = None
+    device_uuid: str | None = None
+
+
+class ParameterEntry(msgspec.Struct, kw_only=True):
+    """One parameter as a view of ``storages[storage]``: ``dtype`` (``bfloat16``), ``shape``,
+    ``stride`` (elements), ``storage_offset`` (elements). Tied names share the storage entry and
+    offset; ``tied_to`` names the first name of the same parameter (else null)."""
+
+    name: str
+    storage: int
+    dtype: str
+    shape: list[int]
+    stride: list[int]
+    storage_offset: int
+    requires_grad: bool
+    tied_to: str | None = None
+
+
+class Producer(msgspec.Struct, kw_only=True):
+    """The exporting process's build: ``torch`` version, ``cuda`` build version, ``driver``."""
+
+    torch: str
+    cuda: str | None
+    driver: str | None
+
+
+class Release(msgspec.Struct, kw_only=True):
+    """``pinned_bytes``: bytes the exported storages hold until released (GPU memory; shared
+    memory in CPU mode). ``contract``: the release order, in words."""
+
+    pinned_bytes: int
+    contract: str
+
+
+class ExportBody(msgspec.Struct, kw_only=True):
+    """The handle part of the POST /attach response (weights page "Routes")."""
+
+    storages: list[CudaIpcStorage | CpuSharedMemoryStorage]
+    parameters: list[ParameterEntry]
+    producer: Producer
+    release: Release
+    config: dict[str, Any] | None
+
+    def to_builtins(self) -> dict[str, Any]:
+        """The body as plain JSON types (what a trainer receives)."""
+        return msgspec.to_builtins(self)
+
+
+class ParametersMoved(RuntimeError):
+    """A parameter no longer lives where the arena placed it; exporting would hand out handles
+    the server no longer reads. ``names`` lists them (weights page "States": torn)."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(f"{len(names)} parameter(s) moved out of the arena: "
+                         + ", ".join(names[:5]) + (" ..." if len(names) > 5 else ""))
+        self.names = names
+
+
+_lock = threading.Lock()
+_exports = 0
+
+
+def exports_since_start() -> int:
+    """How many times this process has exported handles (weights page "Status")."""
+    return _exports
+
+
+def _b64(b: bytes | None) -> str | None:
+    return None if b is None else base64.b64encode(b).decode("ascii")
+
+
+def model_config(model: torch.nn.Module) -> dict[str, Any] | None:
+    """The architecture config exactly as loaded, every attribute stated (``to_json_string(
+    use_diff=False)``), or None when the model has none."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        return None
+    return json.loads(config.to_json_string(use_diff=False))
+
+
+def moved_parameters(arena: ParameterArena, model: torch.nn.Module) -> list[str]:
+    """Names whose address changed since the arena last recorded it (placement or export).
+
+    A name is listed when its ``data_ptr()`` differs, when its storage is no longer an arena
+    storage, when it is new, or when an arena name is gone. Sorted. The caller turns a
+    non-empty answer into a torn set (weights page "States").
+    """
+    arena_ptrs = {st.data_ptr() for st in arena.storages}
+    seen: set[str] = set()
+    moved: list[str] = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        seen.add(name)
+        if (arena.addresses.get(name) != p.data_ptr()
+                or p.untyped_storage().data_ptr() not in arena_ptrs):
+            moved.append(name)
+    moved.extend(n for n in arena.slots if n not in seen)
+    return sorted(moved)
+
+
+def _share(arena: ParameterArena, i: int) -> CudaIpcStorage | CpuSharedMemoryStorage:
+    st = arena.storages[i]
+    dev = arena.devices[i]
+    if dev.type == "cuda":
+        (index, handle, size, offset, rc_handle, rc_offset, ev_handle,
+         ev_sync) = st._share_cuda_()
+        return CudaIpcStorage(
+            device_index=int(index), device_uuid=device_uuid(int(index)), handle=_b64(handle),
+            storage_size_bytes=int(size), storage_offset_bytes=int(offset),
+            ref_counter_handle=_b64(rc_handle), ref_counter_offset=int(rc_offset),
+            event_handle=_b64(ev_handle), event_sync_required=bool(ev_sync))
+    manager, handle, size = st._share_filename_cpu_()
+    # As reduce_storage does: one reference for the receiver, which rebuild_storage_filename
+    # takes over (it opens the file, then drops this reference).
+    st._shared_incref()
+    return CpuSharedMemoryStorage(manager_handle=_b64(manager), storage_handle=_b64(handle),
+                                  storage_size_bytes=int(size))
+
+
+def export_handles(arena: ParameterArena, model: torch.nn.Module) -> ExportBody:
+    """Share every arena storage once and describe every parameter as a view of one.
+
+    Weights page POST /attach (storages, parameters, producer, release, config). Counts one
+    export (:func:`exports_since_start`) and re-records every parameter's address.
+
+    Raises:
+        ParametersMoved: a parameter no longer lives where the arena put it.
+    """
+    global _exports
+    moved = moved_parameters(arena, model)
+    if moved:
+        raise ParametersMoved(moved)
+    with _lock:
+        storages = [_share(arena, i) for i in range(len(arena.storages))]
+        _exports += 1
+    params = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        s = arena.slots[name]
+        params.append(ParameterEntry(
+            name=name, storage=s.storage, dtype=str(s.dtype).removeprefix("torch."),
+            shape=list(s.shape), stride=list(s.stride), storage_offset=s.storage_offset,
+            requires_grad=bool(p.requires_grad), tied_to=s.tied_to))
+    arena.record_addresses(model)
+    return ExportBody(
+        storages=storages, parameters=params, producer=Producer(**producer_info()),
+        release=Release(pinned_bytes=arena.total_bytes, contract=RELEASE_CONTRACT),
+        config=model_config(model))
+
+
+def cuda_memory() -> list[dict[str, Any]] | None:
+    """``[{device_index, allocated_mb, reserved_mb}]`` from this process's CUDA caching
+    allocator, MiB with 3 decimals; None without CUDA (weights page "Status")."""
+    if not torch.cuda.is_available():
+        return None
+    out = []
+    for i in range(torch.cuda.device_count()):
+        out.append({
+            "device_index": i,
+            "allocated_mb": round(torch.cuda.memory_allocated(i) / 2**20, 3),
+            "reserved_mb": round(torch.cuda.memory_reserved(i) / 2**20, 3),
+        })
+    return out
+
+
+def reclaim() -> None:
+    """Free the shared blocks trainers have released (``torch.cuda.ipc_collect()``); the detach
+    handler calls it (weights page "Rebuilding the tensors": miserver reclaims the shared blocks
+    you released). A no-op without an initialised CUDA context."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.ipc_collect()

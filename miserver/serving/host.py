@@ -254,6 +254,10 @@ class ModelHost:
         free_memory()
         log.info("model %s unloaded", name)
 
+    def shutdown(self) -> None:
+        """Drop the resident model without any check (process shutdown only)."""
+        self._drop_resident()
+
     async def unload(self, row_id: int | None = None) -> CatalogueRow:
         """Unload the resident model and free its memory; returns its row.
 

@@ -1,0 +1,140 @@
+"""The aiohttp application factory.
+
+:func:`create_app` wires the parts of one server process: settings, catalogue, model host,
+scheduler and metrics (as typed app keys, :mod:`miserver.http.keys`), the JSON error middleware
+(every error body is JSON, contract 2), the body-size limit (413 as JSON before the body is read,
+contract 1), the Management API and ``/v1``. At start-up it loads ``DEFAULT_MODEL`` in the
+background (importing the embedded default first when its row is missing), so liveness answers at
+once; a ``/v1`` request meanwhile is 409 MODEL_BUSY, never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from miserver.http import keys, management
+from miserver.http.errors import ApiError, json_errors_middleware
+from miserver.serving.catalogue import Catalogue
+from miserver.serving.host import ModelHost
+from miserver.serving.metrics import Metrics
+from miserver.serving.scheduler import Scheduler
+from miserver.spec import codes
+from miserver.spec.settings import Settings
+
+log = logging.getLogger("miserver.app")
+
+
+def body_limit_middleware(max_bytes: int) -> Any:
+    """Refuse a body declared larger than ``max_bytes`` with 413 before reading it.
+
+    A chunked body without ``Content-Length`` is cut at the same limit by aiohttp's
+    ``client_max_size`` when a handler reads it (also answered as JSON 413).
+    """
+
+    @web.middleware
+    async def limit(request: web.Request, handler: Any) -> web.StreamResponse:
+        length = request.content_length
+        if length is not None and length > max_bytes:
+            raise ApiError(codes.PAYLOAD_TOO_LARGE,
+                           f"the request body is {length} bytes; MAX_REQUEST_BYTES is {max_bytes}",
+                           details={"max_request_bytes": max_bytes, "content_length": length})
+        return await handler(request)
+
+    return limit
+
+
+async def load_default_model(app: web.Application) -> None:
+    """Load ``DEFAULT_MODEL`` (importing the embedded default when it is named and missing).
+
+    Errors are logged, never raised: the server keeps serving with nothing resident.
+    """
+    settings = app[keys.SETTINGS]
+    name = settings.default_model
+    if not name:
+        return
+    host = app[keys.HOST]
+    catalogue = app[keys.CATALOGUE]
+    try:
+        from miserver.serving.default_model import DEFAULT_NAME, import_default
+
+        if catalogue.get_by_name(name) is None and name == DEFAULT_NAME:
+            await asyncio.to_thread(import_default, settings.home, False)
+        row = catalogue.get_by_name(name)
+        if row is None:
+            log.error("DEFAULT_MODEL %r is not in the catalogue (%s); nothing is resident",
+                      name, ", ".join(r.name for r in catalogue.list()) or "empty")
+            return
+        await host.load(row.id)
+    except ApiError as exc:
+        log.error("loading DEFAULT_MODEL %r failed: %s %s", name, exc.code.name, exc.message)
+    except Exception:  # noqa: BLE001 - a failed start-up load leaves the server up and empty
+        log.exception("loading DEFAULT_MODEL %r failed", name)
+
+
+def create_app(settings: Settings, *, host: ModelHost | None = None,
+               scheduler: Scheduler | None = None, catalogue: Catalogue | None = None,
+               metrics: Metrics | None = None) -> web.Application:
+    """Build the application of one server process.
+
+    Args:
+        settings: the validated configuration.
+        host: the model host (default: a new one over ``catalogue``).
+        scheduler: the execution slots (default: ``MAX_CONCURRENT_REQUESTS`` slots and
+            ``MAX_QUEUED_REQUESTS`` waiting).
+        catalogue: the catalogue (default: the one in ``settings.home``).
+        metrics: the metric families (default: a fresh registry).
+
+    ``app[keys.STARTUP_LOAD]`` is the task loading ``DEFAULT_MODEL`` once the app starts.
+    """
+    metrics = metrics or Metrics()
+    if host is not None:
+        catalogue = host.catalogue
+    catalogue = catalogue or Catalogue(settings.home)
+    host = host or ModelHost(settings, catalogue, metrics=metrics)
+    if host.metrics is None:
+        host.metrics = metrics
+    scheduler = scheduler or Scheduler(max_concurrent=settings.max_concurrent_requests,
+                                       max_queued=settings.max_queued_requests)
+    app = web.Application(
+        middlewares=[json_errors_middleware, body_limit_middleware(settings.max_request_bytes)],
+        client_max_size=settings.max_request_bytes,
+    )
+    app[keys.SETTINGS] = settings
+    app[keys.CATALOGUE] = catalogue
+    app[keys.HOST] = host
+    app[keys.SCHEDULER] = scheduler
+    app[keys.METRICS] = metrics
+    app[keys.STARTUP_LOAD] = None
+
+    management.setup_routes(app)
+    try:
+        v1 = importlib.import_module("miserver.http.v1")
+    except ModuleNotFoundError as exc:  # part of the tree not written yet: serve without /v1
+        if exc.name != "miserver.http.v1":
+            raise
+        log.warning("miserver.http.v1 is missing: /v1 routes are not served")
+    else:
+        v1.setup_routes(app)
+
+    async def on_startup(app: web.Application) -> None:
+        app[keys.STARTUP_LOAD] = asyncio.create_task(load_default_model(app),
+                                                     name="miserver-default-load")
+
+    async def on_cleanup(app: web.Application) -> None:
+        task = app[keys.STARTUP_LOAD]
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if not host.busy:
+            host.shutdown()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app

@@ -1,0 +1,401 @@
+"""The Management API (contract section 3): catalogue, loads, run-time settings, health, metrics.
+
+Every route answers in the envelope ``{"success", "data", "error"}`` (contract 2). Request bodies
+are decoded strictly with msgspec: a wrong type, a missing or unknown field, or a body that is not
+a JSON object is ``400 INVALID_REQUEST`` naming the field (``param`` and ``details.field``), and
+nothing changes. No route here needs a token.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from aiohttp import web
+
+from miserver.http import keys
+from miserver.http.errors import ApiError, ok
+from miserver.serving.catalogue import (
+    DTYPES,
+    CatalogueError,
+    CatalogueRow,
+    DuplicateName,
+)
+from miserver.spec import codes
+
+T = TypeVar("T")
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
+GGUF_MAGIC = b"GGUF"
+
+
+# --- request bodies --------------------------------------------------------------------------
+class RegisterModel(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /api/models``: a local Hugging Face folder or a ``.gguf`` file (contract 3).
+
+    ``dtype`` and ``quantization`` are detected from the folder's ``config.json`` when absent;
+    when given they must agree with it.
+    """
+
+    name: str
+    path: str
+    dtype: Literal["float16", "bfloat16", "float32"] | None = None
+    quantization: Literal["none", "bitsandbytes-8bit", "bitsandbytes-4bit", "gptq", "awq",
+                          "gguf"] | None = None
+
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
+
+
+class SettingsPatch(msgspec.Struct, forbid_unknown_fields=True):
+    """``PATCH /api/settings`` (contract 1): any subset of the run-time serving settings."""
+
+    max_concurrent_requests: PositiveInt | msgspec.UnsetType = msgspec.UNSET
+    continuous_batching: bool | msgspec.UnsetType = msgspec.UNSET
+    max_queued_requests: PositiveInt | msgspec.UnsetType = msgspec.UNSET
+
+
+_FIELD_AT = re.compile(r" - at `\$\.?([^`]*)`$")
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
+_MISSING = re.compile(r"missing required field `([^`]*)`")
+
+
+def _invalid(message: str, field: str | None) -> ApiError:
+    return ApiError(codes.INVALID_REQUEST, message, param=field,
+                    details={"field": field} if field else None)
+
+
+def decode_body(body: bytes, type_: type[T], *, hints: dict[str, str] | None = None) -> T:
+    """Decode a JSON request body strictly into ``type_`` (a msgspec Struct).
+
+    ``hints`` maps a wrongly spelled field to the right one (named in the error).
+
+    Raises:
+        ApiError: 400 INVALID_REQUEST naming the offending field (contract 2). The message never
+            repeats the body.
+    """
+    if not body.strip():
+        raise _invalid("the request body must be a JSON object; it is empty", None)
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        unknown = _UNKNOWN.search(text)
+        missing = _MISSING.search(text)
+        at = _FIELD_AT.search(text)
+        if unknown:
+            field = unknown.group(1)
+            fields = ", ".join(getattr(type_, "__struct_fields__", ()))
+            hint = (hints or {}).get(field)
+            raise _invalid(f"unknown field {field!r}"
+                           + (f" (did you mean {hint!r}?)" if hint else "")
+                           + f"; allowed fields: {fields}", field) from None
+        if missing:
+            field = missing.group(1)
+            raise _invalid(f"missing required field {field!r}", field) from None
+        field = at.group(1) if at else None
+        detail = _FIELD_AT.sub("", text)
+        if field is None and detail.startswith("Expected `object`"):
+            raise _invalid(f"the request body must be a JSON object ({detail})", None) from None
+        raise _invalid(f"invalid value for {field!r}: {detail}" if field else detail,
+                       field) from None
+    except msgspec.DecodeError:
+        raise _invalid("the request body is not valid JSON", None) from None
+
+
+async def read_body(request: web.Request, type_: type[T], **kw: Any) -> T:
+    """Read and :func:`decode_body` the request body (413 beyond ``MAX_REQUEST_BYTES``)."""
+    return decode_body(await request.read(), type_, **kw)
+
+
+# --- helpers ---------------------------------------------------------------------------------
+def _row_id(request: web.Request) -> int:
+    raw = request.match_info["id"]
+    if not raw.isdigit() or len(raw) > 18:
+        raise ApiError(codes.MODEL_NOT_FOUND,
+                       f"no catalogue row with id {raw[:40]!r}: ids are integers "
+                       "(GET /api/models lists them)", details={"model_id": raw[:40]})
+    return int(raw)
+
+
+def _row_or_404(request: web.Request, row_id: int) -> CatalogueRow:
+    row = request.app[keys.CATALOGUE].get(row_id)
+    if row is None:
+        raise ApiError(codes.MODEL_NOT_FOUND, f"no catalogue row with id {row_id}",
+                       details={"model_id": row_id})
+    return row
+
+
+def _detect_quantization(config: dict[str, Any]) -> str:
+    q = config.get("quantization_config")
+    if not q:
+        return "none"
+    method = str(q.get("quant_method", "")).lower()
+    if method == "bitsandbytes":
+        return "bitsandbytes-4bit" if q.get("load_in_4bit") else "bitsandbytes-8bit"
+    if method in ("gptq", "awq"):
+        return method
+    raise _invalid(f"config.json has a quantization_config of method {method or 'unknown'!r}; "
+                   "supported: bitsandbytes, gptq, awq", "path")
+
+
+def _detect_dtype(config: dict[str, Any]) -> str | None:
+    raw = config.get("dtype") or config.get("torch_dtype")
+    if raw is None and isinstance(config.get("text_config"), dict):
+        raw = config["text_config"].get("dtype") or config["text_config"].get("torch_dtype")
+    if raw is None:
+        return None
+    value = str(raw).removeprefix("torch.")
+    return value if value in DTYPES else None
+
+
+def inspect_model_path(body: RegisterModel) -> dict[str, str]:
+    """Validate a ``POST /api/models`` path and detect ``format``, ``dtype``, ``quantization``.
+
+    A directory must hold ``config.json`` and at least one ``*.safetensors`` file; a file must be
+    a GGUF file (magic ``GGUF``). Returns the row's ``{format, dtype, quantization, path}``.
+
+    Raises:
+        ApiError: 400 INVALID_REQUEST naming ``path``, ``dtype`` or ``quantization``.
+    """
+    raw = body.path
+    if not raw or "\x00" in raw:
+        raise _invalid("path must be a non-empty absolute path", "path")
+    path = Path(raw)
+    if not path.is_absolute():
+        raise _invalid(f"path must be absolute (the server's working directory is not yours): "
+                       f"{raw[:200]!r}", "path")
+    path = path.resolve()
+    if not path.exists():
+        raise _invalid(f"path does not exist on the server: {str(path)[:300]}", "path")
+    if path.is_file():
+        try:
+            with path.open("rb") as fh:
+                magic = fh.read(4)
+        except OSError as exc:
+            raise _invalid(f"path cannot be read: {exc.strerror}", "path") from None
+        if magic != GGUF_MAGIC:
+            raise _invalid("path is a file but not a GGUF file (no GGUF magic); register a "
+                           "Hugging Face model folder or a .gguf file", "path")
+        if body.quantization not in (None, "gguf"):
+            raise _invalid("a GGUF file's quantization is gguf", "quantization")
+        return {"format": "gguf", "dtype": body.dtype or "float32", "quantization": "gguf",
+                "path": str(path)}
+    if not path.is_dir():
+        raise _invalid("path is neither a folder nor a regular file", "path")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise _invalid(f"{path} has no config.json: not a Hugging Face model folder", "path")
+    if not any(path.glob("*.safetensors")):
+        raise _invalid(f"{path} has no *.safetensors file (only safetensors weights are "
+                       "supported)", "path")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            raise ValueError("not an object")
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise _invalid(f"{config_file} is not a readable JSON object ({exc})", "path") from None
+    detected_q = _detect_quantization(config)
+    if body.quantization is not None and body.quantization != detected_q:
+        raise _invalid(f"quantization {body.quantization!r} does not match the folder's "
+                       f"config.json ({detected_q!r})", "quantization")
+    if body.quantization == "gguf":
+        raise _invalid("quantization gguf is for .gguf files", "quantization")
+    dtype = body.dtype or _detect_dtype(config) or "float32"
+    return {"format": "safetensors", "dtype": dtype, "quantization": detected_q,
+            "path": str(path)}
+
+
+# --- catalogue routes ------------------------------------------------------------------------
+async def list_models(request: web.Request) -> web.Response:
+    """``GET /api/models``: every catalogue row, ordered by id."""
+    return ok(request.app[keys.CATALOGUE].list())
+
+
+async def get_model(request: web.Request) -> web.Response:
+    """``GET /api/models/{id}``: one row (404 MODEL_NOT_FOUND)."""
+    return ok(_row_or_404(request, _row_id(request)))
+
+
+async def register_model(request: web.Request) -> web.Response:
+    """``POST /api/models {name, path, dtype?, quantization?}``: 201 with the new row.
+
+    400 INVALID_REQUEST for a bad body or path, 409 MODEL_EXISTS for a taken name.
+    """
+    body = await read_body(request, RegisterModel)
+    if not NAME_RE.match(body.name):
+        raise _invalid("name must be 1-128 characters of letters, digits and . _ : / @ + -, "
+                       "starting with a letter or digit", "name")
+    catalogue = request.app[keys.CATALOGUE]
+    existing = catalogue.get_by_name(body.name)
+    if existing is not None:
+        raise ApiError(codes.MODEL_EXISTS,
+                       f"a catalogue row named {body.name!r} already exists (id {existing.id})",
+                       details={"name": body.name, "model_id": existing.id})
+    found = inspect_model_path(body)
+    try:
+        row = catalogue.register(name=body.name, origin="model", **found)  # type: ignore[arg-type]
+    except DuplicateName as exc:
+        raise ApiError(codes.MODEL_EXISTS, str(exc),
+                       details={"name": body.name, "model_id": exc.existing_id}) from None
+    except CatalogueError as exc:
+        raise _invalid(str(exc), None) from None
+    return ok(row, status=201)
+
+
+async def delete_model(request: web.Request) -> web.Response:
+    """``DELETE /api/models/{id}``: remove the row, not its files (409 MODEL_RESIDENT)."""
+    row = _row_or_404(request, _row_id(request))
+    host = request.app[keys.HOST]
+    if host.resident is not None and host.resident.row.id == row.id:
+        raise ApiError(codes.MODEL_RESIDENT,
+                       f"catalogue row {row.name!r} (id {row.id}) is resident; unload it first "
+                       f"(POST /api/models/{row.id}/unload)", details={"model_id": row.id})
+    if host.busy:
+        raise ApiError(codes.MODEL_BUSY, "a model load or unload is in progress; retry when "
+                       "it finishes", reason="model_transition",
+                       details={"transition": host.transition})
+    try:
+        request.app[keys.CATALOGUE].delete(row.id)
+    except CatalogueError as exc:
+        raise ApiError(codes.MODEL_RESIDENT, str(exc), details={"model_id": row.id}) from None
+    return ok({"id": row.id, "name": row.name, "deleted": True})
+
+
+async def load_model(request: web.Request) -> web.Response:
+    """``POST /api/models/{id}/load``: make the row resident (a swap; a no-op when resident)."""
+    row_id = _row_id(request)
+    host = request.app[keys.HOST]
+    already = host.resident is not None and host.resident.row.id == row_id
+    resident = await host.load(row_id)
+    return ok({"model": resident.row, "already_resident": already,
+               "resident": host.describe()})
+
+
+async def unload_model(request: web.Request) -> web.Response:
+    """``POST /api/models/{id}/unload``: unload the resident row (409 MODEL_NOT_LOADED)."""
+    row = await request.app[keys.HOST].unload(_row_id(request))
+    return ok({"model": request.app[keys.CATALOGUE].get(row.id) or row, "resident": None})
+
+
+# --- settings --------------------------------------------------------------------------------
+_SETTINGS_HINTS = {
+    "MAX_CONCURRENT_REQUESTS": "max_concurrent_requests",
+    "CONTINUOUS_BATCHING": "continuous_batching",
+    "MAX_QUEUED_REQUESTS": "max_queued_requests",
+}
+
+
+def _settings_view(app: web.Application) -> dict[str, Any]:
+    scheduler = app[keys.SCHEDULER]
+    return {"max_concurrent_requests": scheduler.max_concurrent,
+            "continuous_batching": False,
+            "max_queued_requests": scheduler.max_queued}
+
+
+async def get_settings(request: web.Request) -> web.Response:
+    """``GET /api/settings``: the run-time serving settings (contract 1)."""
+    return ok(_settings_view(request.app))
+
+
+def check_settings_change(app: web.Application) -> None:
+    """Refuse a settings change while the barrier is held or draining, or weights are writing
+    (409 MODEL_BUSY; contract 1). Writing happens only inside the barrier, so a barrier
+    check covers both."""
+    scheduler = app[keys.SCHEDULER]
+    if scheduler.barrier_held or scheduler.barrier_draining:
+        raise ApiError(codes.MODEL_BUSY,
+                       "serving settings cannot change while the step barrier is held or "
+                       "draining; retry after POST /api/weights/resume",
+                       details={"barrier": "quiesced"})
+
+
+async def patch_settings(request: web.Request) -> web.Response:
+    """``PATCH /api/settings``: change any of ``max_concurrent_requests``,
+    ``continuous_batching`` (only false: not implemented), ``max_queued_requests``."""
+    patch = await read_body(request, SettingsPatch, hints=_SETTINGS_HINTS)
+    if patch.continuous_batching is True:
+        raise _invalid("continuous batching is not implemented in this version; "
+                       "continuous_batching can only be false", "continuous_batching")
+    check_settings_change(request.app)
+    kwargs = {}
+    if patch.max_concurrent_requests is not msgspec.UNSET:
+        kwargs["max_concurrent"] = patch.max_concurrent_requests
+    if patch.max_queued_requests is not msgspec.UNSET:
+        kwargs["max_queued"] = patch.max_queued_requests
+    if kwargs:
+        try:
+            request.app[keys.SCHEDULER].set_limits(**kwargs)
+        except ValueError as exc:
+            raise _invalid(str(exc), None) from None
+    return ok(_settings_view(request.app))
+
+
+# --- health and metrics ----------------------------------------------------------------------
+async def health(request: web.Request) -> web.Response:
+    """``GET /api/health``: liveness; 200 whenever the process answers."""
+    return ok({"status": "ok"})
+
+
+def weights_summary(app: web.Application) -> dict[str, Any] | None:
+    """The ``weights`` block of ``/api/health/detailed`` (weights page: Status, last paragraph):
+    ``{weights_state, barrier, attached, attachment_state}`` from ``app[keys.WEIGHTS_SUMMARY]``
+    (set by the weights lifecycle), ``{"error": ...}`` when it could not be read, None before
+    the lifecycle is wired in."""
+    provider = app.get(keys.WEIGHTS_SUMMARY)
+    if provider is None:
+        return None
+    try:
+        return provider()
+    except Exception as exc:  # noqa: BLE001 - reported, never a 500 on a health route
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+async def health_detailed(request: web.Request) -> web.Response:
+    """``GET /api/health/detailed``: resident model, device, queue, weights summary."""
+    app = request.app
+    host = app[keys.HOST]
+    scheduler = app[keys.SCHEDULER]
+    counts = scheduler.counts()
+    return ok({
+        "status": "ok",
+        "resident": host.describe(),
+        "transition": host.transition,
+        "device": app[keys.SETTINGS].resolved_device(),
+        "queue": {"running": counts.running, "queued": counts.queued,
+                  "held_requests": counts.held_interactive,
+                  "held_batch_chunks": counts.held_batch,
+                  "max_concurrent_requests": scheduler.max_concurrent,
+                  "max_queued_requests": scheduler.max_queued},
+        "weights": weights_summary(app),
+    })
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: Prometheus text format (contract 9)."""
+    m = request.app[keys.METRICS]
+    counts = request.app[keys.SCHEDULER].counts()
+    m.queue_depth.set(counts.queued + counts.held_interactive)
+    body, content_type = m.render()
+    resp = web.Response(body=body)
+    resp.headers["Content-Type"] = content_type
+    return resp
+
+
+def setup_routes(app: web.Application) -> None:
+    """Register the Management API, health and ``/metrics`` on ``app``."""
+    r = app.router
+    r.add_get("/api/models", list_models)
+    r.add_post("/api/models", register_model)
+    r.add_get("/api/models/{id}", get_model)
+    r.add_delete("/api/models/{id}", delete_model)
+    r.add_post("/api/models/{id}/load", load_model)
+    r.add_post("/api/models/{id}/unload", unload_model)
+    r.add_get("/api/settings", get_settings)
+    r.add_patch("/api/settings", patch_settings)
+    r.add_get("/api/health", health)
+    r.add_get("/api/health/detailed", health_detailed)
+    r.add_get("/metrics", metrics)

@@ -642,22 +642,23 @@ def layout_matches(model: torch.nn.Module, handle: CheckpointHandle) -> bool:
 def load_in_place(model: torch.nn.Module, handle: CheckpointHandle) -> None:
     """Write the checkpoint's tensors into the model's existing parameters and buffers.
 
-    Every tensor is read and verified first (dtype, shape, sha256), all before the first write;
-    then each is ``copy_``-ed under ``torch.no_grad()`` into the existing storage: no parameter
+    Every tensor is read and verified first (dtype, shape, sha256), then the layout is checked,
+    all before the first write (so a damaged checkpoint is reported as corrupt, not as a layout
+    mismatch); then each tensor is ``copy_``-ed under ``torch.no_grad()`` into the existing storage: no parameter
     storage is allocated and every ``data_ptr()`` stays the same (weights page: "Releasing the
     handles": the in-place load writes into the exported storages). A tied group is written once.
     Needs one host copy of the weights. Runs inside the barrier, in state ``writing``.
 
     Raises:
-        LayoutMismatch: :func:`layout_matches` is false (nothing written).
         CheckpointCorrupt: a tensor or file does not match the manifest (nothing written).
+        LayoutMismatch: :func:`layout_matches` is false (nothing written).
     """
+    tensors = _read_verified(handle, keep=True)
     if not layout_matches(model, handle):
         raise LayoutMismatch(
             f"checkpoint {handle.name!r} does not have the resident model's layout (names,"
             " shapes, dtypes, tied weights); it needs a full reload",
             details={"path": str(handle.path)})
-    tensors = _read_verified(handle, keep=True)
     stored_name = {n: t.name for t in handle.manifest.tensors for n in (t.name, *t.aliases)}
     with torch.no_grad():
         for g in _tensor_groups(model):

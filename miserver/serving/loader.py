@@ -112,6 +112,10 @@ def load_model(row: CatalogueRow, settings: Settings) -> LoadedModel:
     check_loadable(row)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if settings.log_format == "json":  # tqdm bars would break one-JSON-object-a-line logs
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     device = torch.device(settings.resolved_device())
     dtype = TORCH_DTYPES[row.dtype]
     try:

@@ -1,0 +1,144 @@
+"""``miserver serve``: logging, the one-time default import, the HTTP server, clean shutdown.
+
+Logging follows ``LOG_LEVEL`` and ``LOG_FORMAT`` (``json``: one JSON object a line, for log
+shippers; ``text``: for humans). No configured token secret ever reaches a log line: a filter on
+the root handler replaces each one (and any ``Bearer`` credential) with ``***``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+from typing import Any
+
+from miserver.spec.settings import Settings
+
+log = logging.getLogger("miserver.server")
+
+_BEARER = re.compile(r"(?i)(bearer\s+)[^\s\"',;]+")
+
+
+class RedactSecrets(logging.Filter):
+    """Replace every configured secret, and any ``Bearer <credential>``, with ``***``."""
+
+    def __init__(self, secrets: list[str]) -> None:
+        super().__init__()
+        self._secrets = sorted((s for s in secrets if s), key=len, reverse=True)
+
+    def redact(self, text: str) -> str:
+        for secret in self._secrets:
+            if secret in text:
+                text = text.replace(secret, "***")
+        return _BEARER.sub(r"\1***", text)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        clean = self.redact(message)
+        if record.exc_text:
+            record.exc_text = self.redact(record.exc_text)
+        record.msg, record.args = clean, None
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: ``ts`` (RFC 3339 UTC), ``level``, ``logger``, ``message``.
+
+    A message that is itself a JSON object (the ``weights_audit`` lines) is merged in as fields.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        out: dict[str, Any] = {"ts": f"{ts}.{int(record.msecs):03d}Z",
+                               "level": record.levelname.lower(), "logger": record.name}
+        message = record.getMessage()
+        merged = False
+        if message.startswith("{") and message.endswith("}"):
+            try:
+                fields = json.loads(message)
+            except ValueError:
+                fields = None
+            if isinstance(fields, dict):
+                out.update({k: v for k, v in fields.items() if k not in ("level", "logger")})
+                merged = True
+        if not merged:
+            out["message"] = message
+        if record.exc_text or record.exc_info:
+            out["exception"] = record.exc_text or self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def configure_logging(settings: Settings) -> None:
+    """Route all logging to stderr in ``settings.log_format`` at ``settings.log_level``."""
+    handler = logging.StreamHandler(sys.stderr)
+    if settings.log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    handler.addFilter(RedactSecrets([t.secret for t in settings.weights_tokens]))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(settings.log_level.upper())
+    # Third-party chatter stays at warning unless debugging.
+    if settings.log_level != "debug":
+        for noisy in ("urllib3", "filelock", "httpx", "asyncio"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def prepare_home(settings: Settings) -> str | None:
+    """Import the embedded default at first start and check ``DEFAULT_MODEL`` exists.
+
+    Returns None when ready, else the one-line configuration error (exit status 2).
+    """
+    from miserver.serving.catalogue import Catalogue
+    from miserver.serving.default_model import DefaultModelError, import_default
+
+    catalogue = Catalogue(settings.home)
+    if catalogue.is_empty():
+        log.info("first start: importing the embedded default model into %s", settings.home)
+        try:
+            import_default(settings.home, progress=True)
+        except DefaultModelError as exc:
+            return f"the embedded default model could not be imported: {exc}"
+    name = settings.default_model
+    if name and catalogue.get_by_name(name) is None:
+        names = ", ".join(r.name for r in catalogue.list()) or "none"
+        return (f"DEFAULT_MODEL: {name!r} is not in the catalogue of {settings.home} "
+                f"(rows: {names}); register it or set DEFAULT_MODEL to one of them, or to "
+                "empty to load nothing")
+    return None
+
+
+def serve(settings: Settings) -> int:
+    """Run the server until SIGINT/SIGTERM; returns the process exit status.
+
+    0 after a clean shutdown, 1 when the address cannot be bound, 2 for a configuration error
+    found at start (contract 1).
+    """
+    configure_logging(settings)
+    log.info("starting miserver (home %s, device %s)", settings.home, settings.device)
+    problem = prepare_home(settings)
+    if problem is not None:
+        print(f"miserver: invalid configuration: {problem}", file=sys.stderr)
+        return 2
+    from aiohttp import web
+
+    from miserver.http.app import create_app
+
+    app = create_app(settings)
+    try:
+        web.run_app(app, host=settings.host, port=settings.port,
+                    print=lambda _banner: log.info("listening on http://%s:%s", settings.host,
+                                                   settings.port),
+                    handle_signals=True, shutdown_timeout=10.0, access_log=log.getChild("access"))
+    except OSError as exc:
+        log.error("cannot listen on %s:%s: %s", settings.host, settings.port, exc.strerror or exc)
+        return 1
+    log.info("miserver stopped")
+    return 0

@@ -1,0 +1,497 @@
+"""Token generation in a worker thread, streamed back to the event loop.
+
+Companion contract 4 and the design notes ("Serving"). One :class:`Generation` runs one request:
+a prefill of the prompt, then a decode loop with the model's KV cache, one token per forward
+pass, in its own thread (torch releases the GIL inside its kernels, so ``MAX_CONCURRENT_REQUESTS``
+generations really run at once). Between two decode steps it checks its cancellation flag, so a
+disconnected client stops costing compute within one step.
+
+Text is released to the caller only when it is final:
+
+- :class:`IncrementalDetokenizer` never splits a UTF-8 character (a byte-level token may end in
+  the middle of one; that text waits for the next token);
+- :class:`StopMatcher` holds back any tail that could still become a stop sequence, and never
+  releases any part of a matched one.
+
+The joined :class:`TextDelta` texts are therefore exactly the completion a non-streamed request
+returns. Cross-request caches: none. The KV cache lives and dies with its request, so nothing
+computed on old weights survives a weight update (weights page, "The write cycle" 2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+log = logging.getLogger("miserver.generation")
+
+#: Tokens of prompt context the incremental detokenizer decodes along (vLLM uses the same).
+_DETOKENIZE_CONTEXT = 5
+_THREAD_IDS = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens (contract 4).
+
+    Attributes:
+        max_tokens: the most tokens to generate (>= 1).
+        temperature: 0 is greedy (argmax); otherwise logits are divided by it (0 < t <= 2).
+        top_p: nucleus sampling mass, in (0, 1].
+        seed: seeds this request's own ``torch.Generator``; None draws from the global RNG.
+        stop: stop sequences; the completion ends before the first one and never contains it.
+        logprobs: how many alternatives to report per token (0..20); None reports no logprobs.
+        echo: also score the prompt (prompt token logprobs, needs ``logprobs``).
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    echo: bool = False
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token and its log-probability under the served weights (natural log).
+
+    ``logprob`` is None for the first prompt token (nothing precedes it); ``top`` lists the
+    most likely alternatives at that position as ``(token_id, text, logprob)``, best first.
+    """
+
+    token_id: int
+    text: str
+    bytes: bytes
+    logprob: float | None
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Started:
+    """The prompt is processed. ``prompt_logprobs`` is set when ``echo`` and ``logprobs``."""
+
+    prompt_tokens: int
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """Final completion text, and the logprobs of the tokens generated since the last delta."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The end: ``finish_reason`` is ``stop`` (an end token or a stop sequence), ``length``
+    (``max_tokens`` reached) or ``cancelled``. ``completion_tokens`` counts every sampled token
+    (an end token included)."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+Event = Started | TextDelta | Finished
+
+
+class GenerationError(RuntimeError):
+    """Generation failed inside the worker thread; ``__cause__`` is the original exception."""
+
+
+@dataclass
+class _Failed:
+    error: BaseException
+
+
+# --- text -------------------------------------------------------------------------------------
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
+
+    ``context_ids`` (the prompt's last tokens) give the first generated tokens their left
+    context, so tokenizers that drop a leading space when decoding alone (SentencePiece) decode
+    as they would in place. Special tokens are skipped.
+    """
+
+    def __init__(self, tokenizer: Any, context_ids: Sequence[int] = ()) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = list(context_ids[-_DETOKENIZE_CONTEXT:])
+        self._prefix = 0
+        self._read = len(self._ids)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True,
+                                clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int) -> str:
+        """Add one token; returns the text that became final (possibly empty)."""
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        new_text = self._decode(self._ids[self._prefix:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self._prefix = self._read
+            self._read = len(self._ids)
+            return new_text[len(prefix_text):]
+        return ""
+
+    def flush(self) -> str:
+        """The text still held (an incomplete character at the very end decodes to U+FFFD)."""
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        new_text = self._decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return new_text[len(prefix_text):]
+
+
+class StopMatcher:
+    """Holds back text that could still start a stop sequence (contract 4).
+
+    :meth:`feed` returns ``(releasable_text, stopped)``; after ``stopped`` the completion is
+    over and nothing of the stop sequence was released.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._buf = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self._stops:
+            return text, False
+        self._buf += text
+        first = -1
+        for stop in self._stops:
+            i = self._buf.find(stop)
+            if i != -1 and (first == -1 or i < first):
+                first = i
+        if first != -1:
+            out, self._buf = self._buf[:first], ""
+            return out, True
+        hold = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(self._buf)), hold, -1):
+                if self._buf.endswith(stop[:k]):
+                    hold = k
+                    break
+        cut = len(self._buf) - hold
+        out, self._buf = self._buf[:cut], self._buf[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        """At the end without a match, the held tail is ordinary text."""
+        out, self._buf = self._buf, ""
+        return out
+
+
+# --- tokens -----------------------------------------------------------------------------------
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable-character -> byte table (byte-level BPE vocabularies use it)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The raw bytes of one token (a byte-level BPE token may hold part of a character)."""
+    piece = tokenizer.convert_ids_to_tokens(int(token_id))
+    if isinstance(piece, str) and piece and all(c in _BYTE_DECODER for c in piece):
+        return bytes(_BYTE_DECODER[c] for c in piece)
+    return tokenizer.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """One token decoded on its own (a partial character shows as U+FFFD)."""
+    return tokenizer.decode([int(token_id)], skip_special_tokens=False,
+                            clean_up_tokenization_spaces=False)
+
+
+def end_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """The ids that end a completion: the tokenizer's EOS and the generation config's."""
+    ids: set[int] = set()
+    for value in (getattr(tokenizer, "eos_token_id", None),
+                  getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)
+
+
+def context_length(model: Any) -> int:
+    """The model's context window in tokens (``max_position_embeddings``; 2048 if unknown)."""
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def cache_kwarg(model: Any) -> str:
+    """The forward argument that takes the KV cache: ``cache`` (transformers >= 5.2x) or
+    ``past_key_values``. Wrappers (PEFT) are looked through to the first module that names one.
+    """
+    import inspect
+
+    modules = model.modules() if isinstance(model, torch.nn.Module) else iter((model,))
+    for module in modules:
+        try:
+            names = inspect.signature(module.forward).parameters
+        except (TypeError, ValueError):
+            continue
+        for name in ("cache", "past_key_values"):
+            if name in names:
+                return name
+    return "past_key_values"
+
+
+def _cache_of(output: Any) -> Any:
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
+
+
+def pick_token(logits: torch.Tensor, params: SamplingParams,
+               generator: torch.Generator | None) -> int:
+    """Choose the next token from ``logits`` (shape ``[vocab]``, float32).
+
+    Greedy (argmax) at temperature 0; otherwise softmax(logits / temperature) restricted to the
+    smallest set of tokens whose mass reaches ``top_p``, sampled with ``generator``.
+    """
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        drop = cumulative - sorted_probs >= params.top_p  # always keeps the best token
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        choice = torch.multinomial(sorted_probs, 1, generator=generator)
+        return int(order[choice])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+# --- the worker ------------------------------------------------------------------------------
+@dataclass
+class _Timing:
+    started: float = 0.0
+    ended: float = 0.0
+    thread: str = ""
+    steps: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Generation:
+    """One request's generation, run in its own worker thread.
+
+    Args:
+        model: a causal LM (``torch.nn.Module``) in eval mode; its forward accepts
+            ``input_ids``, ``past_key_values``, ``use_cache`` and returns ``.logits``
+            (``[1, seq, vocab]``) and ``.past_key_values``.
+        tokenizer: its transformers tokenizer.
+        prompt_ids: the prompt's token ids (at least one).
+        params: :class:`SamplingParams`.
+
+    Call :meth:`start` on the event loop, then iterate :meth:`events`. The caller must keep
+    holding its scheduler slot until :meth:`wait` returns (a generation binds to one parameter
+    set). An exception inside the thread is raised from :meth:`events` as
+    :class:`GenerationError` (``__cause__``: the original), and the thread ends.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, prompt_ids: Sequence[int],
+                 params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt has no tokens")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.prompt_ids = [int(t) for t in prompt_ids]
+        self.params = params
+        self.timing = _Timing()
+        self._cancel = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue[Event | _Failed] | None = None
+        self._done: asyncio.Future[None] | None = None
+        self._thread: threading.Thread | None = None
+
+    # --- event-loop side ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the worker thread (call on the event loop)."""
+        if self._thread is not None:
+            raise RuntimeError("already started")
+        self._loop = asyncio.get_running_loop()
+        self._queue = asyncio.Queue()
+        self._done = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"miserver-generation-{next(_THREAD_IDS)}")
+        self._thread.start()
+
+    def cancel(self) -> None:
+        """Ask the thread to stop before its next decode step (thread-safe, idempotent)."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    async def events(self) -> AsyncIterator[Event]:
+        """The events: one :class:`Started`, :class:`TextDelta` s, one :class:`Finished`.
+
+        Raises:
+            GenerationError: the thread failed (prefill or any decode step).
+        """
+        assert self._queue is not None, "start() first"
+        while True:
+            event = await self._queue.get()
+            if isinstance(event, _Failed):
+                raise GenerationError(f"generation failed: {type(event.error).__name__}: "
+                                      f"{event.error}") from event.error
+            yield event
+            if isinstance(event, Finished):
+                return
+
+    async def wait(self) -> None:
+        """Wait until the worker thread has ended (it is never left running)."""
+        assert self._done is not None, "start() first"
+        await asyncio.shield(self._done)
+
+    # --- thread side --------------------------------------------------------------------------
+    def _emit(self, event: Event | _Failed) -> None:
+        assert self._loop is not None and self._queue is not None
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody listens any more
+            self._cancel.set()
+
+    def _finish_thread(self) -> None:
+        assert self._loop is not None and self._done is not None
+        done = self._done
+
+        def _set() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            self._loop.call_soon_threadsafe(_set)
+
+    def _run(self) -> None:
+        import time
+
+        self.timing.started = time.perf_counter()
+        self.timing.thread = threading.current_thread().name
+        try:
+            with torch.inference_mode():
+                self._generate()
+        except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
+            log.warning("generation failed: %s: %s", type(exc).__name__, exc)
+            self._emit(_Failed(exc))
+        finally:
+            self.timing.ended = time.perf_counter()
+            self._finish_thread()
+
+    def _logprob_entry(self, logprobs_row: torch.Tensor, token_id: int) -> TokenLogprob:
+        tok = self.tokenizer
+        k = self.params.logprobs or 0
+        top: tuple[tuple[int, str, float], ...] = ()
+        if k > 0:
+            values, ids = torch.topk(logprobs_row, k)
+            top = tuple((int(i), token_text(tok, int(i)), float(v))
+                        for v, i in zip(values.tolist(), ids.tolist(), strict=True))
+        return TokenLogprob(token_id, token_text(tok, token_id), token_bytes(tok, token_id),
+                            float(logprobs_row[token_id]), top)
+
+    def _prompt_logprobs(self, logits: torch.Tensor) -> tuple[TokenLogprob, ...]:
+        """``logits``: ``[seq, vocab]`` of the prefill; position i predicts token i + 1."""
+        tok = self.tokenizer
+        ids = self.prompt_ids
+        entries = [TokenLogprob(ids[0], token_text(tok, ids[0]), token_bytes(tok, ids[0]), None)]
+        for start in range(0, len(ids) - 1, 256):
+            rows = torch.log_softmax(logits[start:min(start + 256, len(ids) - 1)].float(), dim=-1)
+            for j in range(rows.shape[0]):
+                entries.append(self._logprob_entry(rows[j], ids[start + j + 1]))
+        return tuple(entries)
+
+    def _generate(self) -> None:
+        params = self.params
+        model = self.model
+        device = next(model.parameters()).device
+        generator: torch.Generator | None = None
+        if params.seed is not None and params.temperature > 0:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(params.seed)
+        want_logprobs = params.logprobs is not None
+        score_prompt = params.echo and want_logprobs
+        ends = end_token_ids(model, self.tokenizer)
+        cache_name = cache_kwarg(model)
+
+        input_ids = torch.tensor([self.prompt_ids], dtype=torch.long, device=device)
+        kwargs: dict[str, Any] = {"use_cache": True}
+        if not score_prompt:
+            kwargs["logits_to_keep"] = 1
+        out = model(input_ids=input_ids, **kwargs)
+        past = _cache_of(out)
+        prompt_lp = self._prompt_logprobs(out.logits[0, :-1]) if score_prompt else None
+        logits = out.logits[0, -1].float()
+        del out
+        self._emit(Started(len(self.prompt_ids), prompt_lp))
+
+        detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
+        stopper = StopMatcher(params.stop)
+        pending_lp: list[TokenLogprob] = []
+        generated = 0
+        finish = "length"
+        matched_stop = False
+        while True:
+            if self._cancel.is_set():
+                finish = "cancelled"
+                break
+            token = pick_token(logits, params, generator)
+            generated += 1
+            self.timing.steps = generated
+            if token in ends:
+                finish = "stop"
+                break
+            if want_logprobs:
+                pending_lp.append(self._logprob_entry(torch.log_softmax(logits, dim=-1), token))
+            text, matched_stop = stopper.feed(detok.add(token))
+            if text or matched_stop:
+                self._emit(TextDelta(text, tuple(pending_lp)))
+                pending_lp = []
+            if matched_stop:
+                finish = "stop"
+                break
+            if generated >= params.max_tokens:
+                break
+            step = model(input_ids=torch.tensor([[token]], dtype=torch.long, device=device),
+                         use_cache=True, **{cache_name: past})
+            past = _cache_of(step)
+            logits = step.logits[0, -1].float()
+            del step
+        if not matched_stop:
+            # Text still held: an incomplete character, or a tail that could have begun a stop
+            # sequence. The stream ended, so it is ordinary text unless a stop matches in it.
+            tail, matched_stop = stopper.feed(detok.flush())
+            if matched_stop:
+                finish = "stop"
+            else:
+                tail += stopper.flush()
+            if tail or pending_lp:
+                self._emit(TextDelta(tail, tuple(pending_lp)))
+        self._emit(Finished(finish, len(self.prompt_ids), generated))

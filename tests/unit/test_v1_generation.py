@@ -1,0 +1,261 @@
+"""Generation: the worker thread, incremental detokenization, stop sequences, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from miserver.serving.generation import (
+    Finished,
+    Generation,
+    GenerationError,
+    IncrementalDetokenizer,
+    SamplingParams,
+    Started,
+    StopMatcher,
+    TextDelta,
+    pick_token,
+    token_bytes,
+)
+from tests.unit.v1_fixtures import cached_tokenizer, tiny_model
+
+MIXED = "Café ☕ naïve 日本語 emoji 🦙🎉 — done."
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    return cached_tokenizer(tmp_path_factory.getbasetemp().parent / "miserver-v1-cache")
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_model(tokenizer)
+
+
+async def run(model, tokenizer, prompt: str, **kw) -> tuple[list, Finished]:
+    ids = tokenizer(prompt)["input_ids"]
+    gen = Generation(model, tokenizer, ids, SamplingParams(**kw))
+    gen.start()
+    events = [e async for e in gen.events()]
+    await gen.wait()
+    assert isinstance(events[0], Started)
+    assert isinstance(events[-1], Finished)
+    return events[1:-1], events[-1]
+
+
+def text_of(deltas: list) -> str:
+    return "".join(d.text for d in deltas)
+
+
+# --- detokenizer and stop matcher ---------------------------------------------------------------
+def test_detokenizer_never_splits_a_character(tokenizer) -> None:
+    ids = tokenizer(MIXED, add_special_tokens=False)["input_ids"]
+    # The vocabulary splits some of these characters across tokens (the case under test).
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.add(i) for i in ids] + [detok.flush()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tokenizer.decode(ids)
+
+
+def test_detokenizer_keeps_leading_space_with_prompt_context(tokenizer) -> None:
+    prompt = tokenizer("Hello", add_special_tokens=False)["input_ids"]
+    ids = tokenizer(" world and more", add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    assert "".join(detok.add(i) for i in ids) + detok.flush() == " world and more"
+
+
+def test_detokenizer_flush_of_an_incomplete_character(tokenizer) -> None:
+    ids = tokenizer("🦙", add_special_tokens=False)["input_ids"]
+    assert len(ids) > 1
+    detok = IncrementalDetokenizer(tokenizer)
+    assert detok.add(ids[0]) == ""
+    assert detok.flush() == "\ufffd"
+
+
+@pytest.mark.parametrize("chunks, stops, expected_out, expected_stop", [
+    (["Hello wor", "ld! END", " tail"], ["END"], "Hello world! ", True),
+    (["abc", "E", "N", "X"], ["END"], "abcENX", False),
+    (["x<", "|", "im"], ["<|im_end|>"], "x", False),  # held, not yet released
+    (["aa", "b"], ["ab", "b"], "a", True),  # the earliest match wins
+    (["one\n\ntwo"], ["\n\n", "two"], "one", True),
+])
+def test_stop_matcher(chunks, stops, expected_out, expected_stop) -> None:
+    m = StopMatcher(stops)
+    out = ""
+    stopped = False
+    for c in chunks:
+        piece, stopped = m.feed(c)
+        out += piece
+        for stop in stops:
+            assert stop not in out
+        if stopped:
+            break
+    assert stopped == expected_stop
+    assert out == expected_out
+
+
+def test_stop_matcher_never_releases_a_prefix_of_the_stop() -> None:
+    m = StopMatcher(["STOP"])
+    released = ""
+    for ch in "abcSTOdefST":
+        piece, stopped = m.feed(ch)
+        assert not stopped
+        released += piece
+    assert released == "abcSTOdef"
+    assert m.flush() == "ST"
+
+
+def test_token_bytes_of_a_split_character(tokenizer) -> None:
+    ids = tokenizer("🦙", add_special_tokens=False)["input_ids"]
+    assert b"".join(token_bytes(tokenizer, i) for i in ids) == "🦙".encode()
+
+
+def test_pick_token_greedy_and_top_p() -> None:
+    logits = torch.tensor([0.0, 5.0, 4.9, -3.0])
+    assert pick_token(logits, SamplingParams(max_tokens=1, temperature=0), None) == 1
+    g = torch.Generator().manual_seed(0)
+    tiny_p = SamplingParams(max_tokens=1, temperature=1.0, top_p=1e-6)
+    assert {pick_token(logits, tiny_p, g) for _ in range(20)} == {1}
+    wide = SamplingParams(max_tokens=1, temperature=2.0)
+    assert len({pick_token(logits, wide, g) for _ in range(200)}) >= 3
+
+
+# --- the worker ---------------------------------------------------------------------------------
+async def test_greedy_is_deterministic_and_counts_tokens(model, tokenizer) -> None:
+    d1, f1 = await run(model, tokenizer, "The weather", max_tokens=12, temperature=0)
+    d2, f2 = await run(model, tokenizer, "The weather", max_tokens=12, temperature=0)
+    assert text_of(d1) == text_of(d2)
+    assert f1.finish_reason in ("length", "stop")
+    assert f1.prompt_tokens == len(tokenizer("The weather")["input_ids"])
+    if f1.finish_reason == "length":
+        assert f1.completion_tokens == 12
+
+
+async def test_seed_makes_sampling_reproducible(model, tokenizer) -> None:
+    a, _ = await run(model, tokenizer, "Once", max_tokens=16, temperature=1.5, seed=7)
+    b, _ = await run(model, tokenizer, "Once", max_tokens=16, temperature=1.5, seed=7)
+    c, _ = await run(model, tokenizer, "Once", max_tokens=16, temperature=1.5, seed=8)
+    assert text_of(a) == text_of(b)
+    assert text_of(a) != text_of(c)
+
+
+async def test_stop_sequence_cuts_before_the_match(model, tokenizer) -> None:
+    full, _ = await run(model, tokenizer, "Numbers:", max_tokens=24, temperature=0)
+    text = text_of(full)
+    assert len(text) > 8
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    cut, fin = await run(model, tokenizer, "Numbers:", max_tokens=24, temperature=0, stop=(stop,))
+    assert text_of(cut) == text[:text.index(stop)]
+    assert fin.finish_reason == "stop"
+    assert all(stop not in text_of(cut[:i + 1]) for i in range(len(cut)))
+
+
+async def test_logprobs_and_echo(model, tokenizer) -> None:
+    prompt = "A short reference text"
+    ids = tokenizer(prompt)["input_ids"]
+    gen = Generation(model, tokenizer, ids, SamplingParams(max_tokens=3, temperature=0,
+                                                           logprobs=2, echo=True))
+    gen.start()
+    events = [e async for e in gen.events()]
+    started = events[0]
+    assert isinstance(started, Started) and started.prompt_logprobs is not None
+    plp = started.prompt_logprobs
+    assert [e.token_id for e in plp] == ids
+    assert plp[0].logprob is None
+    # Check one position against a direct forward pass.
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    assert plp[2].logprob == pytest.approx(float(ref[1, ids[2]]), abs=1e-4)
+    assert len(plp[2].top) == 2 and plp[2].top[0][2] >= plp[2].top[1][2]
+    generated = [lp for e in events if isinstance(e, TextDelta) for lp in e.logprobs]
+    assert generated and all(lp.logprob is not None and lp.logprob <= 0 for lp in generated)
+    # Greedy: the chosen token is the most likely one.
+    assert all(lp.token_id == lp.top[0][0] for lp in generated)
+
+
+class _Exploding(torch.nn.Module):
+    """The tiny model, failing on its ``fail_at``-th forward pass (fault injection)."""
+
+    def __init__(self, inner, fail_at: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def forward(self, **kw):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("injected failure")
+        return self.inner(**kw)
+
+
+@pytest.mark.parametrize("fail_at", [1, 3])
+async def test_exception_in_thread_reaches_the_caller(model, tokenizer, fail_at) -> None:
+    gen = Generation(_Exploding(model, fail_at), tokenizer, [1, 2, 3],
+                     SamplingParams(max_tokens=10, temperature=0))
+    gen.start()
+    seen = []
+    with pytest.raises(GenerationError, match="injected failure"):
+        async for e in gen.events():
+            seen.append(e)
+    await asyncio.wait_for(gen.wait(), 2)
+    assert (len(seen) == 0) == (fail_at == 1)
+
+
+class _Slow(torch.nn.Module):
+    def __init__(self, inner, delay: float) -> None:
+        super().__init__()
+        self.inner = inner
+        self.delay = delay
+        self.calls = 0
+        self.windows: list[tuple[float, float, str]] = []
+
+    def forward(self, **kw):
+        self.calls += 1
+        t0 = time.perf_counter()
+        time.sleep(self.delay)
+        out = self.inner(**kw)
+        self.windows.append((t0, time.perf_counter(), threading.current_thread().name))
+        return out
+
+
+async def test_cancel_stops_within_a_step(model, tokenizer) -> None:
+    slow = _Slow(model, 0.02)
+    gen = Generation(slow, tokenizer, [1, 2, 3],
+                     SamplingParams(max_tokens=10_000, temperature=0.0))
+    gen.start()
+    async for e in gen.events():
+        if isinstance(e, Started):
+            await asyncio.sleep(0.1)
+            gen.cancel()
+            calls_at_cancel = slow.calls
+        if isinstance(e, Finished):
+            assert e.finish_reason == "cancelled"
+    await asyncio.wait_for(gen.wait(), 1)
+    assert slow.calls <= calls_at_cancel + 1
+
+
+async def test_two_generations_run_at_once(model, tokenizer) -> None:
+    """Two worker threads overlap in time (the GIL is released inside the forward passes)."""
+    slow = _Slow(model, 0.01)
+    gens = [Generation(slow, tokenizer, [1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
+            for _ in range(2)]
+    for g in gens:
+        g.start()
+
+    async def drain(g):
+        return [e async for e in g.events()]
+
+    await asyncio.gather(*(drain(g) for g in gens))
+    for g in gens:
+        await asyncio.wait_for(g.wait(), 2)
+    a, b = ([w for w in slow.windows if w[2] == g.timing.thread] for g in gens)
+    assert gens[0].timing.thread != gens[1].timing.thread
+    assert len(a) == len(b) == 8  # each thread ran its own prefill and decode steps
+    # The threads' forward passes interleave in time: each started before the other ended.
+    assert a[0][0] < b[-1][1] and b[0][0] < a[-1][1]

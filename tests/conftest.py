@@ -52,3 +52,35 @@ def home_with_default(default_home: str, tmp_path: Path) -> str:
         fresh.register(name=row.name, format=row.format, dtype=row.dtype, path=row.path,
                        quantization=row.quantization, origin=row.origin)
     return str(home)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(default_home: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A real, tiny Llama folder (2 layers, hidden 32, ~1.6M parameters, tied embeddings) in
+    bfloat16 safetensors with the default model's tokenizer and chat template. Loads in well
+    under a second; its output is noise, so use it for loads and plumbing, not for answers."""
+    import shutil
+
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from miserver.serving.default_model import model_dir
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=512, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model.save_pretrained(folder)
+    source = model_dir(default_home)
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, folder / name)
+    return str(folder)

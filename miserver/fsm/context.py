@@ -1,0 +1,62 @@
+"""What the lifecycle keeps beside its abstract state: deadlines, counters, identities, times.
+
+All times are seconds on the caller's clock (whatever ``now`` the HTTP layer passes, typically
+``time.monotonic()`` for deadlines); wall-clock stamps for status fields are passed in as
+``wall`` by the caller. The value is frozen and hashable, so ``snapshot()`` is too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """Concrete values beside a :class:`~miserver.fsm.state.LifecycleState`.
+
+    Attributes:
+        hold_deadline, watchdog_deadline, heartbeat_deadline, drain_deadline: when each timer
+            fires (seconds, the ``now`` clock), ``None`` when not armed.
+        attachment_id: the holder's attachment ID (never reported, logged or echoed).
+        attachment_label, attachment_role: the token that attached.
+        attached_at, last_heartbeat_at, stale_since: attachment times (``now`` clock).
+        quiesced_at: when the current hold began.
+        commit_began_at: when the open (or torn) commit began.
+        commit_overran: when the watchdog last tore a commit.
+        last_overrun: ``(at, commit_ms)`` of the last late commit-end.
+        last_hold_timeout_at: when a hold last timed out.
+        steps_since_load: completed commits since the parameter set became resident (``None``
+            when nothing is resident).
+        saved_steps: ``steps_since_load`` recorded by the last save (unsaved = steps - saved).
+        commits_since_name: commit-ends since the served name was set.
+        served_name, served_origin: the ``X-miLLM-Model`` name and origin
+            (``model``, ``checkpoint`` or ``adapter``).
+        saves: how many saves completed since start.
+        exports: how many attaches exported handles since start.
+    """
+
+    hold_deadline: float | None = None
+    watchdog_deadline: float | None = None
+    heartbeat_deadline: float | None = None
+    drain_deadline: float | None = None
+    attachment_id: str | None = None
+    attachment_label: str | None = None
+    attachment_role: str | None = None
+    attached_at: float | None = None
+    last_heartbeat_at: float | None = None
+    stale_since: float | None = None
+    quiesced_at: float | None = None
+    commit_began_at: float | None = None
+    commit_overran: float | None = None
+    last_overrun: tuple[float, float] | None = None
+    last_hold_timeout_at: float | None = None
+    steps_since_load: int | None = None
+    saved_steps: int = 0
+    commits_since_name: int | None = None
+    served_name: str | None = None
+    served_origin: str | None = None
+    saves: int = 0
+    exports: int = 0
+
+    def __repr__(self) -> str:  # never show the attachment ID
+        return f"Context(label={self.attachment_label!r}, steps={self.steps_since_load})"

@@ -1,0 +1,412 @@
+"""The sans-IO core of the weights lifecycle: events in, an outcome with effects out.
+
+No I/O, no clock reads, no asyncio: every input carries ``now`` (seconds on one monotonic clock
+the caller chooses), and timers are deadlines kept in the state.
+
+How an HTTP handler drives it (the lead's issue 5)::
+
+    lifecycle = Lifecycle.from_settings(settings, resident=True)
+    lock = asyncio.Lock()
+
+    async def quiesce(request):
+        caller = Caller(token=role_or_none_or_invalid, label=label,
+                        attachment_id=request.headers.get("X-miLLM-Attachment"))
+        async with lock:                                   # decide -> apply, serialised
+            out = lifecycle.handle(Event("quiesce", caller=caller,
+                                         queue_full=scheduler.full()), time.monotonic())
+            pending = runtime.perform(out)                # START_DRAIN, HOLD_ADMISSIONS, ...
+        if not out.accepted:
+            raise ApiError(out.code, out.message, reason=out.reason, details=out.details,
+                           status=out.status)
+        answer = await pending                            # resolved by `drained` / drain_expired
+        ...
+
+    # the scheduler reports completions as events:
+    async with lock:
+        runtime.perform(lifecycle.handle(Event("drained"), time.monotonic()))
+
+    # the timer pump: sleep until next_deadline(), then fire what is due:
+    while True:
+        deadline = lifecycle.next_deadline()
+        await wait_until(deadline)                        # or until woken by a new event
+        async with lock:
+            for out in lifecycle.fire_due(time.monotonic()):
+                runtime.perform(out)
+
+``Outcome.effects`` are performed in order; ``Outcome.pending`` is the answer for the call that
+is waiting on a pause (a quiesce waiting for its drain is answered 200 by ``drained`` or 409
+MODEL_BUSY drain_timeout by ``drain_expired``). A refused outcome changed nothing.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from miserver.fsm.compiled import Compiled, TableError, compile_table
+from miserver.fsm.context import Context
+from miserver.fsm.state import NAMED, TIMERS, Event, LifecycleState
+from miserver.fsm.table import TABLE, Answer, Effect, Row
+from miserver.spec.codes import ErrorCode
+
+__all__ = ["Lifecycle", "Outcome", "Snapshot", "TableError", "Event", "LifecycleState"]
+
+#: When several timers are due at once they fire in this order (a commit tears before a hold
+#: it suspended could time out).
+TIMER_ORDER: tuple[str, ...] = ("watchdog", "drain", "hold", "heartbeat")
+TIMER_EVENTS: dict[str, str] = {"hold": "hold_expired", "watchdog": "watchdog_expired",
+                                "heartbeat": "heartbeat_lapsed", "drain": "drain_expired"}
+
+_MESSAGES: dict[str, str] = {
+    "WEIGHTS_UNAUTHORIZED": "A valid bearer token from WEIGHTS_TOKENS is required.",
+    "WEIGHTS_FORBIDDEN": "This token's role may not call this route.",
+    "NOT_ATTACHED": "Nothing is attached. POST /api/weights/attach first.",
+    "NOT_ATTACHMENT_HOLDER": "Only the attachment holder may do this (token label and "
+                             "X-miLLM-Attachment must match).",
+    "ALREADY_ATTACHED": "An attachment exists; detach it (or clear it when stale) first.",
+    "MODEL_NOT_LOADED": "No model is resident, or the requested model is not loaded.",
+    "MODEL_BUSY": "The model is busy; retry when the current operation ends.",
+    "QUEUE_FULL": "The request queue is full (MAX_QUEUED_REQUESTS).",
+    "WEIGHTS_NOT_CLEAN": "The weights are not clean.",
+    "ALREADY_QUIESCED": "This attachment already holds the barrier.",
+    "PAUSE_IN_PROGRESS": "Another pause holds the barrier.",
+    "BARRIER_UNAVAILABLE": "Serving cannot be paused now (see pause_unavailable).",
+    "NOT_QUIESCED": "The barrier is not held by this attachment.",
+    "NO_OPEN_COMMIT": "No commit is open.",
+    "ATTACHMENT_NOT_STALE": "The attachment is active; only a stale one can be cleared.",
+    "WEIGHTS_TORN": "The weights are torn. Recover with POST /api/weights/load.",
+    "WEIGHTS_UNSAVED": "The resident carries unsaved commits; a load would discard them.",
+    "NOT_ATTACHABLE": "The resident model cannot be attached.",
+}
+_REASON_MESSAGES: dict[tuple[str, str], str] = {
+    ("NOT_QUIESCED", "quiesce_in_progress"): "Quiesce is still draining in-flight work; wait "
+                                             "for it to return, then retry.",
+    ("MODEL_BUSY", "drain_timeout"): "Running requests did not finish within "
+                                     "WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S; nothing is held.",
+    ("MODEL_BUSY", "model_transition"): "A model load, unload, save, weights load or adapter "
+                                        "change is in progress.",
+}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one event did.
+
+    Attributes:
+        kind: ``accepted``, ``refused`` or ``ignored`` (an internal event that did not apply).
+        trigger: the event's trigger.
+        status: the HTTP status for the caller (200 unless refused).
+        code, reason, message, details: the refusal (``None`` / empty when accepted), or for
+            an accepted event the values its response needs (commit_ms, overran, cleared, ...).
+        effects: what the serving layer performs, in order.
+        pending: the answer for the call waiting on a pause, when this event settles it.
+        row: the table row that decided (``trigger#n``).
+        before, after: the abstract states.
+    """
+
+    kind: Literal["accepted", "refused", "ignored"]
+    trigger: str
+    status: int
+    code: ErrorCode | None
+    reason: str | None
+    message: str
+    details: dict[str, Any]
+    effects: tuple[Effect, ...]
+    pending: Answer | None
+    row: str
+    before: LifecycleState
+    after: LifecycleState
+
+    @property
+    def accepted(self) -> bool:
+        return self.kind != "refused"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The whole core state: abstract state plus context. Hashable."""
+
+    state: LifecycleState
+    context: Context = field(default_factory=Context)
+
+
+class Lifecycle:
+    """The weights lifecycle of one server process (weights page; contract 3-6).
+
+    Args:
+        hold_timeout_s: WEIGHTS_HOLD_TIMEOUT_S.
+        watchdog_ms: WEIGHTS_COMMIT_WATCHDOG_MS.
+        heartbeat_timeout_s: WEIGHTS_HEARTBEAT_TIMEOUT_S.
+        drain_timeout_s: WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S.
+        heartbeat_interval_hint_s: WEIGHTS_HEARTBEAT_INTERVAL_HINT_S (reported only).
+        avail: the starting pause availability (``ok``, ``cbm``, ``concurrency``).
+        resident: a model is resident at start (``served_name`` names it).
+        table: the rows to run (the production :data:`~miserver.fsm.table.TABLE` by default).
+        id_factory: makes attachment IDs (default ``secrets.token_urlsafe(24)``).
+    """
+
+    def __init__(self, *, hold_timeout_s: float = 5.0, watchdog_ms: float = 800.0,
+                 heartbeat_timeout_s: float = 30.0, drain_timeout_s: float = 60.0,
+                 heartbeat_interval_hint_s: float = 5.0, avail: str = "ok",
+                 resident: bool = False, served_name: str | None = None,
+                 table: tuple[Row, ...] = TABLE,
+                 id_factory: Callable[[], str] | None = None) -> None:
+        self.durations = {"hold": hold_timeout_s, "watchdog": watchdog_ms / 1000.0,
+                          "heartbeat": heartbeat_timeout_s, "drain": drain_timeout_s}
+        self.watchdog_ms = watchdog_ms
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.heartbeat_interval_hint_s = heartbeat_interval_hint_s
+        self.compiled: Compiled = compile_table(table)
+        self._id_factory = id_factory or (lambda: secrets.token_urlsafe(24))
+        state = LifecycleState(resident=resident, avail=avail)  # type: ignore[arg-type]
+        ctx = Context(steps_since_load=0 if resident else None,
+                      commits_since_name=0 if resident else None,
+                      served_name=served_name if resident else None,
+                      served_origin="model" if resident else None)
+        self._snap = Snapshot(state, ctx)
+
+    @classmethod
+    def from_settings(cls, settings: Any, *, resident: bool = False,
+                      served_name: str | None = None, **kwargs: Any) -> Lifecycle:
+        """Build from :class:`miserver.spec.settings.Settings` (timers, pause availability)."""
+        if settings.continuous_batching:
+            avail = "cbm"
+        elif settings.max_concurrent_requests != 1:
+            avail = "concurrency"
+        else:
+            avail = "ok"
+        return cls(hold_timeout_s=settings.weights_hold_timeout_s,
+                   watchdog_ms=settings.weights_commit_watchdog_ms,
+                   heartbeat_timeout_s=settings.weights_heartbeat_timeout_s,
+                   drain_timeout_s=settings.weights_quiesce_drain_timeout_s,
+                   heartbeat_interval_hint_s=settings.weights_heartbeat_interval_hint_s,
+                   avail=avail, resident=resident, served_name=served_name, **kwargs)
+
+    # --- state ------------------------------------------------------------------------
+    @property
+    def state(self) -> LifecycleState:
+        return self._snap.state
+
+    @property
+    def context(self) -> Context:
+        return self._snap.context
+
+    def snapshot(self) -> Snapshot:
+        """The whole state as one hashable value."""
+        return self._snap
+
+    def restore(self, snap: Snapshot) -> None:
+        """Put the core back into ``snap`` (tests, the checker)."""
+        self._snap = snap
+
+    # --- events -------------------------------------------------------------------------
+    def handle(self, event: Event, now: float) -> Outcome:
+        """Decide ``event`` at time ``now`` and apply it.
+
+        Returns the :class:`Outcome`. Raises :class:`TableError` when the table has no row for
+        the event in this state (a bug of the table, found by ``miserver check``).
+        """
+        before, ctx = self._snap.state, self._snap.context
+        row, named = self.compiled.fire(before, ctx, event)
+        if row.kind != "accepted":
+            out = self._outcome(row, event, before, before, ctx, ctx)
+            return out
+        variables = {k: v for k, v in row.set if k not in NAMED}
+        after = replace(before, **named, **variables)  # type: ignore[arg-type]
+        new_ctx = self._apply_context(row, event, before, after, ctx, now)
+        self._snap = Snapshot(after, new_ctx)
+        return self._outcome(row, event, before, after, ctx, new_ctx, now)
+
+    def next_deadline(self) -> float | None:
+        """The earliest armed timer's deadline, or ``None`` when no timer is armed."""
+        ctx = self._snap.context
+        times = [getattr(ctx, f"{t}_deadline") for t in TIMERS]
+        armed = [t for t in times if t is not None]
+        return min(armed) if armed else None
+
+    def fire_due(self, now: float) -> list[Outcome]:
+        """Fire every timer whose deadline is at or before ``now``, earliest first."""
+        outcomes: list[Outcome] = []
+        for _ in range(len(TIMERS) * 2):
+            ctx = self._snap.context
+            due = [(getattr(ctx, f"{t}_deadline"), TIMER_ORDER.index(t), t) for t in TIMER_ORDER
+                   if getattr(ctx, f"{t}_deadline") is not None
+                   and getattr(ctx, f"{t}_deadline") <= now]
+            if not due:
+                break
+            _, _, timer = min(due)
+            outcomes.append(self.handle(Event(TIMER_EVENTS[timer]), now))
+            if getattr(self._snap.context, f"{timer}_deadline") is not None and \
+                    getattr(self._snap.context, f"{timer}_deadline") <= now:
+                # the table left the timer armed and due: do not spin
+                ctx2 = replace(self._snap.context, **{f"{timer}_deadline": None})
+                self._snap = Snapshot(self._snap.state, ctx2)
+        return outcomes
+
+    # --- views --------------------------------------------------------------------------
+    @property
+    def unsaved_commits(self) -> int:
+        ctx = self._snap.context
+        return max(0, (ctx.steps_since_load or 0) - ctx.saved_steps)
+
+    def status_view(self, now: float | None = None) -> dict[str, Any]:
+        """What GET /api/weights/status needs that the core knows (weights page: Status).
+
+        Times are on the ``now`` clock; the HTTP layer converts them to wall-clock stamps.
+        ``barrier`` is ``serving`` or ``quiesced`` (a draining pause holds new requests, so it
+        reports ``quiesced``); ``draining`` says whether the drain is still running.
+        """
+        s, c = self._snap.state, self._snap.context
+        attachment = None
+        if s.attachment != "none":
+            attachment = {"state": s.attachment, "role": c.attachment_role,
+                          "label": c.attachment_label, "attached_at": c.attached_at,
+                          "last_heartbeat_at": c.last_heartbeat_at, "stale_since": c.stale_since}
+        commit = None
+        if s.commit != "none" or (s.weights == "torn" and c.commit_began_at is not None):
+            open_ms = None
+            if now is not None and c.commit_began_at is not None:
+                open_ms = (now - c.commit_began_at) * 1000.0
+            commit = {"began_at": c.commit_began_at, "open_ms": open_ms,
+                      "watchdog_ms": self.watchdog_ms, "overran": s.weights == "torn"}
+        last_overrun = None
+        if c.last_overrun is not None:
+            last_overrun = {"at": c.last_overrun[0], "commit_ms": c.last_overrun[1]}
+        return {
+            "attached": s.attachment != "none",
+            "attachment": attachment,
+            "barrier": "serving" if s.barrier == "serving" else "quiesced",
+            "draining": s.barrier == "draining",
+            "pause_owner": None if s.owner == "none" else s.owner,
+            "quiesced_at": c.quiesced_at,
+            "weights_state": s.weights,
+            "steps_since_load": c.steps_since_load if s.resident else None,
+            "unsaved_commits": self.unsaved_commits if s.resident else None,
+            "commit": commit,
+            "commit_overran": c.commit_overran,
+            "last_hold_timeout_at": c.last_hold_timeout_at,
+            "last_overrun": last_overrun,
+            "pause_unavailable": None if s.avail == "ok" else s.avail,
+            "adapter_applied": s.adapter,
+            "model_transition": None if s.transition == "none" else s.transition,
+            "hold_deadline": c.hold_deadline,
+            "served": {"name": c.served_name, "origin": c.served_origin,
+                       "commits": c.commits_since_name},
+            "exports_since_start": c.exports,
+            "saves_since_start": c.saves,
+        }
+
+    # --- internals ----------------------------------------------------------------------
+    def _apply_context(self, row: Row, event: Event, b: LifecycleState, a: LifecycleState,
+                       c: Context, now: float) -> Context:
+        ch: dict[str, Any] = {}
+        for action in row.actions:
+            if action == "attach":
+                caller = event.caller
+                ch.update(attachment_id=self._id_factory(),
+                          attachment_label=caller.label if caller else None,
+                          attachment_role=caller.token if caller else None,
+                          attached_at=now, last_heartbeat_at=now, stale_since=None,
+                          exports=c.exports + 1)
+            elif action == "heartbeat":
+                ch.update(last_heartbeat_at=now, stale_since=None)
+            elif action == "stale":
+                ch.update(stale_since=now)
+            elif action == "begin_commit":
+                ch.update(commit_began_at=now)
+            elif action == "end_commit":
+                ch.update(steps_since_load=(c.steps_since_load or 0) + 1,
+                          commits_since_name=(None if c.commits_since_name is None
+                                              else c.commits_since_name + 1))
+            elif action == "overrun":
+                began = c.commit_began_at if c.commit_began_at is not None else now
+                ch.update(last_overrun=(now, (now - began) * 1000.0))
+            elif action == "watchdog":
+                ch.update(commit_overran=now)
+            elif action == "hold_timeout":
+                ch.update(last_hold_timeout_at=now)
+            elif action == "save":
+                ch.update(saved_steps=c.steps_since_load or 0, saves=c.saves + 1,
+                          served_name=event.name or c.served_name, served_origin="checkpoint",
+                          commits_since_name=0)
+            elif action == "load":
+                ch.update(steps_since_load=0, saved_steps=0, commits_since_name=0,
+                          served_name=event.name or c.served_name,
+                          served_origin="checkpoint" if event.trigger.startswith("weights_")
+                          and event.name else "model")
+            elif action == "unload":
+                ch.update(steps_since_load=None, saved_steps=0, commits_since_name=None,
+                          served_name=None, served_origin=None)
+            elif action == "adapter":
+                ch.update(served_name=event.name or c.served_name,
+                          served_origin="adapter" if event.applied else "model",
+                          commits_since_name=0)
+            else:  # pragma: no cover - a typo in the table
+                raise TableError(f"row {row.id}: unknown action {action!r}")
+        # Consequences of the state change itself.
+        if a.attachment == "none" and b.attachment != "none":
+            ch.update(attachment_id=None, attachment_label=None, attachment_role=None,
+                      attached_at=None, last_heartbeat_at=None, stale_since=None)
+        if a.commit == "none" and "end_commit" not in row.actions:
+            ch.setdefault("commit_began_at", None)
+        if "end_commit" in row.actions:
+            ch["commit_began_at"] = None
+        if a.barrier == "serving":
+            ch["quiesced_at"] = None
+        elif b.barrier == "serving":
+            ch["quiesced_at"] = now
+        for timer in TIMERS:
+            key = f"{timer}_armed"
+            for k, v in row.set:
+                if k == key:
+                    ch[f"{timer}_deadline"] = now + self.durations[timer] if v else None
+        return replace(c, **ch)
+
+    def _outcome(self, row: Row, event: Event, b: LifecycleState, a: LifecycleState,
+                 c_before: Context, c_after: Context, now: float | None = None) -> Outcome:
+        if row.refuse is not None:
+            ref = row.refuse
+            message = _REASON_MESSAGES.get((ref.code.name, ref.reason or ""),
+                                           _MESSAGES.get(ref.code.name, ref.code.name))
+            return Outcome("refused", event.trigger, ref.http_status, ref.code, ref.reason,
+                           message, self._details(ref.details, b, c_before), (), None, row.id,
+                           b, a)
+        details: dict[str, Any] = {}
+        if event.trigger == "attach" and row.kind == "accepted":
+            details["attachment_id"] = c_after.attachment_id
+        if "end_commit" in row.actions:
+            began = c_before.commit_began_at
+            details.update(commit_ms=None if began is None or now is None
+                           else (now - began) * 1000.0,
+                           overran="overrun" in row.actions,
+                           steps_since_load=c_after.steps_since_load)
+        if event.trigger == "clear_stale":
+            details["cleared"] = {"role": c_before.attachment_role,
+                                  "label": c_before.attachment_label,
+                                  "stale_since": c_before.stale_since}
+        if "begin_commit" in row.actions:
+            details.update(began_at=c_after.commit_began_at, watchdog_ms=self.watchdog_ms)
+        pending = row.pending
+        message = ""
+        if pending is not None and pending.code is not None:
+            message = _REASON_MESSAGES.get((pending.code.name, pending.reason or ""),
+                                           _MESSAGES.get(pending.code.name, ""))
+        return Outcome(row.kind, event.trigger, 200, None, None, message,  # type: ignore[arg-type]
+                       details, row.effects, pending, row.id, b, a)
+
+    def _details(self, kind: str | None, s: LifecycleState, c: Context) -> dict[str, Any]:
+        if kind == "holder":
+            return {"holder": {"role": c.attachment_role, "label": c.attachment_label,
+                               "state": s.attachment, "attached_at": c.attached_at}}
+        if kind == "torn":
+            return {"recover": "POST /api/weights/load", "retry_after_s": 1}
+        if kind == "unsaved":
+            return {"served_name": c.served_name, "unsaved_commits": self.unsaved_commits,
+                    "ways_forward": ["POST /api/weights/save (re-attach first)",
+                                     "POST /api/weights/load",
+                                     "POST /api/models/{id}/load"]}
+        if kind == "pause":
+            return {"pause": s.owner}
+        return {}

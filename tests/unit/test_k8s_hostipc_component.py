@@ -32,6 +32,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -441,3 +442,18 @@ def test_resolver_agrees_with_kustomize(target):
                          capture_output=True, text=True, timeout=60, check=True).stdout
     real = [d for d in yaml.safe_load_all(out) if d]
     assert manifest_diff(real, build(K8S_ROOT / target)) == {}
+
+
+def test_the_enabling_snippet_in_the_docs_turns_the_base_into_the_overlay(tmp_path):
+    """docs/deployment.md's `components:` block, added to a copy of the base, gives the overlay."""
+    docs = (REPO / "docs" / "deployment.md").read_text()
+    blocks = [b for b in docs.split("```yaml\n")[1:] if "components:" in b.split("```")[0]]
+    assert len(blocks) == 1, "docs/deployment.md should show the enabling block once"
+    snippet = textwrap.dedent(blocks[0].split("```")[0].rstrip(" "))
+    assert "HOT_UPDATE_ENABLED = True" in docs and "HOT_UPDATE_ENABLED = False" in docs
+    root = _copy_tree(tmp_path)
+    kustomization = root / "base" / "kustomization.yaml"
+    kustomization.write_text(kustomization.read_text() + snippet + "\n")
+    assert references(root / "base", root / "components" / "hostipc")
+    assert manifest_diff(build(root / "base"), build(root / "overlays" / "hostipc")) == {}
+    assert guard_problems(root, enabled=True) == []

@@ -369,8 +369,9 @@ def apply_adapter(model: nn.Module, *, name: str, path: str | Path, now: float,
             torch_device=str(_model_device(model)))
     except Exception as e:
         _undo_partial(model, requires_grad, training)
-        if replacing is not None:
-            apply_adapter(model, name=replacing.name, path=replacing.info.path, now=now)
+        if replacing is not None:  # put the current adapter back; the caller's record stays valid
+            restored = apply_adapter(model, name=replacing.name, path=replacing.info.path, now=now)
+            replacing._peft = restored._peft
         raise AdapterInvalid("incompatible", f"PEFT could not apply the adapter: {e}",
                              path=info.path) from e
     _restore_flags(model, requires_grad, training)

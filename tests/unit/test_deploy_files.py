@@ -85,8 +85,9 @@ def _hadolint() -> str:
 
 
 def _lint(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([_hadolint(), "--no-color", str(path)], capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run(
+        [_hadolint(), "--no-color", str(path)], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_dockerfile_passes_hadolint():
@@ -144,7 +145,7 @@ def test_the_health_check_command_runs_against_a_server(instructions, tmp_path):
     import threading
 
     health = next(rest for word, rest in instructions if word == "HEALTHCHECK")
-    argv = json.loads(health[health.index("CMD") + 3:].strip())
+    argv = json.loads(health[health.index("CMD") + 3 :].strip())
     assert argv[0] == "python3"
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -188,18 +189,31 @@ def _dockerignore_excludes(patterns: list[str], path: str) -> bool:
 def test_dockerignore_sends_the_project_and_nothing_private():
     lines = (REPO / ".dockerignore").read_text().splitlines()
     patterns = [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
-    for needed in ("pyproject.toml", "README.md", "miserver/cli.py", "miserver/spec/settings.py",
-                   "examples/train_while_serving.py"):
+    for needed in (
+        "pyproject.toml",
+        "README.md",
+        "miserver/cli.py",
+        "miserver/spec/settings.py",
+        "examples/train_while_serving.py",
+    ):
         assert not _dockerignore_excludes(patterns, needed), needed
-    for private in (".venv/bin/python", ".git/HEAD", "secrets/weights_tokens", "tests/unit/x.py",
-                    "miserver/__pycache__/cli.cpython-311.pyc", "k8s/base/deployment.yaml"):
+    for private in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "secrets/weights_tokens",
+        "tests/unit/x.py",
+        "miserver/__pycache__/cli.cpython-311.pyc",
+        "k8s/base/deployment.yaml",
+    ):
         assert _dockerignore_excludes(patterns, private), private
 
 
 EXAMPLE_TRAINER = REPO / "examples" / "train_while_serving.py"
 _EXAMPLE_PENDING = pytest.mark.xfail(
-    not EXAMPLE_TRAINER.exists(), strict=True,
-    reason="examples/train_while_serving.py (the compose trainer) is not in the tree yet")
+    not EXAMPLE_TRAINER.exists(),
+    strict=True,
+    reason="examples/train_while_serving.py (the compose trainer) is not in the tree yet",
+)
 
 
 def _copy_sources() -> list[str]:
@@ -207,9 +221,13 @@ def _copy_sources() -> list[str]:
     return [src for word, rest in instructions if word == "COPY" for src in shlex.split(rest)[:-1]]
 
 
-@pytest.mark.parametrize("source", [
-    pytest.param(s, marks=_EXAMPLE_PENDING) if s.startswith("examples") else s for s in _copy_sources()
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        pytest.param(s, marks=_EXAMPLE_PENDING) if s.startswith("examples") else s
+        for s in _copy_sources()
+    ],
+)
 def test_every_copied_path_exists(source):
     path = REPO / source
     # A folder with no file in it is not in a clean clone (git tracks files only).
@@ -234,7 +252,9 @@ def compose() -> dict[str, Any]:
 def _compose_errors(doc: dict[str, Any]) -> list[str]:
     schema = json.loads(COMPOSE_SCHEMA.read_text())
     validator = jsonschema.Draft4Validator(schema)  # as docker-compose itself validates it
-    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+    return [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)
+    ]
 
 
 def test_compose_file_matches_the_compose_specification(compose):
@@ -283,7 +303,10 @@ def test_compose_server_settings_are_accepted_by_load_settings(compose, tmp_path
 
 def _compose_cli() -> list[str] | None:
     docker = shutil.which("docker")
-    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+    if (
+        docker
+        and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0
+    ):
         return [docker, "compose"]
     legacy = shutil.which("docker-compose")
     return [legacy] if legacy else None
@@ -291,8 +314,13 @@ def _compose_cli() -> list[str] | None:
 
 @pytest.mark.skipif(_compose_cli() is None, reason="no docker compose client is installed")
 def test_compose_client_accepts_the_file():
-    result = subprocess.run([*_compose_cli(), "-f", str(COMPOSE), "config", "-q"],  # type: ignore[misc]
-                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    result = subprocess.run(
+        [*_compose_cli(), "-f", str(COMPOSE), "config", "-q"],  # type: ignore[misc]
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -313,8 +341,9 @@ def test_backend_deployment_recreates_and_probes_health():
     assert deployment["metadata"]["name"] == "miserver-backend"
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
     assert deployment["spec"]["replicas"] == 1
-    container = next(c for c in deployment["spec"]["template"]["spec"]["containers"]
-                     if c["name"] == "miserver")
+    container = next(
+        c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "miserver"
+    )
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert container[probe]["httpGet"]["path"] == "/api/health", probe
         assert container[probe]["httpGet"]["port"] == "http", probe
@@ -342,7 +371,10 @@ def test_backend_reads_settings_from_the_configmap_and_tokens_from_the_secret(tm
     # MISERVER_HOME is the persistent volume.
     home = next(v for v in volumes.values() if "persistentVolumeClaim" in v)
     assert mounts[home["name"]]["mountPath"] == data["MISERVER_HOME"]
-    assert home["persistentVolumeClaim"]["claimName"] == _base("PersistentVolumeClaim")["metadata"]["name"]
+    assert (
+        home["persistentVolumeClaim"]["claimName"]
+        == _base("PersistentVolumeClaim")["metadata"]["name"]
+    )
     # The ConfigMap is a configuration the server accepts (contract section 1).
     local = tmp_path / "tokens"
     local.write_text("")

@@ -53,10 +53,24 @@ BACKEND_CONTAINER = "miserver"
 # Exactly what the component adds, as (path, value); list items are addressed by their name.
 COMPONENT_FIELDS = {
     ("spec", "template", "spec", "hostIPC"): True,
-    ("spec", "template", "spec", "containers", f"[name={BACKEND_CONTAINER}]", "securityContext",
-     "runAsUser"): 1000,
-    ("spec", "template", "spec", "containers", f"[name={BACKEND_CONTAINER}]", "securityContext",
-     "runAsGroup"): 1000,
+    (
+        "spec",
+        "template",
+        "spec",
+        "containers",
+        f"[name={BACKEND_CONTAINER}]",
+        "securityContext",
+        "runAsUser",
+    ): 1000,
+    (
+        "spec",
+        "template",
+        "spec",
+        "containers",
+        f"[name={BACKEND_CONTAINER}]",
+        "securityContext",
+        "runAsGroup",
+    ): 1000,
 }
 # The oldest Kubernetes release we support and the newest the validator carries.
 KUBERNETES_VERSIONS = ("1.30", kubernetes_validate.latest_version())
@@ -72,8 +86,14 @@ class UnsupportedKustomize(ValueError):
 
 _FIELDS = {"apiVersion", "kind", "resources", "components", "patches", "images"}
 # Strategic-merge keys of the lists we merge (k8s.io/api patchMergeKey); other lists replace.
-_MERGE_KEYS = {"containers": "name", "initContainers": "name", "volumes": "name", "env": "name",
-               "volumeMounts": "mountPath", "imagePullSecrets": "name"}
+_MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "volumes": "name",
+    "env": "name",
+    "volumeMounts": "mountPath",
+    "imagePullSecrets": "name",
+}
 _POD_TEMPLATE_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
 
 
@@ -110,7 +130,10 @@ def strategic_merge(base: Any, patch: Any) -> Any:
             merge_key = _MERGE_KEYS[k]
             items = out[k]
             for item in v:
-                match = next((i for i, b in enumerate(items) if b.get(merge_key) == item.get(merge_key)), None)
+                match = next(
+                    (i for i, b in enumerate(items) if b.get(merge_key) == item.get(merge_key)),
+                    None,
+                )
                 if match is None:
                     items.append(copy.deepcopy(item))
                 else:
@@ -122,7 +145,12 @@ def strategic_merge(base: Any, patch: Any) -> Any:
 
 def _matches(obj: dict[str, Any], target: dict[str, Any]) -> bool:
     group, _, version = obj["apiVersion"].rpartition("/")
-    want = {"group": group, "version": version, "kind": obj["kind"], "name": obj["metadata"]["name"]}
+    want = {
+        "group": group,
+        "version": version,
+        "kind": obj["kind"],
+        "name": obj["metadata"]["name"],
+    }
     unknown = set(target) - set(want)
     if unknown:
         raise UnsupportedKustomize(f"patch target fields {sorted(unknown)} are not supported")
@@ -167,11 +195,16 @@ def _apply_images(spec: dict[str, Any], objs: list[dict[str, Any]]) -> None:
                 elif "newTag" in image:
                     c["image"] = f"{new}:{image['newTag']}"
                 else:
-                    c["image"] = new + ref[len(name):]
+                    c["image"] = new + ref[len(name) :]
 
 
-def build(directory: Path, *, skip: frozenset[Path] = frozenset(), _kind: str = "Kustomization",
-          _objs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+def build(
+    directory: Path,
+    *,
+    skip: frozenset[Path] = frozenset(),
+    _kind: str = "Kustomization",
+    _objs: list[dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
     """Resolve a kustomization directory to its list of resources (``kubectl kustomize``).
 
     ``skip`` lists component directories to leave out (used to rebuild the base as it is with
@@ -240,8 +273,11 @@ def manifest_diff(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> 
     diff: dict[Any, Any] = {}
     for key in a.keys() | b.keys():
         fa, fb = a.get(key, {}), b.get(key, {})
-        changed = {p: (fa.get(p, "<absent>"), fb.get(p, "<absent>"))
-                   for p in fa.keys() | fb.keys() if fa.get(p, "<absent>") != fb.get(p, "<absent>")}
+        changed = {
+            p: (fa.get(p, "<absent>"), fb.get(p, "<absent>"))
+            for p in fa.keys() | fb.keys()
+            if fa.get(p, "<absent>") != fb.get(p, "<absent>")
+        }
         if changed:
             diff[key] = changed
     return diff
@@ -252,8 +288,11 @@ def guard_problems(k8s_root: Path, enabled: bool) -> list[str]:
     base, component = k8s_root / "base", k8s_root / "components" / "hostipc"
     refs = references(base, component)
     resolved = build(base)
-    host_ipc = [f"{o['kind']}/{o['metadata']['name']}" for o in resolved
-                if o["kind"] in _POD_TEMPLATE_KINDS and o["spec"]["template"]["spec"].get("hostIPC")]
+    host_ipc = [
+        f"{o['kind']}/{o['metadata']['name']}"
+        for o in resolved
+        if o["kind"] in _POD_TEMPLATE_KINDS and o["spec"]["template"]["spec"].get("hostIPC")
+    ]
     if not enabled:
         problems = [f"k8s/base references the hostipc component: {r}" for r in refs]
         problems += [f"k8s/base resolves with hostIPC: true on {h}" for h in host_ipc]
@@ -286,9 +325,23 @@ def _run_guard_on(root: Path) -> subprocess.CompletedProcess[str]:
     node = f"{Path(__file__).relative_to(REPO)}::test_base_never_references_hostipc_component"
     return subprocess.run(
         # Without the hypothesis plugin: it costs two seconds to import and is not used here.
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
-         "--no-header", node],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:hypothesispytest",
+            "--no-header",
+            node,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -311,11 +364,13 @@ def test_guard_finds_a_reference_through_a_nested_kustomization(tmp_path):
     nested.mkdir()
     (nested / "kustomization.yaml").write_text(
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
-        "components:\n  - ../../components/hostipc\n")
+        "components:\n  - ../../components/hostipc\n"
+    )
     assert references(root / "base", root / "components" / "hostipc") == []
     kustomization = root / "base" / "kustomization.yaml"
     kustomization.write_text(
-        kustomization.read_text().replace("  - service.yaml\n", "  - service.yaml\n  - extras\n"))
+        kustomization.read_text().replace("  - service.yaml\n", "  - service.yaml\n  - extras\n")
+    )
     refs = references(root / "base", root / "components" / "hostipc")
     assert len(refs) == 1 and "extras" in refs[0]
     assert guard_problems(root, enabled=False)
@@ -326,7 +381,9 @@ def test_guard_catches_hostipc_written_into_the_base_directly(tmp_path):
     deployment = root / "base" / "deployment.yaml"
     text = deployment.read_text()
     assert "      containers:\n" in text
-    deployment.write_text(text.replace("      containers:\n", "      hostIPC: true\n      containers:\n", 1))
+    deployment.write_text(
+        text.replace("      containers:\n", "      hostIPC: true\n      containers:\n", 1)
+    )
     problems = guard_problems(root, enabled=False)
     assert problems == ["k8s/base resolves with hostIPC: true on Deployment/miserver-backend"]
 
@@ -349,12 +406,17 @@ def test_overlay_is_base_plus_exactly_the_component_fields():
     base = build(K8S_ROOT / "base", skip=frozenset({component}))  # the base with hot-update off
     overlay = build(K8S_ROOT / "overlays" / "hostipc")
     diff = manifest_diff(base, overlay)
-    assert diff == {BACKEND: {path: ("<absent>", value) for path, value in COMPONENT_FIELDS.items()}}
+    assert diff == {
+        BACKEND: {path: ("<absent>", value) for path, value in COMPONENT_FIELDS.items()}
+    }
 
 
 def test_component_is_a_kustomize_component_applied_by_the_overlay():
     component = load_kustomization(K8S_ROOT / "components" / "hostipc")
-    assert (component["apiVersion"], component["kind"]) == ("kustomize.config.k8s.io/v1alpha1", "Component")
+    assert (component["apiVersion"], component["kind"]) == (
+        "kustomize.config.k8s.io/v1alpha1",
+        "Component",
+    )
     overlay = load_kustomization(K8S_ROOT / "overlays" / "hostipc")
     assert overlay["resources"] == ["../../base"]
     assert overlay["components"] == ["../../components/hostipc"]
@@ -362,8 +424,13 @@ def test_component_is_a_kustomize_component_applied_by_the_overlay():
 
 def test_base_backend_runs_the_pinned_uid_only_through_the_image():
     """The base states no runAsUser (the component does); the pod still refuses root."""
-    backend = next(o for o in build(K8S_ROOT / "base", skip=frozenset({
-        (K8S_ROOT / "components" / "hostipc").resolve()})) if _key(o) == BACKEND)
+    backend = next(
+        o
+        for o in build(
+            K8S_ROOT / "base", skip=frozenset({(K8S_ROOT / "components" / "hostipc").resolve()})
+        )
+        if _key(o) == BACKEND
+    )
     pod = backend["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     container = next(c for c in pod["containers"] if c["name"] == BACKEND_CONTAINER)
@@ -386,7 +453,12 @@ def test_every_manifest_validates_against_kubernetes_schemas(source, version):
         docs = [d for p in _manifest_files() for d in yaml.safe_load_all(p.read_text()) if d]
     else:
         docs = build(K8S_ROOT / ("base" if source == "base" else "overlays/hostipc"))
-    assert {d["kind"] for d in docs} == {"ConfigMap", "PersistentVolumeClaim", "Deployment", "Service"}
+    assert {d["kind"] for d in docs} == {
+        "ConfigMap",
+        "PersistentVolumeClaim",
+        "Deployment",
+        "Service",
+    }
     for doc in docs:
         kubernetes_validate.validate(doc, version, strict=True)
 
@@ -435,11 +507,18 @@ def _kustomize_command() -> list[str] | None:
     return None
 
 
-@pytest.mark.skipif(_kustomize_command() is None, reason="neither kustomize nor kubectl is installed")
+@pytest.mark.skipif(
+    _kustomize_command() is None, reason="neither kustomize nor kubectl is installed"
+)
 @pytest.mark.parametrize("target", ["base", "overlays/hostipc"])
 def test_resolver_agrees_with_kustomize(target):
-    out = subprocess.run([*_kustomize_command(), str(K8S_ROOT / target)],  # type: ignore[misc]
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [*_kustomize_command(), str(K8S_ROOT / target)],  # type: ignore[misc]
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     real = [d for d in yaml.safe_load_all(out) if d]
     assert manifest_diff(real, build(K8S_ROOT / target)) == {}
 

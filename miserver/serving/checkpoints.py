@@ -18,6 +18,19 @@ This module is the layer the routes ``POST /api/weights/save``, ``POST /api/weig
 caller runs it inside the pause (weights page: "Unsaved commits and the auto-load", contract 5).
 Errors are :class:`CheckpointError` subclasses carrying their :class:`ErrorCode`; a route turns
 one into its answer with :meth:`CheckpointError.as_api_error`.
+
+The routes' recipe:
+
+- save: check the catalogue for a row named ``name`` first (409), then :func:`save_checkpoint`
+  inside the pause, then register the row (origin ``checkpoint``, parent the base row,
+  ``checkpoint_sha256``, ``dtype`` from :class:`SavedCheckpoint`); if registering fails, delete
+  ``saved.path`` so no unregistered checkpoint is left.
+- load ``{checkpoint}``: :func:`resolve_checkpoint` over the catalogue rows, then
+  :func:`open_checkpoint` on the row's path, then inside the pause (state ``writing``):
+  :func:`layout_matches` true -> :func:`load_in_place` (verifies, then writes; nothing allocated);
+  false -> :func:`verify`, then the model host's normal load of the row (the folder is a plain
+  Hugging Face folder), refused while attached. A :class:`CheckpointCorrupt` changes nothing.
+- start-up: :func:`remove_partial_saves` on the checkpoints folder.
 """
 
 from __future__ import annotations
@@ -416,12 +429,12 @@ def save_checkpoint(model: torch.nn.Module, tokenizer: Any, *, root: Path, name:
         CheckpointExists: ``root/<name>`` exists (nothing left behind).
         OSError: the disk failed (nothing left behind).
     """
+    root = Path(root).absolute()
     if name is not None:
         validate_name(name)
         if (root / name).exists():
             raise CheckpointExists(f"a checkpoint named {name!r} already exists",
                                    details={"name": name, "path": str(root / name)})
-    root = Path(root).absolute()
     root.mkdir(parents=True, exist_ok=True)
     saved_at = rfc3339(now)
     tmp = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=root))

@@ -276,3 +276,12 @@ def test_a_replacement_peft_refuses_puts_the_current_adapter_back(tmp_path, adap
     ad.remove_adapter(model, current)
     assert not ad.has_adapter(model)
     assert torch.equal(logits(model), logits(tiny_model()))
+
+
+@pytest.mark.parametrize("name", ["", "has space", "../x", "naïve", None])
+def test_an_invalid_served_name_is_refused_before_anything_changes(adapter_dir, name):
+    model = tiny_model()
+    with pytest.raises(ad.InvalidAdapterName) as err:
+        ad.apply_adapter(model, name=name, path=adapter_dir, now=NOW)
+    assert err.value.as_api_error().status == 400
+    assert not ad.has_adapter(model)

@@ -1,0 +1,590 @@
+"""The weights runtime: drives the lifecycle core and performs its effects on the server.
+
+The handlers of ``/api/weights/*``, the management loads and ``/v1`` admission all come here.
+Each call follows one shape (design notes, "Verified facts about transitions"):
+
+1. build an :class:`~miserver.fsm.state.Event` from the request (the caller's token, label and
+   ``X-miLLM-Attachment`` header; facts such as a full queue);
+2. under one ``asyncio.Lock``, let :meth:`~miserver.fsm.machine.Lifecycle.handle` decide and
+   perform the outcome's effects in order (:meth:`WeightsRuntime._perform`);
+3. outside the lock, wait where the outcome says to wait (a quiesce waits for its drain, a save
+   for its write, a management load for the load), then answer.
+
+No rule about weights, the barrier, the attachment or a refusal is written here: this module only
+translates effects (``HOLD_ADMISSIONS``, ``START_DRAIN``, ``RELEASE_HELD``, ``REFUSE_HELD_TORN``,
+...) into calls on the scheduler, the model host and the IPC layer. Timers run on one asyncio
+task over the core's deadlines (:meth:`WeightsRuntime._pump`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from miserver.fsm.machine import Lifecycle, Outcome
+from miserver.fsm.state import Caller as FsmCaller
+from miserver.fsm.state import Event
+from miserver.fsm.table import Answer, Effect
+from miserver.http.audit import AuditLog, AuditRecord
+from miserver.http.auth import Caller, attachment_ref
+from miserver.http.errors import ApiError
+from miserver.spec import codes
+from miserver.spec.settings import Settings
+
+log = logging.getLogger("miserver.weights")
+
+#: The triggers whose accepted call waits for the pause it started to settle.
+PAUSE_TRIGGERS = frozenset({"quiesce", "save", "weights_load", "adapter_change"})
+#: The retry hint sent with 503 WEIGHTS_TORN / QUEUE_FULL (seconds).
+RETRY_AFTER_S = 1
+
+
+def rfc3339(t: float | None) -> str | None:
+    """A wall-clock time (seconds since the epoch) as an RFC 3339 UTC string, ms precision."""
+    if t is None:
+        return None
+    return _dt.datetime.fromtimestamp(t, _dt.UTC).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z")
+
+
+class WeightsTornError(ApiError):
+    """503 WEIGHTS_TORN for a request held when the set tore (weights page: States)."""
+
+    def __init__(self) -> None:
+        super().__init__(codes.WEIGHTS_TORN,
+                         "The weights are torn. Recover with POST /api/weights/load.",
+                         details={"recover": "POST /api/weights/load"},
+                         headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+@dataclass
+class CallResult:
+    """What one gated call produced: the outcome, the settled pause answer, effect outputs."""
+
+    outcome: Outcome
+    answer: Answer | None = None
+    outputs: dict[str, Any] = field(default_factory=dict)
+    before: str = "clean"
+    after: str = "clean"
+
+
+PauseJob = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class WeightsRuntime:
+    """One process's weights lifecycle, bound to its scheduler and model host.
+
+    Args:
+        settings: the validated configuration (timers, tokens, audit log path).
+        scheduler: :class:`miserver.serving.scheduler.Scheduler` (the slots and the barrier).
+        host: :class:`miserver.serving.host.ModelHost` (the resident model).
+        audit: where ``weights_audit`` lines go.
+        metrics: the app's metrics object, or None.
+        clock: a monotonic clock in seconds (tests pass a fake one).
+        wall: the wall clock matching ``clock`` (seconds since the epoch).
+    """
+
+    def __init__(self, *, settings: Settings, scheduler: Any, host: Any,
+                 audit: AuditLog | None = None, metrics: Any = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self.scheduler = scheduler
+        self.host = host
+        self.audit = audit or AuditLog(settings.weights_audit_log)
+        self.metrics = metrics
+        self.clock = clock
+        self._wall_offset = wall() - clock()
+        resident = host.resident
+        self.lifecycle = Lifecycle.from_settings(
+            settings, resident=resident is not None,
+            served_name=resident.served_name if resident is not None else None)
+        self.lock = asyncio.Lock()
+        self._pending: asyncio.Future[Answer] | None = None
+        self._pending_failure: Answer | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+        self._jobs: dict[str, PauseJob] = {}
+        self._job_params: dict[str, Any] = {}
+        self._job_result: dict[str, Any] = {}
+        self._pump_task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.last_save: dict[str, Any] | None = None
+        self.last_export: Any = None
+
+    # --- time -------------------------------------------------------------------------------
+    def now(self) -> float:
+        return self.clock()
+
+    def stamp(self, t: float | None) -> str | None:
+        """A core time (the ``clock``) as an RFC 3339 string."""
+        return None if t is None else rfc3339(t + self._wall_offset)
+
+    # --- lifecycle of the runtime -------------------------------------------------------------
+    def start(self) -> None:
+        """Start the timer pump (call on the app's event loop)."""
+        if self._pump_task is None:
+            self._pump_task = asyncio.get_running_loop().create_task(self._pump())
+
+    async def stop(self) -> None:
+        for task in [self._pump_task, self._drain_task, *self._tasks]:
+            if task is not None and not task.done():
+                task.cancel()
+        for task in [self._pump_task, self._drain_task, *self._tasks]:
+            if task is not None:
+                try:
+                    await task
+                except BaseException:  # noqa: BLE001 - shutting down
+                    pass
+        self._pump_task = None
+
+    def register_job(self, owner: str, job: PauseJob) -> None:
+        """Register the work a pause performs once it holds the barrier (``save``,
+        ``weights_load``, ``adapter``). The job returns its result dict or raises ApiError."""
+        self._jobs[owner] = job
+
+    # --- the timer pump ---------------------------------------------------------------------
+    async def _pump(self) -> None:
+        """Sleep until the core's next deadline (or a wake-up), then fire what is due."""
+        while True:
+            deadline = self.lifecycle.next_deadline()
+            self._wake.clear()
+            timeout = None if deadline is None else max(0.0, deadline - self.now())
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
+            async with self.lock:
+                for out in self.lifecycle.fire_due(self.now()):
+                    self._perform(out, {})
+                    self._after_event(out)
+
+    def _poke(self) -> None:
+        self._wake.set()
+
+    # --- the one entry point -------------------------------------------------------------------
+    def decide(self, event: Event, params: dict[str, Any] | None = None) -> Outcome:
+        """Handle ``event`` and perform its effects. The caller must hold :attr:`lock`."""
+        out = self.lifecycle.handle(event, self.now())
+        if out.kind == "accepted" and event.trigger in PAUSE_TRIGGERS:
+            self._pending = asyncio.get_running_loop().create_future()
+            self._pending_failure = None
+            self._job_params = dict(params or {})
+            self._job_result = {}
+        outputs: dict[str, Any] = {}
+        self._perform(out, outputs)
+        self._after_event(out)
+        self._last_outputs = outputs
+        return out
+
+    async def event(self, event: Event, params: dict[str, Any] | None = None) -> Outcome:
+        """Lock, decide, perform (for internal completions and simple calls)."""
+        async with self.lock:
+            return self.decide(event, params)
+
+    def _after_event(self, out: Outcome) -> None:
+        self._sync_resident()
+        self._poke()
+        if self.metrics is not None and hasattr(self.metrics, "lifecycle_event"):
+            self.metrics.lifecycle_event(out)
+
+    def _sync_resident(self) -> None:
+        """Mirror the core's served name, origin and commit count onto the resident (the
+        ``X-miLLM-Model`` header reads them there)."""
+        resident = self.host.resident
+        if resident is None:
+            return
+        ctx = self.lifecycle.context
+        if ctx.served_name is not None:
+            resident.served_name = ctx.served_name
+        if ctx.served_origin is not None:
+            resident.origin = ctx.served_origin
+        resident.commits = ctx.commits_since_name
+
+    # --- effects ----------------------------------------------------------------------------
+    def _perform(self, out: Outcome, outputs: dict[str, Any]) -> None:
+        if out.kind != "accepted":
+            return
+        for effect in out.effects:
+            self._effect(effect, out, outputs)
+
+    def _effect(self, effect: Effect, out: Outcome, outputs: dict[str, Any]) -> None:
+        sched = self.scheduler
+        if effect is Effect.EXPORT_HANDLES:
+            outputs["export"] = self._export()
+        elif effect is Effect.RELEASE_EXPORTS:
+            from miserver.ipc.export import reclaim
+
+            reclaim()
+        elif effect is Effect.HOLD_ADMISSIONS:
+            sched.barrier_begin()
+        elif effect is Effect.START_DRAIN:
+            self._drain_task = self._spawn(self._drain())
+        elif effect is Effect.CANCEL_DRAIN:
+            if self._drain_task is not None and not self._drain_task.done():
+                self._drain_task.cancel()
+            self._drain_task = None
+            sched.barrier_abandon()
+        elif effect is Effect.DROP_CACHE:
+            sched.drop_caches()
+        elif effect is Effect.RELEASE_HELD:
+            sched.barrier_release()
+        elif effect is Effect.REFUSE_HELD_TORN:
+            from miserver.serving.scheduler import Priority
+
+            sched.fail_held(WeightsTornError(), priorities=(Priority.INTERACTIVE,))
+        elif effect is Effect.ANSWER_PENDING:
+            self._settle(out.pending or Answer(200))
+        elif effect is Effect.FAIL_PENDING:
+            self._settle(self._pending_failure or Answer(500, codes.INTERNAL_ERROR))
+        elif effect in (Effect.BEGIN_SAVE, Effect.BEGIN_WEIGHTS_LOAD,
+                        Effect.BEGIN_ADAPTER_CHANGE):
+            owner = {Effect.BEGIN_SAVE: "save", Effect.BEGIN_WEIGHTS_LOAD: "weights_load",
+                     Effect.BEGIN_ADAPTER_CHANGE: "adapter"}[effect]
+            self._spawn(self._run_job(owner))
+        elif effect in (Effect.START_MODEL_LOAD, Effect.START_MODEL_UNLOAD):
+            outputs["transition"] = self._spawn(self._run_transition(effect, out))
+        elif effect in (Effect.ADMIT, Effect.HOLD_REQUEST):
+            outputs["admission"] = effect
+        elif effect is Effect.APPLY_SETTINGS:
+            outputs["apply_settings"] = True
+        elif effect in (Effect.RECORD_OVERRUN, Effect.RECORD_WATCHDOG,
+                        Effect.RECORD_HOLD_TIMEOUT, Effect.RECORD_STALE):
+            log.warning("weights: %s", effect.value.lower().replace("_", " "))
+        else:  # pragma: no cover - a new effect the runtime does not know
+            raise RuntimeError(f"unknown effect {effect}")
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _settle(self, answer: Answer) -> None:
+        if self._pending is not None and not self._pending.done():
+            self._pending.set_result(answer)
+
+    async def _drain(self) -> None:
+        """Wait for the running forward passes, then report ``drained`` (the drain timer, a
+        core deadline, decides a drain that takes too long)."""
+        try:
+            await self.scheduler.barrier_wait_drained()
+        except asyncio.CancelledError:
+            return
+        async with self.lock:
+            if self._drain_task is not asyncio.current_task():
+                return  # cancelled in the meantime
+            self._drain_task = None
+            self.decide(Event("drained"))
+
+    async def _run_job(self, owner: str) -> None:
+        """Run a pause's work (save, weights load, adapter change) and report its end."""
+        job = self._jobs.get(owner)
+        done, failed = f"{owner}_done", f"{owner}_failed"
+        try:
+            if job is None:
+                raise ApiError(codes.INTERNAL_ERROR, f"no {owner} job is registered")
+            if owner == "weights_load":
+                await self.event(Event("weights_load_write"))
+            result = await job(self._job_params)
+        except ApiError as err:
+            async with self.lock:
+                self._pending_failure = Answer(err.status, err.code, err.reason)
+                self._job_result = {"error": err}
+                self.decide(Event(failed))
+            return
+        except Exception as exc:  # noqa: BLE001 - any failure of the job is reported, not lost
+            log.exception("weights: the %s failed", owner)
+            async with self.lock:
+                err = ApiError(codes.INTERNAL_ERROR, f"the {owner} failed: {exc}")
+                self._pending_failure = Answer(500, codes.INTERNAL_ERROR)
+                self._job_result = {"error": err}
+                self.decide(Event(failed))
+            return
+        async with self.lock:
+            self._job_result = result
+            self.decide(Event(done, name=result.get("served_name"),
+                              applied=result.get("applied", True)))
+
+    async def _run_transition(self, effect: Effect, out: Outcome) -> Any:
+        """Perform a model load or unload for the core and report its end."""
+        params = self._transition_params
+        try:
+            if effect is Effect.START_MODEL_LOAD:
+                resident = await self.host.load(params["row_id"])
+                name = resident.served_name
+            else:
+                await self.host.unload()
+                name = None
+        except BaseException as exc:
+            async with self.lock:
+                self.decide(Event("transition_failed"))
+            if isinstance(exc, ApiError | asyncio.CancelledError):
+                raise
+            raise ApiError(codes.INTERNAL_ERROR, f"the model transition failed: {exc}") from exc
+        async with self.lock:
+            self.decide(Event("transition_done", name=name))
+        return self.host.resident
+
+    # --- export -----------------------------------------------------------------------------
+    def _export(self) -> Any:
+        from miserver.ipc.export import export_handles
+
+        resident = self.host.resident
+        arena = getattr(resident, "arena", None)
+        if resident is None or arena is None:  # the core checked attachability: a bug
+            raise ApiError(codes.INTERNAL_ERROR, "the resident model has no parameter arena")
+        body = export_handles(arena, resident.model)
+        self.last_export = body
+        return body
+
+    def not_attachable_reason(self) -> str | None:
+        """The resident's own NOT_ATTACHABLE reason (gguf, quantized, dtype, not_on_gpu,
+        allocator), or None. The serving-wide reasons are the core's."""
+        from miserver.ipc.arena import parameter_devices, parameter_dtypes
+        from miserver.ipc.attachability import not_attachable_reason
+
+        resident = self.host.resident
+        if resident is None:
+            return None
+        row = resident.row
+        reason = not_attachable_reason(
+            fmt=row.format, quantization=row.quantization,
+            param_dtypes=parameter_dtypes(resident.model),
+            devices=parameter_devices(resident.model),
+            arena=getattr(resident, "arena", None), continuous_batching=False,
+            max_concurrent=1, model_transition=False, weights_writing=False,
+            cpu_attach=self.settings.weights_cpu_attach)
+        return reason if reason in ("gguf", "quantized", "dtype", "not_on_gpu",
+                                    "allocator") else None
+
+    def check_addresses(self) -> list[str]:
+        """Compare every parameter's address with the export; a move tears the set
+        (weights page: States). Call under :attr:`lock`."""
+        from miserver.ipc.export import moved_parameters
+
+        resident = self.host.resident
+        arena = getattr(resident, "arena", None) if resident is not None else None
+        if arena is None or self.lifecycle.state.attachment == "none":
+            return []
+        moved = moved_parameters(arena, resident.model)
+        if moved:
+            log.error("weights: %d parameter(s) moved since export: %s", len(moved), moved[:3])
+            self.decide(Event("address_moved"))
+        return moved
+
+    # --- gated calls (the weights routes) ------------------------------------------------------
+    async def gated(self, trigger: str, caller: Caller, attachment_header: str | None, *,
+                    operation: str, params: dict[str, Any] | None = None,
+                    **event_fields: Any) -> CallResult:
+        """Run one gated call: decide under the lock, wait for a pause it started, audit.
+
+        Raises :class:`ApiError` with the table's code, reason and status on a refusal (401s
+        carry ``WWW-Authenticate: Bearer``). Weights page: Authentication; The write cycle.
+        """
+        fsm_caller = FsmCaller(token=caller.token, label=caller.label,  # type: ignore[arg-type]
+                               attachment_id=attachment_header)
+        async with self.lock:
+            before = self.lifecycle.state.weights
+            ref = attachment_ref(self.lifecycle.context.attachment_id)
+            if trigger in ("commit_end", "resume", "detach"):
+                self.check_addresses()
+            if trigger == "attach":
+                event_fields.setdefault("not_attachable", self.not_attachable_reason())
+            if trigger == "quiesce":
+                event_fields.setdefault("queue_full", self._queue_full())
+            out = self.decide(Event(trigger, caller=fsm_caller, **event_fields), params)
+            outputs = self._last_outputs
+            pending = self._pending if (out.kind == "accepted"
+                                        and trigger in PAUSE_TRIGGERS) else None
+            if trigger == "attach" and out.kind == "accepted":
+                ref = attachment_ref(self.lifecycle.context.attachment_id)
+        if out.kind == "refused":
+            self._audit(operation, out, caller, ref, before, refused=True)
+            headers = {}
+            if out.code is codes.WEIGHTS_UNAUTHORIZED:
+                headers["WWW-Authenticate"] = "Bearer"
+            if out.code in (codes.WEIGHTS_TORN, codes.QUEUE_FULL):
+                headers["Retry-After"] = str(RETRY_AFTER_S)
+            raise ApiError(out.code, out.message, reason=out.reason,  # type: ignore[arg-type]
+                           details=self._wire_details(out.details), status=out.status,
+                           headers=headers)
+        answer: Answer | None = None
+        if pending is not None:
+            answer = await asyncio.shield(pending)
+        result = CallResult(out, answer, outputs, before, self.lifecycle.state.weights)
+        if answer is not None and answer.code is not None:
+            self._audit(operation, out, caller, ref, before, refused=True, answer=answer)
+            err = self._job_result.get("error") if isinstance(self._job_result, dict) else None
+            if isinstance(err, ApiError):
+                raise err
+            message = out.message or answer.code.name
+            if answer.code is codes.MODEL_BUSY and answer.reason == "drain_timeout":
+                message = ("Running requests did not finish within "
+                           "WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S; nothing is held.")
+            raise ApiError(answer.code, message, reason=answer.reason, status=answer.status)
+        self._audit(operation, out, caller, ref, before, refused=False)
+        return result
+
+    def _queue_full(self) -> bool:
+        counts = self.scheduler.counts()
+        return counts.queued + counts.held_interactive >= self.scheduler.max_queued
+
+    def _wire_details(self, details: dict[str, Any]) -> dict[str, Any] | None:
+        if not details:
+            return None
+        out = dict(details)
+        holder = out.get("holder")
+        if isinstance(holder, dict):
+            out["holder"] = {**holder, "attached_at": self.stamp(holder.get("attached_at"))}
+        return out
+
+    def _audit(self, operation: str, out: Outcome, caller: Caller, ref: str | None,
+               before: str, *, refused: bool, answer: Answer | None = None) -> None:
+        code = answer.code if answer is not None else out.code
+        reason = answer.reason if answer is not None else out.reason
+        if refused and code in (codes.WEIGHTS_UNAUTHORIZED, codes.WEIGHTS_FORBIDDEN) \
+                and operation in ("save", "load"):
+            operation = f"weights_{operation}"
+        elapsed = steps = None
+        if operation == "weights_commit_end" and not refused:
+            elapsed = out.details.get("commit_ms")
+            steps = out.details.get("steps_since_load")
+        resident = self.host.resident
+        self.audit.write(AuditRecord(
+            operation=operation, outcome="refused" if refused else "accepted",
+            code=code.name if code is not None else None, reason=reason,
+            role=caller.role, label=caller.label, attachment_ref=ref,
+            model=resident.base_name if resident is not None else None,
+            weights_state=self.lifecycle.state.weights, weights_state_before=before,
+            elapsed_ms=elapsed, steps=steps))
+
+    # --- management loads and /v1 admission ------------------------------------------------
+    _transition_params: dict[str, Any] = {}
+
+    async def model_transition(self, kind: str, row_id: int | None, *, targets_resident: bool
+                               ) -> Outcome:
+        """A management load (``model_load``) or unload (``model_unload``); waits for it.
+
+        Raises ApiError with the table's refusal (contract 3).
+        """
+        async with self.lock:
+            self._transition_params = {"row_id": row_id}
+            out = self.decide(Event(kind, target="resident" if targets_resident else "other"))
+            task = self._last_outputs.get("transition")
+        if out.kind == "refused":
+            raise self._refusal(out)
+        if task is not None:
+            await task
+        return out
+
+    async def admit_v1(self, *, targets_resident: bool, refuse_policy: bool,
+                       row_id: int | None) -> Effect:
+        """Decide a ``/v1`` request: ``ADMIT``, ``HOLD_REQUEST`` (the scheduler holds it), or a
+        refusal raised as ApiError; an auto-load is started and awaited (contract 4)."""
+        async with self.lock:
+            counts = self.scheduler.counts()
+            full = counts.queued + counts.held_interactive >= self.scheduler.max_queued
+            self._transition_params = {"row_id": row_id}
+            out = self.decide(Event("v1", target="resident" if targets_resident else "other",
+                                    refuse_policy=refuse_policy, queue_full=full))
+            task = self._last_outputs.get("transition")
+        if out.kind == "refused":
+            raise self._refusal(out)
+        if task is not None:
+            await task
+        return Effect.ADMIT if Effect.ADMIT in out.effects else Effect.HOLD_REQUEST
+
+    async def confirm_v1(self) -> None:
+        """Inside the slot, just before the forward pass: the table must still admit a request
+        for the resident (the set may have torn while it waited). Raises ApiError otherwise."""
+        async with self.lock:
+            out = self.decide(Event("v1", target="resident"))
+        if out.kind == "refused":
+            raise self._refusal(out)
+        if Effect.ADMIT not in out.effects:  # pragma: no cover - the barrier holds every slot
+            raise ApiError(codes.MODEL_BUSY, "the barrier was taken while this request waited")
+
+    async def settings_change(self, avail: str) -> Outcome:
+        """PATCH /api/settings: the resulting pause availability goes through the table."""
+        async with self.lock:
+            out = self.decide(Event("settings_change", avail=avail))  # type: ignore[arg-type]
+        if out.kind == "refused":
+            raise self._refusal(out)
+        return out
+
+    def _refusal(self, out: Outcome) -> ApiError:
+        headers = {}
+        if out.code in (codes.WEIGHTS_TORN, codes.QUEUE_FULL):
+            headers["Retry-After"] = str(RETRY_AFTER_S)
+        return ApiError(out.code, out.message, reason=out.reason,  # type: ignore[arg-type]
+                        details=self._wire_details(out.details), status=out.status,
+                        headers=headers)
+
+    # --- views ----------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """GET /api/weights/status (weights page: Status). No token, no slot, no secret."""
+        from miserver.ipc.export import cuda_memory, exports_since_start
+
+        view = self.lifecycle.status_view(self.now())
+        resident = self.host.resident
+        att = view["attachment"]
+        if att is not None:
+            att = {**att, "attached_at": self.stamp(att["attached_at"]),
+                   "last_heartbeat_at": self.stamp(att["last_heartbeat_at"]),
+                   "stale_since": self.stamp(att["stale_since"])}
+        commit = view["commit"]
+        if commit is not None:
+            commit = {**commit, "began_at": self.stamp(commit["began_at"]),
+                      "open_ms": round(commit["open_ms"] or 0.0, 3)}
+        overrun = view["last_overrun"]
+        if overrun is not None:
+            overrun = {"at": self.stamp(overrun["at"]),
+                       "commit_ms": round(overrun["commit_ms"], 3)}
+        counts = self.scheduler.counts()
+        return {
+            "attached": view["attached"],
+            "attachment": att,
+            "barrier": view["barrier"],
+            "quiesced_at": self.stamp(view["quiesced_at"]),
+            "held_requests": None if view["barrier"] == "serving" else counts.held_interactive,
+            "weights_state": view["weights_state"],
+            "resident_model": self.model_ref(),
+            "steps_since_load": view["steps_since_load"] if resident is not None else None,
+            "last_save": self.last_save,
+            "commit": commit,
+            "commit_overran": self.stamp(view["commit_overran"]),
+            "last_hold_timeout_at": self.stamp(view["last_hold_timeout_at"]),
+            "last_overrun": overrun,
+            "pause_unavailable": view["pause_unavailable"],
+            "adapter": self.adapter_block(),
+            "cuda_memory": cuda_memory(),
+            "exports_since_start": exports_since_start(),
+        }
+
+    def model_ref(self) -> dict[str, Any] | None:
+        """``{model_id, name, manifest_hash}`` of the resident (the base model's served name)."""
+        resident = self.host.resident
+        if resident is None:
+            return None
+        row = resident.row
+        return {"model_id": row.id, "name": resident.base_name,
+                "manifest_hash": getattr(row, "checkpoint_sha256", None)}
+
+    def adapter_block(self) -> dict[str, Any] | None:
+        resident = self.host.resident
+        block = getattr(resident, "adapter_block", None) if resident is not None else None
+        return block if block is not None else {"applied": False}
+
+    def summary(self) -> dict[str, Any]:
+        """The short weights block of /api/health/detailed (weights page: Status)."""
+        view = self.lifecycle.status_view(self.now())
+        att = view["attachment"]
+        return {"weights_state": view["weights_state"], "barrier": view["barrier"],
+                "attached": view["attached"],
+                "attachment_state": att["state"] if att is not None else None}

@@ -285,3 +285,19 @@ def test_an_invalid_served_name_is_refused_before_anything_changes(adapter_dir, 
         ad.apply_adapter(model, name=name, path=adapter_dir, now=NOW)
     assert err.value.as_api_error().status == 400
     assert not ad.has_adapter(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_adapter_lives_on_the_card_and_removal_restores_exactly(adapter_dir):
+    model = tiny_model(torch.bfloat16).cuda()
+    ids = IDS.cuda()
+    with torch.no_grad():
+        before = model(ids).logits
+    view = base_view(model)
+    applied = ad.apply_adapter(model, name="x", path=adapter_dir, now=NOW)
+    assert all(p.is_cuda for p in model.parameters())
+    assert base_view(model) == view
+    ad.remove_adapter(model, applied)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)

@@ -452,3 +452,20 @@ def test_the_default_models_tokenizer_and_chat_template_survive_a_save(tmp_path)
         tok.apply_chat_template(messages, tokenize=False)
     assert again("Hello there, héllo 🤖").input_ids == tok("Hello there, héllo 🤖").input_ids
     ck.verify(ck.open_checkpoint(saved.path))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_load_in_place_on_cuda_keeps_every_data_ptr(tmp_path):
+    source = tiny_model(seed=0).cuda()
+    handle = ck.open_checkpoint(save(source, tmp_path).path)
+    target = tiny_model(seed=1).cuda()
+    ptrs = {n: p.data_ptr() for n, p in target.named_parameters(remove_duplicate=False)}
+    allocated = torch.cuda.memory_allocated()
+    ck.load_in_place(target, handle)
+    torch.cuda.synchronize()
+    assert {n: p.data_ptr() for n, p in target.named_parameters(remove_duplicate=False)} == ptrs
+    assert torch.cuda.memory_allocated() == allocated
+    ids = IDS.cuda()
+    with torch.no_grad():
+        assert torch.equal(target(ids).logits, source(ids).logits)

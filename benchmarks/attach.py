@@ -153,7 +153,8 @@ def main() -> None:
 
     worker = subprocess.Popen([sys.executable, __file__, "--child"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, cwd=REPO,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                  filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     rows = []
     for shape in args.shapes.split(","):
         model = random_model(shape)

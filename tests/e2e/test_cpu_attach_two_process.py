@@ -71,7 +71,8 @@ def child() -> None:
 
 
 def run_child(jobs: list[dict]) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, __file__], input=json.dumps(jobs), text=True,
                           capture_output=True, env=env, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -30,7 +30,8 @@ class Worker:
         self.proc = subprocess.Popen(
             [sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True, cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **(env or {})})
 
     def ask(self, op: str, **kw) -> dict:
         self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")

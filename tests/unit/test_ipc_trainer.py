@@ -209,6 +209,7 @@ def test_interpreter_exit_releases_what_was_never_released(tmp_path):
         print("exiting")
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+                          timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                              filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["exiting", "detached", "0"]

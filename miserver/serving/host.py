@@ -47,7 +47,7 @@ def normalize_load_policy(value: str | None) -> str:
     Raises:
         ApiError: 400 INVALID_REQUEST for any other value (contract 4).
     """
-    policy = (value or "auto").strip().lower()
+    policy = (value or "").strip().lower() or "auto"
     if policy not in LOAD_POLICIES:
         raise ApiError(codes.INVALID_REQUEST,
                        f"X-miLLM-Load-Policy must be auto or refuse, got {value[:64]!r}",

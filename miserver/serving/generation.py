@@ -367,6 +367,12 @@ class Generation:
             if isinstance(event, Finished):
                 return
 
+    def add_done_callback(self, callback: Any) -> None:
+        """Call ``callback()`` on the event loop once the worker thread has ended (at once if it
+        has). The scheduler slot is released this way, whatever happens to the caller."""
+        assert self._done is not None, "start() first"
+        self._done.add_done_callback(lambda _f: callback())
+
     async def wait(self) -> None:
         """Wait until the worker thread has ended (it is never left running)."""
         assert self._done is not None, "start() first"

@@ -48,3 +48,52 @@ def tiny_model(tokenizer: Any, *, seed: int = 0, context: int = 256) -> Any:
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(30.0)
     return model
+
+
+def tiny_model_folder(cache_dir: Path) -> Path:
+    """:func:`tiny_model` saved as a float32 safetensors folder with the SmolLM2 tokenizer and
+    chat template (a catalogue row can point at it). Built once per ``cache_dir``."""
+    folder = cache_dir / "tiny-llama-v1"
+    if not (folder / "config.json").exists():
+        tok = cached_tokenizer(cache_dir)
+        model = tiny_model(tok)
+        model.generation_config.eos_token_id = tok.eos_token_id
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+    return folder
+
+
+class SlowModel:
+    """Wraps a model so every forward pass takes at least ``delay`` seconds more (latency
+    injection for queue, disconnect and concurrency tests); ``fail_at`` makes that forward pass
+    raise (fault injection). Counts calls and records each pass's ``(start, end)``."""
+
+    def __new__(cls, inner: Any, delay: float = 0.0, fail_at: int | None = None) -> Any:
+        import threading
+        import time
+
+        import torch
+
+        class _Slow(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.inner = inner
+                self.config = inner.config
+                self.generation_config = inner.generation_config
+                self.delay = delay
+                self.fail_at = fail_at
+                self.calls = 0
+                self.windows: list[tuple[float, float, str]] = []
+
+            def forward(self, **kw: Any) -> Any:
+                self.calls += 1
+                if self.fail_at is not None and self.calls == self.fail_at:
+                    raise RuntimeError("injected failure")
+                t0 = time.perf_counter()
+                if self.delay:
+                    time.sleep(self.delay)
+                out = self.inner(**kw)
+                self.windows.append((t0, time.perf_counter(), threading.current_thread().name))
+                return out
+
+        return _Slow()

@@ -1,0 +1,293 @@
+"""The request bodies of ``/v1`` (OpenAI-compatible) and their strict validation (contract 4).
+
+Bodies are decoded with msgspec into the Structs below, strictly: a boolean is not an integer, a
+string is not a number, ``1.0`` is not an integer. Fields OpenAI defines that miserver does not
+act on are accepted and ignored (listed per request type in ``IGNORED_*``); any other field is a
+400 naming it. Range checks that need no model (``temperature`` 0..2, ``top_p`` (0, 1], ``n`` 1,
+at most 4 non-empty stop sequences, ...) are made here; checks against the model's context window
+are made by :mod:`miserver.http.v1` once the prompt is tokenized.
+
+Every refusal is an :class:`~miserver.http.errors.ApiError` with code ``INVALID_REQUEST`` (400)
+and ``param`` naming the field (``messages[2].role``), raised before anything is queued.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import msgspec
+
+from miserver.http.errors import ApiError
+from miserver.spec import codes
+
+#: Seeds a ``torch.Generator`` accepts.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+MAX_STOP_SEQUENCES = 4
+MAX_CHAT_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` and no choices."""
+
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # OpenAI's; ignored (no obfuscation is added)
+
+
+class TextPart(msgspec.Struct, forbid_unknown_fields=True):
+    """A content part. Only ``{"type": "text", "text": ...}`` is supported (text models)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """One message. Roles: system, developer (treated as system), user, assistant."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    # OpenAI defines these on assistant messages; accepted and ignored.
+    refusal: str | None = None
+    tool_calls: Any = None
+    function_call: Any = None
+    audio: Any = None
+
+
+class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /v1/chat/completions``."""
+
+    model: str
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    user: str | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    # Defined by OpenAI, accepted and ignored (see IGNORED_CHAT).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: Any = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+
+class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a one-element
+    list of either (one prompt per request: ``n`` is 1)."""
+
+    model: str
+    prompt: Any
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    user: str | None = None
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    # Defined by OpenAI, accepted and ignored (see IGNORED_COMPLETION).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    suffix: str | None = None
+
+
+IGNORED_CHAT = ("frequency_penalty", "presence_penalty", "logit_bias", "metadata", "store",
+                "service_tier", "parallel_tool_calls", "tools", "tool_choice", "functions",
+                "function_call", "response_format", "modalities", "audio", "prediction",
+                "reasoning_effort", "verbosity", "web_search_options", "prompt_cache_key",
+                "safety_identifier")
+IGNORED_COMPLETION = ("frequency_penalty", "presence_penalty", "logit_bias", "suffix")
+
+_AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_UNKNOWN = re.compile(r"Object contains unknown field `(?P<field>[^`]+)`")
+_MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
+
+
+def _bad(message: str, param: str | None) -> ApiError:
+    return ApiError(codes.INVALID_REQUEST, message, param=param)
+
+
+def _param_of(message: str) -> tuple[str, str | None]:
+    """Split msgspec's ``... - at `$.a[0].b``` into (message, ``a[0].b``)."""
+    path = None
+    match = _AT.search(message)
+    if match:
+        message = message[:match.start()]
+        path = match.group("path").lstrip(".") or None
+    for pattern in (_UNKNOWN, _MISSING):
+        m = pattern.search(message)
+        if m:
+            path = f"{path}.{m.group('field')}" if path else m.group("field")
+    return message, path
+
+
+def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """Decode a request body into ``kind`` strictly.
+
+    Raises:
+        ApiError: 400 INVALID_REQUEST: not JSON, not an object, a wrong type, an unknown field
+            (named, and said to be unsupported), a missing required field.
+    """
+    if not body.strip():
+        raise _bad("the request body is empty; send a JSON object", None)
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        message, param = _param_of(str(exc))
+        if message.startswith("Expected `object`") and param is None:
+            raise _bad("the request body must be a JSON object", None) from None
+        if _UNKNOWN.search(message):
+            raise _bad(f"unsupported field {param!r}: it is not an OpenAI "
+                       f"{'chat completion' if kind is ChatCompletionRequest else 'completion'}"
+                       " request field", param) from None
+        if message.startswith("Invalid enum value") and param and param.endswith(".role"):
+            raise _bad(f"{message.replace('Invalid enum value', 'unsupported role')} at {param}: "
+                       "roles are system, developer, user and assistant", param) from None
+        if message.startswith("Invalid enum value") and param and param.endswith(".type"):
+            raise _bad(f"unsupported content part type at {param}: only text parts are "
+                       "supported", param) from None
+        raise _bad(f"{message}" + (f" at {param}" if param else ""), param) from None
+    except msgspec.DecodeError:
+        raise _bad("the request body is not valid JSON", None) from None
+
+
+# --- shared range checks --------------------------------------------------------------------
+def check_common(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, ...]:
+    """Range checks shared by both routes; returns the stop sequences as a tuple.
+
+    Raises:
+        ApiError: 400 INVALID_REQUEST naming the field.
+    """
+    if not req.model.strip():
+        raise _bad("model must name a served model or a catalogue row", "model")
+    if req.temperature is not None and not 0.0 <= req.temperature <= 2.0:
+        raise _bad(f"temperature must be between 0 and 2, got {req.temperature}", "temperature")
+    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
+        raise _bad(f"top_p must be greater than 0 and at most 1, got {req.top_p}", "top_p")
+    if req.n is not None and req.n != 1:
+        raise _bad(f"n must be 1 (one choice per request), got {req.n}", "n")
+    if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
+        raise _bad(f"seed must be within [{SEED_MIN}, {SEED_MAX}]", "seed")
+    if req.stream_options is not None and not req.stream:
+        raise _bad("stream_options is only allowed when stream is true", "stream_options")
+    stops: tuple[str, ...]
+    if req.stop is None:
+        stops = ()
+    elif isinstance(req.stop, str):
+        stops = (req.stop,)
+    else:
+        stops = tuple(req.stop)
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise _bad(f"stop takes at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}",
+                   "stop")
+    if any(s == "" for s in stops):
+        raise _bad("stop sequences must not be empty strings", "stop")
+    return stops
+
+
+def _check_max_tokens(value: int | None, param: str) -> None:
+    if value is not None and value < 1:
+        raise _bad(f"{param} must be at least 1, got {value}", param)
+
+
+def message_text(message: ChatMessage) -> str:
+    """The text of one message (content parts joined)."""
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    return "".join(part.text for part in message.content)
+
+
+def check_chat(req: ChatCompletionRequest) -> tuple[str, ...]:
+    """All model-independent checks of a chat request; returns its stop sequences.
+
+    Raises:
+        ApiError: 400 INVALID_REQUEST naming the field (an empty ``messages`` list, a non-
+            assistant message without content, both max_tokens and max_completion_tokens, ...).
+    """
+    stops = check_common(req)
+    if not req.messages:
+        raise _bad("messages must hold at least one message", "messages")
+    for i, message in enumerate(req.messages):
+        if message.content is None and message.role != "assistant":
+            raise _bad(f"messages[{i}].content is required for role {message.role}",
+                       f"messages[{i}].content")
+        if message.content is None and message.tool_calls is None:
+            raise _bad(f"messages[{i}].content is required", f"messages[{i}].content")
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        raise _bad("give one of max_tokens and max_completion_tokens, not both",
+                   "max_completion_tokens")
+    _check_max_tokens(req.max_tokens, "max_tokens")
+    _check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= MAX_CHAT_TOP_LOGPROBS:
+            raise _bad(f"top_logprobs must be between 0 and {MAX_CHAT_TOP_LOGPROBS}, got "
+                       f"{req.top_logprobs}", "top_logprobs")
+        if not req.logprobs:
+            raise _bad("top_logprobs needs logprobs set to true", "top_logprobs")
+    return stops
+
+
+PromptSpec = str | list[int]
+
+
+def check_completion(req: CompletionRequest) -> tuple[PromptSpec, tuple[str, ...]]:
+    """All model-independent checks of a completion request; returns ``(prompt, stops)``.
+
+    ``prompt`` is a string or a list of token ids (a one-element list is unwrapped).
+
+    Raises:
+        ApiError: 400 INVALID_REQUEST naming the field.
+    """
+    stops = check_common(req)
+    prompt = req.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        if not prompt:
+            raise _bad("prompt must not be an empty list", "prompt")
+        if all(isinstance(t, str) for t in prompt) or all(isinstance(t, list) for t in prompt):
+            raise _bad("prompt: one prompt per request (n is 1); send the prompts as separate "
+                       "requests", "prompt")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+            raise _bad("prompt must be a string or a list of non-negative integer token ids",
+                       "prompt")
+    elif not isinstance(prompt, str):
+        raise _bad("prompt must be a string or a list of integer token ids", "prompt")
+    _check_max_tokens(req.max_tokens, "max_tokens")
+    if req.best_of is not None and req.best_of != 1:
+        raise _bad(f"best_of must be 1, got {req.best_of}", "best_of")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise _bad(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got "
+                   f"{req.logprobs}", "logprobs")
+    return prompt, stops

@@ -1,0 +1,606 @@
+"""``/v1``: OpenAI-compatible serving (companion contract 4).
+
+Routes: ``GET /v1/models``, ``GET /v1/models/{model}``, ``POST /v1/chat/completions``,
+``POST /v1/completions``, streamed (server-sent events ending ``data: [DONE]``) or not.
+
+The path of one request:
+
+1. the body is decoded and checked strictly (:mod:`miserver.http.openai_schema`; 400 before
+   anything is queued);
+2. :func:`admit` decides which resident serves it (the one admission decision; auto-load with
+   ``X-miLLM-Load-Policy``);
+3. the prompt is tokenized and checked against the context window (400);
+4. the request waits for a scheduler slot (:class:`~miserver.serving.scheduler.Scheduler`,
+   503 QUEUE_FULL when the queue is full) and keeps it until its generation thread has ended,
+   so it is computed on one parameter set;
+5. the generation runs in a worker thread (:mod:`miserver.serving.generation`); a failure before
+   the first token is a JSON 500, after a stream opened it is one ``error`` event and no
+   ``[DONE]``; a client that goes away cancels it within a decode step.
+
+Every successful response carries ``X-miLLM-Model`` (:func:`miserver.http.model_header.model_header`)
+and a stream's terminal chunk (and its usage chunk) carries the same value as ``millm_model``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from miserver.http import keys
+from miserver.http import openai_schema as schema
+from miserver.http.errors import ApiError, json_response, openai_error_body
+from miserver.http.model_header import HEADER, model_header
+from miserver.serving.generation import (
+    Finished,
+    Generation,
+    GenerationError,
+    SamplingParams,
+    Started,
+    TextDelta,
+    TokenLogprob,
+    context_length,
+)
+from miserver.serving.host import Resident
+from miserver.serving.scheduler import Priority, QueueFull
+from miserver.spec import codes
+
+log = logging.getLogger("miserver.v1")
+
+LOAD_POLICY_HEADER = "X-miLLM-Load-Policy"
+#: How often a waiting or generating request checks that its client is still connected (s).
+DISCONNECT_POLL_S = 0.05
+#: Default ``max_tokens`` of ``/v1/completions`` (OpenAI's).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+_encoder = msgspec.json.Encoder()
+
+
+class ClientGone(Exception):
+    """The client disconnected; nothing can be answered."""
+
+
+# --- admission ---------------------------------------------------------------------------------
+async def admit(request: web.Request, model: str) -> Resident:
+    """The one ``/v1`` admission decision: which resident serves ``model`` (contract 4).
+
+    ``model`` is the resident's served or base name (served at once) or a catalogue row's name
+    (auto-loaded, a swap), honouring ``X-miLLM-Load-Policy`` (``auto`` or ``refuse``). Issue 5
+    routes this through the lifecycle machine (serve / hold / refuse / auto-load).
+
+    Raises:
+        ApiError: 404 MODEL_NOT_FOUND, 409 MODEL_NOT_LOADED (policy refuse), 409 MODEL_BUSY
+            (a load is in progress), 400 INVALID_REQUEST (an unknown policy), the lifecycle's
+            refusals (409 ALREADY_ATTACHED, 503 WEIGHTS_TORN, 409 WEIGHTS_UNSAVED), and
+            500 MODEL_LOAD_FAILED.
+    """
+    host = request.app[keys.HOST]
+    return await host.ensure_for_request(model, request.headers.get(LOAD_POLICY_HEADER))
+
+
+# --- helpers ----------------------------------------------------------------------------------
+def _bad(message: str, param: str | None) -> ApiError:
+    return ApiError(codes.INVALID_REQUEST, message, param=param)
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def _read_body(request: web.Request) -> bytes:
+    """The body (413 JSON via the app's limits when too large)."""
+    return await request.read()
+
+
+async def _acquire_slot(request: web.Request, resident: Resident) -> None:
+    """Wait for a slot, giving up (and leaving no trace) when the client disconnects.
+
+    Raises:
+        ApiError: 503 QUEUE_FULL with ``Retry-After``.
+        ClientGone: the client went away while waiting.
+    """
+    scheduler = request.app[keys.SCHEDULER]
+    metrics = request.app.get(keys.METRICS)
+    held = scheduler.barrier_held or scheduler.barrier_draining
+    task = asyncio.ensure_future(scheduler.acquire(Priority.INTERACTIVE))
+    _update_queue_gauge(request)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S * 4)
+            if done:
+                break
+            held = held or scheduler.barrier_held or scheduler.barrier_draining
+            if _client_gone(request):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise ClientGone
+        try:
+            task.result()
+        except QueueFull as exc:
+            raise ApiError(codes.QUEUE_FULL, str(exc),
+                           details={"max_queued_requests": exc.max_queued},
+                           headers={"Retry-After": "1"}) from None
+    except BaseException:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        raise
+    finally:
+        _update_queue_gauge(request)
+    if held and metrics is not None:
+        metrics.requests_held.inc()
+    if request.app[keys.HOST].resident is not resident:
+        scheduler.release()
+        raise ApiError(codes.MODEL_BUSY,
+                       "the resident model changed while the request waited; retry",
+                       reason="model_transition", headers={"Retry-After": "1"})
+
+
+def _update_queue_gauge(request: web.Request) -> None:
+    metrics = request.app.get(keys.METRICS)
+    if metrics is None:
+        return
+    counts = request.app[keys.SCHEDULER].counts()
+    metrics.queue_depth.set(counts.queued + counts.held_interactive)
+
+
+def _completion_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class _Job:
+    """One admitted request, ready to run."""
+
+    kind: str  # "chat" or "completion"
+    resident: Resident
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    echo_text: str | None  # completions with echo: the prompt text returned before the output
+    want_logprobs: bool
+
+
+def _check_context(resident: Resident, prompt_ids: list[int], max_tokens: int | None,
+                   default: int | None, param: str, prompt_param: str) -> int:
+    context = context_length(resident.model)
+    n = len(prompt_ids)
+    if n >= context:
+        raise _bad(f"the prompt is {n} tokens; the context window of {resident.served_name} is "
+                   f"{context} tokens", prompt_param)
+    if max_tokens is None:
+        return min(default, context - n) if default is not None else context - n
+    if max_tokens > context:
+        raise _bad(f"{param} must be at most the context window ({context}), got {max_tokens}",
+                   param)
+    if n + max_tokens > context:
+        raise _bad(f"the prompt ({n} tokens) plus {param} ({max_tokens}) exceeds the context "
+                   f"window of {context} tokens", param)
+    return max_tokens
+
+
+def _chat_prompt(resident: Resident, req: schema.ChatCompletionRequest) -> list[int]:
+    tok = resident.tokenizer
+    if getattr(tok, "chat_template", None) is None:
+        raise _bad(f"model {resident.served_name} has no chat template; use /v1/completions",
+                   "messages")
+    messages = [{"role": "system" if m.role == "developer" else m.role,
+                 "content": schema.message_text(m)} for m in req.messages]
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - a template may refuse a conversation (jinja)
+        raise _bad(f"the chat template refused the messages: {str(exc)[:300]}",
+                   "messages") from None
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _completion_prompt(resident: Resident, prompt: schema.PromptSpec) -> list[int]:
+    tok = resident.tokenizer
+    if isinstance(prompt, str):
+        ids = list(tok(prompt)["input_ids"])
+    else:
+        vocab = len(tok)
+        bad = next((t for t in prompt if t >= vocab), None)
+        if bad is not None:
+            raise _bad(f"token id {bad} is outside the vocabulary (size {vocab})", "prompt")
+        ids = list(prompt)
+    if not ids:
+        bos = getattr(tok, "bos_token_id", None)
+        if bos is None:
+            raise _bad("the prompt is empty", "prompt")
+        ids = [bos]
+    return ids
+
+
+def _sampling(req: Any, stops: tuple[str, ...], max_tokens: int, logprobs: int | None,
+              echo: bool) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        seed=req.seed, stop=stops, logprobs=logprobs, echo=echo)
+
+
+async def _prepare_chat(request: web.Request, body: bytes) -> _Job:
+    req = schema.decode(body, schema.ChatCompletionRequest)
+    stops = schema.check_chat(req)
+    resident = await admit(request, req.model)
+    prompt_ids = await asyncio.to_thread(_chat_prompt, resident, req)
+    given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = _check_context(resident, prompt_ids, given, None, param, "messages")
+    want = bool(req.logprobs)
+    logprobs = (req.top_logprobs or 0) if want else None
+    return _Job("chat", resident, prompt_ids, _sampling(req, stops, max_tokens, logprobs, False),
+                bool(req.stream), bool(req.stream_options and req.stream_options.include_usage),
+                None, want)
+
+
+async def _prepare_completion(request: web.Request, body: bytes) -> _Job:
+    req = schema.decode(body, schema.CompletionRequest)
+    prompt, stops = schema.check_completion(req)
+    resident = await admit(request, req.model)
+    prompt_ids = await asyncio.to_thread(_completion_prompt, resident, prompt)
+    max_tokens = _check_context(resident, prompt_ids, req.max_tokens,
+                                COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens", "prompt")
+    echo = bool(req.echo)
+    echo_text = None
+    if echo:
+        echo_text = prompt if isinstance(prompt, str) else resident.tokenizer.decode(prompt_ids)
+    want = req.logprobs is not None
+    return _Job("completion", resident, prompt_ids,
+                _sampling(req, stops, max_tokens, req.logprobs, echo and want),
+                bool(req.stream), bool(req.stream_options and req.stream_options.include_usage),
+                echo_text, want)
+
+
+# --- logprobs shapes ---------------------------------------------------------------------------
+def _chat_logprob(lp: TokenLogprob) -> dict[str, Any]:
+    return {"token": lp.text, "logprob": lp.logprob, "bytes": list(lp.bytes),
+            "top_logprobs": [{"token": text, "logprob": value,
+                              "bytes": list(text.encode("utf-8"))} for _i, text, value in lp.top]}
+
+
+class _CompletionLogprobs:
+    """OpenAI's legacy ``logprobs`` object; ``text_offset`` counts characters of ``text``."""
+
+    def __init__(self, offset: int = 0) -> None:
+        self.offset = offset
+
+    def block(self, entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict[str, Any]:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for lp in entries:
+            tokens.append(lp.text)
+            token_logprobs.append(lp.logprob)
+            top.append({text: value for _i, text, value in lp.top} if lp.logprob is not None
+                       or lp.top else None)
+            offsets.append(self.offset)
+            self.offset += len(lp.text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+                "text_offset": offsets}
+
+
+def _usage(fin: Finished) -> dict[str, int]:
+    return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
+            "total_tokens": fin.prompt_tokens + fin.completion_tokens}
+
+
+def _finish_reason(fin: Finished) -> str:
+    return "length" if fin.finish_reason == "length" else "stop"
+
+
+# --- running ----------------------------------------------------------------------------------
+async def _watch(request: web.Request, gen: Generation) -> None:
+    while True:
+        await asyncio.sleep(DISCONNECT_POLL_S)
+        if _client_gone(request):
+            gen.cancel()
+            return
+
+
+async def _run(request: web.Request, job: _Job) -> web.StreamResponse:
+    """Hold a slot for the whole generation and answer (streamed or not).
+
+    The slot is released when the worker thread has ended, never before, also when the
+    handler itself is cancelled.
+    """
+    await _acquire_slot(request, job.resident)
+    scheduler = request.app[keys.SCHEDULER]
+    gen: Generation | None = None
+    watcher: asyncio.Task[None] | None = None
+
+    def release() -> None:
+        scheduler.release()
+        _update_queue_gauge(request)
+
+    try:
+        header = model_header(job.resident)
+        gen = Generation(job.resident.model, job.resident.tokenizer, job.prompt_ids, job.params)
+        gen.start()
+    except BaseException:
+        release()
+        raise
+    gen.add_done_callback(release)
+    try:
+        watcher = asyncio.ensure_future(_watch(request, gen))
+        events = gen.events()
+        try:
+            first = await events.__anext__()
+        except GenerationError as exc:
+            raise ApiError(codes.GENERATION_FAILED, str(exc)) from exc
+        assert isinstance(first, Started)
+        if job.stream:
+            return await _stream(request, job, gen, events, first, header)
+        return await _collect(job, events, first, header)
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        gen.cancel()  # a no-op once it finished
+        await gen.wait()
+
+
+async def _collect(job: _Job, events: Any, first: Started, header: str) -> web.Response:
+    text_parts: list[str] = []
+    lps: list[TokenLogprob] = []
+    fin: Finished | None = None
+    try:
+        async for ev in events:
+            if isinstance(ev, TextDelta):
+                text_parts.append(ev.text)
+                lps.extend(ev.logprobs)
+            elif isinstance(ev, Finished):
+                fin = ev
+    except GenerationError as exc:
+        raise ApiError(codes.GENERATION_FAILED, str(exc)) from exc
+    assert fin is not None
+    if fin.finish_reason == "cancelled":
+        raise ClientGone
+    text = "".join(text_parts)
+    created = int(time.time())
+    name = job.resident.served_name
+    if job.kind == "chat":
+        body = {
+            "id": _completion_id("chatcmpl"), "object": "chat.completion", "created": created,
+            "model": name, "system_fingerprint": None,
+            "choices": [{"index": 0,
+                         "message": {"role": "assistant", "content": text, "refusal": None},
+                         "logprobs": {"content": [_chat_logprob(lp) for lp in lps],
+                                      "refusal": None} if job.want_logprobs else None,
+                         "finish_reason": _finish_reason(fin)}],
+            "usage": _usage(fin),
+        }
+    else:
+        logprobs = None
+        if job.want_logprobs:
+            block = _CompletionLogprobs()
+            entries = list(first.prompt_logprobs or ()) + lps
+            logprobs = block.block(entries)
+        body = {
+            "id": _completion_id("cmpl"), "object": "text_completion", "created": created,
+            "model": name, "system_fingerprint": None,
+            "choices": [{"index": 0, "text": (job.echo_text or "") + text,
+                         "logprobs": logprobs, "finish_reason": _finish_reason(fin)}],
+            "usage": _usage(fin),
+        }
+    return json_response(body, headers={HEADER: header})
+
+
+def _sse(payload: Any) -> bytes:
+    return b"data: " + _encoder.encode(payload) + b"\n\n"
+
+
+async def _stream(request: web.Request, job: _Job, gen: Generation, events: Any,
+                  first: Started, header: str) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={
+        "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+        "X-Accel-Buffering": "no", HEADER: header})
+    await resp.prepare(request)
+    created = int(time.time())
+    name = job.resident.served_name
+    chat = job.kind == "chat"
+    cid = _completion_id("chatcmpl" if chat else "cmpl")
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    lp_block = _CompletionLogprobs()
+
+    def chunk(choice: dict[str, Any] | None, **extra: Any) -> bytes:
+        body: dict[str, Any] = {"id": cid, "object": obj, "created": created, "model": name,
+                                "system_fingerprint": None,
+                                "choices": [choice] if choice is not None else []}
+        body.update(extra)
+        return _sse(body)
+
+    def delta_choice(text: str, lps: tuple[TokenLogprob, ...] | list[TokenLogprob],
+                     finish: str | None = None, role: bool = False) -> dict[str, Any]:
+        if chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text or role:
+                delta["content"] = text
+            logprobs = ({"content": [_chat_logprob(lp) for lp in lps], "refusal": None}
+                        if job.want_logprobs and lps else None)
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        logprobs = lp_block.block(lps) if job.want_logprobs and (lps or text) else None
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    request[_OUTCOME] = "served"
+    try:
+        if chat:
+            await resp.write(chunk(delta_choice("", (), role=True)))
+        elif job.echo_text is not None:
+            await resp.write(chunk(delta_choice(job.echo_text, first.prompt_logprobs or ())))
+        fin: Finished | None = None
+        try:
+            async for ev in events:
+                if isinstance(ev, TextDelta):
+                    if ev.text or ev.logprobs:
+                        await resp.write(chunk(delta_choice(ev.text, ev.logprobs)))
+                elif isinstance(ev, Finished):
+                    fin = ev
+        except GenerationError as exc:
+            err = ApiError(codes.GENERATION_FAILED, str(exc))
+            log.warning("stream ended by a generation error: %s", exc)
+            request[_OUTCOME] = codes.GENERATION_FAILED.name
+            await gen.wait()  # the slot is free before the client sees the end
+            await resp.write(_sse(openai_error_body(err)))
+            await resp.write_eof()
+            return resp
+        assert fin is not None
+        if fin.finish_reason == "cancelled":
+            request[_OUTCOME] = _DISCONNECTED
+            return resp
+        await gen.wait()  # the slot is free before the client sees the end
+        final = delta_choice("", (), finish=_finish_reason(fin))
+        if not chat:
+            final["logprobs"] = None
+        await resp.write(chunk(final, millm_model=header))
+        if job.include_usage:
+            await resp.write(chunk(None, usage=_usage(fin), millm_model=header))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionError:  # the client went away mid-stream
+        gen.cancel()
+        request[_OUTCOME] = _DISCONNECTED
+    except asyncio.CancelledError:
+        gen.cancel()
+        raise
+    return resp
+
+
+# --- metrics ----------------------------------------------------------------------------------
+_OUTCOME = web.RequestKey("millm_outcome", str)  # how a stream that opened ended
+_DISCONNECTED = "CLIENT_DISCONNECTED"
+
+def _count(request: web.Request, outcome: str, code: str | None = None) -> None:
+    metrics = request.app.get(keys.METRICS)
+    if metrics is None:
+        return
+    route = request.match_info.route.resource.canonical if request.match_info.route.resource \
+        else request.path
+    if outcome == "served":
+        metrics.requests_served.labels(route=route).inc()
+    else:
+        metrics.requests_refused.labels(route=route, code=code or "UNKNOWN").inc()
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _instrumented(handler: Handler) -> Handler:
+    """Count served/refused requests and their latency; a vanished client gets no answer."""
+
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        metrics = request.app.get(keys.METRICS)
+        try:
+            response = await handler(request)
+        except ApiError as err:
+            _count(request, "refused", err.code.name)
+            raise
+        except ClientGone:
+            _count(request, "refused", _DISCONNECTED)
+            return web.Response(status=499)  # never delivered: the client is gone
+        except (ConnectionError, asyncio.CancelledError):
+            _count(request, "refused", _DISCONNECTED)
+            raise
+        except web.HTTPException as exc:
+            if exc.status >= 400:
+                _count(request, "refused", {413: codes.PAYLOAD_TOO_LARGE.name}.get(
+                    exc.status, str(exc.status)))
+            raise
+        outcome = request.get(_OUTCOME, "served")
+        if outcome == "served":
+            _count(request, "served")
+        else:
+            _count(request, "refused", outcome)
+        if metrics is not None:
+            route = request.match_info.route.resource.canonical \
+                if request.match_info.route.resource else request.path
+            metrics.request_latency.labels(route=route).observe(time.perf_counter() - started)
+        return response
+
+    return wrapped
+
+
+# --- handlers ---------------------------------------------------------------------------------
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions``."""
+    job = await _prepare_chat(request, await _read_body(request))
+    return await _run(request, job)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions`` (``echo`` and ``logprobs`` score a text under the weights)."""
+    job = await _prepare_completion(request, await _read_body(request))
+    return await _run(request, job)
+
+
+def _epoch(created_at: str) -> int:
+    try:
+        return int(datetime.fromisoformat(created_at.replace("Z", "+00:00")).timestamp())
+    except ValueError:
+        return 0
+
+
+def _model_entries(request: web.Request) -> list[dict[str, Any]]:
+    host = request.app[keys.HOST]
+    resident = host.resident
+    entries: list[dict[str, Any]] = []
+    names: set[str] = set()
+    if resident is not None and resident.served_name != resident.row.name:
+        entries.append({"id": resident.served_name, "object": "model",
+                        "created": int(resident.loaded_at), "owned_by": "miserver",
+                        "resident": True, "origin": resident.origin})
+        names.add(resident.served_name)
+    for row in request.app[keys.CATALOGUE].list():
+        if row.name in names:
+            continue
+        is_resident = resident is not None and row.id == resident.row.id
+        entries.append({"id": row.name, "object": "model", "created": _epoch(row.created_at),
+                        "owned_by": "miserver", "resident": is_resident,
+                        "origin": resident.origin if is_resident and resident else row.origin})
+    return entries
+
+
+def _resident_header(request: web.Request) -> dict[str, str]:
+    resident = request.app[keys.HOST].resident
+    return {HEADER: model_header(resident)} if resident is not None else {}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: the catalogue rows and the resident's served name.
+
+    ``X-miLLM-Model`` names the resident (absent while nothing is resident).
+    """
+    return json_response({"object": "list", "data": _model_entries(request)},
+                         headers=_resident_header(request))
+
+
+async def get_model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}``; 404 ``model_not_found`` for an unknown name."""
+    name = request.match_info["model"]
+    for entry in _model_entries(request):
+        if entry["id"] == name:
+            return json_response(entry, headers=_resident_header(request))
+    raise ApiError(codes.MODEL_NOT_FOUND, f"model {name!r} is neither resident nor in the "
+                   "catalogue", param="model")
+
+
+def setup_routes(app: web.Application) -> None:
+    """Add the ``/v1`` routes to ``app`` (called by :func:`miserver.http.app.create_app`)."""
+    app.router.add_get("/v1/models", _instrumented(list_models))
+    app.router.add_get("/v1/models/{model:.+}", _instrumented(get_model))
+    app.router.add_post("/v1/chat/completions", _instrumented(chat_completions))
+    app.router.add_post("/v1/completions", _instrumented(completions))

@@ -1,0 +1,340 @@
+"""``/v1`` over real HTTP (aiohttp test server) with a tiny real Llama: shapes, streaming,
+stop sequences, logprobs, usage, ``X-miLLM-Model``, queueing, disconnects and failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import ClientTimeout
+from aiohttp.test_utils import TestClient, TestServer
+
+from miserver.http import keys
+from miserver.http.app import create_app
+from miserver.http.model_header import parse_model_header
+from miserver.serving.catalogue import Catalogue
+from miserver.spec.settings import Settings
+from tests.unit.v1_fixtures import SlowModel, tiny_model_folder
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.getbasetemp().parent / "miserver-v1-cache"
+
+
+@pytest.fixture(scope="module")
+def folder(cache_dir: Path) -> Path:
+    return tiny_model_folder(cache_dir)
+
+
+async def make_client(folder: Path, home: Path, **settings: Any) -> TestClient:
+    cat = Catalogue(home)
+    if cat.get_by_name(MODEL) is None:
+        cat.register(name=MODEL, format="safetensors", dtype="float32", path=str(folder))
+        cat.register(name="other", format="safetensors", dtype="float32", path=str(folder))
+    app = create_app(Settings(home=str(home), default_model=MODEL, device="cpu",
+                              log_format="text", **settings))
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    task = app[keys.STARTUP_LOAD]
+    assert task is not None
+    await task
+    assert app[keys.HOST].resident is not None
+    return client
+
+
+@pytest.fixture
+async def client(folder: Path, tmp_path: Path):
+    c = await make_client(folder, tmp_path / "home")
+    yield c
+    await c.close()
+
+
+async def post(client: TestClient, path: str, body: Any, **kw: Any) -> tuple[int, Any, Any]:
+    resp = await client.post(path, json=body, **kw)
+    data = await resp.json(content_type=None)
+    return resp.status, data, resp.headers
+
+
+async def sse(client: TestClient, path: str, body: Any) -> tuple[int, list[Any], Any]:
+    resp = await client.post(path, json=body)
+    raw = (await resp.read()).decode()
+    if resp.status != 200:
+        return resp.status, [json.loads(raw)], resp.headers
+    events = []
+    for block in raw.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        payload = block[len("data: "):]
+        events.append("[DONE]" if payload == "[DONE]" else json.loads(payload))
+    return resp.status, events, resp.headers
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say something"}],
+        "temperature": 0, "max_tokens": 12}
+
+
+def model_of(headers: Any) -> tuple[str, str, int | None]:
+    return parse_model_header(headers["X-miLLM-Model"])
+
+
+async def test_models_list_and_retrieve(client: TestClient) -> None:
+    resp = await client.get("/v1/models")
+    body = await resp.json()
+    assert resp.status == 200 and body["object"] == "list"
+    ids = [m["id"] for m in body["data"]]
+    assert ids == [MODEL, "other"]
+    assert body["data"][0]["resident"] is True and body["data"][1]["resident"] is False
+    assert model_of(resp.headers) == (MODEL, "model", 0)
+    one = await client.get("/v1/models/other")
+    assert (await one.json())["id"] == "other"
+    missing = await client.get("/v1/models/nope")
+    assert missing.status == 404
+    assert (await missing.json())["error"]["code"] == "model_not_found"
+
+
+async def test_chat_non_streamed_shape_usage_and_header(client: TestClient) -> None:
+    status, body, headers = await post(client, "/v1/chat/completions", CHAT)
+    assert status == 200, body
+    assert body["object"] == "chat.completion" and body["model"] == MODEL
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert isinstance(choice["message"]["content"], str)
+    assert choice["finish_reason"] in ("stop", "length")
+    usage = body["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    if choice["finish_reason"] == "length":
+        assert usage["completion_tokens"] == 12
+    assert model_of(headers) == (MODEL, "model", 0)
+
+
+async def test_stream_joins_to_the_non_streamed_text(client: TestClient) -> None:
+    for path, body, text_of in (
+        ("/v1/chat/completions", CHAT, lambda c: c["delta"].get("content", "")),
+        ("/v1/completions", {"model": MODEL, "prompt": "Once upon", "temperature": 0,
+                             "max_tokens": 20}, lambda c: c["text"]),
+    ):
+        _, whole, _ = await post(client, path, body)
+        expected = (whole["choices"][0].get("message") or {}).get("content") \
+            if "message" in whole["choices"][0] else whole["choices"][0]["text"]
+        status, events, headers = await sse(client, path, {**body, "stream": True,
+                                                           "stream_options":
+                                                               {"include_usage": True}})
+        assert status == 200
+        assert headers["Content-Type"].startswith("text/event-stream")
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        usage_chunk = chunks[-1]
+        assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
+        assert "".join(text_of(c["choices"][0]) for c in chunks[:-1]) == expected
+        terminal = chunks[-2]
+        assert terminal["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+        assert parse_model_header(terminal["millm_model"]) == (MODEL, "model", 0)
+        assert terminal["millm_model"] == headers["X-miLLM-Model"]
+        assert all("\ufffd" not in text_of(c["choices"][0]) for c in chunks[:-1])
+
+
+async def test_stop_sequence_is_never_emitted(client: TestClient) -> None:
+    body = {"model": MODEL, "prompt": "List:", "temperature": 0, "max_tokens": 24}
+    _, whole, _ = await post(client, "/v1/completions", body)
+    text = whole["choices"][0]["text"]
+    assert len(text) > 10
+    stop = text[6:9]
+    _, cut, _ = await post(client, "/v1/completions", {**body, "stop": [stop, "zzzz"]})
+    assert cut["choices"][0]["text"] == text[:text.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    _, events, _ = await sse(client, "/v1/completions", {**body, "stop": stop, "stream": True})
+    streamed = "".join(e["choices"][0]["text"] for e in events[:-1])
+    assert streamed == text[:text.index(stop)]
+
+
+async def test_seed_reproduces_sampling(client: TestClient) -> None:
+    body = {"model": MODEL, "prompt": "x", "temperature": 1.2, "max_tokens": 10, "seed": 3}
+    texts = [(await post(client, "/v1/completions", body))[1]["choices"][0]["text"]
+             for _ in range(2)]
+    assert texts[0] == texts[1]
+
+
+async def test_echo_and_logprobs_score_a_text(client: TestClient) -> None:
+    prompt = "The quick brown fox"
+    status, body, _ = await post(client, "/v1/completions", {
+        "model": MODEL, "prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 1,
+        "temperature": 0})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["text"].startswith(prompt)
+    lp = choice["logprobs"]
+    n_prompt = body["usage"]["prompt_tokens"]
+    assert len(lp["tokens"]) == n_prompt + 1
+    assert lp["token_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:])
+    assert "".join(lp["tokens"][:n_prompt]) == prompt
+    assert lp["text_offset"][0] == 0 and lp["text_offset"][n_prompt] == len(prompt)
+    assert all(len(t) <= 2 for t in lp["top_logprobs"][1:])
+
+
+async def test_chat_logprobs(client: TestClient) -> None:
+    status, body, _ = await post(client, "/v1/chat/completions",
+                                 {**CHAT, "logprobs": True, "top_logprobs": 3})
+    assert status == 200
+    content = body["choices"][0]["logprobs"]["content"]
+    assert content and all(len(c["top_logprobs"]) == 3 for c in content)
+    assert all(c["token"] == c["top_logprobs"][0]["token"] for c in content)  # greedy
+
+
+async def test_auto_load_and_refuse_policy(client: TestClient) -> None:
+    status, body, headers = await post(client, "/v1/chat/completions", {**CHAT, "model": "other"},
+                                       headers={"X-miLLM-Load-Policy": "refuse"})
+    assert status == 409 and body["error"]["code"] == "model_not_loaded"
+    assert client.app[keys.HOST].resident.served_name == MODEL
+    status, body, headers = await post(client, "/v1/chat/completions", {**CHAT, "model": "other"})
+    assert status == 200, body
+    assert model_of(headers)[0] == "other"
+    status, body, _ = await post(client, "/v1/chat/completions", CHAT,
+                                 headers={"X-miLLM-Load-Policy": "sometimes"})
+    assert status == 400 and body["error"]["param"] == "X-miLLM-Load-Policy"
+
+
+async def test_unknown_model_is_404(client: TestClient) -> None:
+    status, body, _ = await post(client, "/v1/chat/completions", {**CHAT, "model": "nope"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    assert body["error"]["param"] == "model"
+
+
+async def test_context_limits(client: TestClient) -> None:
+    status, body, _ = await post(client, "/v1/completions",
+                                 {"model": MODEL, "prompt": "hi", "max_tokens": 257})
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+    status, body, _ = await post(client, "/v1/completions",
+                                 {"model": MODEL, "prompt": "word " * 250, "max_tokens": 10})
+    assert status == 400 and "context window" in body["error"]["message"]
+    status, body, _ = await post(client, "/v1/completions",
+                                 {"model": MODEL, "prompt": "word " * 300})
+    assert status == 400 and body["error"]["param"] == "prompt"
+    status, body, _ = await post(client, "/v1/completions",
+                                 {"model": MODEL, "prompt": [1, 2, 10**6]})
+    assert status == 400 and body["error"]["param"] == "prompt"
+
+
+async def test_token_id_prompt_matches_string_prompt(client: TestClient) -> None:
+    tok = client.app[keys.HOST].resident.tokenizer
+    ids = tok("Hello there")["input_ids"]
+    base = {"model": MODEL, "temperature": 0, "max_tokens": 8}
+    _, a, _ = await post(client, "/v1/completions", {**base, "prompt": "Hello there"})
+    _, b, _ = await post(client, "/v1/completions", {**base, "prompt": ids})
+    _, c, _ = await post(client, "/v1/completions", {**base, "prompt": [ids]})
+    assert a["choices"][0]["text"] == b["choices"][0]["text"] == c["choices"][0]["text"]
+
+
+def _slow(client: TestClient, delay: float, fail_at: int | None = None) -> Any:
+    resident = client.app[keys.HOST].resident
+    resident.model = SlowModel(resident.model, delay, fail_at)
+    return resident.model
+
+
+async def test_queue_full_is_503_and_the_queue_drains(folder: Path, tmp_path: Path) -> None:
+    client = await make_client(folder, tmp_path / "home", max_queued_requests=1)
+    try:
+        _slow(client, 0.05)
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "temperature": 0}
+        first = asyncio.ensure_future(post(client, "/v1/completions", body))
+        await asyncio.sleep(0.15)
+        second = asyncio.ensure_future(post(client, "/v1/completions", body))
+        await asyncio.sleep(0.1)
+        status, err, headers = await post(client, "/v1/completions", body)
+        assert status == 503 and err["error"]["code"] == "queue_full"
+        assert err["error"]["type"] == "server_error" and headers["Retry-After"] == "1"
+        assert (await first)[0] == 200 and (await second)[0] == 200
+        metrics = (await (await client.get("/metrics")).text())
+        assert 'miserver_requests_refused_total{code="QUEUE_FULL",route="/v1/completions"} 1.0' \
+            in metrics
+    finally:
+        await client.close()
+
+
+async def test_disconnect_cancels_generation_and_frees_the_slot(client: TestClient) -> None:
+    slow = _slow(client, 0.02)
+    scheduler = client.app[keys.SCHEDULER]
+    for stream in (True, False):
+        calls_before = slow.calls
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 250, "temperature": 0.0,
+                "stream": stream}
+        if stream:  # read the first events, then hang up
+            resp = await client.post("/v1/completions", json=body)
+            assert resp.status == 200
+            await resp.content.readuntil(b"\n\n")
+            await asyncio.sleep(0.3)
+            resp.close()
+        else:
+            with pytest.raises(asyncio.TimeoutError):
+                await client.post("/v1/completions", json=body, timeout=ClientTimeout(total=0.4))
+        t0 = time.perf_counter()
+        while scheduler.counts().running and time.perf_counter() - t0 < 2:
+            await asyncio.sleep(0.02)
+        assert scheduler.counts().running == 0, "the slot is free again within 2 s"
+        calls = slow.calls - calls_before
+        assert 5 <= calls < 100, calls  # it ran, then stopped long before 250 tokens
+        await asyncio.sleep(0.1)
+        assert slow.calls - calls_before == calls  # and nothing runs any more
+    status, _, _ = await post(client, "/v1/completions",
+                              {"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert status == 200
+
+
+async def test_generation_error_before_and_after_the_stream_opens(client: TestClient) -> None:
+    scheduler = client.app[keys.SCHEDULER]
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 10, "temperature": 0}
+    _slow(client, 0.0, fail_at=1)  # the prefill fails: JSON 500 before any stream
+    status, events, _ = await sse(client, "/v1/completions", {**body, "stream": True})
+    assert status == 500
+    assert events[0]["error"]["code"] == "generation_failed"
+    assert "injected failure" in events[0]["error"]["message"]
+    assert scheduler.counts().running == 0
+    resident = client.app[keys.HOST].resident
+    resident.model = resident.model.inner
+    slow = _slow(client, 0.0, fail_at=4)  # a decode step fails: one error event, no [DONE]
+    status, events, _ = await sse(client, "/v1/chat/completions",
+                                  {**CHAT, "max_tokens": 10, "stream": True})
+    assert status == 200
+    assert "[DONE]" not in events
+    assert events[-1]["error"]["code"] == "generation_failed"
+    assert all("error" not in e for e in events[:-1])
+    assert slow.calls == 4
+    assert scheduler.counts().running == 0
+    resident.model = resident.model.inner
+    status, _, _ = await post(client, "/v1/completions", body)
+    assert status == 200
+
+
+async def test_concurrent_requests_run_at_once(folder: Path, tmp_path: Path) -> None:
+    client = await make_client(folder, tmp_path / "home", max_concurrent_requests=2)
+    try:
+        slow = _slow(client, 0.03)
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 6, "temperature": 0}
+        results = await asyncio.gather(*(post(client, "/v1/completions", body)
+                                         for _ in range(2)))
+        assert all(r[0] == 200 for r in results)
+        threads = {w[2] for w in slow.windows}
+        assert len(threads) == 2
+        a, b = ([w for w in slow.windows if w[2] == t] for t in sorted(threads))
+        assert a[0][0] < b[-1][1] and b[0][0] < a[-1][1], "the two generations overlapped"
+    finally:
+        await client.close()
+
+
+async def test_one_slot_serialises_generations(client: TestClient) -> None:
+    slow = _slow(client, 0.02)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "temperature": 0}
+    await asyncio.gather(*(post(client, "/v1/completions", body) for _ in range(2)))
+    threads = []
+    for w in slow.windows:
+        if not threads or threads[-1] != w[2]:
+            threads.append(w[2])
+    assert len(threads) == 2, "one generation ran entirely before the other"

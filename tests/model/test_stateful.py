@@ -1,0 +1,16 @@
+"""The lifecycle core against the independent reference model (tests/model/reference.py):
+every outcome, pending answer, /v1 admission, status field and timer deadline must agree, on a
+fake clock that jumps to each deadline and just either side of it.
+
+Runs under the Hypothesis profile named by HYPOTHESIS_PROFILE (``ci`` by default: fixed seed,
+200 programs of 50 steps; ``nightly``: 5000 of 100).
+"""
+
+from hypothesis.stateful import run_state_machine_as_test
+
+from tests.model.profiles import model_profile
+from tests.model.stateful import make_machine
+
+
+def test_core_agrees_with_reference_model() -> None:
+    run_state_machine_as_test(make_machine(), settings=model_profile())

@@ -241,6 +241,7 @@ class AttachedWeights:
                  tensors: dict[str, torch.Tensor], pinned_bytes: int | None,
                  on_release: Callable[[], Any] | None) -> None:
         self._storages = storages
+        self._storage_count = len(storages)
         self._keys = keys
         self.tensors = tensors
         self.pinned_bytes = pinned_bytes
@@ -264,8 +265,8 @@ class AttachedWeights:
 
     @property
     def storage_count(self) -> int:
-        """How many storages were rebuilt (one per exported entry)."""
-        return len(self._storages)
+        """How many storages were rebuilt (one per exported entry); kept after release."""
+        return self._storage_count
 
     def unique_tensors(self) -> list[torch.Tensor]:
         """Each distinct view once (a tied parameter once), in export order."""

@@ -220,3 +220,37 @@ def test_rebuild_per_parameter_name_strands_and_the_client_refuses_it(worker):
     print(f"\n[per-name rebuild] {r['rebuilds']} rebuilds of one storage: stranded after "
           f"unload={stranded} ({mib(stranded)}), storage={pinned}")
     assert stranded == pinned
+
+
+def test_the_arena_segment_holds_the_parameters_and_nothing_else():
+    from miserver.ipc.arena import make_attachable
+
+    model = tiny_qwen2()
+    arena = make_attachable(model, cpu_shared=False)
+    others = [torch.empty(n, dtype=torch.uint8, device="cuda:0")
+              for n in (512, 4096, 2**20, 3 * 2**20, 64 * 2**20)]  # later allocations elsewhere
+    ptr = arena.storages[0].data_ptr()
+    (seg,) = [s for s in torch.cuda.memory_snapshot()
+              if s["address"] <= ptr < s["address"] + s["total_size"]]
+    active = [b for b in seg["blocks"] if b["state"] == "active_allocated"]
+    print(f"\n[segment] total={seg['total_size']} arena={arena.total_bytes} "
+          f"active blocks={[b['size'] for b in active]}")
+    assert [b["size"] for b in active] == [arena.total_bytes]
+    assert seg["total_size"] - arena.total_bytes < 2 * 2**20  # only the allocator's rounding
+    del others
+
+
+def test_a_cpu_loaded_model_is_placed_on_the_gpu_without_a_second_gpu_copy():
+    from miserver.ipc.arena import make_attachable
+
+    model = tiny_qwen2("cpu")
+    ref = {n: p.detach().clone() for n, p in model.named_parameters()}
+    settle()
+    before = torch.cuda.memory_allocated(0)
+    torch.cuda.reset_peak_memory_stats(0)
+    arena = make_attachable(model, cpu_shared=False, device="cuda:0")
+    assert all(p.device == torch.device("cuda", 0) for p in model.parameters())
+    assert torch.cuda.max_memory_allocated(0) - before == arena.total_bytes
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach().cpu(), ref[n])
+    assert model.lm_head.weight is model.model.embed_tokens.weight

@@ -210,11 +210,13 @@ class Lifecycle:
         """
         before, ctx = self._snap.state, self._snap.context
         row, named = self.compiled.fire(before, ctx, event)
-        if row.kind != "accepted":
-            out = self._outcome(row, event, before, before, ctx, ctx)
-            return out
         variables = {k: v for k, v in row.set if k not in NAMED}
         after = replace(before, **named, **variables)  # type: ignore[arg-type]
+        if row.kind != "accepted":
+            # The table says a refusal changes nothing; apply what it says regardless, so a
+            # table that breaks the rule is caught by the checker's invariant.
+            self._snap = Snapshot(after, ctx)
+            return self._outcome(row, event, before, after, ctx, ctx)
         new_ctx = self._apply_context(row, event, before, after, ctx, now)
         self._snap = Snapshot(after, new_ctx)
         return self._outcome(row, event, before, after, ctx, new_ctx, now)

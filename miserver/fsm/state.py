@@ -9,6 +9,7 @@ sees only :class:`LifecycleState`, where each timer is abstracted to "armed".
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from functools import lru_cache
 from typing import Literal
 
 WeightsState = Literal["clean", "writing", "torn"]
@@ -88,7 +89,8 @@ class LifecycleState:
 
     def named(self) -> str:
         """The ``transitions.Machine`` state name of this state (its ``NAMED`` components)."""
-        return state_name(*(getattr(self, f) for f in NAMED))
+        return state_name(self.resident, self.weights, self.barrier, self.owner,
+                          self.attachment, self.commit)
 
     def with_(self, **changes: object) -> LifecycleState:
         """A copy with ``changes`` applied."""
@@ -115,6 +117,7 @@ STATE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(LifecycleState))
 VARIABLES: tuple[str, ...] = tuple(f for f in STATE_FIELDS if f not in NAMED)
 
 
+@lru_cache(maxsize=4096)
 def state_name(resident: bool, weights: str, barrier: str, owner: str, attachment: str,
                commit: str) -> str:
     """``resident.clean.quiesced-holder.active.commit-none`` (``empty...`` when not resident)."""

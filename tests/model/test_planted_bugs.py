@@ -1,0 +1,176 @@
+"""Plant bugs in a copy of the production table and show each one is caught, with a readable
+trace: by ``miserver check`` (invariants, totality, non-vacuity) or, for a bug no invariant
+sees (a swapped refusal order), by the stateful test against the reference model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from miserver.fsm.check import check
+from miserver.fsm.table import TABLE, Refusal, Row
+from miserver.spec import codes
+from tests.model.stateful import make_machine
+
+
+def _find(trigger: str, *, kind: str | None = None, when: tuple[str, ...] | None = None,
+          code: str | None = None) -> Row:
+    for row in TABLE:
+        if row.trigger != trigger:
+            continue
+        if kind is not None and row.kind != kind:
+            continue
+        if when is not None and row.when != when:
+            continue
+        if code is not None and (row.refuse is None or row.refuse.code.name != code):
+            continue
+        return row
+    raise LookupError(f"no row {trigger} {kind} {when} {code}")
+
+
+def _swap(table: tuple[Row, ...], old: Row, new: Row) -> tuple[Row, ...]:
+    assert old in table
+    return tuple(new if r is old else r for r in table)
+
+
+def _drop(table: tuple[Row, ...], old: Row) -> tuple[Row, ...]:
+    assert old in table
+    return tuple(r for r in table if r is not old)
+
+
+def _set(row: Row, **changes: object) -> Row:
+    merged = dict(row.set)
+    merged.update(changes)
+    return replace(row, set=tuple(merged.items()))
+
+
+def _unset(row: Row, key: str) -> Row:
+    return replace(row, set=tuple((k, v) for k, v in row.set if k != key))
+
+
+def bug_missing_guard() -> tuple[Row, ...]:
+    """The watchdog's first row loses ``commit_mine``: an orphaned commit tears but keeps a
+    hold nobody owns."""
+    row = _find("watchdog_expired", when=("watchdog_armed", "commit_mine"))
+    return _swap(TABLE, row, replace(row, when=("watchdog_armed",)))
+
+
+def bug_wrong_destination() -> tuple[Row, ...]:
+    """commit-end leaves the weights writing instead of clean."""
+    row = _find("commit_end", when=("writing",))
+    return _swap(TABLE, row, _set(row, weights="writing"))
+
+
+def bug_timer_left_armed() -> tuple[Row, ...]:
+    """resume releases the hold but forgets to cancel the hold timer."""
+    row = _find("resume", kind="accepted", when=("held_by_holder",))
+    return _swap(TABLE, row, _unset(row, "hold_armed"))
+
+
+def bug_missing_hold_row() -> tuple[Row, ...]:
+    """/v1 loses its "hold while the barrier is held" row: requests run on held weights."""
+    row = _find("v1", kind="accepted", when=("resident", "targets_resident"))
+    assert row.unless == ("serving",)
+    return _drop(TABLE, row)
+
+
+def bug_second_attachment() -> tuple[Row, ...]:
+    """attach loses its ALREADY_ATTACHED refusal."""
+    return _drop(TABLE, _find("attach", code="ALREADY_ATTACHED"))
+
+
+def bug_load_while_attached() -> tuple[Row, ...]:
+    """a management load no longer checks the attachment."""
+    return _drop(TABLE, _find("model_load", code="ALREADY_ATTACHED"))
+
+
+def bug_resume_cleans_torn() -> tuple[Row, ...]:
+    """resume "repairs" a torn set."""
+    row = _find("resume", kind="accepted", when=("held_by_holder",))
+    return _swap(TABLE, row, _set(row, weights="clean"))
+
+
+def bug_no_late_timer_row() -> tuple[Row, ...]:
+    """hold_expired has no row for a timer that fires after it was cancelled."""
+    return _drop(TABLE, _find("hold_expired", kind="ignored"))
+
+
+def bug_unreachable_code() -> tuple[Row, ...]:
+    """clear-stale forgets ATTACHMENT_NOT_STALE (and clears active attachments)."""
+    return _drop(TABLE, _find("clear_stale", code="ATTACHMENT_NOT_STALE"))
+
+
+def bug_illegal_reason() -> tuple[Row, ...]:
+    """quiesce answers PAUSE_IN_PROGRESS with a reason the code does not allow."""
+    row = _find("quiesce", code="PAUSE_IN_PROGRESS")
+    return _swap(TABLE, row, replace(row, refuse=Refusal(codes.PAUSE_IN_PROGRESS, "holder")))
+
+
+def bug_refusal_with_effect() -> tuple[Row, ...]:
+    """a refusal that still changes state: NO_OPEN_COMMIT marks the set torn."""
+    row = _find("commit_end", code="NO_OPEN_COMMIT")
+    return _swap(TABLE, row, _set(row, weights="torn"))
+
+
+def bug_swapped_refusal_order() -> tuple[Row, ...]:
+    """quiesce checks ALREADY_QUIESCED before WEIGHTS_NOT_CLEAN (the spec's order is the
+    other way round)."""
+    a = _find("quiesce", code="WEIGHTS_NOT_CLEAN")
+    b = _find("quiesce", code="ALREADY_QUIESCED")
+    out = list(TABLE)
+    i, j = out.index(a), out.index(b)
+    out[i], out[j] = out[j], out[i]
+    return tuple(out)
+
+
+CHECKER_BUGS = {
+    bug_missing_guard: "holder_quiesce_has_holder",
+    bug_wrong_destination: "writing_implies_open_commit_or_weights_load",
+    bug_timer_left_armed: "hold_timer_armed_exactly_when_clean_holder_quiesce_without_commit_or_takeover",
+    bug_missing_hold_row: "nothing_served_unless_clean_and_not_held",
+    bug_second_attachment: "one_attachment_at_most",
+    bug_load_while_attached: "while_attached_no_load_unload_or_swap",
+    bug_resume_cleans_torn: "torn_left_only_by_late_commit_end_weights_load_or_unload",
+    bug_no_late_timer_row: "totality",
+    bug_illegal_reason: "refusal_code_and_reason_legal",
+    bug_refusal_with_effect: "refusal_changes_nothing",
+}
+
+
+@pytest.mark.parametrize("plant", list(CHECKER_BUGS), ids=lambda f: f.__name__)
+def test_checker_catches_planted_bug(plant) -> None:
+    report = check(plant(), stop_at_first=True)
+    assert not report.ok
+    names = [v.invariant for v in report.violations]
+    assert CHECKER_BUGS[plant] in names, report.render()
+    violation = next(v for v in report.violations if v.invariant == CHECKER_BUGS[plant])
+    text = violation.render()
+    # a readable trace: starts at the start state, one numbered step per event, ends in a row
+    assert text.splitlines()[1].strip().startswith("0. start ")
+    assert "#" in text.splitlines()[-1] or "no row fires" in text.splitlines()[-1]
+    assert len(violation.trace) >= 2
+
+
+def test_checker_reports_unreached_code_of_the_weights_page() -> None:
+    report = check(bug_unreachable_code())
+    assert not report.ok
+    assert "ATTACHMENT_NOT_STALE:-" in report.unreached_codes
+    assert "codes never produced" in report.render()
+
+
+def test_swapped_refusal_order_passes_the_invariants_but_fails_the_stateful_test() -> None:
+    table = bug_swapped_refusal_order()
+    # no invariant is about the order of two refusals ...
+    assert check(table).violations == []
+    # ... but the reference model, written from the spec's sentences, disagrees.
+    machine = make_machine(table)
+    profile = settings(max_examples=300, stateful_step_count=30, deadline=None,
+                       derandomize=True, database=None,
+                       suppress_health_check=[HealthCheck.too_slow])
+    with pytest.raises(AssertionError) as err:
+        run_state_machine_as_test(machine, settings=profile)
+    assert "WEIGHTS_NOT_CLEAN" in str(err.value) and "ALREADY_QUIESCED" in str(err.value)

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 import msgspec
@@ -320,4 +321,5 @@ class ModelHost:
         return {"model_id": r.row.id, "name": r.row.name, "served_name": r.served_name,
                 "base_name": r.base_name, "origin": r.origin, "commits": r.commits,
                 "dtype": r.row.dtype, "device": str(r.device), "attachable": r.attachable,
-                "loaded_at": r.loaded_at}
+                "loaded_at": datetime.fromtimestamp(r.loaded_at, UTC).isoformat(
+                    timespec="milliseconds").replace("+00:00", "Z")}

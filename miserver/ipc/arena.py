@@ -173,7 +173,8 @@ def make_attachable(model: torch.nn.Module, *, cpu_shared: bool,
         cpu_shared: place CPU parameters in shared memory (``WEIGHTS_CPU_ATTACH=1``). Without it
             a CPU parameter is refused.
         device: place the arena on this device instead of each parameter's own (for a model
-            loaded on the CPU and served from one GPU: the GPU then never holds two copies).
+            loaded on the CPU and served from one GPU: the GPU then never holds two copies);
+            buffers are moved there too (outside the arena).
 
     Returns:
         The :class:`ParameterArena` describing the layout, with addresses recorded.
@@ -259,6 +260,11 @@ def make_attachable(model: torch.nn.Module, *, cpu_shared: bool,
         # stay the same; the old storages are freed once nothing else holds them.
         for name, p in unique:
             p.data = new_data[name]
+        if target is not None:  # buffers follow to the target device (they are not in the arena)
+            for module in model.modules():
+                for bname, buf in list(module._buffers.items()):
+                    if buf is not None and buf.device != target:
+                        module._buffers[bname] = buf.to(target)
 
     slots: dict[str, ParameterSlot] = {}
     for name, p in model.named_parameters(remove_duplicate=False):

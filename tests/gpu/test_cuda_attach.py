@@ -250,7 +250,10 @@ def test_a_cpu_loaded_model_is_placed_on_the_gpu_without_a_second_gpu_copy():
     torch.cuda.reset_peak_memory_stats(0)
     arena = make_attachable(model, cpu_shared=False, device="cuda:0")
     assert all(p.device == torch.device("cuda", 0) for p in model.parameters())
-    assert torch.cuda.max_memory_allocated(0) - before == arena.total_bytes
+    assert all(b.device == torch.device("cuda", 0) for b in model.buffers())
+    params_peak = torch.cuda.max_memory_allocated(0) - before
+    buffers = sum(-(-b.numel() * b.element_size() // 512) * 512 for b in model.buffers())
+    assert params_peak - buffers == arena.total_bytes  # one copy, never two
     for n, p in model.named_parameters():
         assert torch.equal(p.detach().cpu(), ref[n])
     assert model.lm_head.weight is model.model.embed_tokens.weight

@@ -115,6 +115,8 @@ class Report:
     unused_rows: list[str] = field(default_factory=list)
     unreached_codes: list[str] = field(default_factory=list)
     codes_reached: list[str] = field(default_factory=list)
+    #: every reachable step ``(before, trigger, row id, after)`` when asked for (diagrams)
+    steps: set[tuple[LifecycleState, str, str, LifecycleState]] = field(default_factory=set)
 
     @property
     def ok(self) -> bool:
@@ -179,8 +181,12 @@ def _required_codes(table: tuple[Row, ...]) -> set[str]:
 
 
 def check(table: tuple[Row, ...] = TABLE, *, max_states: int = 200_000,
-          stop_at_first: bool = False) -> Report:
-    """Explore ``table`` breadth-first and return the :class:`Report`."""
+          stop_at_first: bool = False, keep_steps: bool = False) -> Report:
+    """Explore ``table`` breadth-first and return the :class:`Report`.
+
+    ``stop_at_first``: stop after the first state whose events show a violation (planted-bug
+    tests); ``keep_steps``: record every reachable step in :attr:`Report.steps`.
+    """
     t0 = time.perf_counter()
     compiled = compile_table(table)
     core = Lifecycle(table=table, id_factory=lambda: HOLDER_ID)
@@ -239,6 +245,8 @@ def check(table: tuple[Row, ...] = TABLE, *, max_states: int = 200_000,
             after = out.after
             report.edges += 1
             used_rows.add(row_id)
+            if keep_steps:
+                report.steps.add((state, event.trigger, row_id, after))
             if out.code is not None:
                 reached_codes.add(f"{out.code.name}:{out.reason or '-'}")
             if out.pending is not None and out.pending.code is not None:

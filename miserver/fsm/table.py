@@ -592,11 +592,12 @@ def rows_for(trigger: str, table: tuple[Row, ...] = TABLE) -> tuple[Row, ...]:
 
 
 def check_order(trigger: str, table: tuple[Row, ...] = TABLE) -> tuple[tuple[str, str | None], ...]:
-    """The refusals of ``trigger`` in the order they are checked: ``(code, reason)`` pairs."""
+    """The refusals of ``trigger`` in the order they are checked: ``(code, reason)`` pairs
+    (a pair repeated by consecutive rows, for different guards, is listed once)."""
     seen: list[tuple[str, str | None]] = []
     for row in rows_for(trigger, table):
         if row.refuse is not None:
             pair = (row.refuse.code.name, row.refuse.reason)
-            if pair not in seen:
+            if not seen or seen[-1] != pair:
                 seen.append(pair)
     return tuple(seen)

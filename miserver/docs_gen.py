@@ -1,0 +1,59 @@
+"""``miserver docs``: regenerate the generated documents from their sources.
+
+Each generator maps a path (relative to the repository root) to a function returning the file's
+text. A later issue adds the JSON schema (``docs/schemas/millm-weights-api-v1.json``) here.
+Tests compare the committed files with :func:`render_all` so a stale file fails CI.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _state_machine() -> str:
+    from miserver.fsm.diagram import render
+
+    return render()
+
+
+#: path relative to the repository root -> generator
+GENERATORS: dict[str, Callable[[], str]] = {
+    "docs/state-machine.md": _state_machine,
+}
+
+
+def render_all() -> dict[str, str]:
+    """Every generated file's expected text, by path relative to the repository root."""
+    return {path: gen() for path, gen in GENERATORS.items()}
+
+
+def stale(root: Path = REPO_ROOT) -> list[str]:
+    """The generated files under ``root`` that differ from what the sources generate."""
+    out = []
+    for path, text in render_all().items():
+        target = root / path
+        if not target.exists() or target.read_text(encoding="utf-8") != text:
+            out.append(path)
+    return out
+
+
+def main(root: Path = REPO_ROOT) -> int:
+    """Write every generated file under ``root``; prints what changed. Returns 0."""
+    for path, text in render_all().items():
+        target = root / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        old = target.read_text(encoding="utf-8") if target.exists() else None
+        if old != text:
+            target.write_text(text, encoding="utf-8")
+            print(f"miserver docs: wrote {path}")
+        else:
+            print(f"miserver docs: {path} is up to date")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

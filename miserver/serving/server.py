@@ -92,21 +92,23 @@ def configure_logging(settings: Settings) -> None:
 
 
 def prepare_home(settings: Settings) -> str | None:
-    """Import the embedded default at first start and check ``DEFAULT_MODEL`` exists.
+    """Import the embedded default at first start (or when ``DEFAULT_MODEL`` names it and its
+    row was deleted), and check ``DEFAULT_MODEL`` exists.
 
     Returns None when ready, else the one-line configuration error (exit status 2).
     """
     from miserver.serving.catalogue import Catalogue
-    from miserver.serving.default_model import DefaultModelError, import_default
+    from miserver.serving.default_model import DEFAULT_NAME, DefaultModelError, import_default
 
     catalogue = Catalogue(settings.home)
-    if catalogue.is_empty():
-        log.info("first start: importing the embedded default model into %s", settings.home)
+    name = settings.default_model
+    missing_default = name == DEFAULT_NAME and catalogue.get_by_name(name) is None
+    if catalogue.is_empty() or missing_default:
+        log.info("importing the embedded default model into %s (once)", settings.home)
         try:
             import_default(settings.home, progress=True)
         except DefaultModelError as exc:
             return f"the embedded default model could not be imported: {exc}"
-    name = settings.default_model
     if name and catalogue.get_by_name(name) is None:
         names = ", ".join(r.name for r in catalogue.list()) or "none"
         return (f"DEFAULT_MODEL: {name!r} is not in the catalogue of {settings.home} "

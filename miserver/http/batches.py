@@ -18,15 +18,29 @@ the JSON-errors middleware renders them in OpenAI's shape on ``/v1``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 from aiohttp import BodyPartReader, web
+from multidict import CIMultiDict
 
-from miserver.http.errors import ApiError, json_response
-from miserver.serving.batches import BatchRequestError, BatchRunner, BatchStore, RowExecutor
+from miserver.http import keys
+from miserver.http.errors import ApiError, json_response, openai_error_body
+from miserver.serving.batches import (
+    BLOCKING_REASONS,
+    BatchRequestError,
+    BatchRunner,
+    BatchStore,
+    RowDeferred,
+    RowExecutor,
+)
+from miserver.serving.scheduler import Priority
 from miserver.spec import codes
+
+log = logging.getLogger("miserver.batches")
 
 BATCH_STORE: web.AppKey[BatchStore] = web.AppKey("batch_store", BatchStore)
 BATCH_RUNNER: web.AppKey[BatchRunner] = web.AppKey("batch_runner", BatchRunner)
@@ -212,16 +226,121 @@ async def cancel_batch(request: web.Request) -> web.Response:
 _MAX_UPLOAD: web.AppKey[int] = web.AppKey("batch_max_upload_bytes", int)
 
 
-def setup_routes(app: web.Application, *, home: str, executor: ExecutorSource | None = None,
-                 max_upload_bytes: int = 8 * 1024 * 1024, chunk_size: int = 8,
-                 poll_s: float = 0.5) -> None:
+# -- the seam over the running server -----------------------------------------------------------
+
+
+class _RowRequest:
+    """What ``/v1``'s preparation reads of a request: the app and the headers.
+
+    A batch never loads a model, so every row is admitted with ``X-miLLM-Load-Policy: refuse``.
+    """
+
+    def __init__(self, app: web.Application) -> None:
+        self.app = app
+        self.headers = CIMultiDict({"X-miLLM-Load-Policy": "refuse"})
+
+
+class ServerRowExecutor:
+    """The :class:`~miserver.serving.batches.RowExecutor` of a live server (contract 7).
+
+    ``waiting_reason(model)``: ``weights_torn`` while the lifecycle says torn
+    (``keys.WEIGHTS_SUMMARY``), ``model_not_resident`` while ``model`` is not the resident's
+    served or base name (a load in progress included; a name that is neither resident nor in the
+    catalogue runs and gets its 404 line), ``quiesced`` while the scheduler's barrier is held or
+    draining, else None.
+
+    ``execute_row`` runs one row as ``/v1`` does (the same strict schema, admission with the
+    refuse policy, context checks, generation and response body), but waits for the slot at
+    ``Priority.BATCH``, behind every interactive request; a quiesce holds it there
+    (``held_batch_chunks``). Refusals come back as ``(status, headers, OpenAI error body)``; a
+    row that cannot run now raises :class:`~miserver.serving.batches.RowDeferred`.
+    """
+
+    def __init__(self, app: web.Application) -> None:
+        self.app = app
+
+    def _torn(self) -> bool:
+        summary = self.app.get(keys.WEIGHTS_SUMMARY)
+        if summary is None:
+            return False
+        try:
+            return summary().get("weights_state") == "torn"
+        except Exception:  # noqa: BLE001 - unreadable: do not run rows on unknown weights
+            log.exception("the weights summary could not be read; batch rows wait")
+            return True
+
+    def waiting_reason(self, model: str) -> str | None:
+        if self._torn():
+            return "weights_torn"
+        host = self.app[keys.HOST]
+        if not host.serves(model) and (host.busy or host.resolve(model) is not None):
+            return "model_not_resident"
+        scheduler = self.app[keys.SCHEDULER]
+        if scheduler.barrier_held or scheduler.barrier_draining:
+            return "quiesced"
+        return None
+
+    async def execute_row(self, method: str, url: str, body: dict[str, Any]
+                          ) -> tuple[int, dict[str, str], dict[str, Any]]:
+        from miserver.http import v1
+        from miserver.http.model_header import model_header
+        from miserver.serving.generation import Generation, GenerationError, Started
+
+        prepare = v1._prepare_chat if url == "/v1/chat/completions" else v1._prepare_completion
+        try:
+            job = await prepare(_RowRequest(self.app), msgspec.json.encode(body))
+        except ApiError as err:
+            return err.status, dict(err.headers), openai_error_body(err)
+        scheduler = self.app[keys.SCHEDULER]
+        await scheduler.acquire(Priority.BATCH)
+        gen: Generation | None = None
+        try:
+            reason = self.waiting_reason(job.resident.served_name)
+            if reason in BLOCKING_REASONS or self.app[keys.HOST].resident is not job.resident:
+                raise RowDeferred(reason if reason in BLOCKING_REASONS else "model_not_resident")
+            header = model_header(job.resident)
+            gen = Generation(job.resident.model, job.resident.tokenizer, job.prompt_ids,
+                             job.params)
+            gen.start()
+        except BaseException:
+            scheduler.release()
+            raise
+        gen.add_done_callback(scheduler.release)  # the slot is held until the thread ended
+        try:
+            events = gen.events()
+            first = await events.__anext__()
+            assert isinstance(first, Started)
+            response = await v1._collect(job, events, first, header)
+        except ApiError as err:
+            return err.status, dict(err.headers), openai_error_body(err)
+        except GenerationError as exc:
+            err = ApiError(codes.GENERATION_FAILED, str(exc))
+            return err.status, {}, openai_error_body(err)
+        finally:
+            gen.cancel()  # a no-op once it finished
+            with contextlib.suppress(Exception):
+                await gen.wait()
+        return response.status, dict(response.headers), msgspec.json.decode(response.body)
+
+
+def setup_routes(app: web.Application, *, home: str | None = None,
+                 executor: ExecutorSource | None = None, max_upload_bytes: int | None = None,
+                 chunk_size: int = 8, poll_s: float = 0.5) -> None:
     """Register the Batch API on ``app`` and run its runner with the app (contract 7).
 
-    ``home`` is ``MISERVER_HOME`` (``batches.sqlite3`` and ``files/`` live there).
-    ``executor`` is the runtime seam, or a function of the app returning it, called at start-up
-    (after the app's earlier ``on_startup`` hooks built the runtime). Without one the routes
-    work and no batch runs. ``max_upload_bytes`` caps an uploaded file (``MAX_REQUEST_BYTES``).
+    ``home`` is ``MISERVER_HOME`` (``batches.sqlite3`` and ``files/`` live there; default
+    ``app[keys.SETTINGS].home``). ``executor`` is the runtime seam, or a function of the app
+    returning it, called at start-up; default :class:`ServerRowExecutor`. ``max_upload_bytes``
+    caps an uploaded file (default ``MAX_REQUEST_BYTES``). The runner starts with the app and
+    stops before the app's later cleanup hooks; a row it was running runs again after a restart.
     """
+    settings = app.get(keys.SETTINGS)
+    if home is None:
+        if settings is None:
+            raise ValueError("setup_routes needs home= or app[keys.SETTINGS]")
+        home = settings.home
+    if max_upload_bytes is None:
+        max_upload_bytes = settings.max_request_bytes if settings is not None else 8 << 20
     store = BatchStore(home)
     runner = BatchRunner(store, None, chunk_size=chunk_size, poll_s=poll_s)
     app[BATCH_STORE] = store
@@ -238,10 +357,11 @@ def setup_routes(app: web.Application, *, home: str, executor: ExecutorSource | 
     app.router.add_post("/v1/batches/{batch_id}/cancel", cancel_batch)
 
     async def start_runner(app: web.Application) -> None:
-        if executor is None:
-            return
-        runner.executor = (executor(app) if not hasattr(executor, "execute_row")
-                           else executor)  # type: ignore[operator]
+        source = executor if executor is not None else ServerRowExecutor
+        if isinstance(source, type) or not hasattr(source, "execute_row"):
+            runner.executor = source(app)  # type: ignore[operator]
+        else:
+            runner.executor = source
         runner.start()
 
     async def stop_runner(app: web.Application) -> None:

@@ -357,23 +357,39 @@ class BatchStore:
                  clock: Callable[[], float] = time.time) -> None:
         self.home = Path(home)
         self.files_dir = self.home / FILES_DIR
-        self.files_dir.mkdir(parents=True, exist_ok=True)
         self.clock = clock
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(self.home / DB_NAME, check_same_thread=False,
-                                   isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("PRAGMA busy_timeout=5000")
-        self._db.executescript(_SCHEMA)
-        self._remove_orphan_blobs()
+        self._conn: sqlite3.Connection | None = None
 
     # -- plumbing ------------------------------------------------------------------------------
 
+    @property
+    def _db(self) -> sqlite3.Connection:
+        """The connection, opened (and the schema created) on first use, so a home whose Batch
+        API was never used gets no database."""
+        with self._lock:
+            if self._conn is None:
+                self.files_dir.mkdir(parents=True, exist_ok=True)
+                conn = sqlite3.connect(self.home / DB_NAME, check_same_thread=False,
+                                       isolation_level=None)
+                conn.row_factory = sqlite3.Row
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute("PRAGMA synchronous=FULL")
+                conn.execute("PRAGMA busy_timeout=5000")
+                conn.executescript(_SCHEMA)
+                self._conn = conn
+                self._remove_orphan_blobs()
+            return self._conn
+
+    def exists(self) -> bool:
+        """Whether the database exists (the Batch API was used in this home)."""
+        return self._conn is not None or (self.home / DB_NAME).exists()
+
     def close(self) -> None:
         with self._lock:
-            self._db.close()
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
 
     @contextlib.contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -393,6 +409,7 @@ class BatchStore:
         return self.files_dir / f"{file_id}.jsonl"
 
     def _write_blob(self, file_id: str, data: bytes) -> Path:
+        self._db  # noqa: B018 - open first: opening removes blobs that have no row yet
         path = self._blob(file_id)
         tmp = path.with_suffix(".tmp")
         with open(tmp, "wb") as fh:
@@ -645,6 +662,8 @@ class BatchStore:
 
     def active_batches(self) -> list[sqlite3.Row]:
         """Batches with work left (in_progress, finalizing, cancelling), oldest first."""
+        if not self.exists():
+            return []
         with self._lock:
             return self._db.execute(
                 "SELECT * FROM batches WHERE status IN (?, ?, ?) ORDER BY seq",

@@ -572,3 +572,12 @@ async def test_upload_refusals_name_the_problem(client: TestClient):
     r = await client.post("/v1/files", data=form)
     assert r.status == 400 and (await r.json())["error"]["param"] == "file"
     assert (await (await client.get("/v1/files")).json())["data"] == []
+
+
+def test_an_unused_home_gets_no_database(tmp_path: Path):
+    s = BatchStore(tmp_path / "home")
+    assert s.active_batches() == [] and not s.exists()
+    assert not (tmp_path / "home").exists()
+    f = s.create_file(jsonl([line("a")]), filename="in.jsonl", purpose="batch")
+    assert s.exists() and s.file_content(f["id"]) == jsonl([line("a")])  # the blob survived
+    s.close()

@@ -235,8 +235,11 @@ def test_the_arena_segment_holds_the_parameters_and_nothing_else():
     active = [b for b in seg["blocks"] if b["state"] == "active_allocated"]
     print(f"\n[segment] total={seg['total_size']} arena={arena.total_bytes} "
           f"active blocks={[b['size'] for b in active]}")
+    # the only live block in the exported segment is the arena; the rest of the segment is the
+    # allocator's rounding (20 MiB for a 1-10 MiB request, else to 2 MiB), free in a pool
+    # nothing else allocates from (measured on the H200: total=20971520 arena=4461056)
     assert [b["size"] for b in active] == [arena.total_bytes]
-    assert seg["total_size"] - arena.total_bytes < 2 * 2**20  # only the allocator's rounding
+    assert seg["segment_pool_id"] != (0, 0)  # a private MemPool, not the default pool
     del others
 
 

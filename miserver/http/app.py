@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from miserver.http import keys, management
+from miserver.http import batches, keys, management
 from miserver.http.errors import ApiError, json_errors_middleware
 from miserver.serving.catalogue import Catalogue
 from miserver.serving.host import ModelHost
@@ -121,6 +121,7 @@ def create_app(settings: Settings, *, host: ModelHost | None = None,
         log.warning("miserver.http.v1 is missing: /v1 routes are not served")
     else:
         v1.setup_routes(app)
+    batches.setup_routes(app)  # /v1/files, /v1/batches and the batch runner (contract 7)
 
     async def on_startup(app: web.Application) -> None:
         app[keys.STARTUP_LOAD] = asyncio.create_task(load_default_model(app),

@@ -84,6 +84,7 @@ class Resident:
     commits: int | None
     attachable: bool
     loaded_at: float = 0.0
+    arena: Any = None  # the miserver.ipc ParameterArena of an attachable load
 
     def names(self) -> tuple[str, ...]:
         """The names a request may use for this model: served name and base name."""
@@ -230,7 +231,7 @@ class ModelHost:
                     row=msgspec.structs.replace(row, resident=True), model=loaded.model, tokenizer=loaded.tokenizer,
                     device=loaded.device, base_name=self._base_name(row), served_name=row.name,
                     origin=origin, commits=0, attachable=loaded.attachable,
-                    loaded_at=time.time())
+                    loaded_at=time.time(), arena=getattr(loaded, "arena", None))
                 del loaded
                 self.catalogue.set_resident(row.id)
                 if self.metrics:

@@ -43,12 +43,14 @@ class LoadedModel:
         tokenizer: the transformers tokenizer saved with the model (chat template included).
         device: where the parameters live.
         attachable: whether :func:`make_attachable` placed the parameters in one shared allocation.
+        arena: that allocation (:class:`miserver.ipc.arena.ParameterArena`), or None.
     """
 
     model: torch.nn.Module
     tokenizer: Any
     device: torch.device
     attachable: bool
+    arena: Any = None
 
 
 def llama_cpp_available() -> bool:
@@ -88,16 +90,30 @@ def check_loadable(row: CatalogueRow) -> None:
         )
 
 
-def make_attachable(model: torch.nn.Module, settings: Settings) -> bool:
+def make_attachable(model: torch.nn.Module, settings: Settings) -> Any:
     """Place the parameters of ``model`` in one shared allocation so a trainer can attach.
 
-    The hook of issue 4 (``miserver/ipc/``): there, when ``settings.has_trainer_token`` and the
-    model is an unquantized 16-bit load (on CUDA, or on the CPU with ``WEIGHTS_CPU_ATTACH=1``),
-    every parameter of a device moves into one allocation and this returns True. Until then it
-    changes nothing and returns False, so attach answers 400 NOT_ATTACHABLE reason ``allocator``.
+    Weights page "Which models can be attached" (the ``allocator`` row): when
+    ``settings.has_trainer_token`` and the model is an unquantized 16-bit load (on CUDA, or on
+    the CPU with ``WEIGHTS_CPU_ATTACH=1``, contract 8), every parameter of a device moves into one
+    allocation (:func:`miserver.ipc.arena.make_attachable`) and the arena is returned. Otherwise
+    nothing changes and this returns None, so attach answers 400 NOT_ATTACHABLE (``allocator``
+    or an earlier reason).
     """
-    del model, settings
-    return False
+    from miserver.ipc import arena as ipc_arena
+    from miserver.ipc.attachability import should_make_attachable
+
+    config = getattr(model, "config", None)
+    quantized = getattr(model, "is_quantized", False) or (
+        getattr(config, "quantization_config", None) is not None)
+    if not should_make_attachable(
+            fmt="safetensors", quantization="quantized" if quantized else "none",
+            param_dtypes=ipc_arena.parameter_dtypes(model),
+            devices=ipc_arena.parameter_devices(model),
+            has_trainer_token=settings.has_trainer_token,
+            cpu_attach=settings.weights_cpu_attach):
+        return None
+    return ipc_arena.make_attachable(model, cpu_shared=settings.weights_cpu_attach)
 
 
 def load_model(row: CatalogueRow, settings: Settings) -> LoadedModel:
@@ -131,5 +147,6 @@ def load_model(row: CatalogueRow, settings: Settings) -> LoadedModel:
             f"{type(exc).__name__}: {str(exc)[:500]}",
             details={"model_id": row.id, "name": row.name, "path": row.path},
         ) from exc
-    attachable = make_attachable(model, settings)
-    return LoadedModel(model=model, tokenizer=tokenizer, device=device, attachable=attachable)
+    arena = make_attachable(model, settings)
+    return LoadedModel(model=model, tokenizer=tokenizer, device=device,
+                       attachable=arena is not None, arena=arena)

@@ -581,3 +581,153 @@ def test_an_unused_home_gets_no_database(tmp_path: Path):
     f = s.create_file(jsonl([line("a")]), filename="in.jsonl", purpose="batch")
     assert s.exists() and s.file_content(f["id"]) == jsonl([line("a")])  # the blob survived
     s.close()
+
+
+# -- the real seam: a live app with a tiny real model ------------------------------------------
+
+TINY = "tiny"
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.unit.v1_fixtures import tiny_model_folder
+
+    return tiny_model_folder(tmp_path_factory.getbasetemp().parent / "miserver-v1-cache")
+
+
+@pytest.fixture
+async def live(tiny_folder: Path, tmp_path: Path):
+    """A real app (create_app) serving the tiny model; ``app.weights_state`` fakes the lifecycle
+    summary so a torn set can be shown without a trainer."""
+    from miserver.http import keys
+    from miserver.http.app import create_app
+    from miserver.serving.catalogue import Catalogue
+    from miserver.spec.settings import Settings
+
+    home = tmp_path / "home"
+    cat = Catalogue(home)
+    for name in (TINY, "other"):
+        cat.register(name=name, format="safetensors", dtype="float32", path=str(tiny_folder))
+    app = create_app(Settings(home=str(home), default_model=TINY, device="cpu",
+                              log_format="text"))
+    state = {"weights_state": "clean", "barrier": "serving", "attached": False,
+             "attachment_state": None}
+    app[keys.WEIGHTS_SUMMARY] = lambda: dict(state)
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    await app[keys.STARTUP_LOAD]
+    assert app[keys.HOST].resident is not None
+    app[batch_routes.BATCH_RUNNER].poll_s = 0.02
+    client.weights = state  # type: ignore[attr-defined]
+    yield client
+    await client.close()
+
+
+def _tiny_chat(cid: str, model: str = TINY, **kw: Any) -> dict[str, Any]:
+    body = {"model": model, "temperature": 0, "max_tokens": 4,
+            "messages": [{"role": "user", "content": f"Say {cid}"}], **kw}
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+async def _start(client: TestClient, rows: list[dict[str, Any]],
+                 endpoint: str = "/v1/chat/completions") -> dict[str, Any]:
+    r = await client.post("/v1/files", data=_form(jsonl(rows)))
+    assert r.status == 200, await r.text()
+    r = await client.post("/v1/batches", json={"input_file_id": (await r.json())["id"],
+                                               "endpoint": endpoint, "completion_window": "24h"})
+    assert r.status == 200, await r.text()
+    return await r.json()
+
+
+async def _poll(client: TestClient, batch_id: str, until: Any, timeout_s: float = 60) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        b = await (await client.get(f"/v1/batches/{batch_id}")).json()
+        if until(b):
+            return b
+        assert time.monotonic() < deadline, b
+        await asyncio.sleep(0.02)
+
+
+async def _lines(client: TestClient, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in
+            (await (await client.get(f"/v1/files/{file_id}/content")).read()).splitlines()]
+
+
+async def test_real_rows_carry_the_model_header_and_refusals_become_error_lines(live):
+    from miserver.http.model_header import parse_model_header
+
+    b = await _start(live, [_tiny_chat("a"), _tiny_chat("long", max_tokens=10**6),
+                            _tiny_chat("ghost", model="no-such-model"), _tiny_chat("c")])
+    done = await _poll(live, b["id"], lambda x: x["status"] == "completed")
+    assert done["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
+    out = await _lines(live, done["output_file_id"])
+    err = {x["custom_id"]: x for x in await _lines(live, done["error_file_id"])}
+    assert [x["custom_id"] for x in out] == ["a", "c"]
+    for x in out:
+        assert parse_model_header(x["response"]["headers"]["X-miLLM-Model"]) == (
+            TINY, "model", 0)
+        assert x["response"]["body"]["object"] == "chat.completion"
+        assert x["response"]["body"]["usage"]["completion_tokens"] >= 1
+    assert err["long"]["response"]["status_code"] == 400
+    assert err["long"]["response"]["body"]["error"]["param"] == "max_tokens"
+    assert err["ghost"]["response"]["status_code"] == 404
+    assert done["usage"]["output_tokens"] == sum(
+        x["response"]["body"]["usage"]["completion_tokens"] for x in out)
+
+
+async def test_completions_endpoint_runs_too(live):
+    row = {"custom_id": "p", "method": "POST", "url": "/v1/completions",
+           "body": {"model": TINY, "prompt": "1, 2, 3,", "max_tokens": 3, "temperature": 0}}
+    b = await _start(live, [row], endpoint="/v1/completions")
+    done = await _poll(live, b["id"], lambda x: x["status"] == "completed")
+    (line_,) = await _lines(live, done["output_file_id"])
+    assert line_["response"]["body"]["object"] == "text_completion"
+
+
+async def test_a_batch_never_loads_a_model(live):
+    from miserver.http import keys
+
+    host = live.server.app[keys.HOST]
+    b = await _start(live, [_tiny_chat("x", model="other"), _tiny_chat("a")])
+    waiting = await _poll(live, b["id"], lambda x: x["request_counts"]["completed"] == 1
+                          and x["waiting_reason"] == "model_not_resident")
+    assert waiting["status"] == "in_progress" and waiting["request_counts"]["failed"] == 0
+    await asyncio.sleep(0.1)
+    assert host.resident.row.name == TINY  # "other" was never auto-loaded
+    r = await live.post(f"/v1/batches/{b['id']}/cancel")
+    assert (await r.json())["status"] in ("cancelling", "cancelled")
+    done = await _poll(live, b["id"], lambda x: x["status"] == "cancelled")
+    assert [x["custom_id"] for x in await _lines(live, done["output_file_id"])] == ["a"]
+
+
+async def test_a_quiesce_holds_the_next_chunk_in_the_scheduler(live):
+    from miserver.http import keys
+
+    scheduler = live.server.app[keys.SCHEDULER]
+    await scheduler.barrier_acquire(5.0)
+    try:
+        b = await _start(live, [_tiny_chat("a"), _tiny_chat("b")])
+        held = await _poll(live, b["id"], lambda x: x["waiting_reason"] == "quiesced")
+        await asyncio.sleep(0.05)
+        assert scheduler.counts().held_batch == 1  # held_batch_chunks of POST /quiesce
+        assert held["request_counts"]["completed"] == 0
+    finally:
+        scheduler.barrier_release()
+    done = await _poll(live, b["id"], lambda x: x["status"] == "completed")
+    assert done["request_counts"]["completed"] == 2 and done["waiting_reason"] is None
+
+
+async def test_torn_weights_make_the_batch_wait_not_fail(live):
+    live.weights["weights_state"] = "torn"
+    b = await _start(live, [_tiny_chat("a")])
+    waiting = await _poll(live, b["id"], lambda x: x["waiting_reason"] == "weights_torn")
+    await asyncio.sleep(0.1)
+    again = await (await live.get(f"/v1/batches/{b['id']}")).json()
+    assert waiting["status"] == again["status"] == "in_progress"
+    assert again["request_counts"] == {"total": 1, "completed": 0, "failed": 0}
+    live.weights["weights_state"] = "clean"  # a weights load recovered the set
+    done = await _poll(live, b["id"], lambda x: x["status"] == "completed")
+    assert done["request_counts"]["completed"] == 1

@@ -1,4 +1,4 @@
-"""Hypothesis profiles for the model tests: ``ci`` (the default: fixed seed, under a minute on
+"""Hypothesis profiles for the model tests: ``ci`` (the default: fixed seed, about 15 s on
 two cores) and ``nightly`` (longer), selected by the HYPOTHESIS_PROFILE environment variable.
 
 The profiles are registered here and applied only to the model tests (``model_profile()``), so
@@ -10,7 +10,7 @@ import os
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
-    "ci", max_examples=200, stateful_step_count=50, deadline=None, derandomize=True,
+    "ci", max_examples=400, stateful_step_count=50, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow], print_blob=True,
 )
 settings.register_profile(

@@ -16,6 +16,14 @@ from miserver.fsm.table import TABLE, Effect, Row
 from tests.model.reference import Reference, Reply
 
 HOLD_S, WATCHDOG_MS, HEARTBEAT_S, DRAIN_S = 5.0, 800.0, 30.0, 60.0
+#: Timer settings a program starts with: the defaults, and orders that make timers collide or
+#: overtake one another (hold, watchdog ms, heartbeat, drain), seconds.
+TIMINGS = (
+    (HOLD_S, WATCHDOG_MS, HEARTBEAT_S, DRAIN_S),
+    (5.0, 800.0, 0.5, 60.0),  # an attachment goes stale in the middle of a commit
+    (1.0, 1000.0, 1.0, 1.0),  # everything due at once
+    (5.0, 800.0, 30.0, 0.25),  # drains time out
+)
 
 GATED = ("detach", "heartbeat", "quiesce", "resume", "commit_begin", "commit_end",
          "clear_stale", "save", "weights_load")
@@ -60,12 +68,16 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
         def __init__(self) -> None:
             super().__init__()
             self.now = 0.0
+            self.configure(TIMINGS[0])
+
+        def configure(self, timing: tuple[float, float, float, float]) -> None:
+            hold, watchdog_ms, heartbeat, drain = timing
             counter = iter(range(1, 10**9))
-            self.core = Lifecycle(hold_timeout_s=HOLD_S, watchdog_ms=WATCHDOG_MS,
-                                  heartbeat_timeout_s=HEARTBEAT_S, drain_timeout_s=DRAIN_S,
+            self.core = Lifecycle(hold_timeout_s=hold, watchdog_ms=watchdog_ms,
+                                  heartbeat_timeout_s=heartbeat, drain_timeout_s=drain,
                                   table=table, id_factory=lambda: f"att-{next(counter)}")
-            self.ref = Reference(hold_s=HOLD_S, watchdog_s=WATCHDOG_MS / 1000.0,
-                                 heartbeat_s=HEARTBEAT_S, drain_s=DRAIN_S)
+            self.ref = Reference(hold_s=hold, watchdog_s=watchdog_ms / 1000.0,
+                                 heartbeat_s=heartbeat, drain_s=drain)
 
         # --- helpers ----------------------------------------------------------------
         def caller(self, who: str) -> Caller:
@@ -89,15 +101,18 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
             _same(out, ref, f"t={self.now:g} {event.short()}")
 
         # --- rules --------------------------------------------------------------------
-        @initialize(resident=st.sampled_from([True, True, True, False]))
-        def start(self, resident: bool) -> None:
+        @initialize(resident=st.sampled_from([True, True, True, False]),
+                    timing=st.sampled_from(TIMINGS))
+        def start(self, resident: bool, timing: tuple[float, float, float, float]) -> None:
+            self.configure(timing)
             if resident:  # begin with a model resident (the usual start)
                 self.both(Event("model_load", target="other"), lambda: self.ref.model_load(
                     self.now, "other"))
                 self.both(Event("transition_done"), lambda: self.ref.transition_done(self.now))
 
         @rule(token=st.sampled_from(["t", "t", "t2", "op", "none"]),
-              not_attachable=st.sampled_from([None] * 6 + ["gguf", "dtype", "allocator"]))
+              not_attachable=st.sampled_from([None] * 8 + ["gguf", "quantized", "dtype",
+                                                            "not_on_gpu", "allocator"]))
         def attach(self, token: str, not_attachable: str | None) -> None:
             caller = Caller(TOKENS[token], token) if token in TOKENS else Caller("none")  # type: ignore[arg-type]
             self.both(Event("attach", caller=caller, not_attachable=not_attachable),
@@ -128,6 +143,9 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                 trainer = Caller("trainer", "t")
                 self.both(Event("attach", caller=trainer),
                           lambda: self.ref.attach(trainer, self.now))
+            if then == "stale" and self.ref.att is not None:
+                self.now = self.ref.deadlines.get("heartbeat", self.now)  # let it lapse
+                self.advance("small", 0.0)
             holder = self.caller("holder")
             if kind == "adapter_change":
                 self.both(Event(kind), lambda: self.ref.adapter_change(self.now))
@@ -144,11 +162,13 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                           lambda: self.ref.commit_begin(holder, self.now))
                 if then == "tear":  # jump to the watchdog's deadline
                     self.advance("at", 0.0)
-                elif then == "stale":  # let the heartbeat lapse, then clear it as operator
-                    self.advance("large", 0.0)
+                elif then == "stale":  # stale mid-commit: clear it, then try to attach
                     operator = self.caller("operator")
                     self.both(Event("clear_stale", caller=operator),
                               lambda: self.ref.clear_stale(operator, self.now))
+                    other = Caller("trainer", "t2")
+                    self.both(Event("attach", caller=other),
+                              lambda: self.ref.attach(other, self.now))
             elif then == "done":
                 done = {"quiesce": ("commit_end", None), "save": ("save_done", "save"),
                         "weights_load": ("weights_load_write", None),

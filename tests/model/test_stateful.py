@@ -3,7 +3,7 @@ every outcome, pending answer, /v1 admission, status field and timer deadline mu
 fake clock that jumps to each deadline and just either side of it.
 
 Runs under the Hypothesis profile named by HYPOTHESIS_PROFILE (``ci`` by default: fixed seed,
-200 programs of 50 steps; ``nightly``: 5000 of 100).
+400 programs of 50 steps; ``nightly``: 5000 of 100).
 """
 
 from hypothesis.stateful import run_state_machine_as_test

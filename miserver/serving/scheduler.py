@@ -226,15 +226,12 @@ class Scheduler:
             waiter.future.set_result(None)
 
     # --- the barrier --------------------------------------------------------------------------
-    async def barrier_acquire(self, timeout_s: float) -> HeldCounts:
-        """Take every slot ahead of the queue once the running requests finish (quiesce).
+    def barrier_begin(self) -> None:
+        """Stop granting slots now, synchronously: from this call on new interactive and batch
+        waiters are held (quiesce's first half; weights page, "The write cycle" 2).
 
-        From the call on no slot is granted; new interactive and batch waiters are held. Returns
-        the counts at the moment the barrier holds (``running`` is 0). Raises
-        :class:`DrainTimeout` when requests still run after ``timeout_s`` seconds, and
-        ``RuntimeError`` when the barrier is already held or draining; in both cases, and when
-        cancelled, the barrier holds nothing and held waiters are granted again.
-        Weights page, "The write cycle" 2.
+        Raises ``RuntimeError`` when the barrier is already held or draining. Follow with
+        :meth:`barrier_wait_drained`, or undo with :meth:`barrier_abandon`.
         """
         if self._barrier_held or self._barrier_draining:
             raise RuntimeError("the barrier is already held or draining")
@@ -242,12 +239,17 @@ class Scheduler:
         self._drained = asyncio.Event()
         if self._running == 0:
             self._drained.set()
+
+    async def barrier_wait_drained(self) -> HeldCounts:
+        """Wait until no slot is running, then hold every slot (quiesce's second half).
+
+        Returns the counts at the moment the barrier holds (``running`` is 0). Cancelled, it
+        abandons the drain: the barrier holds nothing and held waiters are granted again.
+        """
+        if not self._barrier_draining or self._drained is None:
+            raise RuntimeError("barrier_begin() was not called")
         try:
-            await asyncio.wait_for(self._drained.wait(), timeout_s)
-        except TimeoutError:
-            running = self._running
-            self._abandon_drain()
-            raise DrainTimeout(timeout_s, running) from None
+            await self._drained.wait()
         except BaseException:
             self._abandon_drain()
             raise
@@ -255,6 +257,28 @@ class Scheduler:
         self._barrier_held = True
         self._drained = None
         return self.counts()
+
+    def barrier_abandon(self) -> None:
+        """Give up a drain in progress (a drain timeout); a no-op when not draining."""
+        if self._barrier_draining:
+            self._abandon_drain()
+
+    async def barrier_acquire(self, timeout_s: float) -> HeldCounts:
+        """Take every slot ahead of the queue once the running requests finish (quiesce).
+
+        :meth:`barrier_begin` then :meth:`barrier_wait_drained` with a timeout. Raises
+        :class:`DrainTimeout` when requests still run after ``timeout_s`` seconds, and
+        ``RuntimeError`` when the barrier is already held or draining; in both cases, and when
+        cancelled, the barrier holds nothing and held waiters are granted again.
+        Weights page, "The write cycle" 2.
+        """
+        self.barrier_begin()
+        try:
+            return await asyncio.wait_for(self.barrier_wait_drained(), timeout_s)
+        except TimeoutError:
+            running = self._running
+            self._abandon_drain()
+            raise DrainTimeout(timeout_s, running) from None
 
     def _abandon_drain(self) -> None:
         self._barrier_draining = False

@@ -18,12 +18,13 @@ from typing import Any
 
 from aiohttp import web
 
-from miserver.http import batches, keys, management
+from miserver.http import batches, keys, management, weights
 from miserver.http.errors import ApiError, json_errors_middleware
 from miserver.serving.catalogue import Catalogue
 from miserver.serving.host import ModelHost
 from miserver.serving.metrics import Metrics
 from miserver.serving.scheduler import Scheduler
+from miserver.serving.weights_runtime import WeightsRuntime
 from miserver.spec import codes
 from miserver.spec.settings import Settings
 
@@ -58,7 +59,7 @@ async def load_default_model(app: web.Application) -> None:
     name = settings.default_model
     if not name:
         return
-    host = app[keys.HOST]
+    app[keys.HOST]
     catalogue = app[keys.CATALOGUE]
     try:
         from miserver.serving.default_model import DEFAULT_NAME, import_default
@@ -70,7 +71,7 @@ async def load_default_model(app: web.Application) -> None:
             log.error("DEFAULT_MODEL %r is not in the catalogue (%s); nothing is resident",
                       name, ", ".join(r.name for r in catalogue.list()) or "empty")
             return
-        await host.load(row.id)
+        await app[keys.WEIGHTS].model_transition("model_load", row.id)
     except ApiError as exc:
         log.error("loading DEFAULT_MODEL %r failed: %s %s", name, exc.code.name, exc.message)
     except Exception:  # noqa: BLE001 - a failed start-up load leaves the server up and empty
@@ -112,6 +113,8 @@ def create_app(settings: Settings, *, host: ModelHost | None = None,
     app[keys.METRICS] = metrics
     app[keys.STARTUP_LOAD] = None
 
+    runtime = WeightsRuntime(settings=settings, scheduler=scheduler, host=host, metrics=metrics)
+    weights.setup_routes(app, runtime)
     management.setup_routes(app)
     try:
         v1 = importlib.import_module("miserver.http.v1")

@@ -17,6 +17,7 @@ from miserver.serving.catalogue import Catalogue
 from miserver.serving.host import ModelHost
 from miserver.serving.metrics import Metrics
 from miserver.serving.scheduler import Scheduler
+from miserver.serving.weights_runtime import WeightsRuntime
 from miserver.spec.settings import Settings
 
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings", Settings)
@@ -24,6 +25,9 @@ HOST: web.AppKey[ModelHost] = web.AppKey("host", ModelHost)
 SCHEDULER: web.AppKey[Scheduler] = web.AppKey("scheduler", Scheduler)
 CATALOGUE: web.AppKey[Catalogue] = web.AppKey("catalogue", Catalogue)
 METRICS: web.AppKey[Metrics] = web.AppKey("metrics", Metrics)
+#: The weights lifecycle of this process: every load, unload, /v1 admission and weights call
+#: goes through it (issue 5).
+WEIGHTS: web.AppKey[WeightsRuntime] = web.AppKey("weights", WeightsRuntime)
 #: ``() -> dict`` giving ``{weights_state, barrier, attached, attachment_state}``; may raise.
 WEIGHTS_SUMMARY: web.AppKey[Callable[[], dict[str, Any]]] = web.AppKey("weights_summary")
 #: The start-up task that loads ``DEFAULT_MODEL`` (await it in tests; None when nothing loads).

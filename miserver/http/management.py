@@ -270,14 +270,15 @@ async def load_model(request: web.Request) -> web.Response:
     row_id = _row_id(request)
     host = request.app[keys.HOST]
     already = host.resident is not None and host.resident.row.id == row_id
-    resident = await host.load(row_id)
+    await request.app[keys.WEIGHTS].model_transition("model_load", row_id)
+    resident = host.resident
     return ok({"model": resident.row, "already_resident": already,
                "resident": host.describe()})
 
 
 async def unload_model(request: web.Request) -> web.Response:
     """``POST /api/models/{id}/unload``: unload the resident row (409 MODEL_NOT_LOADED)."""
-    row = await request.app[keys.HOST].unload(_row_id(request))
+    row = await request.app[keys.WEIGHTS].model_transition("model_unload", _row_id(request))
     return ok({"model": request.app[keys.CATALOGUE].get(row.id) or row, "resident": None})
 
 
@@ -301,18 +302,6 @@ async def get_settings(request: web.Request) -> web.Response:
     return ok(_settings_view(request.app))
 
 
-def check_settings_change(app: web.Application) -> None:
-    """Refuse a settings change while the barrier is held or draining, or weights are writing
-    (409 MODEL_BUSY; contract 1). Writing happens only inside the barrier, so a barrier
-    check covers both."""
-    scheduler = app[keys.SCHEDULER]
-    if scheduler.barrier_held or scheduler.barrier_draining:
-        raise ApiError(codes.MODEL_BUSY,
-                       "serving settings cannot change while the step barrier is held or "
-                       "draining; retry after POST /api/weights/resume",
-                       details={"barrier": "quiesced"})
-
-
 async def patch_settings(request: web.Request) -> web.Response:
     """``PATCH /api/settings``: change any of ``max_concurrent_requests``,
     ``continuous_batching`` (only false: not implemented), ``max_queued_requests``."""
@@ -320,17 +309,17 @@ async def patch_settings(request: web.Request) -> web.Response:
     if patch.continuous_batching is True:
         raise _invalid("continuous batching is not implemented in this version; "
                        "continuous_batching can only be false", "continuous_batching")
-    check_settings_change(request.app)
     kwargs = {}
     if patch.max_concurrent_requests is not msgspec.UNSET:
         kwargs["max_concurrent"] = patch.max_concurrent_requests
     if patch.max_queued_requests is not msgspec.UNSET:
         kwargs["max_queued"] = patch.max_queued_requests
+    concurrency = kwargs.get("max_concurrent", request.app[keys.SCHEDULER].max_concurrent)
+    # The lifecycle decides (409 MODEL_BUSY while the barrier is held or weights are writing;
+    # contract 1) and records the resulting pause availability (weights page: Status).
+    await request.app[keys.WEIGHTS].settings_change("ok" if concurrency == 1 else "concurrency")
     if kwargs:
-        try:
-            request.app[keys.SCHEDULER].set_limits(**kwargs)
-        except ValueError as exc:
-            raise _invalid(str(exc), None) from None
+        request.app[keys.SCHEDULER].set_limits(**kwargs)
     return ok(_settings_view(request.app))
 
 

@@ -50,7 +50,7 @@ from miserver.serving.generation import (
     TokenLogprob,
     context_length,
 )
-from miserver.serving.host import Resident
+from miserver.serving.host import Resident, normalize_load_policy
 from miserver.serving.scheduler import Priority, QueueFull
 from miserver.spec import codes
 
@@ -73,8 +73,9 @@ async def admit(request: web.Request, model: str) -> Resident:
     """The one ``/v1`` admission decision: which resident serves ``model`` (contract 4).
 
     ``model`` is the resident's served or base name (served at once) or a catalogue row's name
-    (auto-loaded, a swap), honouring ``X-miLLM-Load-Policy`` (``auto`` or ``refuse``). Issue 5
-    routes this through the lifecycle machine (serve / hold / refuse / auto-load).
+    (auto-loaded, a swap), honouring ``X-miLLM-Load-Policy`` (``auto`` or ``refuse``). The
+    lifecycle table decides (serve / hold / refuse / auto-load); the scheduler then holds a
+    held request until the barrier is released.
 
     Raises:
         ApiError: 404 MODEL_NOT_FOUND, 409 MODEL_NOT_LOADED (policy refuse), 409 MODEL_BUSY
@@ -83,7 +84,22 @@ async def admit(request: web.Request, model: str) -> Resident:
             500 MODEL_LOAD_FAILED.
     """
     host = request.app[keys.HOST]
-    return await host.ensure_for_request(model, request.headers.get(LOAD_POLICY_HEADER))
+    policy = normalize_load_policy(request.headers.get(LOAD_POLICY_HEADER))
+    row_id = None
+    if host.resident is None or not host.serves(model):
+        row = host.resolve(model)
+        if row is None:
+            available = [r.name for r in host.catalogue.list()]
+            raise ApiError(codes.MODEL_NOT_FOUND,
+                           f"model {model!r} is neither resident nor in the catalogue",
+                           details={"model": model, "available": available}, param="model")
+        row_id = row.id
+    await request.app[keys.WEIGHTS].admit_v1(refuse_policy=policy == "refuse", row_id=row_id)
+    resident = host.resident
+    if resident is None:  # the auto-load's own error was raised above; this is a race
+        raise ApiError(codes.MODEL_BUSY, "the model was unloaded while the request waited; retry",
+                       reason="model_transition", headers={"Retry-After": "1"})
+    return resident
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -140,6 +156,13 @@ async def _acquire_slot(request: web.Request, resident: Resident) -> None:
         _update_queue_gauge(request)
     if held and metrics is not None:
         metrics.requests_held.inc()
+    try:
+        # Inside the slot: the table must still admit this request (the set may have torn
+        # while it waited; weights page: States).
+        await request.app[keys.WEIGHTS].confirm_v1()
+    except BaseException:
+        scheduler.release()
+        raise
     if request.app[keys.HOST].resident is not resident:
         scheduler.release()
         raise ApiError(codes.MODEL_BUSY,

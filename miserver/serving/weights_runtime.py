@@ -19,6 +19,7 @@ task over the core's deadlines (:meth:`WeightsRuntime._pump`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as _dt
 import logging
 import time
@@ -137,10 +138,8 @@ class WeightsRuntime:
                 task.cancel()
         for task in [self._pump_task, self._drain_task, *self._tasks]:
             if task is not None:
-                try:
+                with contextlib.suppress(BaseException):  # shutting down
                     await task
-                except BaseException:  # noqa: BLE001 - shutting down
-                    pass
         self._pump_task = None
 
     def register_job(self, owner: str, job: PauseJob) -> None:
@@ -155,10 +154,8 @@ class WeightsRuntime:
             deadline = self.lifecycle.next_deadline()
             self._wake.clear()
             timeout = None if deadline is None else max(0.0, deadline - self.now())
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
-            except TimeoutError:
-                pass
             async with self.lock:
                 for out in self.lifecycle.fire_due(self.now()):
                     self._perform(out, {})
@@ -317,9 +314,9 @@ class WeightsRuntime:
         try:
             if effect is Effect.START_MODEL_LOAD:
                 resident = await self.host.load(params["row_id"])
-                name = resident.served_name
+                name, result = resident.served_name, resident
             else:
-                await self.host.unload()
+                result = await self.host.unload(params.get("row_id"))
                 name = None
         except BaseException as exc:
             async with self.lock:
@@ -329,7 +326,7 @@ class WeightsRuntime:
             raise ApiError(codes.INTERNAL_ERROR, f"the model transition failed: {exc}") from exc
         async with self.lock:
             self.decide(Event("transition_done", name=name))
-        return self.host.resident
+        return result
 
     # --- export -----------------------------------------------------------------------------
     def _export(self) -> Any:
@@ -467,12 +464,31 @@ class WeightsRuntime:
     # --- management loads and /v1 admission ------------------------------------------------
     _transition_params: dict[str, Any] = {}
 
-    async def model_transition(self, kind: str, row_id: int | None, *, targets_resident: bool
-                               ) -> Outcome:
-        """A management load (``model_load``) or unload (``model_unload``); waits for it.
+    def _target(self, row_id: int | None) -> bool:
+        """Whether ``row_id`` names the resident row. A row that does not exist or cannot be
+        loaded is refused here, before the lifecycle sees the load (404 MODEL_NOT_FOUND,
+        400 BACKEND_UNAVAILABLE), so a started load fails only for a real load error."""
+        from miserver.serving.loader import check_loadable
 
-        Raises ApiError with the table's refusal (contract 3).
+        resident = self.host.resident
+        if row_id is None:
+            return True
+        if resident is not None and resident.row.id == row_id:
+            return True
+        row = self.host.catalogue.get(row_id)
+        if row is None:
+            raise ApiError(codes.MODEL_NOT_FOUND, f"no catalogue row with id {row_id}",
+                           details={"model_id": row_id})
+        check_loadable(row)
+        return False
+
+    async def model_transition(self, kind: str, row_id: int | None) -> Any:
+        """A management load (``model_load``) or unload (``model_unload``) of ``row_id``;
+        waits for it and returns what the host returned (the resident, or the unloaded row).
+
+        Raises ApiError with the table's refusal (contract 3), or the load's own error.
         """
+        targets_resident = self._target(row_id) if kind == "model_load" else True
         async with self.lock:
             self._transition_params = {"row_id": row_id}
             out = self.decide(Event(kind, target="resident" if targets_resident else "other"))
@@ -480,13 +496,13 @@ class WeightsRuntime:
         if out.kind == "refused":
             raise self._refusal(out)
         if task is not None:
-            await task
-        return out
+            return await task
+        return self.host.resident
 
-    async def admit_v1(self, *, targets_resident: bool, refuse_policy: bool,
-                       row_id: int | None) -> Effect:
+    async def admit_v1(self, *, refuse_policy: bool, row_id: int | None) -> Effect:
         """Decide a ``/v1`` request: ``ADMIT``, ``HOLD_REQUEST`` (the scheduler holds it), or a
         refusal raised as ApiError; an auto-load is started and awaited (contract 4)."""
+        targets_resident = row_id is None or self._target(row_id)
         async with self.lock:
             counts = self.scheduler.counts()
             full = counts.queued + counts.held_interactive >= self.scheduler.max_queued
@@ -501,14 +517,18 @@ class WeightsRuntime:
         return Effect.ADMIT if Effect.ADMIT in out.effects else Effect.HOLD_REQUEST
 
     async def confirm_v1(self) -> None:
-        """Inside the slot, just before the forward pass: the table must still admit a request
-        for the resident (the set may have torn while it waited). Raises ApiError otherwise."""
+        """Inside the slot, just before the forward pass: the table must still accept a
+        request for the resident (the set may have torn while it waited). A pause that began
+        meanwhile waits for this request (it holds a slot), so a hold is an acceptance here.
+        Raises ApiError on a refusal."""
         async with self.lock:
+            if self.host.resident is None:
+                raise ApiError(codes.MODEL_BUSY, "the model was unloaded while the request "
+                               "waited; retry", reason="model_transition",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
             out = self.decide(Event("v1", target="resident"))
         if out.kind == "refused":
             raise self._refusal(out)
-        if Effect.ADMIT not in out.effects:  # pragma: no cover - the barrier holds every slot
-            raise ApiError(codes.MODEL_BUSY, "the barrier was taken while this request waited")
 
     async def settings_change(self, avail: str) -> Outcome:
         """PATCH /api/settings: the resulting pause availability goes through the table."""

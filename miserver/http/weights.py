@@ -1,0 +1,187 @@
+"""The ``/api/weights/*`` routes: decode, identify the caller, hand the event to the runtime.
+
+Weights page, Routes. A handler never decides anything about the lifecycle: it decodes the body
+(msgspec), resolves the bearer token to a :class:`~miserver.http.auth.Caller`, passes the
+``X-miLLM-Attachment`` header through untouched, and lets
+:meth:`~miserver.serving.weights_runtime.WeightsRuntime.gated` decide under one lock. It then
+renders the answer as the route's response Struct (``miserver/spec/weights.py``). A missing
+header is never a 422: the table answers 401 or 403 in its documented order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from miserver.http import keys
+from miserver.http.auth import ATTACHMENT_HEADER, Caller, identify
+from miserver.http.errors import ApiError, ok
+from miserver.serving.weights_runtime import CallResult, WeightsRuntime
+from miserver.spec import codes
+from miserver.spec import weights as W
+
+RUNTIME = keys.WEIGHTS
+
+
+def _caller(request: web.Request) -> Caller:
+    return identify(request.headers.get("Authorization"),
+                    request.app[keys.SETTINGS].weights_tokens)
+
+
+async def decode_body(request: web.Request, struct: type[msgspec.Struct]) -> Any:
+    """Decode an optional JSON body into ``struct`` (an empty body is ``{}``).
+
+    Raises ApiError 400 INVALID_REQUEST naming the problem (never echoing the body).
+    """
+    raw = await request.read()
+    if not raw.strip():
+        raw = b"{}"
+    try:
+        return msgspec.json.decode(raw, type=struct)
+    except msgspec.ValidationError as exc:
+        raise ApiError(codes.INVALID_REQUEST, f"invalid request body: {exc}") from None
+    except msgspec.DecodeError:
+        raise ApiError(codes.INVALID_REQUEST, "the request body is not valid JSON") from None
+
+
+async def _gated(request: web.Request, trigger: str, operation: str,
+                 struct: type[msgspec.Struct] = W.EmptyRequest,
+                 params: dict[str, Any] | None = None, **fields: Any) -> tuple[CallResult, Any]:
+    runtime = request.app[RUNTIME]
+    caller = _caller(request)
+    body = None
+    if caller.role is not None:  # an unauthenticated call is refused 401 before its body
+        body = await decode_body(request, struct)
+    result = await runtime.gated(trigger, caller, request.headers.get(ATTACHMENT_HEADER),
+                                 operation=operation, params={**(params or {}), "body": body},
+                                 **fields)
+    return result, body
+
+
+def _state(runtime: WeightsRuntime) -> dict[str, Any]:
+    view = runtime.lifecycle.status_view(runtime.now())
+    return view
+
+
+async def attach(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    result, _ = await _gated(request, "attach", "weights_attach")
+    export = result.outputs["export"]
+    view = _state(runtime)
+    data = W.AttachResponse(
+        attachment_id=result.outcome.details["attachment_id"],
+        model=W.ModelRef(**runtime.model_ref()),  # type: ignore[arg-type]
+        weights_state=view["weights_state"],
+        steps_since_load=view["steps_since_load"] or 0,
+        heartbeat=W.HeartbeatInfo(timeout_s=runtime.settings.weights_heartbeat_timeout_s,
+                                  interval_hint_s=runtime.settings.weights_heartbeat_interval_hint_s),
+        producer=msgspec.convert(msgspec.to_builtins(export.producer), W.Producer),
+        storages=msgspec.convert(msgspec.to_builtins(export.storages),
+                                 list[W.CudaIpcStorage | W.CpuSharedMemoryStorage]),
+        parameters=msgspec.convert(msgspec.to_builtins(export.parameters),
+                                   list[W.ParameterEntry]),
+        release=W.Release(pinned_bytes=export.release.pinned_bytes,
+                          contract=export.release.contract),
+        config=export.config,
+    )
+    return ok(data, headers={"Cache-Control": "no-store"})
+
+
+async def detach(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    await _gated(request, "detach", "weights_detach")
+    view = _state(runtime)
+    return ok(W.DetachResponse(weights_state=view["weights_state"], barrier=view["barrier"]))
+
+
+async def heartbeat(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    await _gated(request, "heartbeat", "weights_heartbeat")
+    view = _state(runtime)
+    s = runtime.settings
+    return ok(W.HeartbeatResponse(attachment_state=view["attachment"]["state"],
+                                  timeout_s=s.weights_heartbeat_timeout_s,
+                                  interval_hint_s=s.weights_heartbeat_interval_hint_s,
+                                  weights_state=view["weights_state"]))
+
+
+async def quiesce(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    await _gated(request, "quiesce", "weights_quiesce")
+    view = _state(runtime)
+    counts = runtime.scheduler.counts()
+    return ok(W.QuiesceResponse(held_requests=counts.held_interactive,
+                                held_batch_chunks=counts.held_batch,
+                                weights_state=view["weights_state"],
+                                quiesced_at=runtime.stamp(view["quiesced_at"]) or "",
+                                hold_deadline=runtime.stamp(view["hold_deadline"])))
+
+
+async def resume(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    await _gated(request, "resume", "weights_resume")
+    view = _state(runtime)
+    return ok(W.ResumeResponse(barrier=view["barrier"], weights_state=view["weights_state"]))
+
+
+async def commit_begin(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    result, _ = await _gated(request, "commit_begin", "weights_commit_begin")
+    d = result.outcome.details
+    return ok(W.CommitBeginResponse(weights_state=_state(runtime)["weights_state"],
+                                    began_at=runtime.stamp(d["began_at"]) or "",
+                                    watchdog_ms=d["watchdog_ms"]))
+
+
+async def commit_end(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    result, _ = await _gated(request, "commit_end", "weights_commit_end")
+    d = result.outcome.details
+    return ok(W.CommitEndResponse(weights_state=_state(runtime)["weights_state"],
+                                  steps_since_load=d["steps_since_load"],
+                                  commit_ms=round(d["commit_ms"] or 0.0, 3),
+                                  overran=d["overran"]))
+
+
+async def clear_stale(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    result, _ = await _gated(request, "clear_stale", "weights_clear_stale")
+    cleared = result.outcome.details["cleared"]
+    view = _state(runtime)
+    return ok(W.ClearStaleResponse(
+        cleared=W.ClearedAttachment(role=cleared["role"], label=cleared["label"],
+                                    stale_since=runtime.stamp(cleared["stale_since"])),
+        weights_state=view["weights_state"], barrier=view["barrier"]))
+
+
+async def status(request: web.Request) -> web.Response:
+    """GET /api/weights/status: no token, no slot; never an attachment ID or a token."""
+    runtime = request.app[RUNTIME]
+    return ok(msgspec.convert(runtime.status(), W.StatusResponse))
+
+
+def setup_routes(app: web.Application, runtime: WeightsRuntime) -> None:
+    """Register ``/api/weights/*`` and plug the runtime into the app (health summary)."""
+    app[RUNTIME] = runtime
+    app[keys.WEIGHTS_SUMMARY] = runtime.summary
+    r = app.router
+    r.add_post("/api/weights/attach", attach)
+    r.add_post("/api/weights/detach", detach)
+    r.add_post("/api/weights/heartbeat", heartbeat)
+    r.add_post("/api/weights/quiesce", quiesce)
+    r.add_post("/api/weights/resume", resume)
+    r.add_post("/api/weights/commit-begin", commit_begin)
+    r.add_post("/api/weights/commit-end", commit_end)
+    r.add_post("/api/weights/clear-stale", clear_stale)
+    r.add_get("/api/weights/status", status)
+
+    async def on_startup(app: web.Application) -> None:
+        runtime.start()
+
+    async def on_cleanup(app: web.Application) -> None:
+        await runtime.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)

@@ -36,6 +36,7 @@ from miserver.serving.batches import (
     BatchStore,
     RowDeferred,
     RowExecutor,
+    deferral_of,
 )
 from miserver.serving.scheduler import Priority
 from miserver.spec import codes
@@ -229,6 +230,16 @@ _MAX_UPLOAD: web.AppKey[int] = web.AppKey("batch_max_upload_bytes", int)
 # -- the seam over the running server -----------------------------------------------------------
 
 
+#: The weights lifecycle runtime (``confirm_v1``), where the app has one.
+_WEIGHTS_KEY = getattr(keys, "WEIGHTS", None)
+
+
+class _Refused(Exception):  # noqa: N818 - carries a refusal out of the slot's try block
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 class _RowRequest:
     """What ``/v1``'s preparation reads of a request: the app and the headers.
 
@@ -298,10 +309,24 @@ class ServerRowExecutor:
             reason = self.waiting_reason(job.resident.served_name)
             if reason in BLOCKING_REASONS or self.app[keys.HOST].resident is not job.resident:
                 raise RowDeferred(reason if reason in BLOCKING_REASONS else "model_not_resident")
+            lifecycle = self.app.get(_WEIGHTS_KEY) if _WEIGHTS_KEY is not None else None
+            if lifecycle is not None:
+                # inside the slot the table must still accept a request for the resident
+                try:
+                    await lifecycle.confirm_v1()
+                except ApiError as err:
+                    reason = deferral_of(err.status, openai_error_body(err))
+                    if reason is None:
+                        raise _Refused(err) from None
+                    raise RowDeferred(reason) from None
             header = model_header(job.resident)
             gen = Generation(job.resident.model, job.resident.tokenizer, job.prompt_ids,
                              job.params)
             gen.start()
+        except _Refused as refused:
+            scheduler.release()
+            err = refused.error
+            return err.status, dict(err.headers), openai_error_body(err)
         except BaseException:
             scheduler.release()
             raise

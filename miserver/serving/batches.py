@@ -798,15 +798,20 @@ def _int(value: Any) -> int:
 
 _REASON_ORDER = {"weights_torn": 0, "quiesced": 1, "model_not_resident": 2}
 
-#: /v1 error codes that mean "not now" rather than "this row is wrong": the row waits.
+#: /v1 error codes that mean "not now" rather than "this row is wrong": the row waits, with
+#: this ``waiting_reason`` ("" waits a poll without naming a reason: the interactive queue is
+#: full, which batch rows do not count against).
 DEFERRING_CODES: dict[str, str] = {
     codes.WEIGHTS_TORN.wire: "weights_torn",
     codes.MODEL_NOT_LOADED.wire: "model_not_resident",
     codes.ALREADY_ATTACHED.wire: "model_not_resident",
     codes.WEIGHTS_UNSAVED.wire: "model_not_resident",
     codes.MODEL_BUSY.wire: "model_not_resident",
-    codes.QUEUE_FULL.wire: "quiesced",
+    codes.QUEUE_FULL.wire: "",
 }
+#: How often a row whose execution raised (a bug, a transient fault) is tried before its
+#: error line is written with ``internal_error``; the tries are ``retry_s * n`` seconds apart.
+MAX_ATTEMPTS = 3
 
 
 def deferral_of(status: int, body: Mapping[str, Any]) -> str | None:
@@ -829,16 +834,20 @@ class BatchRunner:
     row, claims a chunk of up to ``chunk_size`` rows of one model, and runs them one at a time
     (each through the scheduler's slot at batch priority, inside ``execute_row``), re-checking
     the waiting reason before each row. Each result is recorded before the next row starts.
-    ``poll_s`` is how often a waiting batch re-checks its reason. ``executor`` may be set
-    after construction (before :meth:`start`).
+    ``poll_s`` is how often a waiting batch re-checks its reason. A row whose execution raises
+    is tried :data:`MAX_ATTEMPTS` times (``retry_s`` apart, growing) before its error line is
+    written, so a transient fault does not fail a whole batch in a burst. ``executor`` may be
+    set after construction (before :meth:`start`).
     """
 
     def __init__(self, store: BatchStore, executor: RowExecutor | None, *, chunk_size: int = 8,
-                 poll_s: float = 0.5) -> None:
+                 poll_s: float = 0.5, retry_s: float = 1.0) -> None:
         self.store = store
         self.executor = executor
         self.chunk_size = chunk_size
         self.poll_s = poll_s
+        self.retry_s = retry_s
+        self._attempts: dict[tuple[str, int], int] = {}
         self._waiting: dict[str, str | None] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -931,21 +940,29 @@ class BatchRunner:
                 status, headers, body = await self.executor.execute_row(
                     row.method, row.url, dict(row.body))
             except RowDeferred as exc:
-                self._waiting[batch_id] = exc.reason
+                self._waiting[batch_id] = exc.reason or None
                 return ran
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a bug in one row must not stop the batch
-                log.exception("batch %s row %s failed", batch_id, row.custom_id)
+                key = (batch_id, row.idx)
+                tries = self._attempts[key] = self._attempts.get(key, 0) + 1
+                log.exception("batch %s row %s failed (try %d of %d)", batch_id, row.custom_id,
+                              tries, MAX_ATTEMPTS)
+                if tries < MAX_ATTEMPTS:
+                    await asyncio.sleep(self.retry_s * tries)
+                    return True
                 status, headers, body = 500, {}, {"error": {
-                    "message": f"the row could not be run: {type(exc).__name__}",
+                    "message": f"the row could not be run: {type(exc).__name__} "
+                               f"({MAX_ATTEMPTS} tries; see the server log)",
                     "type": codes.INTERNAL_ERROR.openai_type, "param": None,
                     "code": codes.INTERNAL_ERROR.wire}}
             deferred = deferral_of(status, body)
             if deferred is not None:
-                self._waiting[batch_id] = deferred
+                self._waiting[batch_id] = deferred or None
                 return ran
             self._waiting[batch_id] = None
+            self._attempts.pop((batch_id, row.idx), None)
             self.store.record_result(row, ok=200 <= status < 300,
                                      line=output_line(row, status, headers, body))
             self.rows_run += 1

@@ -315,7 +315,9 @@ async def test_quiesced_rows_still_go_to_the_scheduler_and_report_it(store: Batc
 
 
 @pytest.mark.parametrize("code, reason", [("weights_torn", "weights_torn"),
-                                          ("model_not_loaded", "model_not_resident")])
+                                          ("model_not_loaded", "model_not_resident"),
+                                          ("model_busy", "model_not_resident"),
+                                          ("queue_full", None)])
 async def test_runtime_refusals_that_mean_not_now_defer_the_row(store: BatchStore, code, reason):
     b = new_batch(store, [line("a")])
     ex = FakeExecutor()
@@ -324,7 +326,8 @@ async def test_runtime_refusals_that_mean_not_now_defer_the_row(store: BatchStor
     runner = BatchRunner(store, ex)
     await runner.run_until_idle()
     assert runner.waiting_reason(b["id"]) == reason
-    assert store.get_batch(b["id"])["request_counts"]["failed"] == 0
+    assert store.get_batch(b["id"])["request_counts"] == {"total": 1, "completed": 0, "failed": 0}
+    assert store.get_batch(b["id"])["status"] == "in_progress"
     ex.respond = None
     await runner.run_until_idle()
     assert store.get_batch(b["id"])["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
@@ -345,17 +348,38 @@ async def test_a_seam_exception_fails_only_that_row(store: BatchStore):
     ex = FakeExecutor()
     real = ex.execute_row
 
+    tries: Counter[str] = Counter()
+
     async def flaky(method, url, body):
         if body["messages"][0]["content"] == "boom":
+            tries["boom"] += 1
             raise RuntimeError("bug")
         return await real(method, url, body)
 
     ex.execute_row = flaky  # type: ignore[method-assign]
-    await BatchRunner(store, ex).run_until_idle()
+    await BatchRunner(store, ex, retry_s=0).run_until_idle()
     out, err = output(store, b)
     assert [x["custom_id"] for x in out] == ["a"]
     assert err[0]["response"]["status_code"] == 500
     assert err[0]["response"]["body"]["error"]["code"] == "internal_error"
+    assert tries == {"boom": 3}  # MAX_ATTEMPTS, then the error line
+
+
+async def test_a_transient_seam_fault_is_retried_not_failed(store: BatchStore):
+    b = new_batch(store, [line(c) for c in "abc"])
+    ex = FakeExecutor()
+    real = ex.execute_row
+    faults = [RuntimeError("blip"), RuntimeError("blip")]
+
+    async def blip(method, url, body):
+        if faults:
+            raise faults.pop()
+        return await real(method, url, body)
+
+    ex.execute_row = blip  # type: ignore[method-assign]
+    await BatchRunner(store, ex, retry_s=0).run_until_idle()
+    assert store.get_batch(b["id"])["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert ex.calls == Counter("abc")
 
 
 async def test_cancel_keeps_results_so_far(store: BatchStore):

@@ -334,16 +334,16 @@ class Lifecycle:
                           served_name=event.name or c.served_name, served_origin="checkpoint",
                           commits_since_name=0)
             elif action == "load":
+                inferred = "checkpoint" if event.trigger.startswith("weights_") else "model"
                 ch.update(steps_since_load=0, saved_steps=0, commits_since_name=0,
                           served_name=event.name or c.served_name,
-                          served_origin="checkpoint" if event.trigger.startswith("weights_")
-                          and event.name else "model")
+                          served_origin=event.origin or inferred)
             elif action == "unload":
                 ch.update(steps_since_load=None, saved_steps=0, commits_since_name=None,
                           served_name=None, served_origin=None)
             elif action == "adapter":
                 ch.update(served_name=event.name or c.served_name,
-                          served_origin="adapter" if event.applied else "model",
+                          served_origin="adapter" if event.applied else (event.origin or "model"),
                           commits_since_name=0)
             else:  # pragma: no cover - a typo in the table
                 raise TableError(f"row {row.id}: unknown action {action!r}")

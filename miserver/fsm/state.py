@@ -182,6 +182,8 @@ class Event:
         avail: a settings change's resulting pause availability.
         applied: an adapter change's result: applied (``True``) or removed (``False``).
         name: the served name a completion sets (checkpoint, model or adapter name).
+        origin: the ``X-miLLM-Model`` origin a load completion sets (``model`` for a
+            ``{"model_id": N}`` reload, ``checkpoint`` for a checkpoint); ``None``: inferred.
     """
 
     trigger: str
@@ -194,6 +196,7 @@ class Event:
     avail: PauseAvailability = "ok"
     applied: bool = True
     name: str | None = None
+    origin: Literal["model", "checkpoint"] | None = None
 
     def short(self) -> str:
         """A compact rendering for traces: ``quiesce(trainer holder)``."""

@@ -57,7 +57,11 @@ def test_cli_check_prints_counts_and_exits_zero(capsys: pytest.CaptureFixture[st
     assert "[ ok ] one_attachment_at_most" in out
 
 
-def test_cli_check_json(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_check_json(report: Report, capsys: pytest.CaptureFixture[str],
+                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import miserver.fsm.check as check_module
+
+    monkeypatch.setattr(check_module, "check", lambda: report)  # the same run, printed as JSON
     assert cli.main(["check", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["ok"] is True and data["violations"] == []

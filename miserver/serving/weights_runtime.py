@@ -488,7 +488,13 @@ class WeightsRuntime:
 
         Raises ApiError with the table's refusal (contract 3), or the load's own error.
         """
-        targets_resident = self._target(row_id) if kind == "model_load" else True
+        if kind == "model_load":
+            targets_resident = self._target(row_id)
+        else:
+            targets_resident = True
+            if row_id is not None and self.host.catalogue.get(row_id) is None:
+                raise ApiError(codes.MODEL_NOT_FOUND, f"no catalogue row with id {row_id}",
+                               details={"model_id": row_id})
         async with self.lock:
             self._transition_params = {"row_id": row_id}
             out = self.decide(Event(kind, target="resident" if targets_resident else "other"))

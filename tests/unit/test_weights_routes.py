@@ -208,3 +208,20 @@ async def test_health_detailed_carries_the_weights_summary(client):
     data = (await (await client.get("/api/health/detailed")).json())["data"]
     assert data["weights"] == {"weights_state": "clean", "barrier": "serving",
                                "attached": False, "attachment_state": None}
+
+
+async def test_settings_change_is_model_busy_while_the_barrier_is_held(client):
+    att = (await post(client, "/api/weights/attach", auth(TRN)))[1]["data"]["attachment_id"]
+    await post(client, "/api/weights/quiesce", auth(TRN, att))
+    resp = await client.patch("/api/settings", json={"max_concurrent_requests": 2})
+    body = await resp.json()
+    assert resp.status == 409 and body["error"]["code"] == "MODEL_BUSY"
+    assert client.app[keys.SCHEDULER].max_concurrent == 1
+    await post(client, "/api/weights/resume", auth(TRN, att))
+    resp = await client.patch("/api/settings", json={"max_concurrent_requests": 2})
+    assert resp.status == 200
+    status = (await (await client.get("/api/weights/status")).json())["data"]
+    assert status["pause_unavailable"] == "concurrency"
+    st, body, _ = await post(client, "/api/weights/quiesce", auth(TRN, att))
+    assert st == 409 and body["error"]["code"] == "BARRIER_UNAVAILABLE"
+    assert body["error"]["reason"] == "concurrency"

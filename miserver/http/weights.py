@@ -176,6 +176,7 @@ def setup_routes(app: web.Application, runtime: WeightsRuntime) -> None:
     r.add_post("/api/weights/commit-end", commit_end)
     r.add_post("/api/weights/clear-stale", clear_stale)
     r.add_get("/api/weights/status", status)
+    setup_checkpoint_routes(app, runtime)
 
     async def on_startup(app: web.Application) -> None:
         runtime.start()
@@ -185,3 +186,104 @@ def setup_routes(app: web.Application, runtime: WeightsRuntime) -> None:
 
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
+
+
+# --- checkpoints (contract 5) -----------------------------------------------------------------
+async def save(request: web.Request) -> web.Response:
+    """POST /api/weights/save: a holder call; writes a checkpoint inside the barrier."""
+    from miserver.serving.weights_jobs import prepare_save
+
+    runtime = request.app[RUNTIME]
+    caller = _caller(request)
+    body = None
+    if caller.role is not None:
+        body = await decode_body(request, W.SaveRequest)
+        prepare_save(runtime.host, body)
+    result = await runtime.gated("save", caller, request.headers.get(ATTACHMENT_HEADER),
+                                 operation="save", params={"body": body})
+    return ok(msgspec.convert(result.job["response"], W.SaveResponse))
+
+
+async def load(request: web.Request) -> web.Response:
+    """POST /api/weights/load: a checkpoint (in place when the layout matches) or a row."""
+    from miserver.serving.weights_jobs import prepare_load
+
+    runtime = request.app[RUNTIME]
+    caller = _caller(request)
+    plan = None
+    fields: dict[str, Any] = {}
+    if caller.role is not None:
+        body = await decode_body(request, W.LoadRequest)
+        plan = prepare_load(runtime.host, body)
+        fields["in_place"] = plan.in_place
+    await runtime.gated("weights_load", caller, request.headers.get(ATTACHMENT_HEADER),
+                        operation="load", params={"plan": plan}, **fields)
+    view = _state(runtime)
+    return ok(W.LoadResponse(weights_state=view["weights_state"],
+                             steps_since_load=view["steps_since_load"] or 0,
+                             in_place=bool(plan and plan.in_place),
+                             model=W.ModelRef(**runtime.model_ref())))  # type: ignore[arg-type]
+
+
+async def lineage(request: web.Request) -> web.Response:
+    """GET /api/weights/lineage: the resident's chain back to its base row."""
+    from miserver.serving.weights_jobs import lineage as chain_of
+
+    runtime = request.app[RUNTIME]
+    resident = runtime.host.resident
+    if resident is None:
+        raise ApiError(codes.MODEL_NOT_LOADED, "nothing is resident")
+    row = runtime.host.catalogue.get(resident.row.id) or resident.row
+    return ok(msgspec.convert({"chain": chain_of(runtime.host.catalogue, row)},
+                              W.LineageResponse))
+
+
+async def list_checkpoints(request: web.Request) -> web.Response:
+    """GET /api/weights/checkpoints: every checkpoint in the catalogue."""
+    from miserver.serving.weights_jobs import lineage_entry
+
+    catalogue = request.app[RUNTIME].host.catalogue
+    rows = [lineage_entry(r) for r in catalogue.list() if r.origin == "checkpoint"]
+    return ok(msgspec.convert({"checkpoints": rows}, W.CheckpointsResponse))
+
+
+# --- adapters (contract 6) ----------------------------------------------------------------------
+async def get_adapter(request: web.Request) -> web.Response:
+    return ok(request.app[RUNTIME].adapter_block())
+
+
+async def _adapter_change(request: web.Request, apply: bool) -> web.Response:
+    from miserver.serving.weights_jobs import prepare_adapter
+
+    runtime = request.app[RUNTIME]
+    body = await decode_body(request, W.AdapterRequest) if apply else None
+    if apply:
+        prepare_adapter(runtime.host, body)
+    await runtime.gated("adapter_change", Caller("none"), None, operation=None,
+                        params={"body": body, "apply": apply}, applied=apply)
+    return ok(runtime.adapter_block())
+
+
+async def post_adapter(request: web.Request) -> web.Response:
+    """POST /api/weights/adapter {name, path}: apply a PEFT LoRA adapter, unmerged."""
+    return await _adapter_change(request, True)
+
+
+async def delete_adapter(request: web.Request) -> web.Response:
+    """DELETE /api/weights/adapter: remove the adapter; outputs return exactly."""
+    return await _adapter_change(request, False)
+
+
+def setup_checkpoint_routes(app: web.Application, runtime: WeightsRuntime) -> None:
+    """Register the checkpoint and adapter routes and their pause jobs."""
+    from miserver.serving.weights_jobs import WeightsJobs
+
+    WeightsJobs(runtime, app[keys.SETTINGS].home)
+    r = app.router
+    r.add_post("/api/weights/save", save)
+    r.add_post("/api/weights/load", load)
+    r.add_get("/api/weights/lineage", lineage)
+    r.add_get("/api/weights/checkpoints", list_checkpoints)
+    r.add_get("/api/weights/adapter", get_adapter)
+    r.add_post("/api/weights/adapter", post_adapter)
+    r.add_delete("/api/weights/adapter", delete_adapter)

@@ -85,6 +85,7 @@ class Resident:
     attachable: bool
     loaded_at: float = 0.0
     arena: Any = None  # the miserver.ipc ParameterArena of an attachable load
+    adapter_block: dict[str, Any] | None = None  # contract 6, while an adapter is applied
 
     def names(self) -> tuple[str, ...]:
         """The names a request may use for this model: served name and base name."""
@@ -195,10 +196,11 @@ class ModelHost:
         return current.name
 
     async def load(self, row_id: int, *, kind: TransitionKind = "load",
-                   load_policy: str | None = None) -> Resident:
+                   load_policy: str | None = None, reload: bool = False) -> Resident:
         """Make catalogue row ``row_id`` resident (a swap if another is; contract 3).
 
-        Loading the resident row is a no-op that returns the resident unchanged.
+        Loading the resident row is a no-op that returns the resident unchanged, unless
+        ``reload`` (a weights load of ``{"model_id": N}``, contract 5, run inside the barrier).
 
         Raises:
             ApiError: 404 MODEL_NOT_FOUND (no such row), 400 BACKEND_UNAVAILABLE (a gguf row),
@@ -207,7 +209,7 @@ class ModelHost:
         """
         row = self._row_or_404(row_id)
         self._check_transition(kind, row, load_policy=load_policy)
-        if self.resident is not None and self.resident.row.id == row.id:
+        if self.resident is not None and self.resident.row.id == row.id and not reload:
             return self.resident
         loader_module.check_loadable(row)  # refuse before the resident is dropped
         self._busy = kind

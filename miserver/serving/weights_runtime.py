@@ -72,6 +72,7 @@ class CallResult:
     outputs: dict[str, Any] = field(default_factory=dict)
     before: str = "clean"
     after: str = "clean"
+    job: dict[str, Any] = field(default_factory=dict)
 
 
 PauseJob = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -286,9 +287,9 @@ class WeightsRuntime:
         try:
             if job is None:
                 raise ApiError(codes.INTERNAL_ERROR, f"no {owner} job is registered")
-            if owner == "weights_load":
-                await self.event(Event("weights_load_write"))
-            result = await job(self._job_params)
+            params = dict(self._job_params)
+            params["mark_writing"] = self._mark_writing
+            result = await job(params)
         except ApiError as err:
             async with self.lock:
                 self._pending_failure = Answer(err.status, err.code, err.reason)
@@ -306,7 +307,11 @@ class WeightsRuntime:
         async with self.lock:
             self._job_result = result
             self.decide(Event(done, name=result.get("served_name"),
-                              applied=result.get("applied", True)))
+                              applied=result.get("applied", True), origin=result.get("origin")))
+
+    async def _mark_writing(self) -> None:
+        """A weights load is about to write: the set is ``writing`` from here (contract 5)."""
+        await self.event(Event("weights_load_write"))
 
     async def _run_transition(self, effect: Effect, out: Outcome) -> Any:
         """Perform a model load or unload for the core and report its end."""
@@ -377,12 +382,13 @@ class WeightsRuntime:
 
     # --- gated calls (the weights routes) ------------------------------------------------------
     async def gated(self, trigger: str, caller: Caller, attachment_header: str | None, *,
-                    operation: str, params: dict[str, Any] | None = None,
+                    operation: str | None, params: dict[str, Any] | None = None,
                     **event_fields: Any) -> CallResult:
         """Run one gated call: decide under the lock, wait for a pause it started, audit.
 
         Raises :class:`ApiError` with the table's code, reason and status on a refusal (401s
         carry ``WWW-Authenticate: Bearer``). Weights page: Authentication; The write cycle.
+        ``operation`` names the audit line; None for an ungated call (an adapter change).
         """
         fsm_caller = FsmCaller(token=caller.token, label=caller.label,  # type: ignore[arg-type]
                                attachment_id=attachment_header)
@@ -414,7 +420,8 @@ class WeightsRuntime:
         answer: Answer | None = None
         if pending is not None:
             answer = await asyncio.shield(pending)
-        result = CallResult(out, answer, outputs, before, self.lifecycle.state.weights)
+        result = CallResult(out, answer, outputs, before, self.lifecycle.state.weights,
+                            dict(self._job_result) if pending is not None else {})
         if answer is not None and answer.code is not None:
             self._audit(operation, out, caller, ref, before, refused=True, answer=answer)
             err = self._job_result.get("error") if isinstance(self._job_result, dict) else None
@@ -443,6 +450,8 @@ class WeightsRuntime:
 
     def _audit(self, operation: str, out: Outcome, caller: Caller, ref: str | None,
                before: str, *, refused: bool, answer: Answer | None = None) -> None:
+        if operation is None:
+            return
         code = answer.code if answer is not None else out.code
         reason = answer.reason if answer is not None else out.reason
         if refused and code in (codes.WEIGHTS_UNAUTHORIZED, codes.WEIGHTS_FORBIDDEN) \

@@ -1,0 +1,222 @@
+"""The work a save, a weights load and an adapter change do once their pause holds the barrier.
+
+Contract sections 5 (checkpoints) and 6 (adapters). The lifecycle table decides whether a pause
+may start and what follows; :class:`~miserver.serving.weights_runtime.WeightsRuntime` runs these
+jobs when the table's ``BEGIN_SAVE`` / ``BEGIN_WEIGHTS_LOAD`` / ``BEGIN_ADAPTER_CHANGE`` effect
+fires, and reports their end as ``*_done`` / ``*_failed`` events. Everything a client can get
+wrong (an unknown checkpoint, a corrupt manifest, a bad adapter folder, a name taken) is checked
+by the ``prepare_*`` functions *before* the event, so a refusal changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from miserver.http.errors import ApiError
+from miserver.serving import adapters, checkpoints
+from miserver.spec import codes
+
+
+def _base_row(catalogue: Any, row: Any) -> Any:
+    """Follow ``parent_id`` from ``row`` to its base row (origin ``model``)."""
+    seen: set[int] = set()
+    current = row
+    while current.origin == "checkpoint" and current.parent_id is not None \
+            and current.id not in seen:
+        seen.add(current.id)
+        parent = catalogue.get(current.parent_id)
+        if parent is None:
+            break
+        current = parent
+    return current
+
+
+def lineage(catalogue: Any, row: Any) -> list[dict[str, Any]]:
+    """The chain from ``row`` back to its base row (contract 5: GET /api/weights/lineage)."""
+    chain: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    current = row
+    while current is not None and current.id not in seen:
+        seen.add(current.id)
+        chain.append(lineage_entry(current))
+        current = catalogue.get(current.parent_id) if current.parent_id is not None else None
+    return chain
+
+
+def lineage_entry(row: Any) -> dict[str, Any]:
+    steps = None
+    if row.origin == "checkpoint" and row.path:
+        try:
+            steps = checkpoints.open_checkpoint(row.path).manifest.steps_since_load
+        except (checkpoints.CheckpointError, OSError, AttributeError):
+            steps = None
+    return {"model_id": row.id, "name": row.name, "origin": row.origin,
+            "parent_id": row.parent_id, "checkpoint_sha256": row.checkpoint_sha256,
+            "steps_since_load": steps, "created_at": row.created_at}
+
+
+@dataclass
+class LoadPlan:
+    """A checked ``POST /api/weights/load``: the row and whether it is written in place."""
+
+    row: Any
+    handle: checkpoints.CheckpointHandle | None
+    in_place: bool
+
+
+def prepare_load(host: Any, body: Any) -> LoadPlan:
+    """Resolve and check a weights load before the lifecycle sees it (contract 5).
+
+    ``{"checkpoint": sha256|name|path}``: the checkpoint row, every tensor verified (400
+    CHECKPOINT_CORRUPT before anything is written), in place when the layout matches the
+    resident. ``{"model_id": N}``: a full reload of that row.
+
+    Raises:
+        ApiError: 404 CHECKPOINT_NOT_FOUND / MODEL_NOT_FOUND, 400 CHECKPOINT_CORRUPT.
+    """
+    catalogue = host.catalogue
+    if body.model_id is not None:
+        row = catalogue.get(body.model_id)
+        if row is None:
+            raise ApiError(codes.MODEL_NOT_FOUND, f"no catalogue row with id {body.model_id}",
+                           details={"model_id": body.model_id})
+        from miserver.serving.loader import check_loadable
+
+        check_loadable(row)
+        return LoadPlan(row, None, False)
+    rows = [r for r in catalogue.list() if r.origin == "checkpoint"]
+    try:
+        row = checkpoints.resolve_checkpoint(rows, body.checkpoint)
+        handle = checkpoints.open_checkpoint(row.path)
+        checkpoints.verify(handle)
+    except checkpoints.CheckpointError as exc:
+        raise exc.as_api_error() from None
+    resident = host.resident
+    in_place = resident is not None and checkpoints.layout_matches(resident.model, handle)
+    return LoadPlan(row, handle, in_place)
+
+
+def prepare_save(host: Any, body: Any) -> None:
+    """Refuse a save whose name is invalid or taken, before the pause (contract 5)."""
+    if body.name is None:
+        return
+    try:
+        checkpoints.validate_name(body.name)
+    except checkpoints.CheckpointError as exc:
+        raise exc.as_api_error() from None
+    if host.catalogue.get_by_name(body.name) is not None:
+        raise ApiError(codes.CHECKPOINT_EXISTS, f"a catalogue row named {body.name!r} exists",
+                       details={"name": body.name})
+
+
+def prepare_adapter(host: Any, body: Any) -> None:
+    """Validate an adapter folder against the resident before the pause (contract 6)."""
+    resident = host.resident
+    if resident is None:
+        return  # the table answers MODEL_NOT_LOADED
+    try:
+        adapters.inspect_adapter(resident.model, body.path)
+    except (adapters.AdapterInvalid, adapters.InvalidAdapterName) as exc:
+        raise exc.as_api_error() from None
+
+
+class WeightsJobs:
+    """Registers the save, weights-load and adapter jobs with a runtime.
+
+    Args:
+        runtime: the :class:`~miserver.serving.weights_runtime.WeightsRuntime`.
+        home: ``MISERVER_HOME`` (checkpoints go to ``home/checkpoints``).
+    """
+
+    def __init__(self, runtime: Any, home: str) -> None:
+        self.runtime = runtime
+        self.host = runtime.host
+        self.root = Path(home) / "checkpoints"
+        self.applied: adapters.AppliedAdapter | None = None
+        self.name_before_adapter: str | None = None
+        runtime.register_job("save", self.save)
+        runtime.register_job("weights_load", self.weights_load)
+        runtime.register_job("adapter", self.adapter)
+        if self.root.exists():
+            checkpoints.remove_partial_saves(self.root)
+
+    async def save(self, params: dict[str, Any]) -> dict[str, Any]:
+        body = params["body"]
+        resident = self.host.resident
+        ctx = self.runtime.lifecycle.context
+        steps = ctx.steps_since_load or 0
+        base = _base_row(self.host.catalogue, resident.row)
+        parent_sha = resident.row.checkpoint_sha256 if resident.row.origin == "checkpoint" \
+            else None
+        try:
+            saved = await asyncio.to_thread(
+                checkpoints.save_checkpoint, resident.model, resident.tokenizer, root=self.root,
+                name=body.name, base_row_id=base.id, base_name=base.name,
+                parent_sha256=parent_sha, steps_since_load=steps, now=time.time())
+        except checkpoints.CheckpointError as exc:
+            raise exc.as_api_error() from None
+        try:
+            row = self.host.catalogue.register(
+                name=saved.name, format="safetensors", dtype=saved.dtype, path=str(saved.path),
+                origin="checkpoint", parent_id=base.id,
+                checkpoint_sha256=saved.checkpoint_sha256)
+        except Exception:
+            import shutil
+
+            shutil.rmtree(saved.path, ignore_errors=True)  # no unregistered checkpoint left
+            raise
+        self.runtime.last_save = {"checkpoint_sha256": saved.checkpoint_sha256,
+                                  "at": saved.saved_at, "path": str(saved.path)}
+        response = {"checkpoint_sha256": saved.checkpoint_sha256, "name": saved.name,
+                    "path": str(saved.path), "model_id": row.id, "parent_id": row.parent_id,
+                    "steps_since_load": steps, "at": saved.saved_at}
+        return {"served_name": saved.name, "response": response}
+
+    async def weights_load(self, params: dict[str, Any]) -> dict[str, Any]:
+        plan: LoadPlan = params["plan"]
+        resident = self.host.resident
+        mark_writing = params["mark_writing"]
+        if plan.in_place:
+            await mark_writing()
+            try:
+                await asyncio.to_thread(checkpoints.load_in_place, resident.model, plan.handle)
+            except checkpoints.CheckpointError as exc:
+                raise exc.as_api_error() from None
+            resident.row = msgspec.structs.replace(plan.row, resident=True)
+            self.host.catalogue.set_resident(plan.row.id)
+        else:
+            await mark_writing()
+            await self.host.load(plan.row.id, reload=True)
+        resident = self.host.resident
+        if self.applied is not None:
+            self.applied = None  # a load replaces the adapted model
+        resident.adapter_block = None
+        return {"served_name": plan.row.name,
+                "origin": "checkpoint" if plan.row.origin == "checkpoint" else "model",
+                "response": {"in_place": plan.in_place}}
+
+    async def adapter(self, params: dict[str, Any]) -> dict[str, Any]:
+        body = params["body"]
+        resident = self.host.resident
+        if params["apply"]:
+            if self.applied is None:
+                self.name_before_adapter = resident.served_name
+            self.applied = await asyncio.to_thread(
+                adapters.apply_adapter, resident.model, name=body.name, path=body.path,
+                now=time.time(), replacing=self.applied)
+            resident.adapter_block = self.applied.block()
+            return {"served_name": body.name, "applied": True}
+        if self.applied is None:
+            return {"served_name": resident.served_name, "applied": False}
+        resident.model = await asyncio.to_thread(adapters.remove_adapter, resident.model,
+                                                 self.applied)
+        self.applied = None
+        resident.adapter_block = None
+        return {"served_name": self.name_before_adapter or resident.base_name,
+                "applied": False}

@@ -6,5 +6,13 @@ from miserver.fsm.machine import Lifecycle, Outcome, Snapshot, TableError
 from miserver.fsm.state import Caller, Event, LifecycleState
 from miserver.fsm.table import Effect
 
-__all__ = ["Caller", "Effect", "Event", "Lifecycle", "LifecycleState", "Outcome", "Snapshot",
-           "TableError"]
+__all__ = [
+    "Caller",
+    "Effect",
+    "Event",
+    "Lifecycle",
+    "LifecycleState",
+    "Outcome",
+    "Snapshot",
+    "TableError",
+]

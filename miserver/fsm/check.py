@@ -51,17 +51,21 @@ def alphabet(triggers: Iterable[str]) -> tuple[Event, ...]:
         if trigger in ROUTE_AUTH:
             events += [Event(trigger, caller=c) for c in CALLERS]
         if trigger == "attach":
-            events += [Event(trigger, caller=HOLDER, not_attachable=r)
-                       for r in ("gguf", "quantized", "dtype", "not_on_gpu", "allocator")]
+            events += [
+                Event(trigger, caller=HOLDER, not_attachable=r)
+                for r in ("gguf", "quantized", "dtype", "not_on_gpu", "allocator")
+            ]
         elif trigger == "quiesce":
             events.append(Event(trigger, caller=HOLDER, queue_full=True))
         elif trigger == "weights_load":
             events += [Event(trigger, caller=c, in_place=False) for c in (HOLDER, CALLERS[4])]
         elif trigger == "v1":
-            events += [Event(trigger, target="resident"),
-                       Event(trigger, target="resident", queue_full=True),
-                       Event(trigger, target="other"),
-                       Event(trigger, target="other", refuse_policy=True)]
+            events += [
+                Event(trigger, target="resident"),
+                Event(trigger, target="resident", queue_full=True),
+                Event(trigger, target="other"),
+                Event(trigger, target="other", refuse_policy=True),
+            ]
         elif trigger == "model_load":
             events += [Event(trigger, target="resident"), Event(trigger, target="other")]
         elif trigger == "settings_change":
@@ -77,8 +81,13 @@ def canonical_context(state: LifecycleState) -> Context:
     """The context the checker pairs with an abstract state (the holder is :data:`HOLDER`)."""
     if state.attachment == "none":
         return Context(steps_since_load=0 if state.resident else None)
-    return Context(attachment_id=HOLDER_ID, attachment_label="t", attachment_role="trainer",
-                   attached_at=0.0, steps_since_load=0)
+    return Context(
+        attachment_id=HOLDER_ID,
+        attachment_label="t",
+        attachment_role="trainer",
+        attached_at=0.0,
+        steps_since_load=0,
+    )
 
 
 @dataclass
@@ -120,21 +129,36 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return not (self.violations or self.unreached_states or self.unreached_values
-                    or self.unused_rows or self.unreached_codes)
+        return not (
+            self.violations
+            or self.unreached_states
+            or self.unreached_values
+            or self.unused_rows
+            or self.unreached_codes
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "ok": self.ok, "states": self.states, "named_states": self.named_states,
-            "named_states_total": self.named_states_total, "edges": self.edges,
-            "transitions": self.transitions, "rows": self.rows, "rows_used": self.rows_used,
-            "events": self.events, "seconds": round(self.seconds, 3),
+            "ok": self.ok,
+            "states": self.states,
+            "named_states": self.named_states,
+            "named_states_total": self.named_states_total,
+            "edges": self.edges,
+            "transitions": self.transitions,
+            "rows": self.rows,
+            "rows_used": self.rows_used,
+            "events": self.events,
+            "seconds": round(self.seconds, 3),
             "invariants": self.invariants,
-            "violations": [{"invariant": v.invariant, "detail": v.detail, "trace": v.trace}
-                           for v in self.violations],
+            "violations": [
+                {"invariant": v.invariant, "detail": v.detail, "trace": v.trace}
+                for v in self.violations
+            ],
             "unreached_states": self.unreached_states,
-            "unreached_values": self.unreached_values, "unused_rows": self.unused_rows,
-            "unreached_codes": self.unreached_codes, "codes_reached": self.codes_reached,
+            "unreached_values": self.unreached_values,
+            "unused_rows": self.unused_rows,
+            "unreached_codes": self.unreached_codes,
+            "codes_reached": self.codes_reached,
         }
 
     def render(self) -> str:
@@ -154,13 +178,18 @@ class Report:
             lines.append(f"    [{'FAIL' if bad else ' ok '}] {name}")
         for v in self.violations:
             lines.append(v.render())
-        for label, items in (("unreached machine states", self.unreached_states),
-                             ("unreached component values", self.unreached_values),
-                             ("rows never used", self.unused_rows),
-                             ("codes never produced", self.unreached_codes)):
+        for label, items in (
+            ("unreached machine states", self.unreached_states),
+            ("unreached component values", self.unreached_values),
+            ("rows never used", self.unused_rows),
+            ("codes never produced", self.unreached_codes),
+        ):
             if items:
-                lines.append(f"  {label} ({len(items)}): " + ", ".join(items[:20])
-                             + (" ..." if len(items) > 20 else ""))
+                lines.append(
+                    f"  {label} ({len(items)}): "
+                    + ", ".join(items[:20])
+                    + (" ..." if len(items) > 20 else "")
+                )
         return "\n".join(lines)
 
 
@@ -180,8 +209,13 @@ def _required_codes(table: tuple[Row, ...]) -> set[str]:
     return need
 
 
-def check(table: tuple[Row, ...] = TABLE, *, max_states: int = 200_000,
-          stop_at_first: bool = False, keep_steps: bool = False) -> Report:
+def check(
+    table: tuple[Row, ...] = TABLE,
+    *,
+    max_states: int = 200_000,
+    stop_at_first: bool = False,
+    keep_steps: bool = False,
+) -> Report:
     """Explore ``table`` breadth-first and return the :class:`Report`.
 
     ``stop_at_first``: stop after the first state whose events show a violation (planted-bug
@@ -192,8 +226,11 @@ def check(table: tuple[Row, ...] = TABLE, *, max_states: int = 200_000,
     core = Lifecycle(table=table, id_factory=lambda: HOLDER_ID)
     triggers = list(dict.fromkeys(row.trigger for row in table))
     events = alphabet(triggers)
-    report = Report(invariants=[n for n, _ in STATE_INVARIANTS] + [n for n, _ in EDGE_INVARIANTS]
-                    + ["totality", "determinism"])
+    report = Report(
+        invariants=[n for n, _ in STATE_INVARIANTS]
+        + [n for n, _ in EDGE_INVARIANTS]
+        + ["totality", "determinism"]
+    )
     report.rows = len(table)
     report.transitions = compiled.transitions_count
     report.events = len(events)
@@ -205,8 +242,9 @@ def check(table: tuple[Row, ...] = TABLE, *, max_states: int = 200_000,
     reached_codes: set[str] = set()
     violated: set[str] = set()
 
-    def trace(state: LifecycleState, last: tuple[Event, str, LifecycleState] | None = None
-              ) -> list[str]:
+    def trace(
+        state: LifecycleState, last: tuple[Event, str, LifecycleState] | None = None
+    ) -> list[str]:
         steps: list[str] = []
         cur: LifecycleState | None = state
         while cur is not None and parent[cur] is not None:
@@ -220,8 +258,12 @@ def check(table: tuple[Row, ...] = TABLE, *, max_states: int = 200_000,
             steps.append(f"{ev.short()} -> [{row_id}] {after.short()}")
         return steps
 
-    def violate(name: str, state: LifecycleState, detail: str,
-                last: tuple[Event, str, LifecycleState] | None = None) -> None:
+    def violate(
+        name: str,
+        state: LifecycleState,
+        detail: str,
+        last: tuple[Event, str, LifecycleState] | None = None,
+    ) -> None:
         if name in violated:
             return
         violated.add(name)
@@ -254,8 +296,12 @@ def check(table: tuple[Row, ...] = TABLE, *, max_states: int = 200_000,
             core.restore(snap)
             again = core.handle(event, 10.0)
             if (again.row, again.after) != (row_id, after):
-                violate("determinism", state, f"{event.short()} gave {row_id} then {again.row}",
-                        (event, row_id, after))
+                violate(
+                    "determinism",
+                    state,
+                    f"{event.short()} gave {row_id} then {again.row}",
+                    (event, row_id, after),
+                )
             row = by_id[row_id]
             for name, inv in EDGE_INVARIANTS:
                 if not inv(state, event, row, after):

@@ -30,8 +30,17 @@ from miserver.fsm.table import Row
 class RowTransition(Transition):
     """A ``transitions.Transition`` that remembers the table row it was compiled from."""
 
-    def __init__(self, source: str, dest: str | None, conditions=None, unless=None, before=None,
-                 after=None, prepare=None, row: Row | None = None) -> None:
+    def __init__(
+        self,
+        source: str,
+        dest: str | None,
+        conditions=None,
+        unless=None,
+        before=None,
+        after=None,
+        prepare=None,
+        row: Row | None = None,
+    ) -> None:
         super().__init__(source, dest, conditions, unless, before, after, prepare)
         self.row = row
 
@@ -148,8 +157,14 @@ def compile_table(table: tuple[Row, ...]) -> Compiled:
     parsed = {name: parse_state_name(name) for name in states}
     initial = LifecycleState().named()
     runner = Runner()
-    machine = RowMachine(model=runner, states=states, initial=initial, auto_transitions=False,
-                         send_event=True, before_state_change="_record")
+    machine = RowMachine(
+        model=runner,
+        states=states,
+        initial=initial,
+        auto_transitions=False,
+        send_event=True,
+        before_state_change="_record",
+    )
     triggers = list(dict.fromkeys(row.trigger for row in table))
     count = 0
     for name in states:
@@ -170,7 +185,9 @@ def compile_table(table: tuple[Row, ...]) -> Compiled:
                     machine.add_state(dest)
                     parsed[dest] = parse_state_name(dest)
                 machine.add_transition(
-                    trigger, name, dest,
+                    trigger,
+                    name,
+                    dest,
                     conditions=[f"g_{g}" for g in row.when] or None,
                     unless=[f"g_{g}" for g in row.unless] or None,
                     row=row,
@@ -178,5 +195,4 @@ def compile_table(table: tuple[Row, ...]) -> Compiled:
                 count += 1
                 if all(v is True for v in when) and all(v is False for v in unless):
                     break  # always fires here: later rows are unreachable
-    return Compiled(table, machine, runner, tuple(states), initial, threading.Lock(), parsed,
-                    count)
+    return Compiled(table, machine, runner, tuple(states), initial, threading.Lock(), parsed, count)

@@ -39,14 +39,19 @@ def _g(name: str, reads: str, doc: str) -> Callable[[Predicate], Predicate]:
     def deco(fn: Predicate) -> Predicate:
         GUARDS[name] = Guard(name, fn, frozenset(reads.split()), doc)
         return fn
+
     return deco
 
 
 def _is_holder(c: Context, e: Event) -> bool:
     caller = e.caller
-    return (caller is not None and caller.token in ("trainer", "operator")
-            and c.attachment_id is not None and caller.attachment_id == c.attachment_id
-            and caller.label == c.attachment_label)
+    return (
+        caller is not None
+        and caller.token in ("trainer", "operator")
+        and c.attachment_id is not None
+        and caller.attachment_id == c.attachment_id
+        and caller.label == c.attachment_label
+    )
 
 
 # --- callers (weights page: Authentication and headers) -------------------------------------
@@ -60,8 +65,11 @@ def _(s, c, e):
     return e.caller is not None and e.caller.token == "trainer"
 
 
-@_g("caller_is_holder", "event context",
-    "the caller's token label attached and X-miLLM-Attachment matches the attachment ID")
+@_g(
+    "caller_is_holder",
+    "event context",
+    "the caller's token label attached and X-miLLM-Attachment matches the attachment ID",
+)
 def _(s, c, e):
     return _is_holder(c, e)
 
@@ -113,10 +121,16 @@ def _(s, c, e):
 
 
 for _owner in PAUSE_OWNERS:
+
     def _mk(owner: str) -> Predicate:
         return lambda s, c, e: s.owner == owner
-    GUARDS[f"held_by_{_owner}"] = Guard(f"held_by_{_owner}", _mk(_owner), frozenset({"owner"}),
-                                        f"a {_owner.replace('_', ' ')} owns the barrier")
+
+    GUARDS[f"held_by_{_owner}"] = Guard(
+        f"held_by_{_owner}",
+        _mk(_owner),
+        frozenset({"owner"}),
+        f"a {_owner.replace('_', ' ')} owns the barrier",
+    )
 
 
 @_g("attached", "attachment", "an attachment exists (active or stale)")
@@ -176,10 +190,16 @@ def _(s, c, e):
 
 
 for _timer in ("hold", "watchdog", "heartbeat", "drain"):
+
     def _mk_t(field: str) -> Predicate:
         return lambda s, c, e: getattr(s, field)
-    GUARDS[f"{_timer}_armed"] = Guard(f"{_timer}_armed", _mk_t(f"{_timer}_armed"),
-                                      frozenset({f"{_timer}_armed"}), f"the {_timer} timer is armed")
+
+    GUARDS[f"{_timer}_armed"] = Guard(
+        f"{_timer}_armed",
+        _mk_t(f"{_timer}_armed"),
+        frozenset({f"{_timer}_armed"}),
+        f"the {_timer} timer is armed",
+    )
 
 
 # --- event parameters ---------------------------------------------------------------------
@@ -209,17 +229,28 @@ def _(s, c, e):
 
 
 for _reason in ("gguf", "quantized", "dtype", "not_on_gpu", "allocator"):
+
     def _mk_r(reason: str) -> Predicate:
         return lambda s, c, e: e.not_attachable == reason
-    GUARDS[f"model_{_reason}"] = Guard(f"model_{_reason}", _mk_r(_reason), frozenset({"event"}),
-                                       f"the resident model is not attachable: {_reason}")
+
+    GUARDS[f"model_{_reason}"] = Guard(
+        f"model_{_reason}",
+        _mk_r(_reason),
+        frozenset({"event"}),
+        f"the resident model is not attachable: {_reason}",
+    )
 
 for _avail in ("ok", "cbm", "concurrency"):
+
     def _mk_a(avail: str) -> Predicate:
         return lambda s, c, e: e.avail == avail
-    GUARDS[f"sets_avail_{_avail}"] = Guard(f"sets_avail_{_avail}", _mk_a(_avail),
-                                           frozenset({"event"}),
-                                           f"the new settings make pause availability {_avail}")
+
+    GUARDS[f"sets_avail_{_avail}"] = Guard(
+        f"sets_avail_{_avail}",
+        _mk_a(_avail),
+        frozenset({"event"}),
+        f"the new settings make pause availability {_avail}",
+    )
 
 
 def evaluate(name: str, state: LifecycleState, context: Context, event: Event) -> bool:

@@ -20,8 +20,12 @@ def _barrier_owner(n: Named) -> bool:
 
 
 def _empty_is_clean(n: Named) -> bool:
-    return bool(n["resident"]) or (n["weights"] == "clean" and n["attachment"] == "none"
-                                   and n["commit"] == "none" and n["owner"] == "none")
+    return bool(n["resident"]) or (
+        n["weights"] == "clean"
+        and n["attachment"] == "none"
+        and n["commit"] == "none"
+        and n["owner"] == "none"
+    )
 
 
 def _writing_has_writer(n: Named) -> bool:
@@ -64,14 +68,25 @@ STRUCTURE: tuple[tuple[str, Callable[[Named], bool]], ...] = (
 
 
 def _fields(s: LifecycleState) -> dict[str, object]:
-    return {"resident": s.resident, "weights": s.weights, "barrier": s.barrier,
-            "owner": s.owner, "attachment": s.attachment, "commit": s.commit}
+    return {
+        "resident": s.resident,
+        "weights": s.weights,
+        "barrier": s.barrier,
+        "owner": s.owner,
+        "attachment": s.attachment,
+        "commit": s.commit,
+    }
 
 
 def _hold_exact(s: LifecycleState) -> bool:
     """Weights page: Timers (WEIGHTS_HOLD_TIMEOUT_S)."""
-    want = (s.weights == "clean" and s.barrier == "quiesced" and s.owner == "holder"
-            and s.commit == "none" and not s.takeover)
+    want = (
+        s.weights == "clean"
+        and s.barrier == "quiesced"
+        and s.owner == "holder"
+        and s.commit == "none"
+        and not s.takeover
+    )
     return s.hold_armed == want
 
 
@@ -107,8 +122,7 @@ def _transition_unheld(s: LifecycleState) -> bool:
 
 STATE_INVARIANTS: tuple[tuple[str, Callable[[LifecycleState], bool]], ...] = (
     *((name, (lambda f: lambda s: f(_fields(s)))(fn)) for name, fn in STRUCTURE),
-    ("hold_timer_armed_exactly_when_clean_holder_quiesce_without_commit_or_takeover",
-     _hold_exact),
+    ("hold_timer_armed_exactly_when_clean_holder_quiesce_without_commit_or_takeover", _hold_exact),
     ("watchdog_armed_exactly_while_a_commit_writes", _watchdog_exact),
     ("heartbeat_timer_armed_exactly_while_active", _heartbeat_exact),
     ("drain_timer_armed_exactly_while_draining", _drain_exact),
@@ -126,8 +140,7 @@ def _served_clean_unheld(b: LifecycleState, e: Event, row: Row, a: LifecycleStat
     """Nothing is served unless clean and not held (weights page: States)."""
     if Effect.ADMIT not in row.effects:
         return True
-    return (b.weights == "clean" and b.barrier == "serving" and b.transition == "none"
-            and b.resident)
+    return b.weights == "clean" and b.barrier == "serving" and b.transition == "none" and b.resident
 
 
 def _torn_exits(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:

@@ -56,15 +56,19 @@ __all__ = ["Lifecycle", "Outcome", "Snapshot", "TableError", "Event", "Lifecycle
 #: When several timers are due at once they fire in this order (a commit tears before a hold
 #: it suspended could time out).
 TIMER_ORDER: tuple[str, ...] = ("watchdog", "drain", "hold", "heartbeat")
-TIMER_EVENTS: dict[str, str] = {"hold": "hold_expired", "watchdog": "watchdog_expired",
-                                "heartbeat": "heartbeat_lapsed", "drain": "drain_expired"}
+TIMER_EVENTS: dict[str, str] = {
+    "hold": "hold_expired",
+    "watchdog": "watchdog_expired",
+    "heartbeat": "heartbeat_lapsed",
+    "drain": "drain_expired",
+}
 
 _MESSAGES: dict[str, str] = {
     "WEIGHTS_UNAUTHORIZED": "A valid bearer token from WEIGHTS_TOKENS is required.",
     "WEIGHTS_FORBIDDEN": "This token's role may not call this route.",
     "NOT_ATTACHED": "Nothing is attached. POST /api/weights/attach first.",
     "NOT_ATTACHMENT_HOLDER": "Only the attachment holder may do this (token label and "
-                             "X-miLLM-Attachment must match).",
+    "X-miLLM-Attachment must match).",
     "ALREADY_ATTACHED": "An attachment exists; detach it (or clear it when stale) first.",
     "MODEL_NOT_LOADED": "No model is resident, or the requested model is not loaded.",
     "MODEL_BUSY": "The model is busy; retry when the current operation ends.",
@@ -82,11 +86,11 @@ _MESSAGES: dict[str, str] = {
 }
 _REASON_MESSAGES: dict[tuple[str, str], str] = {
     ("NOT_QUIESCED", "quiesce_in_progress"): "Quiesce is still draining in-flight work; wait "
-                                             "for it to return, then retry.",
+    "for it to return, then retry.",
     ("MODEL_BUSY", "drain_timeout"): "Running requests did not finish within "
-                                     "WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S; nothing is held.",
+    "WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S; nothing is held.",
     ("MODEL_BUSY", "model_transition"): "A model load, unload, save, weights load or adapter "
-                                        "change is in progress.",
+    "change is in progress.",
 }
 
 
@@ -147,29 +151,44 @@ class Lifecycle:
         id_factory: makes attachment IDs (default ``secrets.token_urlsafe(24)``).
     """
 
-    def __init__(self, *, hold_timeout_s: float = 5.0, watchdog_ms: float = 800.0,
-                 heartbeat_timeout_s: float = 30.0, drain_timeout_s: float = 60.0,
-                 heartbeat_interval_hint_s: float = 5.0, avail: str = "ok",
-                 resident: bool = False, served_name: str | None = None,
-                 table: tuple[Row, ...] = TABLE,
-                 id_factory: Callable[[], str] | None = None) -> None:
-        self.durations = {"hold": hold_timeout_s, "watchdog": watchdog_ms / 1000.0,
-                          "heartbeat": heartbeat_timeout_s, "drain": drain_timeout_s}
+    def __init__(
+        self,
+        *,
+        hold_timeout_s: float = 5.0,
+        watchdog_ms: float = 800.0,
+        heartbeat_timeout_s: float = 30.0,
+        drain_timeout_s: float = 60.0,
+        heartbeat_interval_hint_s: float = 5.0,
+        avail: str = "ok",
+        resident: bool = False,
+        served_name: str | None = None,
+        table: tuple[Row, ...] = TABLE,
+        id_factory: Callable[[], str] | None = None,
+    ) -> None:
+        self.durations = {
+            "hold": hold_timeout_s,
+            "watchdog": watchdog_ms / 1000.0,
+            "heartbeat": heartbeat_timeout_s,
+            "drain": drain_timeout_s,
+        }
         self.watchdog_ms = watchdog_ms
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_interval_hint_s = heartbeat_interval_hint_s
         self.compiled: Compiled = compile_table(table)
         self._id_factory = id_factory or (lambda: secrets.token_urlsafe(24))
         state = LifecycleState(resident=resident, avail=avail)  # type: ignore[arg-type]
-        ctx = Context(steps_since_load=0 if resident else None,
-                      commits_since_name=0 if resident else None,
-                      served_name=served_name if resident else None,
-                      served_origin="model" if resident else None)
+        ctx = Context(
+            steps_since_load=0 if resident else None,
+            commits_since_name=0 if resident else None,
+            served_name=served_name if resident else None,
+            served_origin="model" if resident else None,
+        )
         self._snap = Snapshot(state, ctx)
 
     @classmethod
-    def from_settings(cls, settings: Any, *, resident: bool = False,
-                      served_name: str | None = None, **kwargs: Any) -> Lifecycle:
+    def from_settings(
+        cls, settings: Any, *, resident: bool = False, served_name: str | None = None, **kwargs: Any
+    ) -> Lifecycle:
         """Build from :class:`miserver.spec.settings.Settings` (timers, pause availability)."""
         if settings.continuous_batching:
             avail = "cbm"
@@ -177,12 +196,17 @@ class Lifecycle:
             avail = "concurrency"
         else:
             avail = "ok"
-        return cls(hold_timeout_s=settings.weights_hold_timeout_s,
-                   watchdog_ms=settings.weights_commit_watchdog_ms,
-                   heartbeat_timeout_s=settings.weights_heartbeat_timeout_s,
-                   drain_timeout_s=settings.weights_quiesce_drain_timeout_s,
-                   heartbeat_interval_hint_s=settings.weights_heartbeat_interval_hint_s,
-                   avail=avail, resident=resident, served_name=served_name, **kwargs)
+        return cls(
+            hold_timeout_s=settings.weights_hold_timeout_s,
+            watchdog_ms=settings.weights_commit_watchdog_ms,
+            heartbeat_timeout_s=settings.weights_heartbeat_timeout_s,
+            drain_timeout_s=settings.weights_quiesce_drain_timeout_s,
+            heartbeat_interval_hint_s=settings.weights_heartbeat_interval_hint_s,
+            avail=avail,
+            resident=resident,
+            served_name=served_name,
+            **kwargs,
+        )
 
     # --- state ------------------------------------------------------------------------
     @property
@@ -233,15 +257,20 @@ class Lifecycle:
         outcomes: list[Outcome] = []
         for _ in range(len(TIMERS) * 2):
             ctx = self._snap.context
-            due = [(getattr(ctx, f"{t}_deadline"), TIMER_ORDER.index(t), t) for t in TIMER_ORDER
-                   if getattr(ctx, f"{t}_deadline") is not None
-                   and getattr(ctx, f"{t}_deadline") <= now]
+            due = [
+                (getattr(ctx, f"{t}_deadline"), TIMER_ORDER.index(t), t)
+                for t in TIMER_ORDER
+                if getattr(ctx, f"{t}_deadline") is not None
+                and getattr(ctx, f"{t}_deadline") <= now
+            ]
             if not due:
                 break
             _, _, timer = min(due)
             outcomes.append(self.handle(Event(TIMER_EVENTS[timer]), now))
-            if getattr(self._snap.context, f"{timer}_deadline") is not None and \
-                    getattr(self._snap.context, f"{timer}_deadline") <= now:
+            if (
+                getattr(self._snap.context, f"{timer}_deadline") is not None
+                and getattr(self._snap.context, f"{timer}_deadline") <= now
+            ):
                 # the table left the timer armed and due: do not spin
                 ctx2 = replace(self._snap.context, **{f"{timer}_deadline": None})
                 self._snap = Snapshot(self._snap.state, ctx2)
@@ -263,16 +292,25 @@ class Lifecycle:
         s, c = self._snap.state, self._snap.context
         attachment = None
         if s.attachment != "none":
-            attachment = {"state": s.attachment, "role": c.attachment_role,
-                          "label": c.attachment_label, "attached_at": c.attached_at,
-                          "last_heartbeat_at": c.last_heartbeat_at, "stale_since": c.stale_since}
+            attachment = {
+                "state": s.attachment,
+                "role": c.attachment_role,
+                "label": c.attachment_label,
+                "attached_at": c.attached_at,
+                "last_heartbeat_at": c.last_heartbeat_at,
+                "stale_since": c.stale_since,
+            }
         commit = None
         if s.commit != "none" or (s.weights == "torn" and c.commit_began_at is not None):
             open_ms = None
             if now is not None and c.commit_began_at is not None:
                 open_ms = (now - c.commit_began_at) * 1000.0
-            commit = {"began_at": c.commit_began_at, "open_ms": open_ms,
-                      "watchdog_ms": self.watchdog_ms, "overran": s.weights == "torn"}
+            commit = {
+                "began_at": c.commit_began_at,
+                "open_ms": open_ms,
+                "watchdog_ms": self.watchdog_ms,
+                "overran": s.weights == "torn",
+            }
         last_overrun = None
         if c.last_overrun is not None:
             last_overrun = {"at": c.last_overrun[0], "commit_ms": c.last_overrun[1]}
@@ -294,24 +332,32 @@ class Lifecycle:
             "adapter_applied": s.adapter,
             "model_transition": None if s.transition == "none" else s.transition,
             "hold_deadline": c.hold_deadline,
-            "served": {"name": c.served_name, "origin": c.served_origin,
-                       "commits": c.commits_since_name},
+            "served": {
+                "name": c.served_name,
+                "origin": c.served_origin,
+                "commits": c.commits_since_name,
+            },
             "exports_since_start": c.exports,
             "saves_since_start": c.saves,
         }
 
     # --- internals ----------------------------------------------------------------------
-    def _apply_context(self, row: Row, event: Event, b: LifecycleState, a: LifecycleState,
-                       c: Context, now: float) -> Context:
+    def _apply_context(
+        self, row: Row, event: Event, b: LifecycleState, a: LifecycleState, c: Context, now: float
+    ) -> Context:
         ch: dict[str, Any] = {}
         for action in row.actions:
             if action == "attach":
                 caller = event.caller
-                ch.update(attachment_id=self._id_factory(),
-                          attachment_label=caller.label if caller else None,
-                          attachment_role=caller.token if caller else None,
-                          attached_at=now, last_heartbeat_at=now, stale_since=None,
-                          exports=c.exports + 1)
+                ch.update(
+                    attachment_id=self._id_factory(),
+                    attachment_label=caller.label if caller else None,
+                    attachment_role=caller.token if caller else None,
+                    attached_at=now,
+                    last_heartbeat_at=now,
+                    stale_since=None,
+                    exports=c.exports + 1,
+                )
             elif action == "heartbeat":
                 ch.update(last_heartbeat_at=now, stale_since=None)
             elif action == "stale":
@@ -319,9 +365,12 @@ class Lifecycle:
             elif action == "begin_commit":
                 ch.update(commit_began_at=now)
             elif action == "end_commit":
-                ch.update(steps_since_load=(c.steps_since_load or 0) + 1,
-                          commits_since_name=(None if c.commits_since_name is None
-                                              else c.commits_since_name + 1))
+                ch.update(
+                    steps_since_load=(c.steps_since_load or 0) + 1,
+                    commits_since_name=(
+                        None if c.commits_since_name is None else c.commits_since_name + 1
+                    ),
+                )
             elif action == "overrun":
                 began = c.commit_began_at if c.commit_began_at is not None else now
                 ch.update(last_overrun=(now, (now - began) * 1000.0))
@@ -330,27 +379,48 @@ class Lifecycle:
             elif action == "hold_timeout":
                 ch.update(last_hold_timeout_at=now)
             elif action == "save":
-                ch.update(saved_steps=c.steps_since_load or 0, saves=c.saves + 1,
-                          served_name=event.name or c.served_name, served_origin="checkpoint",
-                          commits_since_name=0)
+                ch.update(
+                    saved_steps=c.steps_since_load or 0,
+                    saves=c.saves + 1,
+                    served_name=event.name or c.served_name,
+                    served_origin="checkpoint",
+                    commits_since_name=0,
+                )
             elif action == "load":
                 inferred = "checkpoint" if event.trigger.startswith("weights_") else "model"
-                ch.update(steps_since_load=0, saved_steps=0, commits_since_name=0,
-                          served_name=event.name or c.served_name,
-                          served_origin=event.origin or inferred)
+                ch.update(
+                    steps_since_load=0,
+                    saved_steps=0,
+                    commits_since_name=0,
+                    served_name=event.name or c.served_name,
+                    served_origin=event.origin or inferred,
+                )
             elif action == "unload":
-                ch.update(steps_since_load=None, saved_steps=0, commits_since_name=None,
-                          served_name=None, served_origin=None)
+                ch.update(
+                    steps_since_load=None,
+                    saved_steps=0,
+                    commits_since_name=None,
+                    served_name=None,
+                    served_origin=None,
+                )
             elif action == "adapter":
-                ch.update(served_name=event.name or c.served_name,
-                          served_origin="adapter" if event.applied else (event.origin or "model"),
-                          commits_since_name=0)
+                ch.update(
+                    served_name=event.name or c.served_name,
+                    served_origin="adapter" if event.applied else (event.origin or "model"),
+                    commits_since_name=0,
+                )
             else:  # pragma: no cover - a typo in the table
                 raise TableError(f"row {row.id}: unknown action {action!r}")
         # Consequences of the state change itself.
         if a.attachment == "none" and b.attachment != "none":
-            ch.update(attachment_id=None, attachment_label=None, attachment_role=None,
-                      attached_at=None, last_heartbeat_at=None, stale_since=None)
+            ch.update(
+                attachment_id=None,
+                attachment_label=None,
+                attachment_role=None,
+                attached_at=None,
+                last_heartbeat_at=None,
+                stale_since=None,
+            )
         if a.commit == "none" and "end_commit" not in row.actions:
             ch.setdefault("commit_began_at", None)
         if "end_commit" in row.actions:
@@ -366,49 +436,96 @@ class Lifecycle:
                     ch[f"{timer}_deadline"] = now + self.durations[timer] if v else None
         return replace(c, **ch)
 
-    def _outcome(self, row: Row, event: Event, b: LifecycleState, a: LifecycleState,
-                 c_before: Context, c_after: Context, now: float | None = None) -> Outcome:
+    def _outcome(
+        self,
+        row: Row,
+        event: Event,
+        b: LifecycleState,
+        a: LifecycleState,
+        c_before: Context,
+        c_after: Context,
+        now: float | None = None,
+    ) -> Outcome:
         if row.refuse is not None:
             ref = row.refuse
-            message = _REASON_MESSAGES.get((ref.code.name, ref.reason or ""),
-                                           _MESSAGES.get(ref.code.name, ref.code.name))
-            return Outcome("refused", event.trigger, ref.http_status, ref.code, ref.reason,
-                           message, self._details(ref.details, b, c_before), (), None, row.id,
-                           b, a)
+            message = _REASON_MESSAGES.get(
+                (ref.code.name, ref.reason or ""), _MESSAGES.get(ref.code.name, ref.code.name)
+            )
+            return Outcome(
+                "refused",
+                event.trigger,
+                ref.http_status,
+                ref.code,
+                ref.reason,
+                message,
+                self._details(ref.details, b, c_before),
+                (),
+                None,
+                row.id,
+                b,
+                a,
+            )
         details: dict[str, Any] = {}
         if event.trigger == "attach" and row.kind == "accepted":
             details["attachment_id"] = c_after.attachment_id
         if "end_commit" in row.actions:
             began = c_before.commit_began_at
-            details.update(commit_ms=None if began is None or now is None
-                           else (now - began) * 1000.0,
-                           overran="overrun" in row.actions,
-                           steps_since_load=c_after.steps_since_load)
+            details.update(
+                commit_ms=None if began is None or now is None else (now - began) * 1000.0,
+                overran="overrun" in row.actions,
+                steps_since_load=c_after.steps_since_load,
+            )
         if event.trigger == "clear_stale":
-            details["cleared"] = {"role": c_before.attachment_role,
-                                  "label": c_before.attachment_label,
-                                  "stale_since": c_before.stale_since}
+            details["cleared"] = {
+                "role": c_before.attachment_role,
+                "label": c_before.attachment_label,
+                "stale_since": c_before.stale_since,
+            }
         if "begin_commit" in row.actions:
             details.update(began_at=c_after.commit_began_at, watchdog_ms=self.watchdog_ms)
         pending = row.pending
         message = ""
         if pending is not None and pending.code is not None:
-            message = _REASON_MESSAGES.get((pending.code.name, pending.reason or ""),
-                                           _MESSAGES.get(pending.code.name, ""))
-        return Outcome(row.kind, event.trigger, 200, None, None, message,  # type: ignore[arg-type]
-                       details, row.effects, pending, row.id, b, a)
+            message = _REASON_MESSAGES.get(
+                (pending.code.name, pending.reason or ""), _MESSAGES.get(pending.code.name, "")
+            )
+        return Outcome(
+            row.kind,
+            event.trigger,
+            200,
+            None,
+            None,
+            message,  # type: ignore[arg-type]
+            details,
+            row.effects,
+            pending,
+            row.id,
+            b,
+            a,
+        )
 
     def _details(self, kind: str | None, s: LifecycleState, c: Context) -> dict[str, Any]:
         if kind == "holder":
-            return {"holder": {"role": c.attachment_role, "label": c.attachment_label,
-                               "state": s.attachment, "attached_at": c.attached_at}}
+            return {
+                "holder": {
+                    "role": c.attachment_role,
+                    "label": c.attachment_label,
+                    "state": s.attachment,
+                    "attached_at": c.attached_at,
+                }
+            }
         if kind == "torn":
             return {"recover": "POST /api/weights/load", "retry_after_s": 1}
         if kind == "unsaved":
-            return {"served_name": c.served_name, "unsaved_commits": self.unsaved_commits,
-                    "ways_forward": ["POST /api/weights/save (re-attach first)",
-                                     "POST /api/weights/load",
-                                     "POST /api/models/{id}/load"]}
+            return {
+                "served_name": c.served_name,
+                "unsaved_commits": self.unsaved_commits,
+                "ways_forward": [
+                    "POST /api/weights/save (re-attach first)",
+                    "POST /api/weights/load",
+                    "POST /api/models/{id}/load",
+                ],
+            }
         if kind == "pause":
             return {"pause": s.owner}
         return {}

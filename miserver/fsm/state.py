@@ -89,8 +89,9 @@ class LifecycleState:
 
     def named(self) -> str:
         """The ``transitions.Machine`` state name of this state (its ``NAMED`` components)."""
-        return state_name(self.resident, self.weights, self.barrier, self.owner,
-                          self.attachment, self.commit)
+        return state_name(
+            self.resident, self.weights, self.barrier, self.owner, self.attachment, self.commit
+        )
 
     def with_(self, **changes: object) -> LifecycleState:
         """A copy with ``changes`` applied."""
@@ -118,12 +119,14 @@ VARIABLES: tuple[str, ...] = tuple(f for f in STATE_FIELDS if f not in NAMED)
 
 
 @lru_cache(maxsize=4096)
-def state_name(resident: bool, weights: str, barrier: str, owner: str, attachment: str,
-               commit: str) -> str:
+def state_name(
+    resident: bool, weights: str, barrier: str, owner: str, attachment: str, commit: str
+) -> str:
     """``resident.clean.quiesced-holder.active.commit-none`` (``empty...`` when not resident)."""
     bar = barrier if owner == "none" else f"{barrier}-{owner}"
-    return ".".join(("resident" if resident else "empty", weights, bar, f"att-{attachment}",
-                     f"commit-{commit}"))
+    return ".".join(
+        ("resident" if resident else "empty", weights, bar, f"att-{attachment}", f"commit-{commit}")
+    )
 
 
 def parse_state_name(name: str) -> dict[str, object]:
@@ -208,8 +211,15 @@ class Event:
             if self.caller.attachment_id:
                 args.append("header")
         defaults = Event(self.trigger)
-        for f in ("queue_full", "in_place", "not_attachable", "target", "refuse_policy",
-                  "avail", "applied"):
+        for f in (
+            "queue_full",
+            "in_place",
+            "not_attachable",
+            "target",
+            "refuse_policy",
+            "avail",
+            "applied",
+        ):
             if getattr(self, f) != getattr(defaults, f):
                 args.append(f"{f}={getattr(self, f)}")
         return f"{self.trigger}({', '.join(args)})"

@@ -116,18 +116,52 @@ class Row:
 # Builders (keep the rows below readable)
 
 
-def _accept(trigger: str, when: tuple[str, ...] = (), unless: tuple[str, ...] = (),
-            effects: tuple[Effect, ...] = (), actions: tuple[str, ...] = (),
-            pending: Answer | None = None, note: str = "", **changes: object) -> Row:
-    return Row(trigger, tuple(when), tuple(unless), tuple(changes.items()), tuple(effects),
-               tuple(actions), None, False, pending, note)
+def _accept(
+    trigger: str,
+    when: tuple[str, ...] = (),
+    unless: tuple[str, ...] = (),
+    effects: tuple[Effect, ...] = (),
+    actions: tuple[str, ...] = (),
+    pending: Answer | None = None,
+    note: str = "",
+    **changes: object,
+) -> Row:
+    return Row(
+        trigger,
+        tuple(when),
+        tuple(unless),
+        tuple(changes.items()),
+        tuple(effects),
+        tuple(actions),
+        None,
+        False,
+        pending,
+        note,
+    )
 
 
-def _refuse(trigger: str, code: ErrorCode, reason: str | None = None,
-            when: tuple[str, ...] = (), unless: tuple[str, ...] = (), status: int | None = None,
-            details: str | None = None, note: str = "") -> Row:
-    return Row(trigger, tuple(when), tuple(unless), (), (), (),
-               Refusal(code, reason, status, details), False, None, note)
+def _refuse(
+    trigger: str,
+    code: ErrorCode,
+    reason: str | None = None,
+    when: tuple[str, ...] = (),
+    unless: tuple[str, ...] = (),
+    status: int | None = None,
+    details: str | None = None,
+    note: str = "",
+) -> Row:
+    return Row(
+        trigger,
+        tuple(when),
+        tuple(unless),
+        (),
+        (),
+        (),
+        Refusal(code, reason, status, details),
+        False,
+        None,
+        note,
+    )
 
 
 def _ignore(trigger: str, note: str = "does not apply in this state") -> Row:
@@ -166,8 +200,14 @@ def _auth_rows(trigger: str) -> list[Row]:
         elif check == "holder":
             rows.append(_refuse(trigger, codes.NOT_ATTACHMENT_HOLDER, unless=("caller_is_holder",)))
         elif check == "trainer_holder":
-            rows.append(_refuse(trigger, codes.NOT_ATTACHMENT_HOLDER,
-                                when=("attached", "trainer_token"), unless=("caller_is_holder",)))
+            rows.append(
+                _refuse(
+                    trigger,
+                    codes.NOT_ATTACHMENT_HOLDER,
+                    when=("attached", "trainer_token"),
+                    unless=("caller_is_holder",),
+                )
+            )
         else:  # pragma: no cover - a typo in ROUTE_AUTH
             raise ValueError(check)
     return rows
@@ -175,34 +215,65 @@ def _auth_rows(trigger: str) -> list[Row]:
 
 def _pause_refusals(trigger: str, when: tuple[str, ...] = ()) -> list[Row]:
     """409 PAUSE_IN_PROGRESS, reason = which pause holds the barrier."""
-    return [_refuse(trigger, codes.PAUSE_IN_PROGRESS, p, when=(*when, f"held_by_{p}"),
-                    details="pause") for p in PAUSES]
+    return [
+        _refuse(trigger, codes.PAUSE_IN_PROGRESS, p, when=(*when, f"held_by_{p}"), details="pause")
+        for p in PAUSES
+    ]
 
 
 def _unavailable_refusals(trigger: str) -> list[Row]:
     """409 BARRIER_UNAVAILABLE, reason cbm or concurrency (weights page: Status)."""
-    return [_refuse(trigger, codes.BARRIER_UNAVAILABLE, "cbm", when=("pause_cbm",)),
-            _refuse(trigger, codes.BARRIER_UNAVAILABLE, "concurrency", when=("pause_concurrency",))]
-
-
-def _start_pause(trigger: str, owner: str, begin: Effect, *, clears_commit: bool = False
-                 ) -> list[Row]:
-    """Take the barrier: take over the holder's hold (no drain), or drain from serving."""
-    extra: dict[str, object] = {"commit": "none"} if clears_commit else {}
     return [
-        _refuse(trigger, codes.MODEL_BUSY, when=("draining",),
-                note="the holder's quiesce is still draining; retry when it returns"),
-        _accept(trigger, when=("quiesced", "held_by_holder"), effects=(begin, E.DROP_CACHE),
-                owner=owner, takeover=True, hold_armed=False, **extra,
-                note="takes over the holder's hold; gives it back when done (contract 5, 6)"),
-        _accept(trigger, when=("serving",), effects=(E.HOLD_ADMISSIONS, E.START_DRAIN),
-                barrier="draining", owner=owner, drain_armed=True, **extra),
+        _refuse(trigger, codes.BARRIER_UNAVAILABLE, "cbm", when=("pause_cbm",)),
+        _refuse(trigger, codes.BARRIER_UNAVAILABLE, "concurrency", when=("pause_concurrency",)),
     ]
 
 
-def _give_back(trigger: str, owner: str, *, ok: bool, sets: dict[str, object] | None = None,
-               actions: tuple[str, ...] = (), effects: tuple[Effect, ...] = (),
-               when: tuple[str, ...] = (), torn_fails: bool = False) -> list[Row]:
+def _start_pause(
+    trigger: str, owner: str, begin: Effect, *, clears_commit: bool = False
+) -> list[Row]:
+    """Take the barrier: take over the holder's hold (no drain), or drain from serving."""
+    extra: dict[str, object] = {"commit": "none"} if clears_commit else {}
+    return [
+        _refuse(
+            trigger,
+            codes.MODEL_BUSY,
+            when=("draining",),
+            note="the holder's quiesce is still draining; retry when it returns",
+        ),
+        _accept(
+            trigger,
+            when=("quiesced", "held_by_holder"),
+            effects=(begin, E.DROP_CACHE),
+            owner=owner,
+            takeover=True,
+            hold_armed=False,
+            **extra,
+            note="takes over the holder's hold; gives it back when done (contract 5, 6)",
+        ),
+        _accept(
+            trigger,
+            when=("serving",),
+            effects=(E.HOLD_ADMISSIONS, E.START_DRAIN),
+            barrier="draining",
+            owner=owner,
+            drain_armed=True,
+            **extra,
+        ),
+    ]
+
+
+def _give_back(
+    trigger: str,
+    owner: str,
+    *,
+    ok: bool,
+    sets: dict[str, object] | None = None,
+    actions: tuple[str, ...] = (),
+    effects: tuple[Effect, ...] = (),
+    when: tuple[str, ...] = (),
+    torn_fails: bool = False,
+) -> list[Row]:
     """End a pause: give a taken-over hold back (hold timer restarted in full, only while
     clean) or serve again (contract 5, 6).
 
@@ -214,34 +285,82 @@ def _give_back(trigger: str, owner: str, *, ok: bool, sets: dict[str, object] | 
     rows: list[Row] = []
     if torn_fails:
         rows += [
-            _accept(trigger, when=(*held, "torn", "takeover"), effects=(E.FAIL_PENDING,),
-                    owner="holder", takeover=False,
-                    note="the set tore during the pause: a failure; no hold timer while torn"),
-            _accept(trigger, when=(*held, "torn"), effects=(E.RELEASE_HELD, E.FAIL_PENDING),
-                    barrier="serving", owner="none", note="the set tore during the pause"),
+            _accept(
+                trigger,
+                when=(*held, "torn", "takeover"),
+                effects=(E.FAIL_PENDING,),
+                owner="holder",
+                takeover=False,
+                note="the set tore during the pause: a failure; no hold timer while torn",
+            ),
+            _accept(
+                trigger,
+                when=(*held, "torn"),
+                effects=(E.RELEASE_HELD, E.FAIL_PENDING),
+                barrier="serving",
+                owner="none",
+                note="the set tore during the pause",
+            ),
         ]
     answer = (E.ANSWER_PENDING,) if ok else (E.FAIL_PENDING,)
     pending = OK if ok else None
     done = dict(sets or {})
     ends = done.get("weights")
-    give = {"effects": (*effects, *answer), "actions": actions, "pending": pending,
-            "owner": "holder", "takeover": False, **done}
+    give = {
+        "effects": (*effects, *answer),
+        "actions": actions,
+        "pending": pending,
+        "owner": "holder",
+        "takeover": False,
+        **done,
+    }
     if ends == "clean" or (ends is None and torn_fails):
-        rows.append(_accept(trigger, when=(*held, "takeover"), hold_armed=True,
-                            note="hold given back, timer restarted in full", **give))
+        rows.append(
+            _accept(
+                trigger,
+                when=(*held, "takeover"),
+                hold_armed=True,
+                note="hold given back, timer restarted in full",
+                **give,
+            )
+        )
     elif ends == "torn":
-        rows.append(_accept(trigger, when=(*held, "takeover"),
-                            note="given back torn: no hold timer while torn", **give))
+        rows.append(
+            _accept(
+                trigger,
+                when=(*held, "takeover"),
+                note="given back torn: no hold timer while torn",
+                **give,
+            )
+        )
     else:
         rows += [
-            _accept(trigger, when=(*held, "takeover", "clean"), hold_armed=True,
-                    note="hold given back, timer restarted in full", **give),
-            _accept(trigger, when=(*held, "takeover"),
-                    note="given back torn: no hold timer while torn", **give),
+            _accept(
+                trigger,
+                when=(*held, "takeover", "clean"),
+                hold_armed=True,
+                note="hold given back, timer restarted in full",
+                **give,
+            ),
+            _accept(
+                trigger,
+                when=(*held, "takeover"),
+                note="given back torn: no hold timer while torn",
+                **give,
+            ),
         ]
-    rows.append(_accept(trigger, when=held, effects=(*effects, E.RELEASE_HELD, *answer),
-                        actions=actions, pending=pending, barrier="serving", owner="none",
-                        **done))
+    rows.append(
+        _accept(
+            trigger,
+            when=held,
+            effects=(*effects, E.RELEASE_HELD, *answer),
+            actions=actions,
+            pending=pending,
+            barrier="serving",
+            owner="none",
+            **done,
+        )
+    )
     return rows
 
 
@@ -250,32 +369,75 @@ def _remove_attachment(trigger: str, *, tears: bool) -> list[Row]:
     watchdog). Weights page: The write cycle; States; Timers."""
     gone: dict[str, object] = {"attachment": "none", "heartbeat_armed": False}
     rows = [
-        _accept(trigger, when=("draining", "held_by_holder"),
-                effects=(E.CANCEL_DRAIN, E.RELEASE_HELD, E.RELEASE_EXPORTS, E.ANSWER_PENDING),
-                pending=Answer(409, codes.NOT_ATTACHED), barrier="serving", owner="none",
-                drain_armed=False, **gone, note="the waiting quiesce is answered 409 NOT_ATTACHED"),
+        _accept(
+            trigger,
+            when=("draining", "held_by_holder"),
+            effects=(E.CANCEL_DRAIN, E.RELEASE_HELD, E.RELEASE_EXPORTS, E.ANSWER_PENDING),
+            pending=Answer(409, codes.NOT_ATTACHED),
+            barrier="serving",
+            owner="none",
+            drain_armed=False,
+            **gone,
+            note="the waiting quiesce is answered 409 NOT_ATTACHED",
+        ),
     ]
     if tears:
-        rows.append(_accept(trigger, when=("writing", "commit_mine"),
-                            effects=(E.REFUSE_HELD_TORN, E.RELEASE_HELD, E.RELEASE_EXPORTS),
-                            weights="torn", commit="orphan", watchdog_armed=False,
-                            barrier="serving", owner="none", **gone,
-                            note="detach while writing tears the set (weights page: States)"))
+        rows.append(
+            _accept(
+                trigger,
+                when=("writing", "commit_mine"),
+                effects=(E.REFUSE_HELD_TORN, E.RELEASE_HELD, E.RELEASE_EXPORTS),
+                weights="torn",
+                commit="orphan",
+                watchdog_armed=False,
+                barrier="serving",
+                owner="none",
+                **gone,
+                note="detach while writing tears the set (weights page: States)",
+            )
+        )
     else:
-        rows.append(_accept(trigger, when=("writing", "commit_mine"),
-                            effects=(E.RELEASE_EXPORTS,), commit="orphan", **gone,
-                            note="a commit still open is left for the watchdog (Timers)"))
+        rows.append(
+            _accept(
+                trigger,
+                when=("writing", "commit_mine"),
+                effects=(E.RELEASE_EXPORTS,),
+                commit="orphan",
+                **gone,
+                note="a commit still open is left for the watchdog (Timers)",
+            )
+        )
     rows += [
-        _accept(trigger, when=("takeover",), effects=(E.RELEASE_EXPORTS,), takeover=False, **gone,
-                note="the running pause has no hold to give back"),
-        _accept(trigger, when=("held_by_holder", "commit_mine"),
-                effects=(E.RELEASE_HELD, E.RELEASE_EXPORTS), barrier="serving", owner="none",
-                commit="orphan", **gone),
-        _accept(trigger, when=("held_by_holder",), effects=(E.RELEASE_HELD, E.RELEASE_EXPORTS),
-                barrier="serving", owner="none", hold_armed=False, **gone,
-                note="releases a clean quiesce; torn stays torn"),
-        _accept(trigger, when=("commit_mine",), effects=(E.RELEASE_EXPORTS,), commit="orphan",
-                **gone),
+        _accept(
+            trigger,
+            when=("takeover",),
+            effects=(E.RELEASE_EXPORTS,),
+            takeover=False,
+            **gone,
+            note="the running pause has no hold to give back",
+        ),
+        _accept(
+            trigger,
+            when=("held_by_holder", "commit_mine"),
+            effects=(E.RELEASE_HELD, E.RELEASE_EXPORTS),
+            barrier="serving",
+            owner="none",
+            commit="orphan",
+            **gone,
+        ),
+        _accept(
+            trigger,
+            when=("held_by_holder",),
+            effects=(E.RELEASE_HELD, E.RELEASE_EXPORTS),
+            barrier="serving",
+            owner="none",
+            hold_armed=False,
+            **gone,
+            note="releases a clean quiesce; torn stays torn",
+        ),
+        _accept(
+            trigger, when=("commit_mine",), effects=(E.RELEASE_EXPORTS,), commit="orphan", **gone
+        ),
         _accept(trigger, effects=(E.RELEASE_EXPORTS,), **gone),
     ]
     return rows
@@ -297,20 +459,33 @@ def build_rows() -> tuple[Row, ...]:
         _refuse(t, codes.NOT_ATTACHABLE, "model_transition", when=("in_transition",)),
         _refuse(t, codes.NOT_ATTACHABLE, "model_transition", when=("held_by_pause",)),
         _refuse(t, codes.MODEL_NOT_LOADED, unless=("resident",)),
-        *[_refuse(t, codes.NOT_ATTACHABLE, reason, when=(f"model_{reason}",))
-          for reason in ("gguf", "quantized", "dtype", "not_on_gpu", "allocator")],
+        *[
+            _refuse(t, codes.NOT_ATTACHABLE, reason, when=(f"model_{reason}",))
+            for reason in ("gguf", "quantized", "dtype", "not_on_gpu", "allocator")
+        ],
         _refuse(t, codes.NOT_ATTACHABLE, "continuous_batching_running", when=("pause_cbm",)),
         _refuse(t, codes.NOT_ATTACHABLE, "concurrency", when=("pause_concurrency",)),
         _refuse(t, codes.NOT_ATTACHABLE, "weights_writing", when=("writing",)),
-        _accept(t, effects=(E.EXPORT_HANDLES,), actions=("attach",), attachment="active",
-                heartbeat_armed=True, note="attaching to torn is allowed"),
+        _accept(
+            t,
+            effects=(E.EXPORT_HANDLES,),
+            actions=("attach",),
+            attachment="active",
+            heartbeat_armed=True,
+            note="attaching to torn is allowed",
+        ),
     ]
 
     # --- detach, heartbeat --------------------------------------------------------------
     r += _auth_rows("detach") + _remove_attachment("detach", tears=True)
     r += _auth_rows("heartbeat") + [
-        _accept("heartbeat", actions=("heartbeat",), attachment="active", heartbeat_armed=True,
-                note="revives a stale attachment; restarts the staleness window"),
+        _accept(
+            "heartbeat",
+            actions=("heartbeat",),
+            attachment="active",
+            heartbeat_armed=True,
+            note="revives a stale attachment; restarts the staleness window",
+        ),
     ]
 
     # --- quiesce (The write cycle 2) ----------------------------------------------------
@@ -321,37 +496,72 @@ def build_rows() -> tuple[Row, ...]:
         *_pause_refusals(t),
         *_unavailable_refusals(t),
         _refuse(t, codes.QUEUE_FULL, when=("queue_full",)),
-        _accept(t, effects=(E.HOLD_ADMISSIONS, E.START_DRAIN), barrier="draining",
-                owner="holder", drain_armed=True),
+        _accept(
+            t,
+            effects=(E.HOLD_ADMISSIONS, E.START_DRAIN),
+            barrier="draining",
+            owner="holder",
+            drain_armed=True,
+        ),
     ]
 
     # --- drained / drain_expired (internal completion, timer) ----------------------------
     t = "drained"
     r += [
-        _accept(t, when=("draining", "held_by_holder", "clean"),
-                effects=(E.DROP_CACHE, E.ANSWER_PENDING), pending=OK, barrier="quiesced",
-                drain_armed=False, hold_armed=True,
-                note="quiesce returns 200; the hold timer starts"),
-        _accept(t, when=("draining", "held_by_holder"), effects=(E.DROP_CACHE, E.ANSWER_PENDING),
-                pending=OK, barrier="quiesced", drain_armed=False,
-                note="the set tore while draining: quiesce returns torn, no hold timer"),
-        _accept(t, when=("draining", "held_by_save"), effects=(E.BEGIN_SAVE,),
-                barrier="quiesced", drain_armed=False),
-        _accept(t, when=("draining", "held_by_weights_load"),
-                effects=(E.DROP_CACHE, E.BEGIN_WEIGHTS_LOAD), barrier="quiesced",
-                drain_armed=False),
-        _accept(t, when=("draining", "held_by_adapter"),
-                effects=(E.DROP_CACHE, E.BEGIN_ADAPTER_CHANGE), barrier="quiesced",
-                drain_armed=False),
+        _accept(
+            t,
+            when=("draining", "held_by_holder", "clean"),
+            effects=(E.DROP_CACHE, E.ANSWER_PENDING),
+            pending=OK,
+            barrier="quiesced",
+            drain_armed=False,
+            hold_armed=True,
+            note="quiesce returns 200; the hold timer starts",
+        ),
+        _accept(
+            t,
+            when=("draining", "held_by_holder"),
+            effects=(E.DROP_CACHE, E.ANSWER_PENDING),
+            pending=OK,
+            barrier="quiesced",
+            drain_armed=False,
+            note="the set tore while draining: quiesce returns torn, no hold timer",
+        ),
+        _accept(
+            t,
+            when=("draining", "held_by_save"),
+            effects=(E.BEGIN_SAVE,),
+            barrier="quiesced",
+            drain_armed=False,
+        ),
+        _accept(
+            t,
+            when=("draining", "held_by_weights_load"),
+            effects=(E.DROP_CACHE, E.BEGIN_WEIGHTS_LOAD),
+            barrier="quiesced",
+            drain_armed=False,
+        ),
+        _accept(
+            t,
+            when=("draining", "held_by_adapter"),
+            effects=(E.DROP_CACHE, E.BEGIN_ADAPTER_CHANGE),
+            barrier="quiesced",
+            drain_armed=False,
+        ),
         _ignore(t),
     ]
     t = "drain_expired"
     r += [
-        _accept(t, when=("drain_armed",),
-                effects=(E.CANCEL_DRAIN, E.RELEASE_HELD, E.ANSWER_PENDING),
-                pending=Answer(409, codes.MODEL_BUSY, "drain_timeout"), barrier="serving",
-                owner="none", drain_armed=False,
-                note="409 MODEL_BUSY drain_timeout; holds nothing (The write cycle 2)"),
+        _accept(
+            t,
+            when=("drain_armed",),
+            effects=(E.CANCEL_DRAIN, E.RELEASE_HELD, E.ANSWER_PENDING),
+            pending=Answer(409, codes.MODEL_BUSY, "drain_timeout"),
+            barrier="serving",
+            owner="none",
+            drain_armed=False,
+            note="409 MODEL_BUSY drain_timeout; holds nothing (The write cycle 2)",
+        ),
         _ignore(t, "no drain is waiting (a late timer)"),
     ]
 
@@ -360,10 +570,20 @@ def build_rows() -> tuple[Row, ...]:
     r += _auth_rows(t) + [
         _refuse(t, codes.NOT_QUIESCED, "quiesce_in_progress", when=("draining", "held_by_holder")),
         *_pause_refusals(t, when=("takeover",)),
-        _refuse(t, codes.WEIGHTS_NOT_CLEAN, when=("held_by_holder", "writing"),
-                note="a commit is open: commit-end first"),
-        _accept(t, when=("held_by_holder",), effects=(E.RELEASE_HELD,), barrier="serving",
-                owner="none", hold_armed=False),
+        _refuse(
+            t,
+            codes.WEIGHTS_NOT_CLEAN,
+            when=("held_by_holder", "writing"),
+            note="a commit is open: commit-end first",
+        ),
+        _accept(
+            t,
+            when=("held_by_holder",),
+            effects=(E.RELEASE_HELD,),
+            barrier="serving",
+            owner="none",
+            hold_armed=False,
+        ),
         _accept(t, note="resume while not holding is a no-op 200"),
     ]
 
@@ -374,24 +594,57 @@ def build_rows() -> tuple[Row, ...]:
         _refuse(t, codes.NOT_QUIESCED, unless=("held_by_holder", "takeover")),
         _refuse(t, codes.WEIGHTS_NOT_CLEAN, unless=("clean",)),
         *_pause_refusals(t, when=("takeover",)),
-        _accept(t, actions=("begin_commit",), weights="writing", commit="mine",
-                watchdog_armed=True, hold_armed=False,
-                note="the hold timer is suspended while a commit is open"),
+        _accept(
+            t,
+            actions=("begin_commit",),
+            weights="writing",
+            commit="mine",
+            watchdog_armed=True,
+            hold_armed=False,
+            note="the hold timer is suspended while a commit is open",
+        ),
     ]
     t = "commit_end"
     r += _auth_rows(t) + [
         _refuse(t, codes.NO_OPEN_COMMIT, unless=("commit_open",)),
-        _refuse(t, codes.NOT_ATTACHMENT_HOLDER, unless=("commit_mine",),
-                note="only the attachment that began the commit may end it"),
-        _accept(t, when=("writing",), actions=("end_commit",), weights="clean", commit="none",
-                watchdog_armed=False, hold_armed=True, unsaved=True,
-                note="serving stays quiesced; the hold timer restarts in full"),
-        _accept(t, when=("torn", "held_by_holder"), actions=("end_commit", "overrun"),
-                effects=(E.RECORD_OVERRUN,), weights="clean", commit="none", hold_armed=True,
-                unsaved=True, note="late commit-end: clean, overran: true"),
-        _accept(t, when=("torn",), actions=("end_commit", "overrun"),
-                effects=(E.RECORD_OVERRUN,), weights="clean", commit="none", unsaved=True,
-                note="late commit-end after a resume"),
+        _refuse(
+            t,
+            codes.NOT_ATTACHMENT_HOLDER,
+            unless=("commit_mine",),
+            note="only the attachment that began the commit may end it",
+        ),
+        _accept(
+            t,
+            when=("writing",),
+            actions=("end_commit",),
+            weights="clean",
+            commit="none",
+            watchdog_armed=False,
+            hold_armed=True,
+            unsaved=True,
+            note="serving stays quiesced; the hold timer restarts in full",
+        ),
+        _accept(
+            t,
+            when=("torn", "held_by_holder"),
+            actions=("end_commit", "overrun"),
+            effects=(E.RECORD_OVERRUN,),
+            weights="clean",
+            commit="none",
+            hold_armed=True,
+            unsaved=True,
+            note="late commit-end: clean, overran: true",
+        ),
+        _accept(
+            t,
+            when=("torn",),
+            actions=("end_commit", "overrun"),
+            effects=(E.RECORD_OVERRUN,),
+            weights="clean",
+            commit="none",
+            unsaved=True,
+            note="late commit-end after a resume",
+        ),
     ]
 
     # --- clear-stale (Timers) -------------------------------------------------------------
@@ -404,28 +657,53 @@ def build_rows() -> tuple[Row, ...]:
     # --- timers ---------------------------------------------------------------------------
     t = "hold_expired"
     r += [
-        _accept(t, when=("hold_armed",), effects=(E.RELEASE_HELD, E.RECORD_HOLD_TIMEOUT),
-                actions=("hold_timeout",), barrier="serving", owner="none", hold_armed=False,
-                note="a quiesce left open resumes on its own"),
+        _accept(
+            t,
+            when=("hold_armed",),
+            effects=(E.RELEASE_HELD, E.RECORD_HOLD_TIMEOUT),
+            actions=("hold_timeout",),
+            barrier="serving",
+            owner="none",
+            hold_armed=False,
+            note="a quiesce left open resumes on its own",
+        ),
         _ignore(t, "the hold timer is not armed (a late timer)"),
     ]
     t = "watchdog_expired"
     r += [
-        _accept(t, when=("watchdog_armed", "commit_mine"),
-                effects=(E.REFUSE_HELD_TORN, E.RECORD_WATCHDOG), actions=("watchdog",),
-                weights="torn", watchdog_armed=False,
-                note="the holder may still end it late; its hold stays"),
-        _accept(t, when=("watchdog_armed",),
-                effects=(E.REFUSE_HELD_TORN, E.RELEASE_HELD, E.RECORD_WATCHDOG),
-                actions=("watchdog",), weights="torn", watchdog_armed=False,
-                barrier="serving", owner="none", note="an orphaned commit tears; nobody holds"),
+        _accept(
+            t,
+            when=("watchdog_armed", "commit_mine"),
+            effects=(E.REFUSE_HELD_TORN, E.RECORD_WATCHDOG),
+            actions=("watchdog",),
+            weights="torn",
+            watchdog_armed=False,
+            note="the holder may still end it late; its hold stays",
+        ),
+        _accept(
+            t,
+            when=("watchdog_armed",),
+            effects=(E.REFUSE_HELD_TORN, E.RELEASE_HELD, E.RECORD_WATCHDOG),
+            actions=("watchdog",),
+            weights="torn",
+            watchdog_armed=False,
+            barrier="serving",
+            owner="none",
+            note="an orphaned commit tears; nobody holds",
+        ),
         _ignore(t, "no commit is open (a late timer)"),
     ]
     t = "heartbeat_lapsed"
     r += [
-        _accept(t, when=("heartbeat_armed",), effects=(E.RECORD_STALE,), actions=("stale",),
-                attachment="stale", heartbeat_armed=False,
-                note="stale changes nothing about serving"),
+        _accept(
+            t,
+            when=("heartbeat_armed",),
+            effects=(E.RECORD_STALE,),
+            actions=("stale",),
+            attachment="stale",
+            heartbeat_armed=False,
+            note="stale changes nothing about serving",
+        ),
         _ignore(t, "no active attachment (a late timer)"),
     ]
 
@@ -438,8 +716,14 @@ def build_rows() -> tuple[Row, ...]:
         *_start_pause(t, "save", E.BEGIN_SAVE),
     ]
     r += [
-        *_give_back("save_done", "save", ok=True, sets={"unsaved": False}, actions=("save",),
-                    torn_fails=True),
+        *_give_back(
+            "save_done",
+            "save",
+            ok=True,
+            sets={"unsaved": False},
+            actions=("save",),
+            torn_fails=True,
+        ),
         _ignore("save_done", "no save holds the barrier"),
         *_give_back("save_failed", "save", ok=False),
         _ignore("save_failed", "no save holds the barrier"),
@@ -453,23 +737,43 @@ def build_rows() -> tuple[Row, ...]:
         _refuse(t, codes.WEIGHTS_NOT_CLEAN, when=("writing",), note="a commit is open"),
         *_pause_refusals(t),
         *_unavailable_refusals(t),
-        _refuse(t, codes.ALREADY_ATTACHED, when=("attached",), unless=("in_place",),
-                details="holder", note="a full reload is refused while attached"),
+        _refuse(
+            t,
+            codes.ALREADY_ATTACHED,
+            when=("attached",),
+            unless=("in_place",),
+            details="holder",
+            note="a full reload is refused while attached",
+        ),
         *_start_pause(t, "weights_load", E.BEGIN_WEIGHTS_LOAD, clears_commit=True),
     ]
     t = "weights_load_write"
     r += [
-        _accept(t, when=("quiesced", "held_by_weights_load"), unless=("writing",),
-                weights="writing"),
+        _accept(
+            t, when=("quiesced", "held_by_weights_load"), unless=("writing",), weights="writing"
+        ),
         _ignore(t, "no weights load holds the barrier"),
     ]
     loaded = {"weights": "clean", "unsaved": False, "adapter": False}
     r += [
-        *_give_back("weights_load_done", "weights_load", ok=True, sets=loaded, when=("writing",),
-                    actions=("load",), effects=(E.DROP_CACHE,)),
+        *_give_back(
+            "weights_load_done",
+            "weights_load",
+            ok=True,
+            sets=loaded,
+            when=("writing",),
+            actions=("load",),
+            effects=(E.DROP_CACHE,),
+        ),
         _ignore("weights_load_done", "no weights load is writing"),
-        *_give_back("weights_load_failed", "weights_load", ok=False, sets={"weights": "torn"},
-                    when=("writing",), effects=(E.REFUSE_HELD_TORN,)),
+        *_give_back(
+            "weights_load_failed",
+            "weights_load",
+            ok=False,
+            sets={"weights": "torn"},
+            when=("writing",),
+            effects=(E.REFUSE_HELD_TORN,),
+        ),
         *_give_back("weights_load_failed", "weights_load", ok=False),
         _ignore("weights_load_failed", "no weights load holds the barrier"),
     ]
@@ -485,11 +789,25 @@ def build_rows() -> tuple[Row, ...]:
         *_start_pause(t, "adapter", E.BEGIN_ADAPTER_CHANGE),
     ]
     r += [
-        *_give_back("adapter_done", "adapter", ok=True, sets={"adapter": True},
-                    when=("applies_adapter",), actions=("adapter",), effects=(E.DROP_CACHE,),
-                    torn_fails=True),
-        *_give_back("adapter_done", "adapter", ok=True, sets={"adapter": False},
-                    actions=("adapter",), effects=(E.DROP_CACHE,), torn_fails=True),
+        *_give_back(
+            "adapter_done",
+            "adapter",
+            ok=True,
+            sets={"adapter": True},
+            when=("applies_adapter",),
+            actions=("adapter",),
+            effects=(E.DROP_CACHE,),
+            torn_fails=True,
+        ),
+        *_give_back(
+            "adapter_done",
+            "adapter",
+            ok=True,
+            sets={"adapter": False},
+            actions=("adapter",),
+            effects=(E.DROP_CACHE,),
+            torn_fails=True,
+        ),
         _ignore("adapter_done", "no adapter change holds the barrier"),
         *_give_back("adapter_failed", "adapter", ok=False),
         _ignore("adapter_failed", "no adapter change holds the barrier"),
@@ -504,28 +822,57 @@ def build_rows() -> tuple[Row, ...]:
         ]
         if t == "model_load":
             r += [
-                _accept(t, when=("resident", "targets_resident"),
-                        note="loading the resident row is a no-op 200; torn stays torn"),
+                _accept(
+                    t,
+                    when=("resident", "targets_resident"),
+                    note="loading the resident row is a no-op 200; torn stays torn",
+                ),
                 _refuse(t, codes.WEIGHTS_TORN, when=("torn",), details="torn"),
             ]
         else:
-            r.append(_refuse(t, codes.MODEL_NOT_LOADED, unless=("resident",)))
+            r.append(_refuse(t, codes.MODEL_NOT_LOADED, unless=("resident",), status=409))
         r += [
-            _refuse(t, codes.MODEL_BUSY, when=("writing",),
-                    note="a cleared holder's commit is still open; the watchdog decides"),
-            _accept(t, effects=(start,),
-                    transition="load" if t == "model_load" else "unload"),
+            _refuse(
+                t,
+                codes.MODEL_BUSY,
+                when=("writing",),
+                note="a cleared holder's commit is still open; the watchdog decides",
+            ),
+            _accept(t, effects=(start,), transition="load" if t == "model_load" else "unload"),
         ]
-    fresh = {"weights": "clean", "commit": "none", "unsaved": False, "adapter": False,
-             "transition": "none"}
+    fresh = {
+        "weights": "clean",
+        "commit": "none",
+        "unsaved": False,
+        "adapter": False,
+        "transition": "none",
+    }
     r += [
-        _accept("transition_done", when=("loading",), effects=(E.DROP_CACHE,), actions=("load",),
-                resident=True, **fresh),
-        _accept("transition_done", when=("unloading",), actions=("unload",), resident=False,
-                **fresh, note="nothing resident is clean by construction"),
+        _accept(
+            "transition_done",
+            when=("loading",),
+            effects=(E.DROP_CACHE,),
+            actions=("load",),
+            resident=True,
+            **fresh,
+        ),
+        _accept(
+            "transition_done",
+            when=("unloading",),
+            actions=("unload",),
+            resident=False,
+            **fresh,
+            note="nothing resident is clean by construction",
+        ),
         _ignore("transition_done", "no model transition is in progress"),
-        _accept("transition_failed", when=("loading",), actions=("unload",), resident=False,
-                **fresh, note="a failed load or swap leaves nothing resident"),
+        _accept(
+            "transition_failed",
+            when=("loading",),
+            actions=("unload",),
+            resident=False,
+            **fresh,
+            note="a failed load or swap leaves nothing resident",
+        ),
         _accept("transition_failed", when=("unloading",), transition="none"),
         _ignore("transition_failed", "no model transition is in progress"),
     ]
@@ -533,10 +880,16 @@ def build_rows() -> tuple[Row, ...]:
     # --- settings change (contract 1: PATCH /api/settings) -----------------------------------
     t = "settings_change"
     r += [
-        _refuse(t, codes.MODEL_BUSY, unless=("serving",),
-                note="refused while the barrier is held or weights are writing"),
-        *[_accept(t, when=(f"sets_avail_{a}",), effects=(E.APPLY_SETTINGS,), avail=a)
-          for a in ("ok", "cbm", "concurrency")],
+        _refuse(
+            t,
+            codes.MODEL_BUSY,
+            unless=("serving",),
+            note="refused while the barrier is held or weights are writing",
+        ),
+        *[
+            _accept(t, when=(f"sets_avail_{a}",), effects=(E.APPLY_SETTINGS,), avail=a)
+            for a in ("ok", "cbm", "concurrency")
+        ],
     ]
 
     # --- /v1 admission (contract 4; weights page: States, Unsaved commits) -----------------
@@ -546,8 +899,13 @@ def build_rows() -> tuple[Row, ...]:
         _refuse(t, codes.WEIGHTS_TORN, when=(*res, "torn"), details="torn"),
         _refuse(t, codes.MODEL_BUSY, "model_transition", when=(*res, "in_transition")),
         _refuse(t, codes.QUEUE_FULL, when=(*res, "queue_full"), unless=("serving",)),
-        _accept(t, when=res, unless=("serving",), effects=(E.HOLD_REQUEST,),
-                note="held while draining, quiesced or writing"),
+        _accept(
+            t,
+            when=res,
+            unless=("serving",),
+            effects=(E.HOLD_REQUEST,),
+            note="held while draining, quiesced or writing",
+        ),
         _accept(t, when=res, effects=(E.ADMIT,)),
         _refuse(t, codes.MODEL_NOT_LOADED, when=("refuse_policy",), status=409),
         _refuse(t, codes.ALREADY_ATTACHED, when=("attached",), details="holder"),
@@ -556,18 +914,30 @@ def build_rows() -> tuple[Row, ...]:
         _refuse(t, codes.MODEL_BUSY, "model_transition", when=("in_transition",)),
         _refuse(t, codes.MODEL_BUSY, "model_transition", when=("held_by_pause",)),
         _refuse(t, codes.MODEL_BUSY, unless=("serving",)),
-        _accept(t, effects=(E.START_MODEL_LOAD, E.HOLD_REQUEST), transition="load",
-                note="auto-load (a swap when another model is resident)"),
+        _accept(
+            t,
+            effects=(E.START_MODEL_LOAD, E.HOLD_REQUEST),
+            transition="load",
+            note="auto-load (a swap when another model is resident)",
+        ),
     ]
 
     # --- a parameter's address moved (weights page: States) ------------------------------
     t = "address_moved"
     r += [
-        _accept(t, when=("attached", "commit_open"), effects=(E.REFUSE_HELD_TORN,),
-                weights="torn", commit="orphan", watchdog_armed=False, hold_armed=False,
-                note="no late commit-end can repair moved storage"),
-        _accept(t, when=("attached",), effects=(E.REFUSE_HELD_TORN,), weights="torn",
-                hold_armed=False),
+        _accept(
+            t,
+            when=("attached", "commit_open"),
+            effects=(E.REFUSE_HELD_TORN,),
+            weights="torn",
+            commit="orphan",
+            watchdog_armed=False,
+            hold_armed=False,
+            note="no late commit-end can repair moved storage",
+        ),
+        _accept(
+            t, when=("attached",), effects=(E.REFUSE_HELD_TORN,), weights="torn", hold_armed=False
+        ),
         _ignore(t, "nothing is exported"),
     ]
 

@@ -104,8 +104,9 @@ class CudaIpcStorage(msgspec.Struct, kw_only=True, tag_field="kind", tag="cuda_i
     event_sync_required: bool
 
 
-class CpuSharedMemoryStorage(msgspec.Struct, kw_only=True, tag_field="kind",
-                             tag="cpu_shared_memory"):
+class CpuSharedMemoryStorage(
+    msgspec.Struct, kw_only=True, tag_field="kind", tag="cpu_shared_memory"
+):
     """One CPU shared-memory storage (contract 8): the ``file_system`` strategy's
     ``(manager_handle, storage_handle, size)``, byte fields base64; devices are null."""
 

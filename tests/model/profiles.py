@@ -10,12 +10,21 @@ import os
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
-    "ci", max_examples=400, stateful_step_count=50, deadline=None, derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow], print_blob=True,
+    "ci",
+    max_examples=400,
+    stateful_step_count=50,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+    print_blob=True,
 )
 settings.register_profile(
-    "nightly", max_examples=5000, stateful_step_count=100, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow], print_blob=True,
+    "nightly",
+    max_examples=5000,
+    stateful_step_count=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    print_blob=True,
 )
 
 

@@ -80,8 +80,11 @@ class Reference:
             return refused(401, "WEIGHTS_UNAUTHORIZED")
         if route == "clear_stale" and caller.token != "operator":
             return refused(403, "WEIGHTS_FORBIDDEN")  # "operator token only"
-        holder = (self.att is not None and caller.label == self.att.label
-                  and caller.attachment_id == self.att.id)
+        holder = (
+            self.att is not None
+            and caller.label == self.att.label
+            and caller.attachment_id == self.att.id
+        )
         if route == "weights_load":
             # contract 5: "while attached, a trainer token must be the holder"
             if self.att is not None and caller.token == "trainer" and not holder:
@@ -328,7 +331,8 @@ class Reference:
         if self.transition is not None or self.pause in PAUSES:
             return refused(409, "MODEL_BUSY", "model_transition")
         if not self.resident:
-            return refused(400, "MODEL_NOT_LOADED")
+            # the management API answers an unload with nothing resident 409 (http/management)
+            return refused(409, "MODEL_NOT_LOADED")
         if self.weights == "writing":
             return refused(409, "MODEL_BUSY")
         self.transition = "unload"  # "A management unload is allowed" while torn

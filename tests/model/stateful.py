@@ -25,10 +25,25 @@ TIMINGS = (
     (5.0, 800.0, 30.0, 0.25),  # drains time out
 )
 
-GATED = ("detach", "heartbeat", "quiesce", "resume", "commit_begin", "commit_end",
-         "clear_stale", "save", "weights_load")
-WHO = ("holder",) * 8 + ("none", "invalid", "wrong_id", "other_label", "operator_header",
-                         "operator")
+GATED = (
+    "detach",
+    "heartbeat",
+    "quiesce",
+    "resume",
+    "commit_begin",
+    "commit_end",
+    "clear_stale",
+    "save",
+    "weights_load",
+)
+WHO = ("holder",) * 8 + (
+    "none",
+    "invalid",
+    "wrong_id",
+    "other_label",
+    "operator_header",
+    "operator",
+)
 TOKENS = {"t": "trainer", "t2": "trainer", "op": "operator"}
 
 
@@ -57,8 +72,9 @@ def _same(out: Outcome, ref: Reply, what: str) -> None:
     assert got == want, f"{what}: core {got} ({out.row}), reference {want}"
     assert _pending(out) == ref.pending, f"{what}: pending core {_pending(out)} ref {ref.pending}"
     if out.trigger == "v1" and out.kind == "accepted":
-        assert _admission(out) == ref.admission, f"{what}: core {_admission(out)} ({out.row}) " \
-                                                 f"reference {ref.admission}"
+        assert _admission(out) == ref.admission, (
+            f"{what}: core {_admission(out)} ({out.row}) reference {ref.admission}"
+        )
 
 
 def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
@@ -73,11 +89,17 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
         def configure(self, timing: tuple[float, float, float, float]) -> None:
             hold, watchdog_ms, heartbeat, drain = timing
             counter = iter(range(1, 10**9))
-            self.core = Lifecycle(hold_timeout_s=hold, watchdog_ms=watchdog_ms,
-                                  heartbeat_timeout_s=heartbeat, drain_timeout_s=drain,
-                                  table=table, id_factory=lambda: f"att-{next(counter)}")
-            self.ref = Reference(hold_s=hold, watchdog_s=watchdog_ms / 1000.0,
-                                 heartbeat_s=heartbeat, drain_s=drain)
+            self.core = Lifecycle(
+                hold_timeout_s=hold,
+                watchdog_ms=watchdog_ms,
+                heartbeat_timeout_s=heartbeat,
+                drain_timeout_s=drain,
+                table=table,
+                id_factory=lambda: f"att-{next(counter)}",
+            )
+            self.ref = Reference(
+                hold_s=hold, watchdog_s=watchdog_ms / 1000.0, heartbeat_s=heartbeat, drain_s=drain
+            )
 
         # --- helpers ----------------------------------------------------------------
         def caller(self, who: str) -> Caller:
@@ -101,48 +123,62 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
             _same(out, ref, f"t={self.now:g} {event.short()}")
 
         # --- rules --------------------------------------------------------------------
-        @initialize(resident=st.sampled_from([True, True, True, False]),
-                    timing=st.sampled_from(TIMINGS))
+        @initialize(
+            resident=st.sampled_from([True, True, True, False]), timing=st.sampled_from(TIMINGS)
+        )
         def start(self, resident: bool, timing: tuple[float, float, float, float]) -> None:
             self.configure(timing)
             if resident:  # begin with a model resident (the usual start)
-                self.both(Event("model_load", target="other"), lambda: self.ref.model_load(
-                    self.now, "other"))
+                self.both(
+                    Event("model_load", target="other"),
+                    lambda: self.ref.model_load(self.now, "other"),
+                )
                 self.both(Event("transition_done"), lambda: self.ref.transition_done(self.now))
 
-        @rule(token=st.sampled_from(["t", "t", "t2", "op", "none"]),
-              not_attachable=st.sampled_from([None] * 8 + ["gguf", "quantized", "dtype",
-                                                            "not_on_gpu", "allocator"]))
+        @rule(
+            token=st.sampled_from(["t", "t", "t2", "op", "none"]),
+            not_attachable=st.sampled_from(
+                [None] * 8 + ["gguf", "quantized", "dtype", "not_on_gpu", "allocator"]
+            ),
+        )
         def attach(self, token: str, not_attachable: str | None) -> None:
             caller = Caller(TOKENS[token], token) if token in TOKENS else Caller("none")  # type: ignore[arg-type]
-            self.both(Event("attach", caller=caller, not_attachable=not_attachable),
-                      lambda: self.ref.attach(caller, self.now, not_attachable))
+            self.both(
+                Event("attach", caller=caller, not_attachable=not_attachable),
+                lambda: self.ref.attach(caller, self.now, not_attachable),
+            )
 
-        @rule(route=st.sampled_from(GATED), who=st.sampled_from(WHO),
-              flag=st.booleans())
+        @rule(route=st.sampled_from(GATED), who=st.sampled_from(WHO), flag=st.booleans())
         def gated(self, route: str, who: str, flag: bool) -> None:
             caller = self.caller(who)
             if route == "quiesce":
                 full = flag and who == "holder" and self.now > 50.0  # rarely a full queue
-                self.both(Event(route, caller=caller, queue_full=full),
-                          lambda: self.ref.quiesce(caller, self.now, full))
+                self.both(
+                    Event(route, caller=caller, queue_full=full),
+                    lambda: self.ref.quiesce(caller, self.now, full),
+                )
             elif route == "weights_load":
-                self.both(Event(route, caller=caller, in_place=flag),
-                          lambda: self.ref.weights_load(caller, self.now, flag))
+                self.both(
+                    Event(route, caller=caller, in_place=flag),
+                    lambda: self.ref.weights_load(caller, self.now, flag),
+                )
             else:
-                self.both(Event(route, caller=caller),
-                          lambda: getattr(self.ref, route)(caller, self.now))
+                self.both(
+                    Event(route, caller=caller), lambda: getattr(self.ref, route)(caller, self.now)
+                )
 
-        @rule(kind=st.sampled_from(["quiesce", "quiesce", "save", "weights_load",
-                                    "adapter_change"]),
-              then=st.sampled_from(["drained", "commit", "done", "nothing", "tear", "stale"]))
+        @rule(
+            kind=st.sampled_from(["quiesce", "quiesce", "save", "weights_load", "adapter_change"]),
+            then=st.sampled_from(["drained", "commit", "done", "nothing", "tear", "stale"]),
+        )
         def macro(self, kind: str, then: str) -> None:
             """A few events in a row, so that deep states are reached often: a pause that
             drains, then maybe a commit cycle or the pause's completion (each step compared)."""
             if self.ref.att is None:
                 trainer = Caller("trainer", "t")
-                self.both(Event("attach", caller=trainer),
-                          lambda: self.ref.attach(trainer, self.now))
+                self.both(
+                    Event("attach", caller=trainer), lambda: self.ref.attach(trainer, self.now)
+                )
             if then == "stale" and self.ref.att is not None:
                 self.now = self.ref.deadlines.get("heartbeat", self.now)  # let it lapse
                 self.advance("small", 0.0)
@@ -152,98 +188,165 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
             elif kind == "quiesce":
                 self.both(Event(kind, caller=holder), lambda: self.ref.quiesce(holder, self.now))
             else:
-                self.both(Event(kind, caller=holder),
-                          lambda: getattr(self.ref, kind)(holder, self.now))
+                self.both(
+                    Event(kind, caller=holder), lambda: getattr(self.ref, kind)(holder, self.now)
+                )
             if then == "nothing":
                 return
             self.both(Event("drained"), lambda: self.ref.drained(self.now))
             if then in ("commit", "tear", "stale"):
-                self.both(Event("commit_begin", caller=holder),
-                          lambda: self.ref.commit_begin(holder, self.now))
+                self.both(
+                    Event("commit_begin", caller=holder),
+                    lambda: self.ref.commit_begin(holder, self.now),
+                )
                 if then == "tear":  # jump to the watchdog's deadline
                     self.advance("at", 0.0)
                 elif then == "stale":  # stale mid-commit: clear it, then try to attach
                     operator = self.caller("operator")
-                    self.both(Event("clear_stale", caller=operator),
-                              lambda: self.ref.clear_stale(operator, self.now))
+                    self.both(
+                        Event("clear_stale", caller=operator),
+                        lambda: self.ref.clear_stale(operator, self.now),
+                    )
                     other = Caller("trainer", "t2")
-                    self.both(Event("attach", caller=other),
-                              lambda: self.ref.attach(other, self.now))
+                    self.both(
+                        Event("attach", caller=other), lambda: self.ref.attach(other, self.now)
+                    )
             elif then == "done":
-                done = {"quiesce": ("commit_end", None), "save": ("save_done", "save"),
-                        "weights_load": ("weights_load_write", None),
-                        "adapter_change": ("adapter_done", "adapter")}[kind]
+                done = {
+                    "quiesce": ("commit_end", None),
+                    "save": ("save_done", "save"),
+                    "weights_load": ("weights_load_write", None),
+                    "adapter_change": ("adapter_done", "adapter"),
+                }[kind]
                 if done[0] == "commit_end":
-                    self.both(Event("commit_begin", caller=holder),
-                              lambda: self.ref.commit_begin(holder, self.now))
-                    self.both(Event("commit_end", caller=holder),
-                              lambda: self.ref.commit_end(holder, self.now))
+                    self.both(
+                        Event("commit_begin", caller=holder),
+                        lambda: self.ref.commit_begin(holder, self.now),
+                    )
+                    self.both(
+                        Event("commit_end", caller=holder),
+                        lambda: self.ref.commit_end(holder, self.now),
+                    )
                 elif done[0] == "weights_load_write":
-                    self.both(Event("weights_load_write"),
-                              lambda: self.ref.weights_load_write(self.now))
+                    self.both(
+                        Event("weights_load_write"), lambda: self.ref.weights_load_write(self.now)
+                    )
                 else:
-                    self.both(Event(done[0]),
-                              lambda: self.ref.finish(done[1], self.now, True))
+                    self.both(Event(done[0]), lambda: self.ref.finish(done[1], self.now, True))
 
-        @rule(which=st.sampled_from(["drained", "drained", "save_done", "save_failed",
-                                     "weights_load_write", "weights_load_done",
-                                     "weights_load_failed", "adapter_done", "adapter_removed",
-                                     "adapter_failed", "transition_done", "transition_failed",
-                                     "address_moved"]))
+        @rule(
+            which=st.sampled_from(
+                [
+                    "drained",
+                    "drained",
+                    "save_done",
+                    "save_failed",
+                    "weights_load_write",
+                    "weights_load_done",
+                    "weights_load_failed",
+                    "adapter_done",
+                    "adapter_removed",
+                    "adapter_failed",
+                    "transition_done",
+                    "transition_failed",
+                    "address_moved",
+                ]
+            )
+        )
         def completion(self, which: str) -> None:
             ref, now = self.ref, self.now
             calls = {
                 "drained": (Event("drained"), lambda: ref.drained(now)),
                 "save_done": (Event("save_done"), lambda: ref.finish("save", now, True)),
                 "save_failed": (Event("save_failed"), lambda: ref.finish("save", now, False)),
-                "weights_load_write": (Event("weights_load_write"),
-                                       lambda: ref.weights_load_write(now)),
-                "weights_load_done": (Event("weights_load_done"),
-                                      lambda: ref.weights_load_done(now)),
-                "weights_load_failed": (Event("weights_load_failed"),
-                                        lambda: ref.weights_load_failed(now)),
-                "adapter_done": (Event("adapter_done", applied=True),
-                                 lambda: ref.finish("adapter", now, True, True)),
-                "adapter_removed": (Event("adapter_done", applied=False),
-                                    lambda: ref.finish("adapter", now, True, False)),
-                "adapter_failed": (Event("adapter_failed"),
-                                   lambda: ref.finish("adapter", now, False)),
+                "weights_load_write": (
+                    Event("weights_load_write"),
+                    lambda: ref.weights_load_write(now),
+                ),
+                "weights_load_done": (
+                    Event("weights_load_done"),
+                    lambda: ref.weights_load_done(now),
+                ),
+                "weights_load_failed": (
+                    Event("weights_load_failed"),
+                    lambda: ref.weights_load_failed(now),
+                ),
+                "adapter_done": (
+                    Event("adapter_done", applied=True),
+                    lambda: ref.finish("adapter", now, True, True),
+                ),
+                "adapter_removed": (
+                    Event("adapter_done", applied=False),
+                    lambda: ref.finish("adapter", now, True, False),
+                ),
+                "adapter_failed": (
+                    Event("adapter_failed"),
+                    lambda: ref.finish("adapter", now, False),
+                ),
                 "transition_done": (Event("transition_done"), lambda: ref.transition_done(now)),
-                "transition_failed": (Event("transition_failed"),
-                                      lambda: ref.transition_done(now, failed=True)),
+                "transition_failed": (
+                    Event("transition_failed"),
+                    lambda: ref.transition_done(now, failed=True),
+                ),
                 "address_moved": (Event("address_moved"), lambda: ref.address_moved(now)),
             }
             event, call = calls[which]
             self.both(event, call)
 
-        @rule(which=st.sampled_from(["adapter_change", "model_load_other", "model_load_resident",
-                                     "model_unload", "settings_ok", "settings_ok",
-                                     "settings_cbm", "settings_concurrency"]))
+        @rule(
+            which=st.sampled_from(
+                [
+                    "adapter_change",
+                    "model_load_other",
+                    "model_load_resident",
+                    "model_unload",
+                    "settings_ok",
+                    "settings_ok",
+                    "settings_cbm",
+                    "settings_concurrency",
+                ]
+            )
+        )
         def management(self, which: str) -> None:
             ref, now = self.ref, self.now
             if which == "adapter_change":
                 self.both(Event("adapter_change"), lambda: ref.adapter_change(now))
             elif which.startswith("model_load"):
                 target = which.removeprefix("model_load_")
-                self.both(Event("model_load", target=target),  # type: ignore[arg-type]
-                          lambda: ref.model_load(now, target))
+                self.both(
+                    Event("model_load", target=target),  # type: ignore[arg-type]
+                    lambda: ref.model_load(now, target),
+                )
             elif which == "model_unload":
                 self.both(Event("model_unload"), lambda: ref.model_unload(now))
             else:
                 avail = which.removeprefix("settings_")
-                self.both(Event("settings_change", avail=avail),  # type: ignore[arg-type]
-                          lambda: ref.settings_change(now, avail))
+                self.both(
+                    Event("settings_change", avail=avail),  # type: ignore[arg-type]
+                    lambda: ref.settings_change(now, avail),
+                )
 
-        @rule(names=st.sampled_from(["resident", "resident", "other"]),
-              refuse_policy=st.booleans(), queue_full=st.booleans())
+        @rule(
+            names=st.sampled_from(["resident", "resident", "other"]),
+            refuse_policy=st.booleans(),
+            queue_full=st.booleans(),
+        )
         def v1(self, names: str, refuse_policy: bool, queue_full: bool) -> None:
             full = queue_full and refuse_policy  # a full queue about a quarter of the time
-            self.both(Event("v1", target=names, refuse_policy=refuse_policy,  # type: ignore[arg-type]
-                            queue_full=full),
-                      lambda: self.ref.v1(self.now, names, refuse_policy, full))
+            self.both(
+                Event(
+                    "v1",
+                    target=names,
+                    refuse_policy=refuse_policy,  # type: ignore[arg-type]
+                    queue_full=full,
+                ),
+                lambda: self.ref.v1(self.now, names, refuse_policy, full),
+            )
 
-        @rule(where=st.sampled_from(["at", "before", "after", "small", "large"]),
-              small=st.floats(min_value=0.0, max_value=2.0))
+        @rule(
+            where=st.sampled_from(["at", "before", "after", "small", "large"]),
+            small=st.floats(min_value=0.0, max_value=2.0),
+        )
         def advance(self, where: str, small: float) -> None:
             """Jump the fake clock, biased to the exact deadline and just either side of it."""
             deadline = self.ref.next_deadline()
@@ -258,16 +361,29 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
             ref_outs = self.ref.fire_due(self.now)
             got = [(o.kind == "refused", _pending(o)) for o in core_outs if o.kind != "ignored"]
             want = [(r.kind == "refused", r.pending) for r in ref_outs]
-            assert got == want, f"t={self.now:g} timers: core {[o.row for o in core_outs]} " \
-                                f"{got}, reference {want}"
+            assert got == want, (
+                f"t={self.now:g} timers: core {[o.row for o in core_outs]} {got}, reference {want}"
+            )
 
         @invariant()
         def status_agrees(self) -> None:
             view = self.core.status_view(self.now)
-            core = {k: view[k] for k in ("weights_state", "barrier", "draining", "pause_owner",
-                                         "attached", "steps_since_load", "unsaved_commits",
-                                         "pause_unavailable", "adapter_applied",
-                                         "model_transition", "hold_deadline")}
+            core = {
+                k: view[k]
+                for k in (
+                    "weights_state",
+                    "barrier",
+                    "draining",
+                    "pause_owner",
+                    "attached",
+                    "steps_since_load",
+                    "unsaved_commits",
+                    "pause_unavailable",
+                    "adapter_applied",
+                    "model_transition",
+                    "hold_deadline",
+                )
+            }
             core["attachment_state"] = view["attachment"]["state"] if view["attachment"] else None
             want = self.ref.view()
             diff = {k: (core[k], want[k]) for k in want if core[k] != want[k]}
@@ -277,6 +393,7 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
         def deadlines_agree(self) -> None:
             assert self.core.next_deadline() == self.ref.next_deadline(), (
                 f"next deadline core {self.core.next_deadline()} "
-                f"reference {self.ref.next_deadline()}")
+                f"reference {self.ref.next_deadline()}"
+            )
 
     return LifecycleVersusReference

@@ -57,8 +57,9 @@ def test_cli_check_prints_counts_and_exits_zero(capsys: pytest.CaptureFixture[st
     assert "[ ok ] one_attachment_at_most" in out
 
 
-def test_cli_check_json(report: Report, capsys: pytest.CaptureFixture[str],
-                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_check_json(
+    report: Report, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import miserver.fsm.check as check_module
 
     monkeypatch.setattr(check_module, "check", lambda: report)  # the same run, printed as JSON

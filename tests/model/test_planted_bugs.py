@@ -17,8 +17,13 @@ from miserver.spec import codes
 from tests.model.stateful import make_machine
 
 
-def _find(trigger: str, *, kind: str | None = None, when: tuple[str, ...] | None = None,
-          code: str | None = None) -> Row:
+def _find(
+    trigger: str,
+    *,
+    kind: str | None = None,
+    when: tuple[str, ...] | None = None,
+    code: str | None = None,
+) -> Row:
     for row in TABLE:
         if row.trigger != trigger:
             continue
@@ -168,9 +173,15 @@ def test_swapped_refusal_order_passes_the_invariants_but_fails_the_stateful_test
     assert check(table).violations == []
     # ... but the reference model, written from the spec's sentences, disagrees.
     machine = make_machine(table)
-    profile = settings(max_examples=300, stateful_step_count=8, deadline=None,
-                       derandomize=True, database=None, phases=(Phase.generate, Phase.shrink),
-                       suppress_health_check=[HealthCheck.too_slow])
+    profile = settings(
+        max_examples=300,
+        stateful_step_count=8,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=(Phase.generate, Phase.shrink),
+        suppress_health_check=[HealthCheck.too_slow],
+    )
     with pytest.raises(AssertionError) as err:
         run_state_machine_as_test(machine, settings=profile)
     assert "WEIGHTS_NOT_CLEAN" in str(err.value) and "ALREADY_QUIESCED" in str(err.value)

@@ -26,9 +26,20 @@ WEIGHTS_PAGE = {
     "ATTACHMENT_NOT_STALE": (409, ()),
     "WEIGHTS_TORN": (503, ()),
     "WEIGHTS_UNSAVED": (409, ()),
-    "NOT_ATTACHABLE": (400, ("gguf", "quantized", "dtype", "not_on_gpu", "allocator",
-                             "continuous_batching_running", "concurrency", "model_transition",
-                             "weights_writing")),
+    "NOT_ATTACHABLE": (
+        400,
+        (
+            "gguf",
+            "quantized",
+            "dtype",
+            "not_on_gpu",
+            "allocator",
+            "continuous_batching_running",
+            "concurrency",
+            "model_transition",
+            "weights_writing",
+        ),
+    ),
 }
 
 

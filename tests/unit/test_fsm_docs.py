@@ -17,7 +17,8 @@ def rendered() -> dict[str, str]:
 def test_committed_state_machine_doc_is_fresh(rendered: dict[str, str]) -> None:
     committed = (docs_gen.REPO_ROOT / "docs/state-machine.md").read_text(encoding="utf-8")
     assert committed == rendered["docs/state-machine.md"], (
-        "docs/state-machine.md is stale: run `miserver docs` and commit the result")
+        "docs/state-machine.md is stale: run `miserver docs` and commit the result"
+    )
 
 
 def test_doc_has_diagrams_and_one_table_line_per_row(rendered: dict[str, str]) -> None:

@@ -100,7 +100,10 @@ def test_drain_timeout_answers_model_busy_and_holds_nothing() -> None:
     core.handle(Event("quiesce", caller=T), 0.0)
     (out,) = core.fire_due(60.0)
     assert (out.pending.status, out.pending.code.name, out.pending.reason) == (
-        409, "MODEL_BUSY", "drain_timeout")
+        409,
+        "MODEL_BUSY",
+        "drain_timeout",
+    )
     assert Effect.RELEASE_HELD in out.effects and core.state.barrier == "serving"
 
 
@@ -114,33 +117,48 @@ def test_resume_while_draining_is_not_quiesced_quiesce_in_progress() -> None:
 
 def test_auth_check_order() -> None:
     core = fresh()
-    assert core.handle(Event("quiesce", caller=Caller("none")), 0).code.name == \
-        "WEIGHTS_UNAUTHORIZED"
+    assert (
+        core.handle(Event("quiesce", caller=Caller("none")), 0).code.name == "WEIGHTS_UNAUTHORIZED"
+    )
     assert core.handle(Event("quiesce", caller=T), 0).code.name == "NOT_ATTACHED"
     core.handle(Event("attach", caller=Caller("trainer", "t")), 0)
     other = Caller("trainer", "t2", "att-1")
     assert core.handle(Event("quiesce", caller=other), 0).code.name == "NOT_ATTACHMENT_HOLDER"
     no_header = Caller("trainer", "t", None)
-    assert core.handle(Event("quiesce", caller=no_header), 0).code.name == \
-        "NOT_ATTACHMENT_HOLDER"
+    assert core.handle(Event("quiesce", caller=no_header), 0).code.name == "NOT_ATTACHMENT_HOLDER"
     assert core.handle(Event("clear_stale", caller=T), 0).code.name == "WEIGHTS_FORBIDDEN"
     assert core.handle(Event("clear_stale", caller=OP), 0).code.name == "ATTACHMENT_NOT_STALE"
 
 
 def test_check_order_is_data_in_the_spec_s_order() -> None:
     assert check_order("quiesce") == (
-        ("WEIGHTS_UNAUTHORIZED", None), ("NOT_ATTACHED", None), ("NOT_ATTACHMENT_HOLDER", None),
-        ("WEIGHTS_NOT_CLEAN", None), ("ALREADY_QUIESCED", None),
-        ("PAUSE_IN_PROGRESS", "save"), ("PAUSE_IN_PROGRESS", "weights_load"),
-        ("PAUSE_IN_PROGRESS", "adapter"), ("BARRIER_UNAVAILABLE", "cbm"),
-        ("BARRIER_UNAVAILABLE", "concurrency"), ("QUEUE_FULL", None))
+        ("WEIGHTS_UNAUTHORIZED", None),
+        ("NOT_ATTACHED", None),
+        ("NOT_ATTACHMENT_HOLDER", None),
+        ("WEIGHTS_NOT_CLEAN", None),
+        ("ALREADY_QUIESCED", None),
+        ("PAUSE_IN_PROGRESS", "save"),
+        ("PAUSE_IN_PROGRESS", "weights_load"),
+        ("PAUSE_IN_PROGRESS", "adapter"),
+        ("BARRIER_UNAVAILABLE", "cbm"),
+        ("BARRIER_UNAVAILABLE", "concurrency"),
+        ("QUEUE_FULL", None),
+    )
     assert check_order("clear_stale")[:4] == (
-        ("WEIGHTS_UNAUTHORIZED", None), ("WEIGHTS_FORBIDDEN", None), ("NOT_ATTACHED", None),
-        ("ATTACHMENT_NOT_STALE", None))
+        ("WEIGHTS_UNAUTHORIZED", None),
+        ("WEIGHTS_FORBIDDEN", None),
+        ("NOT_ATTACHED", None),
+        ("ATTACHMENT_NOT_STALE", None),
+    )
     # contract 4: refuse policy, attached, torn, unsaved, a transition in progress
     assert check_order("v1")[3:] == (
-        ("MODEL_NOT_LOADED", None), ("ALREADY_ATTACHED", None), ("WEIGHTS_TORN", None),
-        ("WEIGHTS_UNSAVED", None), ("MODEL_BUSY", "model_transition"), ("MODEL_BUSY", None))
+        ("MODEL_NOT_LOADED", None),
+        ("ALREADY_ATTACHED", None),
+        ("WEIGHTS_TORN", None),
+        ("WEIGHTS_UNSAVED", None),
+        ("MODEL_BUSY", "model_transition"),
+        ("MODEL_BUSY", None),
+    )
 
 
 def test_a_refusal_changes_nothing() -> None:
@@ -188,8 +206,11 @@ def test_save_takes_over_the_hold_and_gives_it_back_with_the_timer_restarted() -
     done = core.handle(Event("save_done", name="smol-step1-abcdef12"), 3.0)
     assert done.pending.status == 200 and core.state.owner == "holder"
     assert core.context.hold_deadline == 8.0 and core.unsaved_commits == 0
-    assert core.status_view()["served"] == {"name": "smol-step1-abcdef12",
-                                            "origin": "checkpoint", "commits": 0}
+    assert core.status_view()["served"] == {
+        "name": "smol-step1-abcdef12",
+        "origin": "checkpoint",
+        "commits": 0,
+    }
 
 
 def test_weights_load_recovers_torn() -> None:

@@ -14,21 +14,58 @@ def _fields(struct: type) -> list[str]:
 
 def test_field_names_are_the_weights_page_s() -> None:
     assert _fields(w.AttachResponse) == [
-        "attachment_id", "model", "weights_state", "steps_since_load", "heartbeat", "producer",
-        "storages", "parameters", "release", "config"]
+        "attachment_id",
+        "model",
+        "weights_state",
+        "steps_since_load",
+        "heartbeat",
+        "producer",
+        "storages",
+        "parameters",
+        "release",
+        "config",
+    ]
     assert _fields(w.QuiesceResponse) == [
-        "held_requests", "held_batch_chunks", "weights_state", "quiesced_at", "hold_deadline"]
-    assert _fields(w.CommitEndResponse) == ["weights_state", "steps_since_load", "commit_ms",
-                                            "overran"]
-    assert _fields(w.HeartbeatResponse) == ["attachment_state", "timeout_s", "interval_hint_s",
-                                            "weights_state"]
+        "held_requests",
+        "held_batch_chunks",
+        "weights_state",
+        "quiesced_at",
+        "hold_deadline",
+    ]
+    assert _fields(w.CommitEndResponse) == [
+        "weights_state",
+        "steps_since_load",
+        "commit_ms",
+        "overran",
+    ]
+    assert _fields(w.HeartbeatResponse) == [
+        "attachment_state",
+        "timeout_s",
+        "interval_hint_s",
+        "weights_state",
+    ]
     assert _fields(w.ClearStaleResponse) == ["cleared", "weights_state", "barrier"]
     assert _fields(w.CommitInfo) == ["began_at", "open_ms", "watchdog_ms", "overran"]
     status = _fields(w.StatusResponse)
-    for name in ("attached", "attachment", "barrier", "quiesced_at", "held_requests",
-                 "weights_state", "resident_model", "steps_since_load", "last_save", "commit",
-                 "commit_overran", "last_hold_timeout_at", "last_overrun", "pause_unavailable",
-                 "adapter", "cuda_memory", "exports_since_start"):
+    for name in (
+        "attached",
+        "attachment",
+        "barrier",
+        "quiesced_at",
+        "held_requests",
+        "weights_state",
+        "resident_model",
+        "steps_since_load",
+        "last_save",
+        "commit",
+        "commit_overran",
+        "last_hold_timeout_at",
+        "last_overrun",
+        "pause_unavailable",
+        "adapter",
+        "cuda_memory",
+        "exports_since_start",
+    ):
         assert name in status
     assert "attachment_id" not in status and "attachment_id" not in _fields(w.AttachmentInfo)
 
@@ -47,8 +84,14 @@ def test_requests_refuse_unknown_fields_and_load_needs_exactly_one_source() -> N
 
 
 def test_storage_entries_are_tagged_by_kind() -> None:
-    body = {"kind": "cpu_shared_memory", "manager_handle": "bQ==", "storage_handle": "cw==",
-            "storage_size_bytes": 4, "device_index": None, "device_uuid": None}
+    body = {
+        "kind": "cpu_shared_memory",
+        "manager_handle": "bQ==",
+        "storage_handle": "cw==",
+        "storage_size_bytes": 4,
+        "device_index": None,
+        "device_uuid": None,
+    }
     entry = msgspec.convert(body, w.CudaIpcStorage | w.CpuSharedMemoryStorage)
     assert isinstance(entry, w.CpuSharedMemoryStorage)
     assert msgspec.to_builtins(entry)["kind"] == "cpu_shared_memory"
@@ -56,10 +99,13 @@ def test_storage_entries_are_tagged_by_kind() -> None:
 
 def test_storage_and_parameter_fields_match_the_ipc_exporter() -> None:
     export = pytest.importorskip("miserver.ipc.export")
-    for ours, theirs in ((w.CudaIpcStorage, export.CudaIpcStorage),
-                         (w.CpuSharedMemoryStorage, export.CpuSharedMemoryStorage),
-                         (w.ParameterEntry, export.ParameterEntry),
-                         (w.Producer, export.Producer), (w.Release, export.Release)):
+    for ours, theirs in (
+        (w.CudaIpcStorage, export.CudaIpcStorage),
+        (w.CpuSharedMemoryStorage, export.CpuSharedMemoryStorage),
+        (w.ParameterEntry, export.ParameterEntry),
+        (w.Producer, export.Producer),
+        (w.Release, export.Release),
+    ):
         assert _fields(ours) == _fields(theirs), ours.__name__
 
 

@@ -1,7 +1,7 @@
 """``miserver docs``: regenerate the generated documents from their sources.
 
 Each generator maps a path (relative to the repository root) to a function returning the file's
-text. A later issue adds the JSON schema (``docs/schemas/millm-weights-api-v1.json``) here.
+text: the state machine page and the weights API's JSON schema.
 Tests compare the committed files with :func:`render_all` so a stale file fails CI.
 """
 
@@ -20,9 +20,16 @@ def _state_machine() -> str:
     return render()
 
 
+def _weights_schema() -> str:
+    from miserver.spec.schema import render
+
+    return render()
+
+
 #: path relative to the repository root -> generator
 GENERATORS: dict[str, Callable[[], str]] = {
     "docs/state-machine.md": _state_machine,
+    "docs/schemas/millm-weights-api-v1.json": _weights_schema,
 }
 
 

@@ -9,6 +9,9 @@ weights lifecycle on the same registry through :attr:`Metrics.registry`.
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -68,6 +71,53 @@ class Metrics:
         self.resident = Gauge(
             "miserver_model_resident", "1 for the resident model's catalogue name", ["name"],
             registry=r)
+        # The weights barrier (contract 9), fed by the lifecycle's outcomes.
+        self.barrier_holds = Counter(
+            "miserver_barrier_holds", "Barrier holds (a quiesce or another pause took it)",
+            registry=r)
+        self.barrier_hold_seconds = Histogram(
+            "miserver_barrier_hold_seconds", "How long serving was held, per hold",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120), registry=r)
+        self.commit_seconds = Histogram(
+            "miserver_commit_seconds", "Commit durations (commit-begin to commit-end)",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 2, 10), registry=r)
+        self.watchdog_expiries = Counter(
+            "miserver_watchdog_expiries", "Commits torn by the watchdog", registry=r)
+        self.hold_timeouts = Counter(
+            "miserver_hold_timeouts", "Quiesces that resumed on their own", registry=r)
+        self.attachments = Counter(
+            "miserver_attachments", "Attach, detach and clear-stale calls accepted", ["event"],
+            registry=r)
+        self.weights_calls = Counter(
+            "miserver_weights_calls", "Lifecycle events, by trigger and outcome",
+            ["trigger", "outcome", "code"], registry=r)
+        self.pinned_bytes = Gauge(
+            "miserver_pinned_bytes", "GPU/shared memory the last export pinned (release.pinned_bytes)",
+            registry=r)
+        self._hold_started: float | None = None
+
+    def lifecycle_event(self, out: Any) -> None:
+        """Record one lifecycle :class:`~miserver.fsm.machine.Outcome` (contract 9)."""
+        code = out.code.name if out.code is not None else ""
+        self.weights_calls.labels(trigger=out.trigger, outcome=out.kind, code=code).inc()
+        if out.kind != "accepted":
+            return
+        before, after = out.before.barrier, out.after.barrier
+        if before == "serving" and after != "serving":
+            self.barrier_holds.inc()
+            self._hold_started = time.monotonic()
+        elif before != "serving" and after == "serving" and self._hold_started is not None:
+            self.barrier_hold_seconds.observe(time.monotonic() - self._hold_started)
+            self._hold_started = None
+        commit_ms = out.details.get("commit_ms") if out.details else None
+        if commit_ms is not None:
+            self.commit_seconds.observe(commit_ms / 1000.0)
+        if out.trigger == "watchdog_expired":
+            self.watchdog_expiries.inc()
+        elif out.trigger == "hold_expired":
+            self.hold_timeouts.inc()
+        elif out.trigger in ("attach", "detach", "clear_stale"):
+            self.attachments.labels(event=out.trigger).inc()
 
     def set_resident(self, name: str | None) -> None:
         """Record the resident row's name (None: nothing resident)."""

@@ -343,6 +343,8 @@ class WeightsRuntime:
             raise ApiError(codes.INTERNAL_ERROR, "the resident model has no parameter arena")
         body = export_handles(arena, resident.model)
         self.last_export = body
+        if self.metrics is not None:
+            self.metrics.pinned_bytes.set(body.release.pinned_bytes)
         return body
 
     def not_attachable_reason(self) -> str | None:

@@ -225,3 +225,16 @@ async def test_settings_change_is_model_busy_while_the_barrier_is_held(client):
     st, body, _ = await post(client, "/api/weights/quiesce", auth(TRN, att))
     assert st == 409 and body["error"]["code"] == "BARRIER_UNAVAILABLE"
     assert body["error"]["reason"] == "concurrency"
+
+
+async def test_metrics_count_barrier_holds_commits_and_attachments(client):
+    h = auth(TRN, (await post(client, "/api/weights/attach", auth(TRN)))[1]["data"]["attachment_id"])
+    for path in ("quiesce", "commit-begin", "commit-end", "resume", "detach"):
+        assert (await post(client, f"/api/weights/{path}", h))[0] == 200
+    text = await (await client.get("/metrics")).text()
+    assert "miserver_barrier_holds_total 1.0" in text
+    assert "miserver_commit_seconds_count 1.0" in text
+    assert 'miserver_attachments_total{event="attach"} 1.0' in text
+    assert 'miserver_attachments_total{event="detach"} 1.0' in text
+    assert "miserver_barrier_hold_seconds_count 1.0" in text
+    assert "miserver_pinned_bytes" in text

@@ -14,6 +14,8 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -80,7 +82,8 @@ async def load_default_model(app: web.Application) -> None:
 
 def create_app(settings: Settings, *, host: ModelHost | None = None,
                scheduler: Scheduler | None = None, catalogue: Catalogue | None = None,
-               metrics: Metrics | None = None) -> web.Application:
+               metrics: Metrics | None = None,
+               clock: Callable[[], float] | None = None) -> web.Application:
     """Build the application of one server process.
 
     Args:
@@ -90,6 +93,8 @@ def create_app(settings: Settings, *, host: ModelHost | None = None,
             ``MAX_QUEUED_REQUESTS`` waiting).
         catalogue: the catalogue (default: the one in ``settings.home``).
         metrics: the metric families (default: a fresh registry).
+        clock: the weights lifecycle's monotonic clock in seconds (default
+            ``time.monotonic``; tests pass a fake clock to jump timers to their deadlines).
 
     ``app[keys.STARTUP_LOAD]`` is the task loading ``DEFAULT_MODEL`` once the app starts.
     """
@@ -113,7 +118,8 @@ def create_app(settings: Settings, *, host: ModelHost | None = None,
     app[keys.METRICS] = metrics
     app[keys.STARTUP_LOAD] = None
 
-    runtime = WeightsRuntime(settings=settings, scheduler=scheduler, host=host, metrics=metrics)
+    runtime = WeightsRuntime(settings=settings, scheduler=scheduler, host=host, metrics=metrics,
+                             clock=clock or time.monotonic)
     weights.setup_routes(app, runtime)
     management.setup_routes(app)
     try:

@@ -8,6 +8,7 @@ table names guards by string (design notes: guards are never lambdas).
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,7 +50,8 @@ def _is_holder(c: Context, e: Event) -> bool:
         caller is not None
         and caller.token in ("trainer", "operator")
         and c.attachment_id is not None
-        and caller.attachment_id == c.attachment_id
+        and caller.attachment_id is not None
+        and hmac.compare_digest(caller.attachment_id.encode(), c.attachment_id.encode())
         and caller.label == c.attachment_label
     )
 

@@ -1,0 +1,219 @@
+"""Serving overhead: miserver over HTTP against plain ``transformers`` ``generate``.
+
+Same model (the embedded default, SmolLM2-135M-Instruct, bfloat16), same chat prompt, greedy,
+batch 1, the same number of generated tokens, in one run. Runs are interleaved (generate, then
+the server, then generate, ...) so background load hits both alike; medians are reported.
+
+Rows:
+
+- ``transformers generate``: ``model.generate`` in this process; time to first token from a
+  ``TextIteratorStreamer``.
+- ``miserver Generation``: the server's decode loop (:class:`miserver.serving.generation.Generation`)
+  in this process, without HTTP.
+- ``miserver HTTP stream`` / ``miserver HTTP``: a ``miserver serve`` subprocess on a free port,
+  ``POST /v1/chat/completions`` streamed (time to first content chunk) and not.
+
+The overhead columns compare with generate: wall-clock time, and CPU time (all threads of the
+process doing the work: this process for the first two rows, the server process, read from
+``/proc/<pid>/stat``, for the HTTP rows). On a shared machine the wall clock mostly measures the
+neighbours; CPU time is what the work itself cost. The target is at most 10 % at batch 1
+(issue 2). Usage::
+
+    python benchmarks/serving.py [--home DIR] [--tokens 64] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all threads), from ``/proc``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _post(url: str, body: dict, stream: bool) -> tuple[float, float, int, str]:
+    """(ttft_s, total_s, completion_tokens, text) of one chat completion."""
+    data = json.dumps(body | {"stream": stream} | (
+        {"stream_options": {"include_usage": True}} if stream else {})).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft = None
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        if not stream:
+            out = json.loads(resp.read())
+            total = time.perf_counter() - t0
+            return total, total, out["usage"]["completion_tokens"], \
+                out["choices"][0]["message"]["content"]
+        text, tokens = [], 0
+        for line in resp:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk["choices"]:
+                piece = choice["delta"].get("content")
+                if piece:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text.append(piece)
+        total = time.perf_counter() - t0
+        return ttft or total, total, tokens, "".join(text)
+
+
+def _start_server(home: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
+    env.update(MISERVER_HOME=home, PORT=str(port), HOST="127.0.0.1", DEVICE="cpu",
+               LOG_LEVEL="warning", LOG_FORMAT="text")
+    proc = subprocess.Popen([sys.executable, "-m", "miserver.cli", "serve"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"miserver serve exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{base}/v1/models", timeout=2) as r:
+                if any(m.get("resident") for m in json.loads(r.read())["data"]):
+                    return proc, base
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("miserver serve did not become ready")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--home", default=os.environ.get("MISERVER_HOME"),
+                        help="a MISERVER_HOME with the default model (imported if missing)")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens to generate")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
+
+    from miserver.serving.default_model import import_default, model_dir
+    from miserver.serving.generation import Generation, SamplingParams, TextDelta
+    from miserver.spec.settings import default_home
+
+    home = args.home or default_home()
+    import_default(home, progress=True)
+    folder = model_dir(home)
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    text = tok.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+
+    proc, base = _start_server(home)
+    url = f"{base}/v1/chat/completions"
+    body = {"model": "smollm2-135m-instruct", "messages": PROMPT, "temperature": 0,
+            "max_tokens": args.tokens}
+    try:
+        _post(url, body, stream=False)  # warm-up; fixes the token count
+        _, _, n_tokens, server_text = _post(url, body, stream=False)
+
+        def generate() -> tuple[float, float, str]:
+            streamer = TextIteratorStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+            first: list[float] = []
+
+            def consume() -> None:
+                for piece in streamer:
+                    if piece and not first:
+                        first.append(time.perf_counter())
+
+            th = threading.Thread(target=consume)
+            th.start()
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                     max_new_tokens=n_tokens, min_new_tokens=n_tokens,
+                                     do_sample=False, streamer=streamer)
+            total = time.perf_counter() - t0
+            th.join()
+            return (first[0] - t0) if first else total, total, tok.decode(
+                out[0, ids.shape[1]:], skip_special_tokens=True)
+
+        def in_process() -> tuple[float, float, str]:
+            async def go() -> tuple[float, float, str]:
+                gen = Generation(model, tok, ids[0].tolist(),
+                                 SamplingParams(max_tokens=n_tokens, temperature=0))
+                t0 = time.perf_counter()
+                gen.start()
+                ttft, parts = None, []
+                async for ev in gen.events():
+                    if isinstance(ev, TextDelta) and ev.text:
+                        ttft = ttft or time.perf_counter() - t0
+                        parts.append(ev.text)
+                await gen.wait()
+                total = time.perf_counter() - t0
+                return ttft or total, total, "".join(parts)
+
+            return asyncio.run(go())
+
+        generate()  # warm-up
+        rows: dict[str, list[tuple[float, float, float]]] = {
+            "transformers generate": [], "miserver Generation": [],
+            "miserver HTTP stream": [], "miserver HTTP": []}
+        texts: dict[str, str] = {}
+        for _ in range(args.repeats):
+            c0 = time.process_time()
+            ttft, total, texts["transformers generate"] = generate()
+            rows["transformers generate"].append((ttft, total, time.process_time() - c0))
+            c0 = time.process_time()
+            ttft, total, texts["miserver Generation"] = in_process()
+            rows["miserver Generation"].append((ttft, total, time.process_time() - c0))
+            for name, stream in (("miserver HTTP stream", True), ("miserver HTTP", False)):
+                c0 = _cpu_s(proc.pid)
+                ttft, total, _, texts[name] = _post(url, body, stream=stream)
+                rows[name].append((ttft, total, _cpu_s(proc.pid) - c0))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+    def med(samples: list[tuple[float, float, float]], i: int) -> float:
+        return statistics.median(s[i] for s in samples)
+
+    base = rows["transformers generate"]
+    base_ttft, base_total, base_cpu = med(base, 0), med(base, 1), med(base, 2)
+    print(f"\nSmolLM2-135M-Instruct bf16, CPU ({torch.get_num_threads()} threads), batch 1, "
+          f"greedy, {ids.shape[1]} prompt tokens, {n_tokens} generated, median of "
+          f"{args.repeats}, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"{'path':<24}{'TTFT ms':>9}{'wall s':>9}{'tok/s':>8}{'wall ovh':>10}{'CPU s':>8}"
+          f"{'CPU ovh':>9}{'TTFT x':>8}")
+    for name, samples in rows.items():
+        ttft, total, cpu = med(samples, 0), med(samples, 1), med(samples, 2)
+        print(f"{name:<24}{ttft * 1000:>9.0f}{total:>9.2f}{n_tokens / total:>8.1f}"
+              f"{(total - base_total) / base_total:>+10.1%}{cpu:>8.2f}"
+              f"{(cpu - base_cpu) / base_cpu:>+9.1%}{ttft / base_ttft:>8.2f}")
+    same = len({texts[k] for k in texts} | {server_text}) == 1
+    print(f"identical greedy text on every path: {same}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

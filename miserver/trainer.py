@@ -520,3 +520,14 @@ def build_model(body: Mapping[str, Any], weights: AttachedWeights | None = None,
     bind_into(model, weights)
     model.attached_weights = weights  # keeps them alive as long as the model is
     return model
+
+
+def __getattr__(name: str) -> Any:
+    """The HTTP client (:mod:`miserver.trainer_client`: ``WeightsClient``, ``Attachment``,
+    ``WeightsError`` and its subclass per code, ...) is re-exported here, imported on first use
+    (it imports this module)."""
+    from miserver import trainer_client
+
+    if name in trainer_client.__all__:
+        return getattr(trainer_client, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,634 @@
+"""The trainer's HTTP client: attach, heartbeat, the commit bracket, save, detach.
+
+Weights page "The write cycle", "Timers" (the heartbeat), "Rebuilding the tensors in the
+trainer" and "Releasing the handles"; companion contract 5 (save, load). Re-exported by
+:mod:`miserver.trainer`::
+
+    from miserver.trainer import WeightsClient
+
+    with WeightsClient("http://127.0.0.1:8000", token) as client:
+        att = client.attach()                  # each storage rebuilt once; the heartbeat starts
+        model = att.build_model()              # the served graph; its parameters ARE the served
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        for batch in data:
+            model(**batch).loss.backward()     # reads only: outside the bracket
+            with client.commit():              # quiesce, commit-begin ... commit-end, resume
+                opt.step()                     # the write (CUDA is synchronized before commit-end)
+            opt.zero_grad()
+    # leaving the block: every view dropped, torch.cuda.ipc_collect(), POST /detach
+
+Every refusal of the server raises :class:`WeightsError`, or rather its subclass named for the
+code (``WEIGHTS_TORN`` -> :class:`WeightsTorn`, ``NOT_QUIESCED`` -> :class:`NotQuiesced`, ...),
+generated from :mod:`miserver.spec.codes`. A server that cannot be reached raises
+:class:`TransportError`. The token and the attachment ID never appear in a log line, a repr or an
+exception.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+import torch
+
+from miserver.spec import codes
+from miserver.trainer import AttachedWeights, TrainerError, build_model, rebuild
+
+log = logging.getLogger("miserver.trainer")
+
+ATTACHMENT_HEADER = "X-miLLM-Attachment"
+
+#: Codes after which a heartbeat can never succeed again: the thread stops.
+HEARTBEAT_TERMINAL = frozenset({"NOT_ATTACHED", "NOT_ATTACHMENT_HOLDER", "WEIGHTS_UNAUTHORIZED",
+                                "WEIGHTS_FORBIDDEN"})
+
+
+# --- errors -------------------------------------------------------------------------------------
+class WeightsError(TrainerError):
+    """The server refused a call (management envelope ``error``, contract section 2).
+
+    Attributes:
+        code: the error code (``"WEIGHTS_TORN"``), None when the answer was not miserver's JSON.
+        reason: the code's ``reason`` value or None.
+        status: the HTTP status.
+        message: the server's message (never carries a token or an attachment ID).
+        details: the error's ``details`` object or None (``ALREADY_ATTACHED``: the holder).
+        retry_after_s: the ``Retry-After`` header in seconds, when sent.
+    """
+
+    def __init__(self, code: str | None, reason: str | None, status: int, message: str,
+                 details: Mapping[str, Any] | None = None, *,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.status = status
+        self.message = message
+        self.details = dict(details) if details is not None else None
+        self.retry_after_s = retry_after_s
+
+    def __str__(self) -> str:
+        head = f"{self.status} {self.code or 'error'}"
+        if self.reason:
+            head += f" (reason: {self.reason})"
+        return f"{head}: {self.message}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_make_error, (self.code, self.reason, self.status, self.message, self.details,
+                              self.retry_after_s))
+
+
+def _class_name(code: str) -> str:
+    return "".join(part.capitalize() for part in code.split("_"))
+
+
+def _generate() -> dict[str, type[WeightsError]]:
+    out: dict[str, type[WeightsError]] = {}
+    for name, code in codes.ALL.items():
+        doc = (f"{code.status} {name} ({code.source})."
+               + (f" Reasons: {', '.join(code.reasons)}." if code.reasons else ""))
+        cls = type(_class_name(name), (WeightsError,),
+                   {"__doc__": doc, "__module__": __name__, "CODE": code})
+        out[name] = cls
+    return out
+
+
+#: One :class:`WeightsError` subclass per code of :mod:`miserver.spec.codes` (every code of the
+#: weights page, and the contract's checkpoint and catalogue codes), keyed by the wire name.
+ERROR_CLASSES: dict[str, type[WeightsError]] = _generate()
+globals().update({cls.__name__: cls for cls in ERROR_CLASSES.values()})
+
+
+def error_class(code: str | None) -> type[WeightsError]:
+    """The exception class for ``code``: its generated subclass, or :class:`WeightsError` for
+    an unknown code or None."""
+    return ERROR_CLASSES.get(code or "", WeightsError)
+
+
+def _make_error(code: str | None, reason: str | None, status: int, message: str,
+                details: Mapping[str, Any] | None, retry_after_s: float | None) -> WeightsError:
+    return error_class(code)(code, reason, status, message, details, retry_after_s=retry_after_s)
+
+
+class TransportError(TrainerError):
+    """The server could not be reached, or did not answer within the timeout."""
+
+
+class NotAttachedHere(TrainerError):
+    """This client holds no attachment (call :meth:`WeightsClient.attach` first)."""
+
+
+# --- pieces -------------------------------------------------------------------------------------
+class _Bearer(requests.auth.AuthBase):
+    """``Authorization: Bearer <token>``; passing it as ``auth`` also keeps ``~/.netrc`` from
+    replacing it. Its repr never shows the token."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def __call__(self, r: requests.PreparedRequest) -> requests.PreparedRequest:
+        r.headers["Authorization"] = f"Bearer {self._token}"
+        return r
+
+    def __repr__(self) -> str:
+        return "<Bearer token>"
+
+
+@dataclass
+class CommitCycle:
+    """What :meth:`WeightsClient.commit` did; each field is the route's ``data`` (weights page,
+    Routes), filled as the cycle goes. ``end`` holds ``steps_since_load``, ``commit_ms`` and
+    ``overran`` once the block has left."""
+
+    quiesce: dict[str, Any] | None = None
+    begin: dict[str, Any] | None = None
+    end: dict[str, Any] | None = None
+    resume: dict[str, Any] | None = None
+
+    @property
+    def steps_since_load(self) -> int | None:
+        return None if self.end is None else self.end.get("steps_since_load")
+
+
+class Attachment:
+    """One attach: the POST /attach answer (without the attachment ID) and its rebuilt weights.
+
+    Attributes:
+        body: the attach ``data`` minus ``attachment_id`` (weights page, Routes).
+        model_ref: ``{model_id, name, manifest_hash}`` of the served base model.
+        weights_state: ``clean``, ``writing`` or ``torn`` at attach time.
+        steps_since_load: commits since the parameter set became resident, at attach time.
+        heartbeat: ``{timeout_s, interval_hint_s}``.
+        config: the served architecture config (dict) or None.
+        weights: the :class:`~miserver.trainer.AttachedWeights` (each storage rebuilt once).
+    """
+
+    def __init__(self, body: dict[str, Any], weights: AttachedWeights,
+                 client: WeightsClient) -> None:
+        self.body = body
+        self.model_ref: dict[str, Any] = dict(body.get("model") or {})
+        self.weights_state: str = body.get("weights_state", "")
+        self.steps_since_load: int | None = body.get("steps_since_load")
+        self.heartbeat: dict[str, Any] = dict(body.get("heartbeat") or {})
+        self.config: dict[str, Any] | None = body.get("config")
+        self.weights = weights
+        self._client = client
+        self._model: torch.nn.Module | None = None
+        self.cuda_devices: tuple[torch.device, ...] = tuple(sorted(
+            {t.device for t in weights.unique_tensors() if t.device.type == "cuda"},
+            key=lambda d: d.index or 0))
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Parameter name -> the served tensor (a view; tied names share one object)."""
+        return self.weights.tensors
+
+    @property
+    def released(self) -> bool:
+        return self.weights.released
+
+    def build_model(self, model_class: type | None = None) -> torch.nn.Module:
+        """The served architecture built from ``config`` with the served tensors as its
+        parameters (built once, then the same object). See :func:`miserver.trainer.build_model`.
+
+        Raises:
+            InvalidExport: the export has no config (build the model and ``bind_into``).
+            LayoutMismatch: the built model does not match the export.
+        """
+        if self._model is None:
+            self._model = build_model(self.body, self.weights, model_class=model_class)
+        return self._model
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """:meth:`build_model` with the class the config names."""
+        return self.build_model()
+
+    def detach(self) -> dict[str, Any] | None:
+        """:meth:`WeightsClient.detach`."""
+        return self._client.detach()
+
+    def __enter__(self) -> Attachment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._client.detach()
+
+    def __repr__(self) -> str:
+        state = "released" if self.weights.released else f"{len(self.weights)} parameter(s)"
+        return (f"<Attachment {self.model_ref.get('name')!r} {state}, "
+                f"weights_state={self.weights_state}>")
+
+
+# --- the client ---------------------------------------------------------------------------------
+class WeightsClient:
+    """A synchronous client of ``/api/weights`` for one trainer process (weights page).
+
+    Args:
+        base_url: the server, ``http://host:port`` (no path).
+        token: a secret of ``WEIGHTS_TOKENS`` (role trainer, or operator). Never logged.
+        timeout: seconds to wait for an answer. Quiesce waits for running requests up to the
+            server's WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S (60 s by default): keep it above that.
+        heartbeat: start the heartbeat thread on attach (``interval_hint_s``).
+
+    Use as a context manager (leaving it detaches, also on an exception); an attachment still
+    held at interpreter exit is detached then (``atexit``).
+    """
+
+    def __init__(self, base_url: str, token: str, *, timeout: float = 120.0,
+                 heartbeat: bool = True) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError("base_url must start with http:// or https://")
+        if not isinstance(token, str) or not token:
+            raise ValueError("token must be a non-empty string")
+        self.base_url = base_url.rstrip("/")
+        self.timeout = float(timeout)
+        self._auth = _Bearer(token)
+        self._session = requests.Session()
+        self._lock = threading.RLock()
+        self._attachment_id: str | None = None
+        self.attachment: Attachment | None = None
+        self.steps_since_load: int | None = None
+        self._heartbeat_enabled = heartbeat
+        self._hb_thread: threading.Thread | None = None
+        self._hb_stop = threading.Event()
+        self._hb_session: requests.Session | None = None
+        self.heartbeat_interval_s: float | None = None
+        self.heartbeat_error: BaseException | None = None
+        self.heartbeats_sent = 0
+        self._detach_answer: dict[str, Any] | None = None
+        self._closed = False
+
+    # --- plumbing ---------------------------------------------------------------------------
+    def _request(self, method: str, path: str, *, token: bool = True, holder: bool = False,
+                 body: Any = None, session: requests.Session | None = None,
+                 timeout: float | None = None) -> dict[str, Any]:
+        headers = {}
+        if holder:
+            att = self._attachment_id
+            if att is None:
+                raise NotAttachedHere(f"{method} {path}: this client holds no attachment; "
+                                      "call attach() first")
+            headers[ATTACHMENT_HEADER] = att
+        try:
+            resp = (session or self._session).request(
+                method, self.base_url + path, headers=headers, json=body,
+                auth=self._auth if token else None, timeout=timeout or self.timeout)
+        except requests.RequestException as exc:
+            raise TransportError(f"{method} {path}: {type(exc).__name__}: {exc}") from None
+        return _unwrap(method, path, resp)
+
+    # --- the routes -------------------------------------------------------------------------
+    def attach(self, *, build_model: bool = False, model_class: type | None = None
+               ) -> Attachment:
+        """POST /attach, rebuild every storage exactly once, start the heartbeat.
+
+        Weights page, The write cycle 1 and Rebuilding the tensors. Attaching to a torn set is
+        allowed: the returned ``weights_state`` says ``torn``. When the rebuild fails, the
+        attachment is detached again before the error is raised.
+
+        Args:
+            build_model: also build the model from ``config`` (:meth:`Attachment.build_model`).
+            model_class: the transformers class for that (default: the config's).
+
+        Raises:
+            AlreadyAttached: another attachment exists (``details.holder``), or this client
+                already holds one.
+            ModelNotLoaded, NotAttachable, WeightsUnauthorized, WeightsForbidden: refusals.
+            ProducerMismatch, DeviceNotVisible, InvalidExport: from the rebuild.
+            TransportError: the server did not answer.
+        """
+        with self._lock:
+            if self._attachment_id is not None:
+                raise ERROR_CLASSES["ALREADY_ATTACHED"](
+                    "ALREADY_ATTACHED", None, 409,
+                    "this client already holds an attachment; detach() first")
+            data = self._request("POST", "/api/weights/attach")
+            self._attachment_id = data.pop("attachment_id", None)
+            if self._attachment_id is None:
+                raise WeightsError(None, None, 200, "the attach answer has no attachment_id")
+            atexit.register(self._detach_at_exit)
+            try:
+                weights = rebuild(data, on_release=self._post_detach)
+            except BaseException:
+                self._post_detach_quietly()
+                raise
+            self.attachment = Attachment(data, weights, self)
+            self.steps_since_load = data.get("steps_since_load")
+            if self.attachment.weights_state != "clean":
+                log.warning("attached to weights that are %s; recover with POST "
+                            "/api/weights/load", self.attachment.weights_state)
+            self.heartbeat_interval_s = float(
+                (data.get("heartbeat") or {}).get("interval_hint_s") or 5.0)
+            self.heartbeat_error = None
+            if self._heartbeat_enabled:
+                self.start_heartbeat()
+            if build_model:
+                try:
+                    self.attachment.build_model(model_class)
+                except BaseException:
+                    self.detach()
+                    raise
+            return self.attachment
+
+    def heartbeat(self) -> dict[str, Any]:
+        """POST /heartbeat: ``{attachment_state, timeout_s, interval_hint_s, weights_state}``.
+        The thread started by :meth:`attach` calls it every ``interval_hint_s`` seconds."""
+        return self._request("POST", "/api/weights/heartbeat", holder=True)
+
+    def quiesce(self) -> dict[str, Any]:
+        """POST /quiesce; returns once no forward pass runs (write cycle 2).
+
+        Raises WeightsNotClean, AlreadyQuiesced, PauseInProgress, BarrierUnavailable,
+        ModelBusy (reason drain_timeout), QueueFull."""
+        return self._request("POST", "/api/weights/quiesce", holder=True)
+
+    def commit_begin(self) -> dict[str, Any]:
+        """POST /commit-begin: the weights are ``writing`` (write cycle 3).
+        Raises NotQuiesced, WeightsNotClean, PauseInProgress."""
+        return self._request("POST", "/api/weights/commit-begin", holder=True)
+
+    def commit_end(self) -> dict[str, Any]:
+        """POST /commit-end: clean again, ``steps_since_load`` + 1 (write cycle 4). ``overran``
+        is true when the watchdog had torn the set first. Raises NoOpenCommit."""
+        data = self._request("POST", "/api/weights/commit-end", holder=True)
+        self.steps_since_load = data.get("steps_since_load", self.steps_since_load)
+        if data.get("overran"):
+            log.warning("the commit took %s ms, longer than the server's "
+                        "WEIGHTS_COMMIT_WATCHDOG_MS: the set was torn until commit-end; raise "
+                        "the watchdog", data.get("commit_ms"))
+        return data
+
+    def resume(self) -> dict[str, Any]:
+        """POST /resume: release the held requests (write cycle 5). A no-op while serving."""
+        return self._request("POST", "/api/weights/resume", holder=True)
+
+    @contextlib.contextmanager
+    def commit(self, *, end_on_error: bool = True) -> Iterator[CommitCycle]:
+        """The write bracket: quiesce, commit-begin, (the block: your write), CUDA synchronize,
+        commit-end, resume (weights page, The write cycle).
+
+        Write only inside the block: a write at any other time is served half-written. Before
+        commit-end every CUDA device holding attached weights is synchronized, so the write has
+        landed. When the block raises an ``Exception`` the commit is still ended (commit-end,
+        then resume) and the exception re-raised: restore the values, or load a checkpoint, if
+        the write may have half-happened. With ``end_on_error=False``, or when the process is
+        dying (``KeyboardInterrupt``, ``SystemExit``, interpreter shutdown), the commit is left
+        open: the watchdog (WEIGHTS_COMMIT_WATCHDOG_MS) tears the set, so nothing half-written
+        is served, and POST /api/weights/load recovers it.
+
+        Yields:
+            A :class:`CommitCycle` filled with each route's answer.
+
+        Raises:
+            The refusals of :meth:`quiesce`, :meth:`commit_begin`, :meth:`commit_end` (after a
+            refused commit-begin or commit-end the barrier is resumed before raising), and a
+            terminal heartbeat failure (the attachment was cleared) before anything is sent.
+        """
+        self._raise_terminal_heartbeat_error()
+        cycle = CommitCycle()
+        cycle.quiesce = self.quiesce()
+        try:
+            cycle.begin = self.commit_begin()
+        except BaseException:
+            self._resume_quietly()
+            raise
+        try:
+            yield cycle
+            self._synchronize()
+        except BaseException as exc:
+            dying = not isinstance(exc, Exception) or sys.is_finalizing()
+            if dying or not end_on_error:
+                log.warning("leaving the commit open after %s: the watchdog will tear the set",
+                            type(exc).__name__)
+                raise
+            log.warning("the write raised %s; ending the commit anyway", type(exc).__name__)
+            try:
+                cycle.end = self.commit_end()
+            except Exception as end_exc:  # noqa: BLE001 - the block's exception wins
+                exc.add_note(f"commit-end after the failed write also failed: {end_exc}")
+            try:
+                cycle.resume = self.resume()
+            except Exception as resume_exc:  # noqa: BLE001
+                exc.add_note(f"resume after the failed write also failed: {resume_exc}")
+            raise
+        try:
+            cycle.end = self.commit_end()
+        except BaseException:
+            self._resume_quietly()
+            raise
+        cycle.resume = self.resume()
+
+    def status(self) -> dict[str, Any]:
+        """GET /status (no token): the weights page's Status fields."""
+        return self._request("GET", "/api/weights/status", token=False)
+
+    def save(self, name: str | None = None) -> dict[str, Any]:
+        """POST /api/weights/save (a holder call, contract 5): ``{checkpoint_sha256, name, path,
+        model_id, parent_id, steps_since_load, at}``. Raises WeightsNotClean, PauseInProgress,
+        BarrierUnavailable, CheckpointExists."""
+        return self._request("POST", "/api/weights/save", holder=True,
+                             body={} if name is None else {"name": name})
+
+    def load(self, *, checkpoint: str | None = None, model_id: int | None = None
+             ) -> dict[str, Any]:
+        """POST /api/weights/load (contract 5): exactly one of ``checkpoint`` (sha256, name or
+        path) or ``model_id``. The recovery from torn. Sends the attachment header when this
+        client holds one (a trainer token must be the holder while attached).
+
+        Raises:
+            ValueError: not exactly one of the two.
+            CheckpointNotFound, CheckpointCorrupt, WeightsNotClean, AlreadyAttached, ...
+        """
+        if (checkpoint is None) == (model_id is None):
+            raise ValueError("give exactly one of checkpoint or model_id")
+        body = {"checkpoint": checkpoint} if checkpoint is not None else {"model_id": model_id}
+        data = self._request("POST", "/api/weights/load", holder=self._attachment_id is not None,
+                             body=body)
+        self.steps_since_load = data.get("steps_since_load", self.steps_since_load)
+        return data
+
+    def clear_stale(self) -> dict[str, Any]:
+        """POST /clear-stale (operator token only; weights page, Timers)."""
+        return self._request("POST", "/api/weights/clear-stale")
+
+    def detach(self) -> dict[str, Any] | None:
+        """Release in the documented order, then POST /detach (weights page, Releasing the
+        handles): stop the heartbeat, drop every rebuilt view (also those bound into a model),
+        ``torch.cuda.ipc_collect()``, POST /detach. Idempotent: None when nothing is attached.
+
+        An attachment the server no longer holds (cleared as stale) is logged, not raised.
+        Raises another refusal or :class:`TransportError` of POST /detach; the client holds no
+        attachment afterwards either way.
+        """
+        with self._lock:
+            if self._attachment_id is None and (self.attachment is None
+                                                or self.attachment.released):
+                return None
+            self.stop_heartbeat()
+            self._detach_answer = None
+            if self.attachment is not None and not self.attachment.released:
+                self.attachment.weights.release()  # ... then calls _post_detach
+            else:
+                self._post_detach()
+            return self._detach_answer
+
+    def close(self) -> None:
+        """Detach (when attached) and close the HTTP sessions."""
+        try:
+            self.detach()
+        finally:
+            self._closed = True
+            self._session.close()
+
+    def __enter__(self) -> WeightsClient:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # the block's exception wins over a failed detach
+            self.close()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("detach after %s failed: %s", exc_type.__name__, exc)
+
+    def __repr__(self) -> str:
+        state = "attached" if self._attachment_id is not None else "not attached"
+        return f"<WeightsClient {self.base_url} {state}>"
+
+    # --- internals --------------------------------------------------------------------------
+    def _post_detach(self) -> None:
+        """The ``on_release`` of the rebuilt weights: the last step of the release order."""
+        self.stop_heartbeat()
+        with self._lock:
+            if self._attachment_id is None:
+                return
+            try:
+                self._detach_answer = self._request("POST", "/api/weights/detach", holder=True)
+            except WeightsError as exc:
+                if exc.code not in ("NOT_ATTACHED", "NOT_ATTACHMENT_HOLDER"):
+                    raise
+                log.warning("detach: the server no longer holds this attachment (%s)", exc.code)
+            finally:
+                self._attachment_id = None
+                atexit.unregister(self._detach_at_exit)
+
+    def _post_detach_quietly(self) -> None:
+        try:
+            self._post_detach()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("detach failed: %s", exc)
+
+    def _detach_at_exit(self) -> None:
+        try:
+            self.detach()
+        except Exception as exc:  # noqa: BLE001 - at exit there is no caller to raise to
+            log.warning("detach at exit failed: %s", exc)
+
+    def _resume_quietly(self) -> None:
+        try:
+            self.resume()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("resume failed: %s", exc)
+
+    def _synchronize(self) -> None:
+        if self.attachment is not None:
+            for device in self.attachment.cuda_devices:
+                torch.cuda.synchronize(device)
+
+    def _raise_terminal_heartbeat_error(self) -> None:
+        err = self.heartbeat_error
+        if isinstance(err, WeightsError) and err.code in HEARTBEAT_TERMINAL:
+            raise err
+
+    def start_heartbeat(self) -> None:
+        """Start the heartbeat thread (daemon; :meth:`attach` does it unless ``heartbeat=False``):
+        POST /heartbeat every ``heartbeat_interval_s`` (the server's ``interval_hint_s``). A
+        failure is logged and kept in ``heartbeat_error``; a refusal that cannot heal
+        (NOT_ATTACHED, NOT_ATTACHMENT_HOLDER, a token refusal) stops the thread, and the next
+        :meth:`commit` raises it. Weights page, Timers."""
+        self.stop_heartbeat()
+        if self._attachment_id is None:
+            raise NotAttachedHere("no attachment to keep alive; call attach() first")
+        self._hb_stop = threading.Event()
+        self._hb_session = requests.Session()
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, args=(self._hb_stop,),
+                                           name="miserver-heartbeat", daemon=True)
+        self._hb_thread.start()
+
+    def stop_heartbeat(self) -> None:
+        """Stop the heartbeat thread and wait for a heartbeat in flight (detach does it)."""
+        thread, self._hb_thread = self._hb_thread, None
+        self._hb_stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=self.timeout)
+        if self._hb_session is not None and thread is not None:
+            self._hb_session.close()
+
+    def _heartbeat_loop(self, stop: threading.Event) -> None:
+        session = self._hb_session
+        while not stop.wait(self.heartbeat_interval_s or 5.0):
+            started = time.monotonic()
+            try:
+                data = self._request("POST", "/api/weights/heartbeat", holder=True,
+                                     session=session,
+                                     timeout=min(self.timeout, 2 * (self.heartbeat_interval_s
+                                                                    or 5.0)))
+            except NotAttachedHere:
+                return
+            except Exception as exc:  # noqa: BLE001 - logged and surfaced, never swallowed
+                if stop.is_set():
+                    return
+                self.heartbeat_error = exc
+                if isinstance(exc, WeightsError) and exc.code in HEARTBEAT_TERMINAL:
+                    log.error("heartbeat refused (%s); the heartbeat stops, and the next "
+                              "commit raises it", exc)
+                    return
+                log.warning("heartbeat failed (%s); retrying in %.1f s", exc,
+                            self.heartbeat_interval_s or 5.0)
+                continue
+            self.heartbeats_sent += 1
+            self.heartbeat_error = None
+            hint = data.get("interval_hint_s")
+            if isinstance(hint, int | float) and hint > 0:
+                self.heartbeat_interval_s = float(hint)
+            if data.get("attachment_state") == "stale":
+                log.warning("the server had marked this attachment stale (no heartbeat for "
+                            "%.1f s); this heartbeat revived it", time.monotonic() - started)
+
+
+def _unwrap(method: str, path: str, resp: requests.Response) -> dict[str, Any]:
+    """The envelope's ``data``, or the typed error. Raises WeightsError (a subclass per code)."""
+    try:
+        body = resp.json()
+    except ValueError:
+        body = None
+    retry = resp.headers.get("Retry-After")
+    try:
+        retry_s = float(retry) if retry is not None else None
+    except ValueError:
+        retry_s = None
+    if isinstance(body, dict) and body.get("success") is True and resp.status_code < 400:
+        data = body.get("data")
+        return data if isinstance(data, dict) else {"value": data}
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict) and isinstance(err.get("code"), str):
+        raise _make_error(err["code"], err.get("reason"), resp.status_code,
+                          str(err.get("message", "")), err.get("details"), retry_s)
+    raise WeightsError(None, None, resp.status_code,
+                       f"{method} {path} answered {resp.status_code} without a miserver JSON "
+                       "body (is base_url a miserver?)", retry_after_s=retry_s)
+
+
+__all__ = ["ATTACHMENT_HEADER", "ERROR_CLASSES", "Attachment", "CommitCycle", "NotAttachedHere",
+           "TransportError", "WeightsClient", "WeightsError", "error_class",
+           *sorted(cls.__name__ for cls in ERROR_CLASSES.values())]

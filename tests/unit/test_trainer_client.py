@@ -1,0 +1,383 @@
+"""The trainer's HTTP client (``miserver.trainer.WeightsClient``) against a real server.
+
+The server is the real app (``create_app``) serving a tiny real Llama attachably on the CPU
+(``WEIGHTS_CPU_ATTACH=1``) on a loopback port, its event loop in a background thread; the client
+is synchronous and runs in the test's thread, as it would in a trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from miserver import trainer
+from miserver.spec import codes
+from miserver.trainer import (
+    AlreadyAttached,
+    NoOpenCommit,
+    NotAttached,
+    TransportError,
+    WeightsClient,
+    WeightsError,
+    WeightsForbidden,
+    WeightsUnauthorized,
+)
+
+TRN = "trainer-secret-0123456789"
+TRN2 = "trainer2-secret-0123456789"
+OPS = "operator-secret-0123456789"
+REPO = Path(__file__).resolve().parents[2]
+
+
+class ThreadServer:
+    """The real app on 127.0.0.1:<free port>, its loop in a daemon thread."""
+
+    def __init__(self, tmp_path: Path, model_dir: str, **env: str) -> None:
+        from miserver.serving.catalogue import Catalogue
+        from miserver.spec.settings import load_settings
+
+        home = tmp_path / "home"
+        Catalogue(str(home)).register(name="tiny", format="safetensors", dtype="bfloat16",
+                                      path=model_dir)
+        self.audit = tmp_path / "audit.jsonl"
+        self.settings = load_settings({
+            "MISERVER_HOME": str(home), "DEFAULT_MODEL": "tiny", "DEVICE": "cpu",
+            "WEIGHTS_TOKENS": f"trn:trainer:{TRN},trn2:trainer:{TRN2},ops:operator:{OPS}",
+            "WEIGHTS_CPU_ATTACH": "1", "WEIGHTS_AUDIT_LOG": str(self.audit), **env})
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(120)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def _start(self) -> None:
+        from aiohttp import web
+
+        from miserver.http import keys
+        from miserver.http.app import create_app
+
+        self.app = create_app(self.settings)
+        self.runner = web.AppRunner(self.app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        await self.app[keys.STARTUP_LOAD]
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def chat(self) -> tuple[int, dict, dict]:
+        import requests
+
+        r = requests.post(self.url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2, "temperature": 0})
+        return r.status_code, r.json(), dict(r.headers)
+
+    def audit_lines(self) -> list[dict]:
+        return [json.loads(x) for x in self.audit.read_text().splitlines()]
+
+
+@pytest.fixture
+def server(tmp_path, tiny_model_dir):
+    s = ThreadServer(tmp_path, tiny_model_dir)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(server):
+    c = WeightsClient(server.url, TRN, timeout=30)
+    yield c
+    c.close()
+
+
+def test_every_code_has_its_exception_class_generated_from_codes() -> None:
+    for name in codes.WEIGHTS_PAGE_CODES:
+        cls = trainer.ERROR_CLASSES[name]
+        assert issubclass(cls, WeightsError) and issubclass(cls, trainer.TrainerError)
+        assert cls.__name__ == "".join(p.capitalize() for p in name.split("_"))
+        assert getattr(trainer, cls.__name__) is cls
+        assert cls.CODE is codes.ALL[name]
+    assert set(trainer.ERROR_CLASSES) == set(codes.ALL)
+    assert trainer.WeightsTorn.__name__ == "WeightsTorn" and trainer.NotQuiesced.CODE.status == 409
+    assert trainer.error_class("SOMETHING_NEW") is WeightsError
+    assert trainer.error_class(None) is WeightsError
+
+
+def test_full_cycle_writes_land_in_the_served_storage_and_the_header_counts(server, client):
+    att = client.attach()
+    assert att.weights_state == "clean" and att.steps_since_load == 0
+    assert att.model_ref["name"] == "tiny" and att.config["model_type"] == "llama"
+    assert "attachment_id" not in att.body
+    name = "model.layers.0.mlp.down_proj.weight"
+    pattern = torch.arange(att.tensors[name].numel(), dtype=torch.float32).reshape(
+        att.tensors[name].shape).remainder(61).div(8).to(torch.bfloat16)
+    with client.commit() as cycle, torch.no_grad():
+        att.tensors[name].copy_(pattern)
+    assert cycle.quiesce["weights_state"] == "clean"
+    assert cycle.begin["weights_state"] == "writing"
+    assert cycle.end["steps_since_load"] == 1 and cycle.end["overran"] is False
+    assert cycle.resume == {"barrier": "serving", "weights_state": "clean"}
+    assert cycle.steps_since_load == 1 == client.steps_since_load
+    st, _, headers = server.chat()
+    assert st == 200 and headers["X-miLLM-Model"] == '"tiny";origin=model;commits=1'
+    status = client.status()
+    assert status["attached"] and status["steps_since_load"] == 1
+    assert status["barrier"] == "serving" and status["weights_state"] == "clean"
+    answer = client.detach()
+    assert answer == {"weights_state": "clean", "barrier": "serving"}
+    assert att.released and att.weights.lingering == 0 and client.detach() is None
+    # a fresh attach maps the same shared memory again: the write is there
+    again = client.attach()
+    assert torch.equal(again.tensors[name], pattern)
+    client.detach()
+    ops = [line["operation"] for line in server.audit_lines()]
+    assert ops == ["weights_attach", "weights_quiesce", "weights_commit_begin",
+                   "weights_commit_end", "weights_resume", "weights_detach", "weights_attach",
+                   "weights_detach"]
+
+
+def test_build_model_binds_the_served_tensors_and_detach_empties_them(client):
+    att = client.attach(build_model=True)
+    model = att.model
+    assert att.build_model() is model
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    emb = att.tensors["model.embed_tokens.weight"]
+    assert model.model.embed_tokens.weight.data_ptr() == emb.data_ptr()
+    logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape == (1, 3, 49152) and torch.isfinite(logits).all()
+    client.detach()
+    assert model.model.embed_tokens.weight.numel() == 0
+    assert client.status()["attached"] is False
+
+
+def test_refusals_are_typed_and_carry_code_reason_status_details(server, client):
+    client.attach()
+    other = WeightsClient(server.url, TRN2, timeout=30)
+    with pytest.raises(AlreadyAttached) as exc:
+        other.attach()
+    assert exc.value.status == 409 and exc.value.code == "ALREADY_ATTACHED"
+    assert exc.value.details["holder"]["label"] == "trn"
+    assert other._attachment_id is None
+    with pytest.raises(AlreadyAttached):
+        client.attach()  # this client already holds one: refused before anything is sent
+    with pytest.raises(NoOpenCommit):
+        client.commit_end()
+    with pytest.raises(WeightsForbidden) as exc:
+        client.clear_stale()
+    assert exc.value.status == 403
+    with pytest.raises(WeightsUnauthorized) as exc:
+        WeightsClient(server.url, "not-a-token-0123456789").clear_stale()
+    assert exc.value.status == 401
+    ops = WeightsClient(server.url, OPS, timeout=30)
+    with pytest.raises(trainer.AttachmentNotStale):
+        ops.clear_stale()
+    with pytest.raises(trainer.NotAttachedHere):
+        other.quiesce()  # no attachment: refused locally, nothing sent
+    client.detach()
+    with pytest.raises(NotAttached):
+        other._attachment_id = "0" * 32
+        other.quiesce()
+    other._attachment_id = None
+    assert TRN not in str(exc.value) and OPS not in repr(ops) and TRN not in repr(client)
+
+
+def test_an_exception_in_the_block_still_ends_the_commit_and_resumes(client):
+    client.attach()
+    with pytest.raises(ZeroDivisionError), client.commit() as cycle:
+        1 / 0  # noqa: B018
+    assert cycle.end["steps_since_load"] == 1 and cycle.resume["barrier"] == "serving"
+    status = client.status()
+    assert status["weights_state"] == "clean" and status["barrier"] == "serving"
+    assert status["steps_since_load"] == 1
+
+
+def test_a_dying_process_leaves_the_commit_open_for_the_watchdog(tmp_path, tiny_model_dir):
+    server = ThreadServer(tmp_path, tiny_model_dir, WEIGHTS_COMMIT_WATCHDOG_MS="150")
+    try:
+        with WeightsClient(server.url, TRN, timeout=30) as client:
+            client.attach()
+            with pytest.raises(KeyboardInterrupt), client.commit():
+                raise KeyboardInterrupt
+            assert client.status()["weights_state"] in ("writing", "torn")
+            time.sleep(0.4)
+            status = client.status()
+            assert status["weights_state"] == "torn" and status["barrier"] == "quiesced"
+            st, body, headers = server.chat()
+            assert st == 503 and body["error"]["code"] == "weights_torn"
+            assert "Retry-After" in headers
+            with pytest.raises(trainer.WeightsNotClean), client.commit():
+                pass
+            late = client.commit_end()  # the beginner's late commit-end recovers (overrun)
+            assert late["overran"] is True and late["weights_state"] == "clean"
+            client.resume()
+            assert server.chat()[0] == 200
+    finally:
+        server.stop()
+
+
+def test_a_refused_commit_begin_resumes_the_barrier(client, monkeypatch):
+    client.attach()
+
+    def refuse():
+        raise trainer.ERROR_CLASSES["PAUSE_IN_PROGRESS"]("PAUSE_IN_PROGRESS", "save", 409, "x")
+
+    monkeypatch.setattr(client, "commit_begin", refuse)
+    with pytest.raises(trainer.PauseInProgress), client.commit():
+        pytest.fail("the block must not run")
+    assert client.status()["barrier"] == "serving"
+
+
+def test_heartbeat_thread_runs_at_the_hint_and_stops_on_detach(tmp_path, tiny_model_dir):
+    server = ThreadServer(tmp_path, tiny_model_dir, WEIGHTS_HEARTBEAT_INTERVAL_HINT_S="0.1",
+                          WEIGHTS_HEARTBEAT_TIMEOUT_S="0.6")
+    try:
+        client = WeightsClient(server.url, TRN, timeout=30)
+        client.attach()
+        assert client.heartbeat_interval_s == 0.1
+        time.sleep(1.0)  # longer than the staleness window: only the heartbeat keeps it active
+        status = client.status()
+        assert status["attachment"]["state"] == "active"
+        assert status["attachment"]["last_heartbeat_at"] is not None
+        assert client.heartbeats_sent >= 3 and client.heartbeat_error is None
+        thread = client._hb_thread
+        client.detach()
+        assert thread is not None and not thread.is_alive()
+        sent = client.heartbeats_sent
+        time.sleep(0.3)
+        assert client.heartbeats_sent == sent
+        assert not any(t.name == "miserver-heartbeat" for t in threading.enumerate())
+    finally:
+        server.stop()
+
+
+def test_a_cleared_attachment_stops_the_heartbeat_and_the_next_commit_raises(
+        tmp_path, tiny_model_dir, caplog):
+    server = ThreadServer(tmp_path, tiny_model_dir, WEIGHTS_HEARTBEAT_INTERVAL_HINT_S="0.1",
+                          WEIGHTS_HEARTBEAT_TIMEOUT_S="0.3")
+    try:
+        client = WeightsClient(server.url, TRN, timeout=30, heartbeat=False)
+        client.attach()
+        time.sleep(0.5)
+        assert client.status()["attachment"]["state"] == "stale"
+        ops = WeightsClient(server.url, OPS, timeout=30)
+        assert ops.clear_stale()["cleared"]["label"] == "trn"
+        with caplog.at_level(logging.WARNING, logger="miserver.trainer"):
+            client.start_heartbeat()
+            deadline = time.monotonic() + 5
+            while client._hb_thread.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert not client._hb_thread.is_alive()
+        assert isinstance(client.heartbeat_error, NotAttached)
+        assert any("heartbeat refused" in r.getMessage() for r in caplog.records)
+        with pytest.raises(NotAttached), client.commit():
+            pytest.fail("the block must not run")
+        assert client.detach() is None  # the server has nothing: the client lets go
+    finally:
+        server.stop()
+    assert client._attachment_id is None and client.attachment.released
+
+
+def test_a_failed_rebuild_detaches_before_raising(client, monkeypatch):
+    import miserver.trainer_client as tc
+
+    def refuse(body, on_release=None):
+        raise trainer.ProducerMismatch({"torch": ("9.9", torch.__version__)})
+
+    monkeypatch.setattr(tc, "rebuild", refuse)
+    with pytest.raises(trainer.ProducerMismatch):
+        client.attach()
+    assert client.status()["attached"] is False and client._attachment_id is None
+
+
+def test_the_context_manager_detaches_on_an_exception(server):
+    with pytest.raises(RuntimeError, match="boom"), WeightsClient(server.url, TRN) as c:
+        att = c.attach()
+        raise RuntimeError("boom")
+    assert att.released and c.status()["attached"] is False
+
+
+def test_no_token_or_attachment_id_in_logs_reprs_or_errors(server, client, caplog):
+    caplog.set_level(logging.DEBUG)
+    att = client.attach()
+    att_id = client._attachment_id
+    with client.commit():
+        pass
+    texts = [repr(client), repr(att), str(att.body), repr(client._auth)]
+    with pytest.raises(AlreadyAttached) as exc:
+        WeightsClient(server.url, TRN2).attach()
+    texts += [str(exc.value), repr(exc.value), json.dumps(exc.value.details)]
+    client.detach()
+    texts += [r.getMessage() for r in caplog.records]
+    texts.append(server.audit.read_text())
+    for text in texts:
+        assert TRN not in text and TRN2 not in text and att_id not in text
+
+
+def test_transport_errors_and_foreign_answers_are_typed(tiny_model_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(TransportError) as exc:
+        WeightsClient(f"http://127.0.0.1:{port}", TRN, timeout=2).attach()
+    assert TRN not in str(exc.value)
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.send_response(502)
+            self.send_header("Content-Type", "text/plain")
+            self.end_headers()
+            self.wfile.write(b"bad gateway")
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(WeightsError) as exc:
+            WeightsClient(f"http://127.0.0.1:{srv.server_address[1]}", TRN).attach()
+        assert exc.value.status == 502 and exc.value.code is None
+        assert type(exc.value) is WeightsError
+    finally:
+        srv.shutdown()
+    with pytest.raises(ValueError):
+        WeightsClient("127.0.0.1:8000", TRN)
+
+
+ATEXIT_CHILD = """
+import sys
+from miserver.trainer import WeightsClient
+client = WeightsClient(sys.argv[1], sys.argv[2])
+att = client.attach(build_model=True)
+KEEP = att.model  # a module global still holding the views at exit
+print("attached", flush=True)
+"""
+
+
+def test_interpreter_exit_detaches(server):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", ATEXIT_CHILD, server.url, TRN], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0 and "attached" in proc.stdout, proc.stderr[-3000:]
+    status = WeightsClient(server.url, TRN).status()
+    assert status["attached"] is False
+    ops = [line["operation"] for line in server.audit_lines()]
+    assert [op for op in ops if op != "weights_heartbeat"] == ["weights_attach", "weights_detach"]

@@ -86,6 +86,24 @@ def _int_query(request: web.Request, name: str, default: int, lo: int, hi: int) 
 
 # -- files -------------------------------------------------------------------------------------
 
+#: The most bytes a multipart field other than ``file`` may hold.
+_MAX_FIELD_BYTES = 1024
+
+
+async def _read_part(part: BodyPartReader, limit: int, param: str) -> bytes:
+    """A part's bytes; 413 past ``limit`` (a chunked body has no Content-Length to check)."""
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await part.read_chunk(_READ_CHUNK):
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(codes.PAYLOAD_TOO_LARGE,
+                           f"{param} is larger than {limit} bytes"
+                           + (" (MAX_REQUEST_BYTES)" if param == "file" else ""), param=param)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 
 async def create_file(request: web.Request) -> web.Response:
     """``POST /v1/files``: multipart ``purpose=batch`` and ``file``; 400 naming bad lines."""
@@ -104,23 +122,16 @@ async def create_file(request: web.Request) -> web.Response:
                                param="file")
             name = part.name or ""
             if name == "purpose":
-                purpose = (await part.read(decode=True)).decode("utf-8", "replace").strip()
+                raw = await _read_part(part, _MAX_FIELD_BYTES, "purpose")
+                purpose = raw.decode("utf-8", "replace").strip()
             elif name == "file":
-                filename = part.filename or filename
-                chunks: list[bytes] = []
-                size = 0
-                while chunk := await part.read_chunk(_READ_CHUNK):
-                    size += len(chunk)
-                    if size > max_bytes:
-                        raise ApiError(codes.PAYLOAD_TOO_LARGE,
-                                       f"the file is larger than {max_bytes} bytes "
-                                       f"(MAX_REQUEST_BYTES)", param="file")
-                    chunks.append(chunk)
-                data = b"".join(chunks)
+                filename = (part.filename or filename)[:255]
+                data = await _read_part(part, max_bytes, "file")
             elif name in _IGNORED_FILE_FIELDS:
-                await part.read()
+                await _read_part(part, _MAX_FIELD_BYTES, name)
             else:
-                raise ApiError(codes.INVALID_REQUEST, f"unknown field {name[:64]!r}", param=name)
+                raise ApiError(codes.INVALID_REQUEST, f"unknown field {name[:64]!r}",
+                               param=name[:64])
     except (ValueError, AssertionError) as exc:
         raise ApiError(codes.INVALID_REQUEST, f"malformed multipart body ({exc})"[:200],
                        param="file") from None

@@ -454,6 +454,50 @@ async def test_exactly_once_across_a_crash_and_a_reopen(tmp_path: Path):
     store.close()
 
 
+async def test_a_cancel_survives_a_restart(tmp_path: Path):
+    store = BatchStore(tmp_path)
+    b = new_batch(store, [line("a"), line("b")])
+    ex = FakeExecutor()
+    ex.crash_after = 1
+    with pytest.raises(SimulatedCrash):
+        await BatchRunner(store, ex).run_until_idle()
+    store.cancel_batch(b["id"])
+    store.close()
+    store = BatchStore(tmp_path)
+    await BatchRunner(store, FakeExecutor()).run_until_idle()
+    done = store.get_batch(b["id"])
+    assert done["status"] == "cancelled"
+    assert [x["custom_id"] for x in output(store, b)[0]] == ["a"]
+    store.close()
+
+
+async def test_a_crash_while_finalizing_is_finished_after_the_restart(tmp_path: Path):
+    store = BatchStore(tmp_path)
+    b = new_batch(store, [line("a"), line("bad", max_tokens=0)])
+    writes = []
+
+    def dying_write(file_id: str, data: bytes) -> Path:
+        path = BatchStore._write_blob(store, file_id, data)
+        writes.append(file_id)
+        if len(writes) == 2:  # both blobs written, nothing committed
+            raise SimulatedCrash
+        return path
+
+    store._write_blob = dying_write  # type: ignore[method-assign]
+    with pytest.raises(SimulatedCrash):
+        await BatchRunner(store, FakeExecutor()).run_until_idle()
+    assert store.get_batch(b["id"])["status"] == "finalizing"
+    store.close()
+    store = BatchStore(tmp_path)
+    assert store.active_batches()[0]["id"] == b["id"]  # opening removed the orphan blobs
+    assert not any((tmp_path / "files" / f"{w}.jsonl").exists() for w in writes)
+    await BatchRunner(store, FakeExecutor()).run_until_idle()
+    out, err = output(store, b)
+    assert [x["custom_id"] for x in out] == ["a"] and [x["custom_id"] for x in err] == ["bad"]
+    assert len(store.list_files(purpose="batch_output")["data"]) == 2
+    store.close()
+
+
 def test_record_result_counts_a_row_once(store: BatchStore):
     b = new_batch(store, [line("a")])
     row = store.pending_rows(b["id"], MODEL, 10)[0]
@@ -591,6 +635,8 @@ async def test_upload_refusals_name_the_problem(client: TestClient):
     assert r.status == 400 and "line 2" in err["message"] and err["code"] == "invalid_request"
     r = await client.post("/v1/files", data=_form(b"x" * 5000))
     assert r.status == 413 and (await r.json())["error"]["code"] == "payload_too_large"
+    r = await client.post("/v1/files", data=_form(jsonl([line("a")]), purpose="b" * 2000))
+    assert r.status == 413 and (await r.json())["error"]["param"] == "purpose"
     form = aiohttp.FormData()
     form.add_field("purpose", "batch")
     r = await client.post("/v1/files", data=form)

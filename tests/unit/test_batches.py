@@ -564,6 +564,7 @@ async def client(tmp_path: Path):
     batch_routes.setup_routes(app, home=str(tmp_path), executor=lambda _app: ex,
                               max_upload_bytes=4096, poll_s=0.02)
     async with TestClient(TestServer(app)) as c:
+        c.fake = ex  # type: ignore[attr-defined]
         yield c
 
 
@@ -801,3 +802,47 @@ async def test_torn_weights_make_the_batch_wait_not_fail(live):
     live.weights["weights_state"] = "clean"  # a weights load recovered the set
     done = await _poll(live, b["id"], lambda x: x["status"] == "completed")
     assert done["request_counts"]["completed"] == 1
+
+
+async def test_the_official_sdk_speaks_every_route(client: TestClient):
+    import openai
+
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused",
+                             max_retries=0)
+    try:
+        up = await sdk.files.create(file=("in.jsonl", jsonl([line("a"), line("b")])),
+                                    purpose="batch")
+        assert (await sdk.files.retrieve(up.id)).bytes == up.bytes
+        ids = []
+        for _ in range(3):
+            b = await sdk.batches.create(input_file_id=up.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h", metadata={"k": "v"})
+            ids.append(b.id)
+        paged = [b.id async for b in sdk.batches.list(limit=1)]  # follows has_more / after
+        assert paged == ids[::-1]
+        client.fake.reasons["held"] = "model_not_resident"
+        held_file = await sdk.files.create(file=("h.jsonl", jsonl([line("h", model="held")])),
+                                           purpose="batch")
+        held = await sdk.batches.create(input_file_id=held_file.id, completion_window="24h",
+                                        endpoint="/v1/chat/completions")
+        assert (await sdk.batches.cancel(held.id)).status in ("cancelling", "cancelled")
+        done = await sdk.batches.retrieve(ids[0])
+        for _ in range(200):
+            if done.status == "completed":
+                break
+            await asyncio.sleep(0.02)
+            done = await sdk.batches.retrieve(ids[0])
+        assert done.request_counts.completed == 2 and done.metadata == {"k": "v"}
+        text = (await sdk.files.content(done.output_file_id)).text
+        assert [json.loads(x)["custom_id"] for x in text.splitlines()] == ["a", "b"]
+        listed = [f.id async for f in sdk.files.list(purpose="batch")]
+        assert listed == [held_file.id, up.id]
+        assert (await sdk.files.delete(up.id)).deleted is True
+        with pytest.raises(openai.NotFoundError):
+            await sdk.files.retrieve(up.id)
+        with pytest.raises(openai.BadRequestError) as info:
+            await sdk.batches.create(input_file_id=done.output_file_id,
+                                     endpoint="/v1/chat/completions", completion_window="24h")
+        assert info.value.param == "input_file_id"
+    finally:
+        await sdk.close()

@@ -223,7 +223,8 @@ def model_config(size: str) -> Any:
 
 
 def random_model(size: str, device: str, seed: int = 0) -> Any:
-    """A causal LM of ``size``'s shape, bfloat16, random N(0, 0.02) weights, on ``device``."""
+    """A causal LM of ``size``'s shape, bfloat16, random N(0, 0.02) weights, on ``device``
+    (for moving weights only: its buffers are left uninitialised)."""
     import torch
     import transformers
 
@@ -233,12 +234,8 @@ def random_model(size: str, device: str, seed: int = 0) -> Any:
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
-        for p in model.parameters():
+        for p in model.parameters():  # buffers stay uninitialised: no forward pass runs
             p.normal_(0.0, 0.02, generator=gen)
-        for m in model.modules():  # rotary tables were emptied by to_empty
-            if hasattr(m, "rope_init_fn") and hasattr(m, "inv_freq"):
-                inv_freq, _ = m.rope_init_fn(m.config, device)
-                m.inv_freq.copy_(inv_freq)
     model.eval()
     sync(device)
     return model

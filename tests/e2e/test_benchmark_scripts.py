@@ -1,0 +1,75 @@
+"""The GPU benchmarks run end to end on the CPU at tiny sizes, so they cannot rot between GPU
+runs: benchmarks/weight_sync.py (miserver's barrier over HTTP against a bucketed shared-memory
+copy, CPU shared memory) and benchmarks/serving_under_training.py (a real ``miserver serve`` on
+the embedded default with a trainer committing). Each script checks its own results (commits
+counted, copies equal, no failed request, identical greedy answers) and exits non-zero when a
+check fails; these tests also read the JSON each one writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(args: list[str], tmp_path: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, also on a machine with a GPU
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_weight_sync_runs_every_approach_and_checks_them(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = _run(["benchmarks/weight_sync.py", "--sizes", "tiny", "--steps", "15",
+                 "--baseline-steps", "4", "--warmup", "2", "--out", str(out)], tmp_path, 300)
+    rows = json.loads((out / "weight_sync.json").read_text())
+    by = {(r["approach"], r["size"]): r for r in rows}
+    assert set(by) == {("bare aiohttp", "-"), ("miserver", "tiny"),
+                       ("baseline (bucketed IPC copy)", "tiny")}
+    assert all(r["check"] for r in rows)
+    assert by[("miserver", "tiny")]["steps"] == 15
+    assert by[("baseline (bucketed IPC copy)", "tiny")]["steps"] == 4
+    for r in rows:
+        assert 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"]
+        assert len(r["samples_ms"]) == r["steps"]
+    # the tiny model's one bucket; the weights are the same size on both sides
+    base = by[("baseline (bucketed IPC copy)", "tiny")]
+    assert base["buckets"] == 1
+    assert base["weight_bytes"] == by[("miserver", "tiny")]["weight_bytes"] > 0
+    assert "| miserver | tiny |" in proc.stdout
+    assert (out / "weight_sync.png").stat().st_size > 0
+
+
+def test_weight_sync_refuses_an_unknown_size(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "benchmarks/weight_sync.py", "--sizes", "70b"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "unknown size '70b'" in proc.stderr
+
+
+@pytest.mark.slow
+def test_serving_under_training_serves_every_request_while_committing(
+        home_with_default: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    _run(["benchmarks/serving_under_training.py", "--home", home_with_default, "--requests", "2",
+          "--max-tokens", "6", "--out", str(out)], tmp_path, 600)
+    result = json.loads((out / "serving_under_training.json").read_text())
+    phases, trainer = result["phases"], result["trainer"]
+    assert list(phases) == ["no trainer", "trainer committing", "no trainer, after"]
+    assert all(p["failed"] == 0 and p["tokens"] > 0 for p in phases.values())
+    assert trainer["commits"] > 0 and trainer["steps_since_load"] == trainer["commits"]
+    assert trainer["refusals"] == {}
+    # one greedy answer throughout: the trainer's writes left the values as they were
+    assert len({t for p in phases.values() for t in p["texts"]}) == 1
+    # answers during training carry the commit count of the weights that produced them
+    assert any(";commits=" in s for s in phases["trainer committing"]["served_by"])

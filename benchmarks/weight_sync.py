@@ -305,8 +305,12 @@ def serve_miserver(size: str) -> None:
                            path=folder)
 
     def load_random(row: Any, s: Any) -> Any:
+        import torch
+
         model = random_model(size, device)
         arena = loader_module.make_attachable(model, s)
+        if device.startswith("cuda"):  # the random copy the arena replaced: give it back
+            torch.cuda.empty_cache()
         return loader_module.LoadedModel(model=model, tokenizer=None,
                                          device=next(model.parameters()).device,
                                          attachable=arena is not None, arena=arena)

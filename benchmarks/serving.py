@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -113,6 +114,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32, help="tokens to generate")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    # A SIGTERM (a timeout) still runs the finally below, which stops the server process.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer

@@ -241,10 +241,6 @@ _MAX_UPLOAD: web.AppKey[int] = web.AppKey("batch_max_upload_bytes", int)
 # -- the seam over the running server -----------------------------------------------------------
 
 
-#: The weights lifecycle runtime (``confirm_v1``), where the app has one.
-_WEIGHTS_KEY = getattr(keys, "WEIGHTS", None)
-
-
 class _Refused(Exception):  # noqa: N818 - carries a refusal out of the slot's try block
     def __init__(self, error: ApiError) -> None:
         super().__init__(error.message)
@@ -320,7 +316,7 @@ class ServerRowExecutor:
             reason = self.waiting_reason(job.resident.served_name)
             if reason in BLOCKING_REASONS or self.app[keys.HOST].resident is not job.resident:
                 raise RowDeferred(reason if reason in BLOCKING_REASONS else "model_not_resident")
-            lifecycle = self.app.get(_WEIGHTS_KEY) if _WEIGHTS_KEY is not None else None
+            lifecycle = self.app.get(keys.WEIGHTS)
             if lifecycle is not None:
                 # inside the slot the table must still accept a request for the resident
                 try:

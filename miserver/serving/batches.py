@@ -852,6 +852,7 @@ class BatchRunner:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.rows_run = 0
+        self._current: tuple[str, str] | None = None  # (batch_id, model) inside execute_row
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -876,7 +877,18 @@ class BatchRunner:
         self._wake.set()
 
     def waiting_reason(self, batch_id: str) -> str | None:
-        """The batch's current ``waiting_reason`` (null while it runs or once it ended)."""
+        """The batch's current ``waiting_reason`` (null while it runs or once it ended).
+
+        While one of its rows is inside ``execute_row`` (running, or held in the scheduler) the
+        reason is probed live, so a set that tears while the chunk is held reads
+        ``weights_torn``, not the ``quiesced`` it was held under.
+        """
+        current = self._current
+        if current is not None and current[0] == batch_id and self.executor is not None:
+            try:
+                return self.executor.waiting_reason(current[1])
+            except Exception:  # noqa: BLE001 - a status read must not fail
+                log.exception("waiting_reason probe failed")
         return self._waiting.get(batch_id)
 
     # -- the loop ------------------------------------------------------------------------------
@@ -928,6 +940,12 @@ class BatchRunner:
         return False
 
     async def _run_chunk(self, batch_id: str, model: str) -> bool:
+        try:
+            return await self._run_rows(batch_id, model)
+        finally:
+            self._current = None
+
+    async def _run_rows(self, batch_id: str, model: str) -> bool:
         ran = False
         for row in self.store.pending_rows(batch_id, model, self.chunk_size):
             if self.store.batch_status(batch_id) != "in_progress":
@@ -936,6 +954,7 @@ class BatchRunner:
             self._waiting[batch_id] = reason
             if reason in BLOCKING_REASONS:
                 return ran
+            self._current = (batch_id, model)
             try:
                 status, headers, body = await self.executor.execute_row(
                     row.method, row.url, dict(row.body))
@@ -961,6 +980,7 @@ class BatchRunner:
             if deferred is not None:
                 self._waiting[batch_id] = deferred or None
                 return ran
+            self._current = None
             self._waiting[batch_id] = None
             self._attempts.pop((batch_id, row.idx), None)
             self.store.record_result(row, ok=200 <= status < 300,

@@ -846,3 +846,58 @@ async def test_the_official_sdk_speaks_every_route(client: TestClient):
         assert info.value.param == "input_file_id"
     finally:
         await sdk.close()
+
+
+async def test_the_real_lifecycle_quiesce_then_torn_then_recovered(tmp_path: Path,
+                                                                   tiny_model_dir: str):
+    """Weights page, States: batch rows do not fail on torn; the batch waits with
+    waiting_reason weights_torn and resumes once the weights are restored."""
+    from miserver.http import keys
+    from miserver.http.app import create_app
+    from miserver.http.model_header import parse_model_header
+    from miserver.serving.catalogue import Catalogue
+    from miserver.spec.settings import load_settings
+
+    secret = "trainer-secret-0123456789"
+    home = tmp_path / "home"
+    Catalogue(str(home)).register(name="tiny", format="safetensors", dtype="bfloat16",
+                                  path=tiny_model_dir)
+    app = create_app(load_settings({
+        "MISERVER_HOME": str(home), "DEFAULT_MODEL": "tiny", "DEVICE": "cpu",
+        "WEIGHTS_TOKENS": f"trn:trainer:{secret}", "WEIGHTS_CPU_ATTACH": "1",
+        "WEIGHTS_COMMIT_WATCHDOG_MS": "100", "WEIGHTS_HOLD_TIMEOUT_S": "60"}))
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    try:
+        await app[keys.STARTUP_LOAD]
+        app[batch_routes.BATCH_RUNNER].poll_s = 0.02
+        auth = {"Authorization": f"Bearer {secret}"}
+        r = await client.post("/api/weights/attach", headers=auth)
+        assert r.status == 200, await r.text()
+        h = {**auth, "X-miLLM-Attachment": (await r.json())["data"]["attachment_id"]}
+        assert (await client.post("/api/weights/quiesce", headers=h)).status == 200
+
+        b = await _start(client, [_tiny_chat("a", model="tiny"), _tiny_chat("b", model="tiny")])
+        await _poll(client, b["id"], lambda x: x["waiting_reason"] == "quiesced")
+        await asyncio.sleep(0.1)
+        assert app[keys.SCHEDULER].counts().held_batch == 1  # the held chunk
+
+        assert (await client.post("/api/weights/commit-begin", headers=h)).status == 200
+        torn = await _poll(client, b["id"], lambda x: x["waiting_reason"] == "weights_torn")
+        assert (await client.post("/api/weights/resume", headers=h)).status == 200
+        await asyncio.sleep(0.3)  # the released chunk sees torn and waits; nothing fails
+        again = await (await client.get(f"/v1/batches/{b['id']}")).json()
+        for x in (torn, again):
+            assert x["status"] == "in_progress", x
+            assert x["request_counts"] == {"total": 2, "completed": 0, "failed": 0}
+        assert again["waiting_reason"] == "weights_torn"
+
+        r = await client.post("/api/weights/commit-end", headers=h)  # late: clean, overran
+        assert r.status == 200 and (await r.json())["data"]["weights_state"] == "clean"
+        done = await _poll(client, b["id"], lambda x: x["status"] == "completed")
+        assert done["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+        for x in await _lines(client, done["output_file_id"]):
+            name, origin, commits = parse_model_header(x["response"]["headers"]["X-miLLM-Model"])
+            assert (name, origin, commits) == ("tiny", "model", 1)
+    finally:
+        await client.close()

@@ -56,6 +56,9 @@ def trainer_main(mode: str, url: str, token: str) -> None:
     from miserver.trainer import WeightsClient
 
     client = WeightsClient(url, token, timeout=120)
+    if mode == "die":
+        print("ready", flush=True)
+        sys.stdin.readline()  # started early (its imports overlap the training), attach on "go"
     att = client.attach()
     targets = poison_targets(list(att.tensors))
     backup = {n: att.tensors[n].clone() for n in targets}
@@ -154,13 +157,15 @@ def server(home_with_default: str, tmp_path: Path):
     assert TRN not in text and OPS not in text
 
 
-def test_train_under_load_never_serves_half_written_weights_and_recovers_from_a_kill(server):
+def test_train_under_load_never_serves_half_written_weights_and_recovers_from_a_kill(
+        server, request):
     import requests
     import torch
 
     from miserver.trainer import WeightsClient
 
     url, log = server
+    t0 = time.monotonic()
     s = requests.Session()
     # the reference answer, before anything attaches (greedy: deterministic)
     st, reference, header, _ = chat(s, url)
@@ -202,6 +207,12 @@ def test_train_under_load_never_serves_half_written_weights_and_recovers_from_a_
             with lock:
                 results.append((k, time.monotonic(), st, content, header))
 
+    # the trainer that will be killed starts now: its imports overlap the training phase
+    dying = subprocess.Popen([sys.executable, __file__, "die", url, TRN], env=child_env(),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, cwd=REPO)
+    request.addfinalizer(dying.kill)  # also when an assertion fails before the kill
+    phase = {"control": time.monotonic() - t0}
     threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in range(3)]
     for t in threads:
         t.start()
@@ -240,10 +251,13 @@ def test_train_under_load_never_serves_half_written_weights_and_recovers_from_a_
     assert status["steps_since_load"] == control_commits + CYCLES
     assert status["attached"] is False and status["weights_state"] == "clean"
 
+    phase["train"] = time.monotonic() - t0
+
     # a trainer killed mid-commit: the watchdog tears the set
-    dying = subprocess.Popen([sys.executable, __file__, "die", url, TRN], env=child_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     try:
+        assert dying.stdout.readline().strip() == "ready", dying.stderr.read()[-4000:]
+        dying.stdin.write("go\n")
+        dying.stdin.flush()
         line = dying.stdout.readline()
         assert line.strip() == "writing", dying.stderr.read()[-4000:] if dying.poll() else line
     finally:
@@ -276,6 +290,9 @@ def test_train_under_load_never_serves_half_written_weights_and_recovers_from_a_
     status = s.get(url + "/api/weights/status").json()["data"]
     assert status["weights_state"] == "clean" and status["barrier"] == "serving"
     assert status["steps_since_load"] == 0
+    phase["recovered"] = time.monotonic() - t0
+    print("phases (s since the server answered):", {k: round(v, 1) for k, v in phase.items()},
+          f"{len(results)} chat responses, {len(during)} while training")
 
 
 if __name__ == "__main__":

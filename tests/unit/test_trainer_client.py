@@ -381,3 +381,29 @@ def test_interpreter_exit_detaches(server):
     assert status["attached"] is False
     ops = [line["operation"] for line in server.audit_lines()]
     assert [op for op in ops if op != "weights_heartbeat"] == ["weights_attach", "weights_detach"]
+
+
+def test_save_records_the_commits_and_load_restores_the_checkpoint(server, client):
+    att = client.attach()
+    name = "model.norm.weight"
+    original = att.tensors[name].clone()
+    with client.commit(), torch.no_grad():
+        att.tensors[name].fill_(0.5)
+    saved = client.save("tiny-half")
+    assert saved["name"] == "tiny-half" and saved["steps_since_load"] == 1
+    assert len(saved["checkpoint_sha256"]) == 64
+    assert client.status()["last_save"]["checkpoint_sha256"] == saved["checkpoint_sha256"]
+    with pytest.raises(trainer.CheckpointExists):
+        client.save("tiny-half")
+    with client.commit(), torch.no_grad():
+        att.tensors[name].copy_(original)
+    st, _, headers = server.chat()
+    assert st == 200 and headers["X-miLLM-Model"] == '"tiny-half";origin=checkpoint;commits=1'
+    loaded = client.load(checkpoint="tiny-half")  # the holder loads in place
+    assert loaded["in_place"] is True and loaded["steps_since_load"] == 0
+    assert client.steps_since_load == 0
+    assert torch.equal(att.tensors[name], torch.full_like(original, 0.5))
+    with pytest.raises(trainer.CheckpointNotFound):
+        client.load(checkpoint="no-such-checkpoint")
+    with pytest.raises(ValueError):
+        client.load()

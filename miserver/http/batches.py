@@ -76,11 +76,11 @@ def _int_query(request: web.Request, name: str, default: int, lo: int, hi: int) 
     try:
         value = int(raw)
     except ValueError:
-        raise ApiError(codes.INVALID_REQUEST, f"{name} must be an integer, got {raw[:40]!r}",
-                       param=name) from None
+        raise ApiError(
+            codes.INVALID_REQUEST, f"{name} must be an integer, got {raw[:40]!r}", param=name
+        ) from None
     if not lo <= value <= hi:
-        raise ApiError(codes.INVALID_REQUEST, f"{name} must be between {lo} and {hi}",
-                       param=name)
+        raise ApiError(codes.INVALID_REQUEST, f"{name} must be between {lo} and {hi}", param=name)
     return value
 
 
@@ -97,19 +97,24 @@ async def _read_part(part: BodyPartReader, limit: int, param: str) -> bytes:
     while chunk := await part.read_chunk(_READ_CHUNK):
         size += len(chunk)
         if size > limit:
-            raise ApiError(codes.PAYLOAD_TOO_LARGE,
-                           f"{param} is larger than {limit} bytes"
-                           + (" (MAX_REQUEST_BYTES)" if param == "file" else ""), param=param)
+            raise ApiError(
+                codes.PAYLOAD_TOO_LARGE,
+                f"{param} is larger than {limit} bytes"
+                + (" (MAX_REQUEST_BYTES)" if param == "file" else ""),
+                param=param,
+            )
         chunks.append(chunk)
     return b"".join(chunks)
-
 
 
 async def create_file(request: web.Request) -> web.Response:
     """``POST /v1/files``: multipart ``purpose=batch`` and ``file``; 400 naming bad lines."""
     if request.content_type != "multipart/form-data":
-        raise ApiError(codes.INVALID_REQUEST, "POST /v1/files takes multipart/form-data with the "
-                       "fields file and purpose", param="file")
+        raise ApiError(
+            codes.INVALID_REQUEST,
+            "POST /v1/files takes multipart/form-data with the fields file and purpose",
+            param="file",
+        )
     max_bytes: int = request.app.get(_MAX_UPLOAD, 8 * 1024 * 1024)
     try:
         reader = await request.multipart()
@@ -118,8 +123,9 @@ async def create_file(request: web.Request) -> web.Response:
         filename = "batch.jsonl"
         while (part := await reader.next()) is not None:
             if not isinstance(part, BodyPartReader):
-                raise ApiError(codes.INVALID_REQUEST, "nested multipart bodies are not accepted",
-                               param="file")
+                raise ApiError(
+                    codes.INVALID_REQUEST, "nested multipart bodies are not accepted", param="file"
+                )
             name = part.name or ""
             if name == "purpose":
                 raw = await _read_part(part, _MAX_FIELD_BYTES, "purpose")
@@ -130,18 +136,21 @@ async def create_file(request: web.Request) -> web.Response:
             elif name in _IGNORED_FILE_FIELDS:
                 await _read_part(part, _MAX_FIELD_BYTES, name)
             else:
-                raise ApiError(codes.INVALID_REQUEST, f"unknown field {name[:64]!r}",
-                               param=name[:64])
+                raise ApiError(
+                    codes.INVALID_REQUEST, f"unknown field {name[:64]!r}", param=name[:64]
+                )
     except (ValueError, AssertionError) as exc:
-        raise ApiError(codes.INVALID_REQUEST, f"malformed multipart body ({exc})"[:200],
-                       param="file") from None
+        raise ApiError(
+            codes.INVALID_REQUEST, f"malformed multipart body ({exc})"[:200], param="file"
+        ) from None
     if purpose is None:
-        raise ApiError(codes.INVALID_REQUEST, "purpose is required (\"batch\")", param="purpose")
+        raise ApiError(codes.INVALID_REQUEST, 'purpose is required ("batch")', param="purpose")
     if data is None:
         raise ApiError(codes.INVALID_REQUEST, "file is required", param="file")
     try:
-        obj = await asyncio.to_thread(_store(request).create_file, data, filename=filename,
-                                      purpose=purpose)
+        obj = await asyncio.to_thread(
+            _store(request).create_file, data, filename=filename, purpose=purpose
+        )
     except BatchRequestError as exc:
         raise _api_error(exc) from None
     return json_response(obj)
@@ -151,9 +160,12 @@ async def list_files(request: web.Request) -> web.Response:
     """``GET /v1/files``."""
     limit = _int_query(request, "limit", 10000, 1, 10000)
     try:
-        page = _store(request).list_files(purpose=request.query.get("purpose"),
-                                          after=request.query.get("after"), limit=limit,
-                                          order=request.query.get("order", "desc"))
+        page = _store(request).list_files(
+            purpose=request.query.get("purpose"),
+            after=request.query.get("after"),
+            limit=limit,
+            order=request.query.get("order", "desc"),
+        )
     except BatchRequestError as exc:
         raise _api_error(exc) from None
     return json_response(page)
@@ -170,8 +182,7 @@ async def get_file(request: web.Request) -> web.Response:
 async def file_content(request: web.Request) -> web.Response:
     """``GET /v1/files/{file_id}/content``: the JSONL bytes."""
     try:
-        data = await asyncio.to_thread(_store(request).file_content,
-                                       request.match_info["file_id"])
+        data = await asyncio.to_thread(_store(request).file_content, request.match_info["file_id"])
     except BatchRequestError as exc:
         raise _api_error(exc) from None
     return web.Response(body=data, content_type="application/jsonl")
@@ -208,8 +219,9 @@ async def list_batches(request: web.Request) -> web.Response:
     """``GET /v1/batches``."""
     limit = _int_query(request, "limit", 20, 1, 100)
     try:
-        page = _store(request).list_batches(after=request.query.get("after"), limit=limit,
-                                            waiting=_waiting(request))
+        page = _store(request).list_batches(
+            after=request.query.get("after"), limit=limit, waiting=_waiting(request)
+        )
     except BatchRequestError as exc:
         raise _api_error(exc) from None
     return json_response(page)
@@ -298,8 +310,9 @@ class ServerRowExecutor:
             return "quiesced"
         return None
 
-    async def execute_row(self, method: str, url: str, body: dict[str, Any]
-                          ) -> tuple[int, dict[str, str], dict[str, Any]]:
+    async def execute_row(
+        self, method: str, url: str, body: dict[str, Any]
+    ) -> tuple[int, dict[str, str], dict[str, Any]]:
         from miserver.http import v1
         from miserver.http.model_header import model_header
         from miserver.serving.generation import Generation, GenerationError, Started
@@ -327,8 +340,7 @@ class ServerRowExecutor:
                         raise _Refused(err) from None
                     raise RowDeferred(reason) from None
             header = model_header(job.resident)
-            gen = Generation(job.resident.model, job.resident.tokenizer, job.prompt_ids,
-                             job.params)
+            gen = Generation(job.resident.model, job.resident.tokenizer, job.prompt_ids, job.params)
             gen.start()
         except _Refused as refused:
             scheduler.release()
@@ -355,9 +367,15 @@ class ServerRowExecutor:
         return response.status, dict(response.headers), msgspec.json.decode(response.body)
 
 
-def setup_routes(app: web.Application, *, home: str | None = None,
-                 executor: ExecutorSource | None = None, max_upload_bytes: int | None = None,
-                 chunk_size: int = 8, poll_s: float = 0.5) -> None:
+def setup_routes(
+    app: web.Application,
+    *,
+    home: str | None = None,
+    executor: ExecutorSource | None = None,
+    max_upload_bytes: int | None = None,
+    chunk_size: int = 8,
+    poll_s: float = 0.5,
+) -> None:
     """Register the Batch API on ``app`` and run its runner with the app (contract 7).
 
     ``home`` is ``MISERVER_HOME`` (``batches.sqlite3`` and ``files/`` live there; default

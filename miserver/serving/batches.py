@@ -64,15 +64,24 @@ WAITING_REASONS: tuple[str, ...] = ("quiesced", "weights_torn", "model_not_resid
 #: Reasons that stop the runner from taking a row: the row waits, it never fails.
 BLOCKING_REASONS = frozenset({"weights_torn", "model_not_resident"})
 
-BATCH_STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired",
-                  "cancelling", "cancelled")
+BATCH_STATUSES = (
+    "validating",
+    "failed",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "expired",
+    "cancelling",
+    "cancelled",
+)
 #: Statuses the runner still has work for.
 ACTIVE_STATUSES = ("in_progress", "finalizing", "cancelling")
 FILE_PURPOSES_IN = ("batch",)
 
 _ROW_KEYS = frozenset({"custom_id", "method", "url", "body"})
-_CREATE_KEYS = frozenset({"input_file_id", "endpoint", "completion_window", "metadata",
-                          "output_expires_after"})
+_CREATE_KEYS = frozenset(
+    {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"}
+)
 
 _json_encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.decode
@@ -115,8 +124,9 @@ class RowExecutor(Protocol):
         """
         ...
 
-    async def execute_row(self, method: str, url: str, body: dict[str, Any]
-                          ) -> tuple[int, dict[str, str], dict[str, Any]]:
+    async def execute_row(
+        self, method: str, url: str, body: dict[str, Any]
+    ) -> tuple[int, dict[str, str], dict[str, Any]]:
         """Run one request line as ``/v1`` would, at batch priority, never loading a model.
 
         Returns ``(status_code, headers, json_body)``: the body of a 2xx is the completion, any
@@ -207,8 +217,9 @@ def parse_batch_input(data: bytes) -> list[InputRow]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise BatchRequestError(codes.INVALID_REQUEST,
-                                f"the file is not UTF-8 (byte {exc.start})", param="file") from None
+        raise BatchRequestError(
+            codes.INVALID_REQUEST, f"the file is not UTF-8 (byte {exc.start})", param="file"
+        ) from None
     rows: list[InputRow] = []
     errors: list[str] = []
     n_errors = 0
@@ -229,24 +240,30 @@ def parse_batch_input(data: bytes) -> list[InputRow]:
                     problem = f"custom_id {_short(obj['custom_id'])} repeats line {first}"
                 else:
                     seen[obj["custom_id"]] = number
-                    rows.append(InputRow(number, obj["custom_id"], obj["method"], obj["url"],
-                                         obj["body"]))
+                    rows.append(
+                        InputRow(number, obj["custom_id"], obj["method"], obj["url"], obj["body"])
+                    )
         if problem is not None:
             n_errors += 1
             if len(errors) < MAX_REPORTED_ERRORS:
                 errors.append(f"line {number}: {problem}")
     if n_errors:
         more = f" (and {n_errors - len(errors)} more)" if n_errors > len(errors) else ""
-        raise BatchRequestError(codes.INVALID_REQUEST,
-                                "invalid batch input file: " + "; ".join(errors) + more,
-                                param="file")
+        raise BatchRequestError(
+            codes.INVALID_REQUEST,
+            "invalid batch input file: " + "; ".join(errors) + more,
+            param="file",
+        )
     if not rows:
-        raise BatchRequestError(codes.INVALID_REQUEST, "the batch input file has no requests",
-                                param="file")
+        raise BatchRequestError(
+            codes.INVALID_REQUEST, "the batch input file has no requests", param="file"
+        )
     if len(rows) > MAX_ROWS:
-        raise BatchRequestError(codes.INVALID_REQUEST,
-                                f"the batch input file has {len(rows)} requests; at most "
-                                f"{MAX_ROWS} are allowed", param="file")
+        raise BatchRequestError(
+            codes.INVALID_REQUEST,
+            f"the batch input file has {len(rows)} requests; at most {MAX_ROWS} are allowed",
+            param="file",
+        )
     return rows
 
 
@@ -254,20 +271,29 @@ def _check_metadata(metadata: Any) -> dict[str, str] | None:
     if metadata is None:
         return None
     if not isinstance(metadata, dict):
-        raise BatchRequestError(codes.INVALID_REQUEST, "metadata must be an object of strings",
-                                param="metadata")
+        raise BatchRequestError(
+            codes.INVALID_REQUEST, "metadata must be an object of strings", param="metadata"
+        )
     if len(metadata) > MAX_METADATA_PAIRS:
-        raise BatchRequestError(codes.INVALID_REQUEST,
-                                f"metadata has {len(metadata)} keys; at most {MAX_METADATA_PAIRS}",
-                                param="metadata")
+        raise BatchRequestError(
+            codes.INVALID_REQUEST,
+            f"metadata has {len(metadata)} keys; at most {MAX_METADATA_PAIRS}",
+            param="metadata",
+        )
     for key, value in metadata.items():
         if len(key) > MAX_METADATA_KEY_CHARS:
-            raise BatchRequestError(codes.INVALID_REQUEST, f"metadata key longer than "
-                                    f"{MAX_METADATA_KEY_CHARS} characters", param="metadata")
+            raise BatchRequestError(
+                codes.INVALID_REQUEST,
+                f"metadata key longer than {MAX_METADATA_KEY_CHARS} characters",
+                param="metadata",
+            )
         if not isinstance(value, str) or len(value) > MAX_METADATA_VALUE_CHARS:
-            raise BatchRequestError(codes.INVALID_REQUEST, f"metadata[{_short(key)}] must be a "
-                                    f"string of at most {MAX_METADATA_VALUE_CHARS} characters",
-                                    param="metadata")
+            raise BatchRequestError(
+                codes.INVALID_REQUEST,
+                f"metadata[{_short(key)}] must be a "
+                f"string of at most {MAX_METADATA_VALUE_CHARS} characters",
+                param="metadata",
+            )
     return dict(metadata)
 
 
@@ -328,8 +354,17 @@ CREATE TABLE IF NOT EXISTS batch_rows (
 CREATE INDEX IF NOT EXISTS batch_rows_pending ON batch_rows (batch_id, state, model, idx);
 """
 
-_TIMESTAMPS = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
-               "failed_at", "expired_at", "cancelling_at", "cancelled_at")
+_TIMESTAMPS = (
+    "created_at",
+    "in_progress_at",
+    "expires_at",
+    "finalizing_at",
+    "completed_at",
+    "failed_at",
+    "expired_at",
+    "cancelling_at",
+    "cancelled_at",
+)
 
 
 def _new_id(prefix: str) -> str:
@@ -353,8 +388,9 @@ class BatchStore:
     ``clock`` returns Unix seconds (tests pass their own).
     """
 
-    def __init__(self, home: str | os.PathLike[str], *,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, home: str | os.PathLike[str], *, clock: Callable[[], float] = time.time
+    ) -> None:
         self.home = Path(home)
         self.files_dir = self.home / FILES_DIR
         self.clock = clock
@@ -370,8 +406,9 @@ class BatchStore:
         with self._lock:
             if self._conn is None:
                 self.files_dir.mkdir(parents=True, exist_ok=True)
-                conn = sqlite3.connect(self.home / DB_NAME, check_same_thread=False,
-                                       isolation_level=None)
+                conn = sqlite3.connect(
+                    self.home / DB_NAME, check_same_thread=False, isolation_level=None
+                )
                 conn.row_factory = sqlite3.Row
                 conn.execute("PRAGMA journal_mode=WAL")
                 conn.execute("PRAGMA synchronous=FULL")
@@ -438,9 +475,11 @@ class BatchStore:
         Raises :class:`BatchRequestError` (400) otherwise; nothing is stored then.
         """
         if purpose not in FILE_PURPOSES_IN:
-            raise BatchRequestError(codes.INVALID_REQUEST,
-                                    f"purpose must be \"batch\", got {_short(purpose)}",
-                                    param="purpose")
+            raise BatchRequestError(
+                codes.INVALID_REQUEST,
+                f'purpose must be "batch", got {_short(purpose)}',
+                param="purpose",
+            )
         parse_batch_input(data)
         return self._add_file(data, filename=filename or "batch.jsonl", purpose=purpose)
 
@@ -449,22 +488,34 @@ class BatchStore:
         self._write_blob(file_id, data)
         now = self._now()
         with self._tx() as db:
-            db.execute("INSERT INTO files (id, filename, purpose, bytes, created_at) "
-                       "VALUES (?, ?, ?, ?, ?)", (file_id, filename, purpose, len(data), now))
+            db.execute(
+                "INSERT INTO files (id, filename, purpose, bytes, created_at) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (file_id, filename, purpose, len(data), now),
+            )
         return self.get_file(file_id)
 
     @staticmethod
     def _file_obj(row: sqlite3.Row) -> dict[str, Any]:
-        return {"id": row["id"], "object": "file", "bytes": row["bytes"],
-                "created_at": row["created_at"], "expires_at": None, "filename": row["filename"],
-                "purpose": row["purpose"], "status": "processed", "status_details": None}
+        return {
+            "id": row["id"],
+            "object": "file",
+            "bytes": row["bytes"],
+            "created_at": row["created_at"],
+            "expires_at": None,
+            "filename": row["filename"],
+            "purpose": row["purpose"],
+            "status": "processed",
+            "status_details": None,
+        }
 
     def _file_row(self, file_id: str) -> sqlite3.Row:
         with self._lock:
             row = self._db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
         if row is None:
-            raise BatchRequestError(codes.NOT_FOUND, f"no file with id {_short(file_id)}",
-                                    param="file_id")
+            raise BatchRequestError(
+                codes.NOT_FOUND, f"no file with id {_short(file_id)}", param="file_id"
+            )
         return row
 
     def get_file(self, file_id: str) -> dict[str, Any]:
@@ -477,14 +528,29 @@ class BatchStore:
         try:
             return self._blob(file_id).read_bytes()
         except FileNotFoundError:
-            raise BatchRequestError(codes.NOT_FOUND, f"the content of {file_id} is missing "
-                                    f"from {self.files_dir}", param="file_id") from None
+            raise BatchRequestError(
+                codes.NOT_FOUND,
+                f"the content of {file_id} is missing from {self.files_dir}",
+                param="file_id",
+            ) from None
 
-    def list_files(self, *, purpose: str | None = None, after: str | None = None,
-                   limit: int = 10000, order: str = "desc") -> dict[str, Any]:
+    def list_files(
+        self,
+        *,
+        purpose: str | None = None,
+        after: str | None = None,
+        limit: int = 10000,
+        order: str = "desc",
+    ) -> dict[str, Any]:
         """``GET /v1/files``: ``{object: "list", data, first_id, last_id, has_more}``."""
-        return self._page("files", self._file_obj, after=after, limit=limit, order=order,
-                          where=("purpose = ?", (purpose,)) if purpose else None)
+        return self._page(
+            "files",
+            self._file_obj,
+            after=after,
+            limit=limit,
+            order=order,
+            where=("purpose = ?", (purpose,)) if purpose else None,
+        )
 
     def delete_file(self, file_id: str) -> dict[str, Any]:
         """``DELETE /v1/files/{id}``. A batch keeps running: its rows were copied at creation."""
@@ -495,12 +561,20 @@ class BatchStore:
             self._blob(file_id).unlink()
         return {"id": file_id, "object": "file", "deleted": True}
 
-    def _page(self, table: str, render: Callable[[sqlite3.Row], dict[str, Any]], *,
-              after: str | None, limit: int, order: str = "desc",
-              where: tuple[str, tuple[Any, ...]] | None = None) -> dict[str, Any]:
+    def _page(
+        self,
+        table: str,
+        render: Callable[[sqlite3.Row], dict[str, Any]],
+        *,
+        after: str | None,
+        limit: int,
+        order: str = "desc",
+        where: tuple[str, tuple[Any, ...]] | None = None,
+    ) -> dict[str, Any]:
         if order not in ("asc", "desc"):
-            raise BatchRequestError(codes.INVALID_REQUEST, "order must be asc or desc",
-                                    param="order")
+            raise BatchRequestError(
+                codes.INVALID_REQUEST, "order must be asc or desc", param="order"
+            )
         clauses, args = [], []
         if where:
             clauses.append(where[0])
@@ -509,9 +583,11 @@ class BatchStore:
             if after is not None:
                 cur = self._db.execute(f"SELECT seq FROM {table} WHERE id = ?", (after,)).fetchone()
                 if cur is None:
-                    raise BatchRequestError(codes.INVALID_REQUEST,
-                                            f"after: no object with id {_short(after)}",
-                                            param="after")
+                    raise BatchRequestError(
+                        codes.INVALID_REQUEST,
+                        f"after: no object with id {_short(after)}",
+                        param="after",
+                    )
                 clauses.append("seq < ?" if order == "desc" else "seq > ?")
                 args.append(cur[0])
             sql = f"SELECT * FROM {table}"
@@ -520,10 +596,13 @@ class BatchStore:
             sql += f" ORDER BY seq {order.upper()} LIMIT ?"
             rows = self._db.execute(sql, (*args, limit + 1)).fetchall()
             data = [render(r) for r in rows[:limit]]
-        return {"object": "list", "data": data,
-                "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None,
-                "has_more": len(rows) > limit}
+        return {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": len(rows) > limit,
+        }
 
     # -- batches -------------------------------------------------------------------------------
 
@@ -539,24 +618,28 @@ class BatchStore:
             raise BatchRequestError(codes.INVALID_REQUEST, "the body must be a JSON object")
         unknown = sorted(set(request) - _CREATE_KEYS)
         if unknown:
-            raise BatchRequestError(codes.INVALID_REQUEST, f"unknown field {unknown[0]}",
-                                    param=unknown[0])
+            raise BatchRequestError(
+                codes.INVALID_REQUEST, f"unknown field {unknown[0]}", param=unknown[0]
+            )
         for key in ("input_file_id", "endpoint", "completion_window"):
             if key not in request:
                 raise BatchRequestError(codes.INVALID_REQUEST, f"{key} is required", param=key)
             if not isinstance(request[key], str):
-                raise BatchRequestError(codes.INVALID_REQUEST, f"{key} must be a string",
-                                        param=key)
+                raise BatchRequestError(codes.INVALID_REQUEST, f"{key} must be a string", param=key)
         endpoint = request["endpoint"]
         if endpoint not in ENDPOINTS:
-            raise BatchRequestError(codes.INVALID_REQUEST,
-                                    f"endpoint must be one of {', '.join(ENDPOINTS)}, got "
-                                    f"{_short(endpoint)}", param="endpoint")
+            raise BatchRequestError(
+                codes.INVALID_REQUEST,
+                f"endpoint must be one of {', '.join(ENDPOINTS)}, got {_short(endpoint)}",
+                param="endpoint",
+            )
         window = request["completion_window"]
         if window not in COMPLETION_WINDOWS:
-            raise BatchRequestError(codes.INVALID_REQUEST,
-                                    f'completion_window must be "24h", got {_short(window)}',
-                                    param="completion_window")
+            raise BatchRequestError(
+                codes.INVALID_REQUEST,
+                f'completion_window must be "24h", got {_short(window)}',
+                param="completion_window",
+            )
         metadata = _check_metadata(request.get("metadata"))
         file_id = request["input_file_id"]
         try:
@@ -565,15 +648,20 @@ class BatchStore:
             exc.param = "input_file_id"
             raise
         if file_row["purpose"] != "batch":
-            raise BatchRequestError(codes.INVALID_REQUEST, f"file {file_id} has purpose "
-                                    f"{file_row['purpose']}, not batch", param="input_file_id")
+            raise BatchRequestError(
+                codes.INVALID_REQUEST,
+                f"file {file_id} has purpose {file_row['purpose']}, not batch",
+                param="input_file_id",
+            )
         rows = parse_batch_input(self.file_content(file_id))
         wrong = [r for r in rows if r.url != endpoint]
         if wrong:
-            raise BatchRequestError(codes.INVALID_REQUEST,
-                                    f"line {wrong[0].line}: url {wrong[0].url} does not match the "
-                                    f"batch endpoint {endpoint} ({len(wrong)} lines differ)",
-                                    param="endpoint")
+            raise BatchRequestError(
+                codes.INVALID_REQUEST,
+                f"line {wrong[0].line}: url {wrong[0].url} does not match the "
+                f"batch endpoint {endpoint} ({len(wrong)} lines differ)",
+                param="endpoint",
+            )
         models = {r.model for r in rows}
         batch_id = _new_id("batch_")
         now = self._now()
@@ -582,32 +670,61 @@ class BatchStore:
                 "INSERT INTO batches (id, endpoint, input_file_id, completion_window, status, "
                 "model, metadata, created_at, in_progress_at, expires_at, total) "
                 "VALUES (?, ?, ?, ?, 'in_progress', ?, ?, ?, ?, ?, ?)",
-                (batch_id, endpoint, file_id, window, models.pop() if len(models) == 1 else None,
-                 None if metadata is None else _json_encode(metadata).decode(), now, now,
-                 now + COMPLETION_WINDOWS[window], len(rows)))
+                (
+                    batch_id,
+                    endpoint,
+                    file_id,
+                    window,
+                    models.pop() if len(models) == 1 else None,
+                    None if metadata is None else _json_encode(metadata).decode(),
+                    now,
+                    now,
+                    now + COMPLETION_WINDOWS[window],
+                    len(rows),
+                ),
+            )
             db.executemany(
                 "INSERT INTO batch_rows (batch_id, idx, custom_id, method, url, model, body) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                ((batch_id, i, r.custom_id, r.method, r.url, r.model,
-                  _json_encode(r.body).decode()) for i, r in enumerate(rows)))
+                (
+                    (
+                        batch_id,
+                        i,
+                        r.custom_id,
+                        r.method,
+                        r.url,
+                        r.model,
+                        _json_encode(r.body).decode(),
+                    )
+                    for i, r in enumerate(rows)
+                ),
+            )
         return self.get_batch(batch_id)
 
     @staticmethod
     def _batch_obj(row: sqlite3.Row, waiting_reason: str | None = None) -> dict[str, Any]:
         obj: dict[str, Any] = {
-            "id": row["id"], "object": "batch", "endpoint": row["endpoint"],
+            "id": row["id"],
+            "object": "batch",
+            "endpoint": row["endpoint"],
             "model": row["model"],
             "errors": None if row["errors"] is None else _json_decode(row["errors"]),
             "input_file_id": row["input_file_id"],
-            "completion_window": row["completion_window"], "status": row["status"],
-            "output_file_id": row["output_file_id"], "error_file_id": row["error_file_id"],
+            "completion_window": row["completion_window"],
+            "status": row["status"],
+            "output_file_id": row["output_file_id"],
+            "error_file_id": row["error_file_id"],
         }
         for key in _TIMESTAMPS:
             obj[key] = row[key]
-        obj["request_counts"] = {"total": row["total"], "completed": row["completed"],
-                                 "failed": row["failed"]}
+        obj["request_counts"] = {
+            "total": row["total"],
+            "completed": row["completed"],
+            "failed": row["failed"],
+        }
         obj["usage"] = {
-            "input_tokens": row["input_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens": row["input_tokens"],
+            "input_tokens_details": {"cached_tokens": 0},
             "output_tokens": row["output_tokens"],
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": row["input_tokens"] + row["output_tokens"],
@@ -620,22 +737,33 @@ class BatchStore:
         with self._lock:
             row = self._db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
         if row is None:
-            raise BatchRequestError(codes.NOT_FOUND, f"no batch with id {_short(batch_id)}",
-                                    param="batch_id")
+            raise BatchRequestError(
+                codes.NOT_FOUND, f"no batch with id {_short(batch_id)}", param="batch_id"
+            )
         return row
 
     def get_batch(self, batch_id: str, waiting_reason: str | None = None) -> dict[str, Any]:
         """The Batch object (OpenAI's shape plus ``waiting_reason``). Raises 404."""
         return self._batch_obj(self._batch_row(batch_id), waiting_reason)
 
-    def list_batches(self, *, after: str | None = None, limit: int = 20,
-                     waiting: Callable[[str], str | None] | None = None) -> dict[str, Any]:
+    def list_batches(
+        self,
+        *,
+        after: str | None = None,
+        limit: int = 20,
+        waiting: Callable[[str], str | None] | None = None,
+    ) -> dict[str, Any]:
         """``GET /v1/batches``: newest first, ``after`` a batch id, ``limit`` 1..100."""
         if not 1 <= limit <= 100:
-            raise BatchRequestError(codes.INVALID_REQUEST, "limit must be between 1 and 100",
-                                    param="limit")
-        return self._page("batches", lambda r: self._batch_obj(r, waiting and waiting(r["id"])),
-                          after=after, limit=limit)
+            raise BatchRequestError(
+                codes.INVALID_REQUEST, "limit must be between 1 and 100", param="limit"
+            )
+        return self._page(
+            "batches",
+            lambda r: self._batch_obj(r, waiting and waiting(r["id"])),
+            after=after,
+            limit=limit,
+        )
 
     def cancel_batch(self, batch_id: str) -> dict[str, Any]:
         """``POST /v1/batches/{id}/cancel``: ``in_progress`` becomes ``cancelling``; the runner
@@ -646,16 +774,21 @@ class BatchStore:
         with self._tx() as db:
             row = db.execute("SELECT status FROM batches WHERE id = ?", (batch_id,)).fetchone()
             if row is None:
-                raise BatchRequestError(codes.NOT_FOUND, f"no batch with id {_short(batch_id)}",
-                                        param="batch_id")
+                raise BatchRequestError(
+                    codes.NOT_FOUND, f"no batch with id {_short(batch_id)}", param="batch_id"
+                )
             status = row["status"]
             if status in ("validating", "in_progress"):
-                db.execute("UPDATE batches SET status = 'cancelling', cancelling_at = ? "
-                           "WHERE id = ?", (self._now(), batch_id))
+                db.execute(
+                    "UPDATE batches SET status = 'cancelling', cancelling_at = ? WHERE id = ?",
+                    (self._now(), batch_id),
+                )
             elif status not in ("cancelling", "cancelled"):
-                raise BatchRequestError(codes.INVALID_REQUEST,
-                                        f"batch {batch_id} is {status} and cannot be cancelled",
-                                        param="batch_id")
+                raise BatchRequestError(
+                    codes.INVALID_REQUEST,
+                    f"batch {batch_id} is {status} and cannot be cancelled",
+                    param="batch_id",
+                )
         return self.get_batch(batch_id)
 
     # -- the runner's side ---------------------------------------------------------------------
@@ -666,15 +799,17 @@ class BatchStore:
             return []
         with self._lock:
             return self._db.execute(
-                "SELECT * FROM batches WHERE status IN (?, ?, ?) ORDER BY seq",
-                ACTIVE_STATUSES).fetchall()
+                "SELECT * FROM batches WHERE status IN (?, ?, ?) ORDER BY seq", ACTIVE_STATUSES
+            ).fetchall()
 
     def pending_models(self, batch_id: str) -> list[str]:
         """The models named by the batch's rows still to run, in row order of first use."""
         with self._lock:
             rows = self._db.execute(
                 "SELECT model, MIN(idx) AS first FROM batch_rows WHERE batch_id = ? AND "
-                "state = 'pending' GROUP BY model ORDER BY first", (batch_id,)).fetchall()
+                "state = 'pending' GROUP BY model ORDER BY first",
+                (batch_id,),
+            ).fetchall()
         return [r["model"] for r in rows]
 
     def pending_rows(self, batch_id: str, model: str, limit: int) -> list[PendingRow]:
@@ -682,9 +817,21 @@ class BatchStore:
         with self._lock:
             rows = self._db.execute(
                 "SELECT * FROM batch_rows WHERE batch_id = ? AND state = 'pending' AND model = ? "
-                "ORDER BY idx LIMIT ?", (batch_id, model, limit)).fetchall()
-        return [PendingRow(r["batch_id"], r["idx"], r["custom_id"], r["method"], r["url"],
-                           _json_decode(r["body"]), r["model"]) for r in rows]
+                "ORDER BY idx LIMIT ?",
+                (batch_id, model, limit),
+            ).fetchall()
+        return [
+            PendingRow(
+                r["batch_id"],
+                r["idx"],
+                r["custom_id"],
+                r["method"],
+                r["url"],
+                _json_decode(r["body"]),
+                r["model"],
+            )
+            for r in rows
+        ]
 
     def batch_status(self, batch_id: str) -> str:
         return self._batch_row(batch_id)["status"]
@@ -706,13 +853,16 @@ class BatchStore:
             cur = db.execute(
                 "UPDATE batch_rows SET state = 'done', ok = ?, result = ?, finished_at = ? "
                 "WHERE batch_id = ? AND idx = ? AND state = 'pending'",
-                (int(ok), _json_encode(dict(line)).decode(), self._now(), row.batch_id, row.idx))
+                (int(ok), _json_encode(dict(line)).decode(), self._now(), row.batch_id, row.idx),
+            )
             if cur.rowcount != 1:
                 return False
             db.execute(
                 "UPDATE batches SET completed = completed + ?, failed = failed + ?, "
                 "input_tokens = input_tokens + ?, output_tokens = output_tokens + ? "
-                "WHERE id = ?", (int(ok), int(not ok), tokens_in, tokens_out, row.batch_id))
+                "WHERE id = ?",
+                (int(ok), int(not ok), tokens_in, tokens_out, row.batch_id),
+            )
         return True
 
     def done_results(self, batch_id: str) -> dict[str, dict[str, Any]]:
@@ -720,7 +870,9 @@ class BatchStore:
         with self._lock:
             rows = self._db.execute(
                 "SELECT custom_id, result FROM batch_rows WHERE batch_id = ? AND state = 'done' "
-                "ORDER BY idx", (batch_id,)).fetchall()
+                "ORDER BY idx",
+                (batch_id,),
+            ).fetchall()
         return {r["custom_id"]: _json_decode(r["result"]) for r in rows}
 
     def finish(self, batch_id: str) -> dict[str, Any]:
@@ -738,8 +890,11 @@ class BatchStore:
         now = self._now()
         if status == "in_progress":
             with self._tx() as db:
-                db.execute("UPDATE batches SET status = 'finalizing', finalizing_at = ? "
-                           "WHERE id = ? AND status = 'in_progress'", (now, batch_id))
+                db.execute(
+                    "UPDATE batches SET status = 'finalizing', finalizing_at = ? "
+                    "WHERE id = ? AND status = 'in_progress'",
+                    (now, batch_id),
+                )
             row = self._batch_row(batch_id)
         if row["status"] == "cancelling":
             final = "cancelled"
@@ -750,7 +905,9 @@ class BatchStore:
         with self._lock:
             rows = self._db.execute(
                 "SELECT custom_id, state, ok, result FROM batch_rows WHERE batch_id = ? "
-                "ORDER BY idx", (batch_id,)).fetchall()
+                "ORDER BY idx",
+                (batch_id,),
+            ).fetchall()
         out: list[bytes] = []
         err: list[bytes] = []
         expired_rows = 0
@@ -759,26 +916,40 @@ class BatchStore:
                 (out if r["ok"] else err).append(r["result"].encode())
             elif final == "expired":
                 expired_rows += 1
-                err.append(_json_encode({
-                    "id": _new_id("batch_req_"), "custom_id": r["custom_id"], "response": None,
-                    "error": {"code": "batch_expired", "message": "This request could not be "
-                              "executed before the completion window expired."}}))
+                err.append(
+                    _json_encode(
+                        {
+                            "id": _new_id("batch_req_"),
+                            "custom_id": r["custom_id"],
+                            "response": None,
+                            "error": {
+                                "code": "batch_expired",
+                                "message": "This request could not be "
+                                "executed before the completion window expired.",
+                            },
+                        }
+                    )
+                )
         out_id = _new_id("file-") if out else None
         err_id = _new_id("file-") if err else None
         for file_id, lines in ((out_id, out), (err_id, err)):
             if file_id is not None:
                 self._write_blob(file_id, b"\n".join(lines) + b"\n")
         with self._tx() as db:
-            cur = db.execute(f"UPDATE batches SET status = ?, {final}_at = ?, output_file_id = ?, "
-                             f"error_file_id = ?, failed = failed + ? WHERE id = ? AND status = ?",
-                             (final, now, out_id, err_id, expired_rows, batch_id, row["status"]))
+            cur = db.execute(
+                f"UPDATE batches SET status = ?, {final}_at = ?, output_file_id = ?, "
+                f"error_file_id = ?, failed = failed + ? WHERE id = ? AND status = ?",
+                (final, now, out_id, err_id, expired_rows, batch_id, row["status"]),
+            )
             if cur.rowcount == 1:
                 for file_id, lines, kind in ((out_id, out, "output"), (err_id, err, "errors")):
                     if file_id is not None:
                         size = sum(len(x) + 1 for x in lines)
-                        db.execute("INSERT INTO files (id, filename, purpose, bytes, created_at) "
-                                   "VALUES (?, ?, 'batch_output', ?, ?)",
-                                   (file_id, f"{batch_id}_{kind}.jsonl", size, now))
+                        db.execute(
+                            "INSERT INTO files (id, filename, purpose, bytes, created_at) "
+                            "VALUES (?, ?, 'batch_output', ?, ?)",
+                            (file_id, f"{batch_id}_{kind}.jsonl", size, now),
+                        )
         if cur.rowcount != 1:  # someone else finished it (a cancel raced us): drop our blobs
             for file_id in (out_id, err_id):
                 if file_id is not None:
@@ -840,8 +1011,15 @@ class BatchRunner:
     set after construction (before :meth:`start`).
     """
 
-    def __init__(self, store: BatchStore, executor: RowExecutor | None, *, chunk_size: int = 8,
-                 poll_s: float = 0.5, retry_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        store: BatchStore,
+        executor: RowExecutor | None,
+        *,
+        chunk_size: int = 8,
+        poll_s: float = 0.5,
+        retry_s: float = 1.0,
+    ) -> None:
         self.store = store
         self.executor = executor
         self.chunk_size = chunk_size
@@ -861,8 +1039,9 @@ class BatchRunner:
         if self.executor is None:
             raise RuntimeError("BatchRunner.start() without an executor")
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self.run_forever(),
-                                                                name="miserver-batch-runner")
+            self._task = asyncio.get_running_loop().create_task(
+                self.run_forever(), name="miserver-batch-runner"
+            )
 
     async def stop(self) -> None:
         """Stop the task. A row that was running keeps no result and runs after the restart."""
@@ -919,8 +1098,9 @@ class BatchRunner:
         for batch in self.store.active_batches():
             batch_id = batch["id"]
             now = self.store.clock()
-            if (batch["status"] != "in_progress"
-                    or (batch["expires_at"] is not None and now >= batch["expires_at"])):
+            if batch["status"] != "in_progress" or (
+                batch["expires_at"] is not None and now >= batch["expires_at"]
+            ):
                 await asyncio.to_thread(self.store.finish, batch_id)
                 self._waiting.pop(batch_id, None)
                 return True
@@ -932,8 +1112,9 @@ class BatchRunner:
             reasons = {m: self.executor.waiting_reason(m) for m in models}
             runnable = [m for m in models if reasons[m] not in BLOCKING_REASONS]
             if not runnable:
-                self._waiting[batch_id] = min((r for r in reasons.values() if r),
-                                              key=lambda r: _REASON_ORDER.get(r, 9))
+                self._waiting[batch_id] = min(
+                    (r for r in reasons.values() if r), key=lambda r: _REASON_ORDER.get(r, 9)
+                )
                 continue
             if await self._run_chunk(batch_id, runnable[0]):
                 return True
@@ -957,7 +1138,8 @@ class BatchRunner:
             self._current = (batch_id, model)
             try:
                 status, headers, body = await self.executor.execute_row(
-                    row.method, row.url, dict(row.body))
+                    row.method, row.url, dict(row.body)
+                )
             except RowDeferred as exc:
                 self._waiting[batch_id] = exc.reason or None
                 return ran
@@ -966,16 +1148,29 @@ class BatchRunner:
             except Exception as exc:  # noqa: BLE001 - a bug in one row must not stop the batch
                 key = (batch_id, row.idx)
                 tries = self._attempts[key] = self._attempts.get(key, 0) + 1
-                log.exception("batch %s row %s failed (try %d of %d)", batch_id, row.custom_id,
-                              tries, MAX_ATTEMPTS)
+                log.exception(
+                    "batch %s row %s failed (try %d of %d)",
+                    batch_id,
+                    row.custom_id,
+                    tries,
+                    MAX_ATTEMPTS,
+                )
                 if tries < MAX_ATTEMPTS:
                     await asyncio.sleep(self.retry_s * tries)
                     return True
-                status, headers, body = 500, {}, {"error": {
-                    "message": f"the row could not be run: {type(exc).__name__} "
-                               f"({MAX_ATTEMPTS} tries; see the server log)",
-                    "type": codes.INTERNAL_ERROR.openai_type, "param": None,
-                    "code": codes.INTERNAL_ERROR.wire}}
+                status, headers, body = (
+                    500,
+                    {},
+                    {
+                        "error": {
+                            "message": f"the row could not be run: {type(exc).__name__} "
+                            f"({MAX_ATTEMPTS} tries; see the server log)",
+                            "type": codes.INTERNAL_ERROR.openai_type,
+                            "param": None,
+                            "code": codes.INTERNAL_ERROR.wire,
+                        }
+                    },
+                )
             deferred = deferral_of(status, body)
             if deferred is not None:
                 self._waiting[batch_id] = deferred or None
@@ -983,15 +1178,17 @@ class BatchRunner:
             self._current = None
             self._waiting[batch_id] = None
             self._attempts.pop((batch_id, row.idx), None)
-            self.store.record_result(row, ok=200 <= status < 300,
-                                     line=output_line(row, status, headers, body))
+            self.store.record_result(
+                row, ok=200 <= status < 300, line=output_line(row, status, headers, body)
+            )
             self.rows_run += 1
             ran = True
         return ran
 
 
-def output_line(row: PendingRow, status: int, headers: Mapping[str, str],
-                body: Mapping[str, Any]) -> dict[str, Any]:
+def output_line(
+    row: PendingRow, status: int, headers: Mapping[str, str], body: Mapping[str, Any]
+) -> dict[str, Any]:
     """One line of an output or error file, in OpenAI's shape, carrying ``X-miLLM-Model``.
 
     ``{"id": "batch_req_...", "custom_id", "response": {"status_code", "request_id", "body",

@@ -47,14 +47,27 @@ class Server:
         self.home = home
         self.port = _free_port()
         self.log = log
-        env = dict(os.environ, MISERVER_HOME=home, PORT=str(self.port), HOST="127.0.0.1",
-                   DEVICE="cpu", LOG_FORMAT="text", PYTHONPATH=str(REPO))
+        env = dict(
+            os.environ,
+            MISERVER_HOME=home,
+            PORT=str(self.port),
+            HOST="127.0.0.1",
+            DEVICE="cpu",
+            LOG_FORMAT="text",
+            PYTHONPATH=str(REPO),
+        )
         env.pop("WEIGHTS_TOKENS", None)
         self._out = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "miserver.cli", "serve"], env=env,
-                                     stdout=self._out, stderr=subprocess.STDOUT, cwd=REPO)
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1",
-                                    api_key="unused", max_retries=0, timeout=30)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "miserver.cli", "serve"],
+            env=env,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+        self.client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0, timeout=30
+        )
         self._wait_listening()
 
     def _wait_listening(self, timeout_s: float = 120) -> None:
@@ -62,8 +75,10 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited {self.proc.returncode}:\n{self.tail()}")
-            with contextlib.suppress(OSError), socket.create_connection(
-                    ("127.0.0.1", self.port), timeout=0.5):
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5),
+            ):
                 return
             time.sleep(0.1)
         raise AssertionError(f"server did not listen within {timeout_s} s:\n{self.tail()}")
@@ -94,11 +109,19 @@ def _row(i: int, url: str = "/v1/chat/completions") -> dict:
     # machine's speed (the test polls every 20 ms, a long row takes many decode steps).
     max_tokens = 2 if i < 2 else 12
     if url == "/v1/completions":
-        body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0,
-                "prompt": f"{i}, {i + 1}, {i + 2},"}
+        body = {
+            "model": MODEL,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "prompt": f"{i}, {i + 1}, {i + 2},",
+        }
     else:
-        body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0,
-                "messages": [{"role": "user", "content": f"Count from {i} to {i + 20}."}]}
+        body = {
+            "model": MODEL,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": f"Count from {i} to {i + 20}."}],
+        }
     return {"custom_id": f"row-{i}", "method": "POST", "url": url, "body": body}
 
 
@@ -107,26 +130,33 @@ def _jsonl(rows: list[dict]) -> bytes:
 
 
 @pytest.mark.slow
-def test_batch_survives_kill_9_and_answers_every_row_exactly_once(home_with_default: str,
-                                                                   tmp_path: Path):
+def test_batch_survives_kill_9_and_answers_every_row_exactly_once(
+    home_with_default: str, tmp_path: Path
+):
     log = tmp_path / "server.log"
     server = Server(home_with_default, log)
     try:
         client = server.client
         # a file mixing endpoints is accepted; a batch must name the endpoint every line uses
         mixed_rows = [_row(0), _row(1, "/v1/completions")]
-        mixed = client.files.create(file=("mixed.jsonl", io.BytesIO(_jsonl(mixed_rows))),
-                                    purpose="batch")
+        mixed = client.files.create(
+            file=("mixed.jsonl", io.BytesIO(_jsonl(mixed_rows))), purpose="batch"
+        )
         with pytest.raises(openai.BadRequestError) as info:
-            client.batches.create(input_file_id=mixed.id, endpoint="/v1/chat/completions",
-                                  completion_window="24h")
+            client.batches.create(
+                input_file_id=mixed.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
         assert info.value.param == "endpoint" and "line 2" in info.value.message
 
         data = _jsonl([_row(i) for i in range(ROWS)])
         upload = client.files.create(file=("rows.jsonl", io.BytesIO(data)), purpose="batch")
         assert upload.purpose == "batch" and upload.bytes == len(data)
-        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
-                                      completion_window="24h", metadata={"test": "kill-9"})
+        batch = client.batches.create(
+            input_file_id=upload.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata={"test": "kill-9"},
+        )
         assert batch.status == "in_progress" and batch.request_counts.total == ROWS
 
         deadline = time.monotonic() + 150
@@ -161,8 +191,7 @@ def test_batch_survives_kill_9_and_answers_every_row_exactly_once(home_with_defa
         assert now.request_counts.completed == ROWS and now.request_counts.failed == 0
         assert now.error_file_id is None and now.waiting_reason is None
         assert now.metadata == {"test": "kill-9"}
-        lines = [json.loads(x) for x in
-                 client.files.content(now.output_file_id).text.splitlines()]
+        lines = [json.loads(x) for x in client.files.content(now.output_file_id).text.splitlines()]
         listed = [b.id for b in client.batches.list(limit=5).data]
         assert batch.id in listed
     finally:

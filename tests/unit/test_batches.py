@@ -37,8 +37,9 @@ MODEL = "smollm2-135m-instruct"
 HEADER = '"smollm2-135m-instruct";origin=model;commits=0'
 
 
-def line(cid: str, *, url: str = "/v1/chat/completions", model: str = MODEL,
-         **extra: Any) -> dict[str, Any]:
+def line(
+    cid: str, *, url: str = "/v1/chat/completions", model: str = MODEL, **extra: Any
+) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": cid}]}
     body.update(extra)
     return {"custom_id": cid, "method": "POST", "url": url, "body": body}
@@ -62,8 +63,9 @@ class FakeExecutor:
     def waiting_reason(self, model: str) -> str | None:
         return self.global_reason or self.reasons.get(model)
 
-    async def execute_row(self, method: str, url: str, body: dict[str, Any]
-                          ) -> tuple[int, dict[str, str], dict[str, Any]]:
+    async def execute_row(
+        self, method: str, url: str, body: dict[str, Any]
+    ) -> tuple[int, dict[str, str], dict[str, Any]]:
         assert method == "POST"
         prompt = body["messages"][0]["content"]
         if self.defer is not None:
@@ -75,14 +77,35 @@ class FakeExecutor:
         if self.respond is not None:
             return 200 if self.respond[0] == 200 else self.respond[0], {}, self.respond[1]
         if body.get("max_tokens", 1) < 1:
-            return 400, {}, {"error": {"message": "max_tokens must be at least 1",
-                                       "type": "invalid_request_error", "param": "max_tokens",
-                                       "code": "invalid_request"}}
-        return 200, {"X-miLLM-Model": HEADER}, {
-            "id": "chatcmpl-1", "object": "chat.completion", "model": body["model"],
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": "echo " + prompt}}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+            return (
+                400,
+                {},
+                {
+                    "error": {
+                        "message": "max_tokens must be at least 1",
+                        "type": "invalid_request_error",
+                        "param": "max_tokens",
+                        "code": "invalid_request",
+                    }
+                },
+            )
+        return (
+            200,
+            {"X-miLLM-Model": HEADER},
+            {
+                "id": "chatcmpl-1",
+                "object": "chat.completion",
+                "model": body["model"],
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "stop",
+                        "message": {"role": "assistant", "content": "echo " + prompt},
+                    }
+                ],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+            },
+        )
 
 
 class SimulatedCrash(BaseException):
@@ -98,8 +121,14 @@ def store(tmp_path: Path) -> BatchStore:
 
 def new_batch(store: BatchStore, rows: list[dict[str, Any]], **kw: Any) -> dict[str, Any]:
     f = store.create_file(jsonl(rows), filename="in.jsonl", purpose="batch")
-    return store.create_batch({"input_file_id": f["id"], "endpoint": "/v1/chat/completions",
-                               "completion_window": "24h", **kw})
+    return store.create_batch(
+        {
+            "input_file_id": f["id"],
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+            **kw,
+        }
+    )
 
 
 def output(store: BatchStore, batch: dict[str, Any]) -> tuple[list[dict], list[dict]]:
@@ -107,6 +136,7 @@ def output(store: BatchStore, batch: dict[str, Any]) -> tuple[list[dict], list[d
         if fid is None:
             return []
         return [json.loads(x) for x in store.file_content(fid).decode().splitlines()]
+
     b = store.get_batch(batch["id"])
     return read(b["output_file_id"]), read(b["error_file_id"])
 
@@ -117,24 +147,31 @@ def output(store: BatchStore, batch: dict[str, Any]) -> tuple[list[dict], list[d
 def test_valid_file_parses_in_order_and_skips_blank_lines():
     rows = parse_batch_input(jsonl([line("a"), line("b", url="/v1/completions")]) + b"\n\n")
     assert [(r.line, r.custom_id, r.url, r.model) for r in rows] == [
-        (1, "a", "/v1/chat/completions", MODEL), (2, "b", "/v1/completions", MODEL)]
+        (1, "a", "/v1/chat/completions", MODEL),
+        (2, "b", "/v1/completions", MODEL),
+    ]
 
 
-@pytest.mark.parametrize("bad, words", [
-    ('{"custom_id": "x"', "line 2: is not valid JSON"),
-    ('[1, 2]', "line 2: must be a JSON object"),
-    (json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/completions"}),
-     "line 2: missing body"),
-    (json.dumps({**line("x"), "extra": 1}), "line 2: unknown field extra"),
-    (json.dumps({**line("x"), "method": "GET"}), 'line 2: method must be "POST"'),
-    (json.dumps(line("x", url="/v1/embeddings")), "line 2: url must be one of"),
-    (json.dumps({**line("x"), "custom_id": ""}), "line 2: custom_id must be a non-empty"),
-    (json.dumps({**line("x"), "custom_id": 7}), "line 2: custom_id must be a non-empty"),
-    (json.dumps({**line("x"), "body": []}), "line 2: body must be a JSON object"),
-    (json.dumps(line("x", model="")), "line 2: body.model must be a non-empty string"),
-    (json.dumps(line("x", stream=True)), "line 2: body.stream must be false"),
-    (json.dumps(line("a")), 'line 2: custom_id "a" repeats line 1'),
-])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        ('{"custom_id": "x"', "line 2: is not valid JSON"),
+        ("[1, 2]", "line 2: must be a JSON object"),
+        (
+            json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/completions"}),
+            "line 2: missing body",
+        ),
+        (json.dumps({**line("x"), "extra": 1}), "line 2: unknown field extra"),
+        (json.dumps({**line("x"), "method": "GET"}), 'line 2: method must be "POST"'),
+        (json.dumps(line("x", url="/v1/embeddings")), "line 2: url must be one of"),
+        (json.dumps({**line("x"), "custom_id": ""}), "line 2: custom_id must be a non-empty"),
+        (json.dumps({**line("x"), "custom_id": 7}), "line 2: custom_id must be a non-empty"),
+        (json.dumps({**line("x"), "body": []}), "line 2: body must be a JSON object"),
+        (json.dumps(line("x", model="")), "line 2: body.model must be a non-empty string"),
+        (json.dumps(line("x", stream=True)), "line 2: body.stream must be false"),
+        (json.dumps(line("a")), 'line 2: custom_id "a" repeats line 1'),
+    ],
+)
 def test_each_bad_line_is_named_by_number(bad: str, words: str):
     data = jsonl([line("a")]) + bad.encode() + b"\n"
     with pytest.raises(BatchRequestError) as info:
@@ -151,8 +188,9 @@ def test_many_bad_lines_are_summarised():
     assert "line 6:" not in info.value.message and "(and 4 more)" in info.value.message
 
 
-@pytest.mark.parametrize("data, words", [(b"", "no requests"), (b"\n  \n", "no requests"),
-                                         (b"\xff\xfe", "not UTF-8")])
+@pytest.mark.parametrize(
+    "data, words", [(b"", "no requests"), (b"\n  \n", "no requests"), (b"\xff\xfe", "not UTF-8")]
+)
 def test_empty_or_undecodable_files_are_refused(data: bytes, words: str):
     with pytest.raises(BatchRequestError, match=words):
         parse_batch_input(data)
@@ -183,29 +221,48 @@ def test_batch_object_has_openai_fields(store: BatchStore):
     b = new_batch(store, [line("a"), line("b")], metadata={"run": "7"})
     assert b["id"].startswith("batch_") and b["object"] == "batch"
     assert (b["status"], b["endpoint"], b["completion_window"]) == (
-        "in_progress", "/v1/chat/completions", "24h")
+        "in_progress",
+        "/v1/chat/completions",
+        "24h",
+    )
     assert b["request_counts"] == {"total": 2, "completed": 0, "failed": 0}
     assert b["expires_at"] - b["created_at"] == 24 * 3600 and b["in_progress_at"] is not None
     assert b["metadata"] == {"run": "7"} and b["model"] == MODEL and b["waiting_reason"] is None
-    for key in ("errors", "output_file_id", "error_file_id", "finalizing_at", "completed_at",
-                "failed_at", "expired_at", "cancelling_at", "cancelled_at"):
+    for key in (
+        "errors",
+        "output_file_id",
+        "error_file_id",
+        "finalizing_at",
+        "completed_at",
+        "failed_at",
+        "expired_at",
+        "cancelling_at",
+        "cancelled_at",
+    ):
         assert b[key] is None, key
 
 
-@pytest.mark.parametrize("change, param", [
-    ({"endpoint": "/v1/embeddings"}, "endpoint"),
-    ({"completion_window": "1h"}, "completion_window"),
-    ({"input_file_id": "file-missing"}, "input_file_id"),
-    ({"metadata": {"k": 1}}, "metadata"),
-    ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
-    ({"surprise": True}, "surprise"),
-    ({"endpoint": None}, "endpoint"),
-    ({"endpoint": "/v1/completions"}, "endpoint"),  # the lines say chat/completions
-])
+@pytest.mark.parametrize(
+    "change, param",
+    [
+        ({"endpoint": "/v1/embeddings"}, "endpoint"),
+        ({"completion_window": "1h"}, "completion_window"),
+        ({"input_file_id": "file-missing"}, "input_file_id"),
+        ({"metadata": {"k": 1}}, "metadata"),
+        ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+        ({"surprise": True}, "surprise"),
+        ({"endpoint": None}, "endpoint"),
+        ({"endpoint": "/v1/completions"}, "endpoint"),  # the lines say chat/completions
+    ],
+)
 def test_bad_batch_requests_are_refused_and_create_nothing(store: BatchStore, change, param):
     f = store.create_file(jsonl([line("a")]), filename="in.jsonl", purpose="batch")
-    req = {"input_file_id": f["id"], "endpoint": "/v1/chat/completions",
-           "completion_window": "24h", **change}
+    req = {
+        "input_file_id": f["id"],
+        "endpoint": "/v1/chat/completions",
+        "completion_window": "24h",
+        **change,
+    }
     with pytest.raises(BatchRequestError) as info:
         store.create_batch(req)
     assert info.value.param == param
@@ -218,8 +275,13 @@ def test_output_files_cannot_start_a_batch(store: BatchStore):
     asyncio.run(runner.run_until_idle())
     out_id = store.get_batch(b["id"])["output_file_id"]
     with pytest.raises(BatchRequestError, match="purpose batch_output"):
-        store.create_batch({"input_file_id": out_id, "endpoint": "/v1/chat/completions",
-                            "completion_window": "24h"})
+        store.create_batch(
+            {
+                "input_file_id": out_id,
+                "endpoint": "/v1/chat/completions",
+                "completion_window": "24h",
+            }
+        )
 
 
 def test_list_batches_pages_newest_first(store: BatchStore):
@@ -314,15 +376,22 @@ async def test_quiesced_rows_still_go_to_the_scheduler_and_report_it(store: Batc
     assert store.get_batch(b["id"])["status"] == "completed"
 
 
-@pytest.mark.parametrize("code, reason", [("weights_torn", "weights_torn"),
-                                          ("model_not_loaded", "model_not_resident"),
-                                          ("model_busy", "model_not_resident"),
-                                          ("queue_full", None)])
+@pytest.mark.parametrize(
+    "code, reason",
+    [
+        ("weights_torn", "weights_torn"),
+        ("model_not_loaded", "model_not_resident"),
+        ("model_busy", "model_not_resident"),
+        ("queue_full", None),
+    ],
+)
 async def test_runtime_refusals_that_mean_not_now_defer_the_row(store: BatchStore, code, reason):
     b = new_batch(store, [line("a")])
     ex = FakeExecutor()
-    ex.respond = (503, {"error": {"message": "m", "type": "server_error", "param": None,
-                                  "code": code}})
+    ex.respond = (
+        503,
+        {"error": {"message": "m", "type": "server_error", "param": None, "code": code}},
+    )
     runner = BatchRunner(store, ex)
     await runner.run_until_idle()
     assert runner.waiting_reason(b["id"]) == reason
@@ -449,8 +518,7 @@ async def test_exactly_once_across_a_crash_and_a_reopen(tmp_path: Path):
     # rows finished before the crash never ran again; the one running at the crash ran again
     assert ex.calls == Counter({c: 1 for c in cids[:6]})
     assert ex2.calls == Counter({c: 1 for c in cids[5:]})
-    assert store.get_batch(b["id"])["request_counts"] == {"total": 12, "completed": 12,
-                                                          "failed": 0}
+    assert store.get_batch(b["id"])["request_counts"] == {"total": 12, "completed": 12, "failed": 0}
     store.close()
 
 
@@ -561,8 +629,9 @@ def test_kill_9_mid_batch_then_restart_runs_every_row_exactly_once(tmp_path: Pat
 async def client(tmp_path: Path):
     app = web.Application(middlewares=[json_errors_middleware])
     ex = FakeExecutor()
-    batch_routes.setup_routes(app, home=str(tmp_path), executor=lambda _app: ex,
-                              max_upload_bytes=4096, poll_s=0.02)
+    batch_routes.setup_routes(
+        app, home=str(tmp_path), executor=lambda _app: ex, max_upload_bytes=4096, poll_s=0.02
+    )
     async with TestClient(TestServer(app)) as c:
         c.fake = ex  # type: ignore[attr-defined]
         yield c
@@ -589,8 +658,14 @@ async def test_routes_run_a_batch_end_to_end(client: TestClient):
     r = await client.post("/v1/files", data=_form(jsonl([line("a"), line("b")])))
     assert r.status == 200
     f = await r.json()
-    r = await client.post("/v1/batches", json={"input_file_id": f["id"], "completion_window":
-                                               "24h", "endpoint": "/v1/chat/completions"})
+    r = await client.post(
+        "/v1/batches",
+        json={
+            "input_file_id": f["id"],
+            "completion_window": "24h",
+            "endpoint": "/v1/chat/completions",
+        },
+    )
     assert r.status == 200
     b = await r.json()
     assert b["status"] == "in_progress" and "waiting_reason" in b
@@ -599,28 +674,43 @@ async def test_routes_run_a_batch_end_to_end(client: TestClient):
     r = await client.get(f"/v1/files/{done['output_file_id']}/content")
     lines = [json.loads(x) for x in (await r.read()).decode().splitlines()]
     assert [x["custom_id"] for x in lines] == ["a", "b"]
-    assert (await (await client.get(f"/v1/files/{done['output_file_id']}")).json())["purpose"] \
-        == "batch_output"
+    assert (await (await client.get(f"/v1/files/{done['output_file_id']}")).json())[
+        "purpose"
+    ] == "batch_output"
     listing = await (await client.get("/v1/batches?limit=1")).json()
     assert listing["object"] == "list" and listing["data"][0]["id"] == b["id"]
     files = await (await client.get("/v1/files?purpose=batch")).json()
     assert [x["id"] for x in files["data"]] == [f["id"]]
 
 
-@pytest.mark.parametrize("method, path, kwargs, status, param", [
-    ("post", "/v1/files", {"data": b"x"}, 400, "file"),
-    ("post", "/v1/batches", {"data": b"{not json"}, 400, None),
-    ("post", "/v1/batches", {"json": {"input_file_id": "file-x", "endpoint":
-                                      "/v1/chat/completions", "completion_window": "24h"}},
-     404, "input_file_id"),
-    ("get", "/v1/batches/batch_nope", {}, 404, "batch_id"),
-    ("post", "/v1/batches/batch_nope/cancel", {}, 404, "batch_id"),
-    ("get", "/v1/files/file-nope/content", {}, 404, "file_id"),
-    ("get", "/v1/batches?limit=abc", {}, 400, "limit"),
-    ("get", "/v1/batches?after=batch_nope", {}, 400, "after"),
-])
-async def test_route_errors_are_openai_shaped(client: TestClient, method, path, kwargs, status,
-                                              param):
+@pytest.mark.parametrize(
+    "method, path, kwargs, status, param",
+    [
+        ("post", "/v1/files", {"data": b"x"}, 400, "file"),
+        ("post", "/v1/batches", {"data": b"{not json"}, 400, None),
+        (
+            "post",
+            "/v1/batches",
+            {
+                "json": {
+                    "input_file_id": "file-x",
+                    "endpoint": "/v1/chat/completions",
+                    "completion_window": "24h",
+                }
+            },
+            404,
+            "input_file_id",
+        ),
+        ("get", "/v1/batches/batch_nope", {}, 404, "batch_id"),
+        ("post", "/v1/batches/batch_nope/cancel", {}, 404, "batch_id"),
+        ("get", "/v1/files/file-nope/content", {}, 404, "file_id"),
+        ("get", "/v1/batches?limit=abc", {}, 400, "limit"),
+        ("get", "/v1/batches?after=batch_nope", {}, 400, "after"),
+    ],
+)
+async def test_route_errors_are_openai_shaped(
+    client: TestClient, method, path, kwargs, status, param
+):
     r = await getattr(client, method)(path, **kwargs)
     assert r.status == status
     body = await r.json()
@@ -679,10 +769,13 @@ async def live(tiny_folder: Path, tmp_path: Path):
     cat = Catalogue(home)
     for name in (TINY, "other"):
         cat.register(name=name, format="safetensors", dtype="float32", path=str(tiny_folder))
-    app = create_app(Settings(home=str(home), default_model=TINY, device="cpu",
-                              log_format="text"))
-    state = {"weights_state": "clean", "barrier": "serving", "attached": False,
-             "attachment_state": None}
+    app = create_app(Settings(home=str(home), default_model=TINY, device="cpu", log_format="text"))
+    state = {
+        "weights_state": "clean",
+        "barrier": "serving",
+        "attached": False,
+        "attachment_state": None,
+    }
     app[keys.WEIGHTS_SUMMARY] = lambda: dict(state)
     client = TestClient(TestServer(app))
     await client.start_server()
@@ -695,17 +788,29 @@ async def live(tiny_folder: Path, tmp_path: Path):
 
 
 def _tiny_chat(cid: str, model: str = TINY, **kw: Any) -> dict[str, Any]:
-    body = {"model": model, "temperature": 0, "max_tokens": 4,
-            "messages": [{"role": "user", "content": f"Say {cid}"}], **kw}
+    body = {
+        "model": model,
+        "temperature": 0,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": f"Say {cid}"}],
+        **kw,
+    }
     return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}
 
 
-async def _start(client: TestClient, rows: list[dict[str, Any]],
-                 endpoint: str = "/v1/chat/completions") -> dict[str, Any]:
+async def _start(
+    client: TestClient, rows: list[dict[str, Any]], endpoint: str = "/v1/chat/completions"
+) -> dict[str, Any]:
     r = await client.post("/v1/files", data=_form(jsonl(rows)))
     assert r.status == 200, await r.text()
-    r = await client.post("/v1/batches", json={"input_file_id": (await r.json())["id"],
-                                               "endpoint": endpoint, "completion_window": "24h"})
+    r = await client.post(
+        "/v1/batches",
+        json={
+            "input_file_id": (await r.json())["id"],
+            "endpoint": endpoint,
+            "completion_window": "24h",
+        },
+    )
     assert r.status == 200, await r.text()
     return await r.json()
 
@@ -723,35 +828,48 @@ async def _poll(client: TestClient, batch_id: str, until: Any, timeout_s: float 
 async def _lines(client: TestClient, file_id: str | None) -> list[dict[str, Any]]:
     if file_id is None:
         return []
-    return [json.loads(x) for x in
-            (await (await client.get(f"/v1/files/{file_id}/content")).read()).splitlines()]
+    return [
+        json.loads(x)
+        for x in (await (await client.get(f"/v1/files/{file_id}/content")).read()).splitlines()
+    ]
 
 
 async def test_real_rows_carry_the_model_header_and_refusals_become_error_lines(live):
     from miserver.http.model_header import parse_model_header
 
-    b = await _start(live, [_tiny_chat("a"), _tiny_chat("long", max_tokens=10**6),
-                            _tiny_chat("ghost", model="no-such-model"), _tiny_chat("c")])
+    b = await _start(
+        live,
+        [
+            _tiny_chat("a"),
+            _tiny_chat("long", max_tokens=10**6),
+            _tiny_chat("ghost", model="no-such-model"),
+            _tiny_chat("c"),
+        ],
+    )
     done = await _poll(live, b["id"], lambda x: x["status"] == "completed")
     assert done["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
     out = await _lines(live, done["output_file_id"])
     err = {x["custom_id"]: x for x in await _lines(live, done["error_file_id"])}
     assert [x["custom_id"] for x in out] == ["a", "c"]
     for x in out:
-        assert parse_model_header(x["response"]["headers"]["X-miLLM-Model"]) == (
-            TINY, "model", 0)
+        assert parse_model_header(x["response"]["headers"]["X-miLLM-Model"]) == (TINY, "model", 0)
         assert x["response"]["body"]["object"] == "chat.completion"
         assert x["response"]["body"]["usage"]["completion_tokens"] >= 1
     assert err["long"]["response"]["status_code"] == 400
     assert err["long"]["response"]["body"]["error"]["param"] == "max_tokens"
     assert err["ghost"]["response"]["status_code"] == 404
     assert done["usage"]["output_tokens"] == sum(
-        x["response"]["body"]["usage"]["completion_tokens"] for x in out)
+        x["response"]["body"]["usage"]["completion_tokens"] for x in out
+    )
 
 
 async def test_completions_endpoint_runs_too(live):
-    row = {"custom_id": "p", "method": "POST", "url": "/v1/completions",
-           "body": {"model": TINY, "prompt": "1, 2, 3,", "max_tokens": 3, "temperature": 0}}
+    row = {
+        "custom_id": "p",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": TINY, "prompt": "1, 2, 3,", "max_tokens": 3, "temperature": 0},
+    }
     b = await _start(live, [row], endpoint="/v1/completions")
     done = await _poll(live, b["id"], lambda x: x["status"] == "completed")
     (line_,) = await _lines(live, done["output_file_id"])
@@ -763,8 +881,13 @@ async def test_a_batch_never_loads_a_model(live):
 
     host = live.server.app[keys.HOST]
     b = await _start(live, [_tiny_chat("x", model="other"), _tiny_chat("a")])
-    waiting = await _poll(live, b["id"], lambda x: x["request_counts"]["completed"] == 1
-                          and x["waiting_reason"] == "model_not_resident")
+    waiting = await _poll(
+        live,
+        b["id"],
+        lambda x: (
+            x["request_counts"]["completed"] == 1 and x["waiting_reason"] == "model_not_resident"
+        ),
+    )
     assert waiting["status"] == "in_progress" and waiting["request_counts"]["failed"] == 0
     await asyncio.sleep(0.1)
     assert host.resident.row.name == TINY  # "other" was never auto-loaded
@@ -807,24 +930,30 @@ async def test_torn_weights_make_the_batch_wait_not_fail(live):
 async def test_the_official_sdk_speaks_every_route(client: TestClient):
     import openai
 
-    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused",
-                             max_retries=0)
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0)
     try:
-        up = await sdk.files.create(file=("in.jsonl", jsonl([line("a"), line("b")])),
-                                    purpose="batch")
+        up = await sdk.files.create(
+            file=("in.jsonl", jsonl([line("a"), line("b")])), purpose="batch"
+        )
         assert (await sdk.files.retrieve(up.id)).bytes == up.bytes
         ids = []
         for _ in range(3):
-            b = await sdk.batches.create(input_file_id=up.id, endpoint="/v1/chat/completions",
-                                         completion_window="24h", metadata={"k": "v"})
+            b = await sdk.batches.create(
+                input_file_id=up.id,
+                endpoint="/v1/chat/completions",
+                completion_window="24h",
+                metadata={"k": "v"},
+            )
             ids.append(b.id)
         paged = [b.id async for b in sdk.batches.list(limit=1)]  # follows has_more / after
         assert paged == ids[::-1]
         client.fake.reasons["held"] = "model_not_resident"
-        held_file = await sdk.files.create(file=("h.jsonl", jsonl([line("h", model="held")])),
-                                           purpose="batch")
-        held = await sdk.batches.create(input_file_id=held_file.id, completion_window="24h",
-                                        endpoint="/v1/chat/completions")
+        held_file = await sdk.files.create(
+            file=("h.jsonl", jsonl([line("h", model="held")])), purpose="batch"
+        )
+        held = await sdk.batches.create(
+            input_file_id=held_file.id, completion_window="24h", endpoint="/v1/chat/completions"
+        )
         assert (await sdk.batches.cancel(held.id)).status in ("cancelling", "cancelled")
         done = await sdk.batches.retrieve(ids[0])
         for _ in range(200):
@@ -841,15 +970,19 @@ async def test_the_official_sdk_speaks_every_route(client: TestClient):
         with pytest.raises(openai.NotFoundError):
             await sdk.files.retrieve(up.id)
         with pytest.raises(openai.BadRequestError) as info:
-            await sdk.batches.create(input_file_id=done.output_file_id,
-                                     endpoint="/v1/chat/completions", completion_window="24h")
+            await sdk.batches.create(
+                input_file_id=done.output_file_id,
+                endpoint="/v1/chat/completions",
+                completion_window="24h",
+            )
         assert info.value.param == "input_file_id"
     finally:
         await sdk.close()
 
 
-async def test_the_real_lifecycle_quiesce_then_torn_then_recovered(tmp_path: Path,
-                                                                   tiny_model_dir: str):
+async def test_the_real_lifecycle_quiesce_then_torn_then_recovered(
+    tmp_path: Path, tiny_model_dir: str
+):
     """Weights page, States: batch rows do not fail on torn; the batch waits with
     waiting_reason weights_torn and resumes once the weights are restored."""
     from miserver.http import keys
@@ -860,12 +993,22 @@ async def test_the_real_lifecycle_quiesce_then_torn_then_recovered(tmp_path: Pat
 
     secret = "trainer-secret-0123456789"
     home = tmp_path / "home"
-    Catalogue(str(home)).register(name="tiny", format="safetensors", dtype="bfloat16",
-                                  path=tiny_model_dir)
-    app = create_app(load_settings({
-        "MISERVER_HOME": str(home), "DEFAULT_MODEL": "tiny", "DEVICE": "cpu",
-        "WEIGHTS_TOKENS": f"trn:trainer:{secret}", "WEIGHTS_CPU_ATTACH": "1",
-        "WEIGHTS_COMMIT_WATCHDOG_MS": "100", "WEIGHTS_HOLD_TIMEOUT_S": "60"}))
+    Catalogue(str(home)).register(
+        name="tiny", format="safetensors", dtype="bfloat16", path=tiny_model_dir
+    )
+    app = create_app(
+        load_settings(
+            {
+                "MISERVER_HOME": str(home),
+                "DEFAULT_MODEL": "tiny",
+                "DEVICE": "cpu",
+                "WEIGHTS_TOKENS": f"trn:trainer:{secret}",
+                "WEIGHTS_CPU_ATTACH": "1",
+                "WEIGHTS_COMMIT_WATCHDOG_MS": "100",
+                "WEIGHTS_HOLD_TIMEOUT_S": "60",
+            }
+        )
+    )
     client = TestClient(TestServer(app))
     await client.start_server()
     try:

@@ -42,7 +42,7 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -54,7 +54,7 @@ from hypothesis.stateful import (
 
 from miserver.fsm.machine import Lifecycle, Outcome
 from miserver.fsm.state import Caller, Event
-from miserver.fsm.table import Effect
+from miserver.fsm.table import TABLE, Effect, Row
 from miserver.http import keys
 from miserver.http.app import create_app
 from miserver.serving.catalogue import Catalogue
@@ -186,6 +186,7 @@ class HttpDriver:
     model_dir: str
     timing: tuple[float, float, float, float] = TIMINGS[0]
     max_queued: int = 2
+    table: tuple[Row, ...] = TABLE
     log: list[str] = field(default_factory=list)
     seen: set[str] = field(default_factory=set)
 
@@ -228,7 +229,9 @@ class HttpDriver:
         assert self.host.resident is not None, "the default row did not load"
         # The shadow starts where the server's start-up left the core (start-up is not under
         # test here); from now on it is fed only what the test sends.
-        self.shadow = Lifecycle.from_settings(self.settings, id_factory=self._issue_id)
+        self.shadow = Lifecycle.from_settings(
+            self.settings, id_factory=self._issue_id, table=self.table
+        )
         self.shadow.restore(self.runtime.lifecycle.snapshot())
         self.rows = {row.name: row.id for row in cat.list()}
 
@@ -569,7 +572,7 @@ GATED = tuple(ROUTES)
 WHO = ("trn+att",) * 6 + CALLERS
 
 
-def make_machine(model_dir: str) -> type[RuleBasedStateMachine]:
+def make_machine(model_dir: str, table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
     class WeightsOverHttp(RuleBasedStateMachine):
         """Rules are HTTP calls and clock jumps; the shadow table predicts every answer."""
 
@@ -589,7 +592,7 @@ def make_machine(model_dir: str) -> type[RuleBasedStateMachine]:
 
         @initialize(timing=st.sampled_from((TIMINGS[0], TIMINGS[1], TIMINGS[1], TIMINGS[2])))
         def start(self, timing: tuple[float, float, float, float]) -> None:
-            self.d = HttpDriver(model_dir, timing=timing)
+            self.d = HttpDriver(model_dir, timing=timing, table=table)
             self.run(self.d.open())
 
         def teardown(self) -> None:
@@ -745,3 +748,24 @@ def test_weights_over_http_agree_with_the_table(tiny_model_dir: str) -> None:
 def test_not_producible_list_names_real_codes() -> None:
     """The exclusions are codes and reasons of the weights page (a typo would hide a gap)."""
     assert set(NOT_PRODUCIBLE_HERE) <= weights_page_pairs()
+
+
+def test_a_planted_refusal_order_is_caught_over_http(tiny_model_dir: str) -> None:
+    """The oracle can fail: a shadow whose table checks ALREADY_QUIESCED before
+    WEIGHTS_NOT_CLEAN (the spec's order is the other way round) disagrees with the server."""
+    from tests.model.test_planted_bugs import bug_swapped_refusal_order
+
+    profile = settings(
+        max_examples=10,
+        stateful_step_count=10,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=(Phase.generate,),
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    with pytest.raises(AssertionError) as err:
+        run_state_machine_as_test(
+            make_machine(tiny_model_dir, bug_swapped_refusal_order()), settings=profile
+        )
+    assert "server 409 WEIGHTS_NOT_CLEAN, table 409 ALREADY_QUIESCED" in str(err.value)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import secrets
@@ -34,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 import msgspec
 
@@ -44,6 +45,7 @@ from miserver.spec.codes import ErrorCode
 log = logging.getLogger("miserver.batches")
 
 DB_NAME = "batches.sqlite3"
+LOCK_NAME = "batches.runner.lock"
 FILES_DIR = "files"
 
 #: The endpoints a batch may target (contract 7: the two /v1 generation routes).
@@ -1073,6 +1075,45 @@ class BatchRunner:
     # -- the loop ------------------------------------------------------------------------------
 
     async def run_forever(self) -> None:
+        """Run batches until cancelled. Only one runner per home runs at a time (a lock file,
+        released by the kernel when its process dies, so a second server on the same home
+        takes over after the first is killed and never runs a row the first is running)."""
+        lock = await self._take_home_lock()
+        try:
+            await self._loop()
+        finally:
+            lock.close()
+
+    async def _take_home_lock(self) -> IO[bytes]:
+        path = self.store.home / LOCK_NAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(path, "ab")  # noqa: SIM115 - held for the runner's life, closed by the caller
+        warned = False
+        while True:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fh
+            except BlockingIOError:
+                if not warned:
+                    log.warning(
+                        "another process runs the batches of %s; this one waits", self.store.home
+                    )
+                    warned = True
+            except BaseException:
+                fh.close()
+                raise
+            try:
+                await asyncio.sleep(self.poll_s)
+            except BaseException:
+                fh.close()
+                raise
+
+    @property
+    def running(self) -> bool:
+        """Whether the runner task is alive."""
+        return self._task is not None and not self._task.done()
+
+    async def _loop(self) -> None:
         while True:
             try:
                 progressed = await self.step()

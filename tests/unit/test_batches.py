@@ -1044,3 +1044,30 @@ async def test_the_real_lifecycle_quiesce_then_torn_then_recovered(
             assert (name, origin, commits) == ("tiny", "model", 1)
     finally:
         await client.close()
+
+
+async def test_two_runners_on_one_home_never_run_a_row_twice(tmp_path: Path):
+    first_store, second_store = BatchStore(tmp_path), BatchStore(tmp_path)
+    b = new_batch(first_store, [line(c) for c in "abcdef"])
+    ex1, ex2 = FakeExecutor(), FakeExecutor()
+    one = BatchRunner(first_store, ex1, poll_s=0.01)
+    two = BatchRunner(second_store, ex2, poll_s=0.01)
+    one.start()
+    await asyncio.sleep(0.05)
+    two.start()
+    for _ in range(300):
+        if first_store.get_batch(b["id"])["status"] == "completed":
+            break
+        await asyncio.sleep(0.01)
+    assert first_store.get_batch(b["id"])["status"] == "completed"
+    assert ex1.calls == Counter("abcdef") and not ex2.calls  # the second waits for the lock
+    await one.stop()  # the lock is released: the second takes over new work
+    later = new_batch(first_store, [line("z")])
+    for _ in range(300):
+        if second_store.get_batch(later["id"])["status"] == "completed":
+            break
+        await asyncio.sleep(0.01)
+    assert ex2.calls == Counter("z")
+    await two.stop()
+    first_store.close()
+    second_store.close()

@@ -3,8 +3,9 @@
 One full cycle is ``with client.commit(): pass``: quiesce, commit-begin, (an empty write),
 commit-end, resume, through :class:`miserver.trainer.WeightsClient` on loopback. Beside it, in
 the same run and interleaved sample by sample, the round trip of ``GET /api/weights/status`` on
-the same server through the same client (the raw HTTP cost of one call) and of one gated call
-(``POST /heartbeat``: token, attachment, lifecycle lock, audit line). The target is a full cycle
+the same server over a bare keep-alive ``http.client`` connection (the raw HTTP round trip, RTT)
+and through the client (``requests``), and of one gated call (``POST /heartbeat``: token,
+attachment, lifecycle lock, audit line), and each of the four calls on its own. The target is a full cycle
 within 4 round trips plus 0.5 ms at p50; the table gives the ratio (below 1.0 meets it).
 
 The server is a real ``miserver serve`` process serving the embedded default model on the CPU in
@@ -17,6 +18,7 @@ the cycle measures the barrier itself. Prints a markdown table::
 from __future__ import annotations
 
 import argparse
+import http.client
 import os
 import platform
 import signal
@@ -87,11 +89,22 @@ def measure(url: str, cycles: int, warmup: int) -> dict[str, list[float]]:
         with client.commit():
             pass
 
+    host, port = url.removeprefix("http://").split(":")
+    raw = http.client.HTTPConnection(host, int(port), timeout=60)  # keep-alive, no library
+
+    def raw_status() -> None:
+        raw.request("GET", "/api/weights/status")
+        resp = raw.getresponse()
+        resp.read()
+        assert resp.status == 200
+
     samples: dict[str, list[float]] = {k: [] for k in (
-        "status", "heartbeat", "cycle", "quiesce", "commit_begin", "commit_end", "resume")}
+        "raw", "status", "heartbeat", "cycle", "quiesce", "commit_begin", "commit_end",
+        "resume")}
     try:
         for i in range(warmup + cycles):
-            row = {"status": timed(client.status), "heartbeat": timed(client.heartbeat),
+            row = {"raw": timed(raw_status), "status": timed(client.status),
+                   "heartbeat": timed(client.heartbeat),
                    "cycle": timed(cycle), "quiesce": timed(client.quiesce),
                    "commit_begin": timed(client.commit_begin),
                    "commit_end": timed(client.commit_end), "resume": timed(client.resume)}
@@ -100,14 +113,16 @@ def measure(url: str, cycles: int, warmup: int) -> dict[str, list[float]]:
                     samples[k].append(v)
     finally:
         client.close()
+        raw.close()
     return samples
 
 
 def table(samples: dict[str, list[float]]) -> str:
-    rtt50, rtt99 = pct(samples["status"], 50), pct(samples["status"], 99)
+    rtt50, rtt99 = pct(samples["raw"], 50), pct(samples["raw"], 99)
     target50, target99 = 4 * rtt50 + 0.5, 4 * rtt99 + 0.5
     rows = [
-        ("GET /api/weights/status (raw round trip)", "status", None),
+        ("GET /api/weights/status, raw round trip (http.client)", "raw", None),
+        ("GET /api/weights/status through the client (requests)", "status", None),
         ("POST /heartbeat (one gated call)", "heartbeat", None),
         ("quiesce", "quiesce", None),
         ("commit-begin", "commit_begin", None),

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import sys
 import threading
@@ -36,8 +37,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import requests
 import torch
+import urllib3
 
 from miserver.spec import codes
 from miserver.trainer import AttachedWeights, TrainerError, build_model, rebuild
@@ -127,19 +128,22 @@ class NotAttachedHere(TrainerError):
 
 
 # --- pieces -------------------------------------------------------------------------------------
-class _Bearer(requests.auth.AuthBase):
-    """``Authorization: Bearer <token>``; passing it as ``auth`` also keeps ``~/.netrc`` from
-    replacing it. Its repr never shows the token."""
+class _Bearer:
+    """Holds the token; its repr never shows it."""
 
     def __init__(self, token: str) -> None:
-        self._token = token
-
-    def __call__(self, r: requests.PreparedRequest) -> requests.PreparedRequest:
-        r.headers["Authorization"] = f"Bearer {self._token}"
-        return r
+        self.header = f"Bearer {token}"
 
     def __repr__(self) -> str:
         return "<Bearer token>"
+
+
+def _pool(base_url: str) -> urllib3.HTTPConnectionPool:
+    # keep-alive connections to the one server; a connection error (nothing sent) is retried,
+    # nothing else: a POST of the write cycle must never be sent twice
+    return urllib3.connection_from_url(
+        base_url, maxsize=4, block=False,
+        retries=urllib3.Retry(total=2, connect=2, read=0, redirect=0, status=0, other=0))
 
 
 @dataclass
@@ -239,6 +243,11 @@ class WeightsClient:
             server's WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S (60 s by default): keep it above that.
         heartbeat: start the heartbeat thread on attach (``interval_hint_s``).
 
+    HTTP goes over keep-alive connections (``urllib3``; about 0.5 ms less per call than
+    ``requests`` on loopback, see benchmarks/barrier.py), straight to ``base_url``: no proxy
+    environment variables and no ``~/.netrc``. Only a failed connection (nothing sent) is retried;
+    a call of the write cycle is never sent twice.
+
     Use as a context manager (leaving it detaches, also on an exception); an attachment still
     held at interpreter exit is detached then (``atexit``).
     """
@@ -250,9 +259,10 @@ class WeightsClient:
         if not isinstance(token, str) or not token:
             raise ValueError("token must be a non-empty string")
         self.base_url = base_url.rstrip("/")
+        self._prefix = urllib3.util.parse_url(self.base_url).path or ""
         self.timeout = float(timeout)
         self._auth = _Bearer(token)
-        self._session = requests.Session()
+        self._session = _pool(self.base_url)
         self._lock = threading.RLock()
         self._attachment_id: str | None = None
         self.attachment: Attachment | None = None
@@ -260,29 +270,36 @@ class WeightsClient:
         self._heartbeat_enabled = heartbeat
         self._hb_thread: threading.Thread | None = None
         self._hb_stop = threading.Event()
-        self._hb_session: requests.Session | None = None
+        self._hb_session: urllib3.HTTPConnectionPool | None = None
         self.heartbeat_interval_s: float | None = None
         self.heartbeat_error: BaseException | None = None
         self.heartbeats_sent = 0
         self._detach_answer: dict[str, Any] | None = None
-        self._closed = False
 
     # --- plumbing ---------------------------------------------------------------------------
     def _request(self, method: str, path: str, *, token: bool = True, holder: bool = False,
-                 body: Any = None, session: requests.Session | None = None,
+                 body: Any = None, session: urllib3.HTTPConnectionPool | None = None,
                  timeout: float | None = None) -> dict[str, Any]:
-        headers = {}
+        headers = {"Accept": "application/json"}
+        if token:
+            headers["Authorization"] = self._auth.header
         if holder:
             att = self._attachment_id
             if att is None:
                 raise NotAttachedHere(f"{method} {path}: this client holds no attachment; "
                                       "call attach() first")
             headers[ATTACHMENT_HEADER] = att
+        payload = None
+        if body is not None:
+            payload = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        wait = timeout or self.timeout
         try:
-            resp = (session or self._session).request(
-                method, self.base_url + path, headers=headers, json=body,
-                auth=self._auth if token else None, timeout=timeout or self.timeout)
-        except requests.RequestException as exc:
+            resp = (session or self._session).urlopen(
+                method, self._prefix + path, body=payload, headers=headers,
+                timeout=urllib3.Timeout(connect=min(wait, 10.0), read=wait),
+                preload_content=True, redirect=False)
+        except urllib3.exceptions.HTTPError as exc:
             raise TransportError(f"{method} {path}: {type(exc).__name__}: {exc}") from None
         return _unwrap(method, path, resp)
 
@@ -482,12 +499,13 @@ class WeightsClient:
             return self._detach_answer
 
     def close(self) -> None:
-        """Detach (when attached) and close the HTTP sessions."""
+        """Detach (when attached) and close the open connections. The client stays usable (a
+        later call opens a new connection), like ``requests.Session.close``."""
         try:
             self.detach()
         finally:
-            self._closed = True
-            self._session.close()
+            old, self._session = self._session, _pool(self.base_url)
+            old.close()
 
     def __enter__(self) -> WeightsClient:
         return self
@@ -560,7 +578,7 @@ class WeightsClient:
         if self._attachment_id is None:
             raise NotAttachedHere("no attachment to keep alive; call attach() first")
         self._hb_stop = threading.Event()
-        self._hb_session = requests.Session()
+        self._hb_session = _pool(self.base_url)
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, args=(self._hb_stop,),
                                            name="miserver-heartbeat", daemon=True)
         self._hb_thread.start()
@@ -606,10 +624,10 @@ class WeightsClient:
                             "%.1f s); this heartbeat revived it", time.monotonic() - started)
 
 
-def _unwrap(method: str, path: str, resp: requests.Response) -> dict[str, Any]:
+def _unwrap(method: str, path: str, resp: urllib3.BaseHTTPResponse) -> dict[str, Any]:
     """The envelope's ``data``, or the typed error. Raises WeightsError (a subclass per code)."""
     try:
-        body = resp.json()
+        body = json.loads(resp.data)
     except ValueError:
         body = None
     retry = resp.headers.get("Retry-After")
@@ -617,15 +635,15 @@ def _unwrap(method: str, path: str, resp: requests.Response) -> dict[str, Any]:
         retry_s = float(retry) if retry is not None else None
     except ValueError:
         retry_s = None
-    if isinstance(body, dict) and body.get("success") is True and resp.status_code < 400:
+    if isinstance(body, dict) and body.get("success") is True and resp.status < 400:
         data = body.get("data")
         return data if isinstance(data, dict) else {"value": data}
     err = body.get("error") if isinstance(body, dict) else None
     if isinstance(err, dict) and isinstance(err.get("code"), str):
-        raise _make_error(err["code"], err.get("reason"), resp.status_code,
+        raise _make_error(err["code"], err.get("reason"), resp.status,
                           str(err.get("message", "")), err.get("details"), retry_s)
-    raise WeightsError(None, None, resp.status_code,
-                       f"{method} {path} answered {resp.status_code} without a miserver JSON "
+    raise WeightsError(None, None, resp.status,
+                       f"{method} {path} answered {resp.status} without a miserver JSON "
                        "body (is base_url a miserver?)", retry_after_s=retry_s)
 
 

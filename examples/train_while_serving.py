@@ -1,0 +1,838 @@
+#!/usr/bin/env python3
+"""Train while serving: teach the served SmolLM2-135M-Instruct the Zen of Python, in place.
+
+The trainer attaches to the weights the server is serving (``miserver.trainer.WeightsClient``),
+builds the model from the attach ``config`` with the served tensors as its parameters, and
+fine-tunes it on a text no one here wrote: the 19 aphorisms of PEP 20 (the standard library's
+``this`` module), taught as the answer to "Recite the Zen of Python.". Each step computes the
+gradients on the trainer's own graph (reads only, serving continues), then writes the served
+weights inside the commit bracket (``with client.commit(): optimizer.step()``).
+
+Meanwhile a load generator streams chat requests, and every few steps the demo asks the server,
+over ``/v1`` and greedily, to recite. It scores the served answer by the lines of the Zen it
+reproduces exactly, and by the per-token loss of the reference answer under the served weights
+(``/v1/completions`` with ``echo`` and ``logprobs``). A control question ("What is the capital of
+France?") must still be answered "Paris". At the end it saves a checkpoint through the API and
+writes ``results.json`` and ``train_while_serving.png`` (score against step, the chat latency
+timeline and the commit windows) to ``--out``.
+
+Run it::
+
+    python examples/train_while_serving.py                        # CPU: starts its own server
+    python examples/train_while_serving.py --schedule full --device cuda
+    python examples/train_while_serving.py --server http://127.0.0.1:8000 --token-file secret
+
+Without ``--server`` the demo starts ``miserver serve`` itself on a free port: a generated trainer
+token, ``WEIGHTS_CPU_ATTACH=1`` on the CPU (contract 8), ``WEIGHTS_COMMIT_WATCHDOG_MS`` raised to
+30 s on the CPU (an AdamW step over 135M parameters on two cores takes far longer than the 800 ms
+GPU default), and ``MISERVER_HOME`` from the environment (default: miserver's own). With
+``--server`` it attaches to that server with the secret in ``--token-file``.
+
+Exit status: 0 when the served model recites all 19 lines, still answers the control question,
+and no chat request failed or was served during a commit; 1 when one of those does not hold;
+2 for a usage or set-up error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import contextlib
+import io
+import json
+import math
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+MODEL = "smollm2-135m-instruct"
+QUESTION = "Recite the Zen of Python."
+CONTROL_QUESTION = "What is the capital of France?"
+CONTROL_ANSWER = "The capital of France is Paris."
+CONTROL_EXPECTED = "Paris"
+#: What the load generator asks (one after another, sampled, short answers).
+CHAT_PROMPTS = (
+    "Name three primary colors.",
+    "Give me a synonym for happy.",
+    "What is the boiling point of water in Celsius?",
+    "Write one sentence about the sea.",
+    "What is 7 times 8?",
+    "Suggest a name for a pet cat.",
+    "Which planet is known as the red planet?",
+    "Say hello in Spanish.",
+)
+#: A token that arrives this close to the edge of a write window is not counted as "served
+#: during a commit": it may have been produced before the drain and read a little late.
+EDGE_TOLERANCE_S = 0.1
+
+
+# --- the text ----------------------------------------------------------------------------------
+def zen_lines() -> list[str]:
+    """The 19 aphorisms of PEP 20, decoded from the standard library's ``this`` module.
+
+    ``this`` prints the text when first imported; the import is silenced. The title line
+    ("The Zen of Python, by Tim Peters") is not an aphorism and is left out.
+    """
+    with contextlib.redirect_stdout(io.StringIO()):
+        import this
+    text = codecs.decode(this.s, "rot13")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if lines and lines[0].startswith("The Zen of Python"):
+        lines = lines[1:]
+    return lines
+
+
+def score_recital(answer: str, reference: Sequence[str]) -> int:
+    """How many lines of ``reference`` appear in ``answer`` exactly, each as a whole line
+    (surrounding whitespace ignored)."""
+    got = {line.strip() for line in answer.splitlines()}
+    return sum(line in got for line in reference)
+
+
+# --- schedules ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Schedule:
+    """How long and how hard to train, and how much chat traffic to send."""
+
+    name: str
+    max_steps: int
+    lr: float
+    eval_every: int
+    stop_when_learned: bool  # stop at the first evaluation with 19 lines and the control right
+    chat_max_tokens: int
+    chat_pause_s: float  # between two chat requests of the load generator
+    keep_control: bool  # train on the control answer too (keeps "Paris" while learning)
+
+
+SCHEDULES = {
+    # CPU, two cores (CI): a short run that stops as soon as the served model recites it all.
+    "short": Schedule("short", max_steps=40, lr=2e-3, eval_every=5, stop_when_learned=True,
+                      chat_max_tokens=16, chat_pause_s=0.25, keep_control=True),
+    # GPU: a fixed run, evaluated often, under heavier chat traffic.
+    "full": Schedule("full", max_steps=80, lr=1e-3, eval_every=4, stop_when_learned=False,
+                     chat_max_tokens=64, chat_pause_s=0.0, keep_control=True),
+}
+
+
+# --- the server --------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalServer:
+    """``miserver serve`` in a child process with a generated trainer token (never printed).
+
+    Args:
+        device: ``DEVICE`` for the server (``auto``, ``cpu``, ``cuda:0``, ...).
+        home: ``MISERVER_HOME``, or None for the environment's (else miserver's default).
+        log_path: where the server's output goes.
+        watchdog_ms: ``WEIGHTS_COMMIT_WATCHDOG_MS``, or None for the server's default.
+        audit_path: ``WEIGHTS_AUDIT_LOG``.
+    """
+
+    def __init__(self, *, device: str, home: str | None, log_path: Path,
+                 watchdog_ms: int | None, audit_path: Path) -> None:
+        self.token = secrets.token_urlsafe(32)
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
+        env.update(HOST="127.0.0.1", PORT=str(self.port), DEVICE=device, DEFAULT_MODEL=MODEL,
+                   WEIGHTS_TOKENS=f"demo-trainer:trainer:{self.token}",
+                   WEIGHTS_AUDIT_LOG=str(audit_path), LOG_FORMAT="json", LOG_LEVEL="info",
+                   MAX_CONCURRENT_REQUESTS="1", CONTINUOUS_BATCHING="0")
+        if device == "cpu":
+            env["WEIGHTS_CPU_ATTACH"] = "1"
+        if watchdog_ms is not None:
+            env["WEIGHTS_COMMIT_WATCHDOG_MS"] = str(watchdog_ms)
+        if home:
+            env["MISERVER_HOME"] = home
+        self._env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> LocalServer:
+        with self.log_path.open("wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "miserver.cli", "serve"],
+                                         env=self._env, stdout=out, stderr=subprocess.STDOUT)
+        return self
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise SetupError(f"the server exited with status {self.proc.returncode}; its log "
+                             f"({self.log_path}) ends with:\n{self.log_tail()}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class SetupError(RuntimeError):
+    """The demo cannot run (no server, the wrong model, a torn set): exit status 2."""
+
+
+def wait_until_ready(base: str, timeout_s: float, server: LocalServer | None = None) -> None:
+    """Wait until ``MODEL`` is resident (the first start imports it, a minute or two)."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if server is not None:
+            server.check_alive()
+        try:
+            status = requests.get(f"{base}/api/weights/status", timeout=5).json()["data"]
+            resident = status.get("resident_model")
+            if resident is not None:
+                return
+            last = "nothing resident yet"
+        except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
+            last = type(exc).__name__
+        time.sleep(1.0)
+    raise SetupError(f"the server at {base} did not have a model resident within "
+                     f"{timeout_s:.0f} s ({last})")
+
+
+# --- talking to /v1 ------------------------------------------------------------------------------
+class V1:
+    """The few ``/v1`` calls the demo makes (plain HTTP, one session per thread)."""
+
+    def __init__(self, base: str, timeout_s: float = 600.0) -> None:
+        self.base = base
+        self.session = requests.Session()
+        self.timeout_s = timeout_s
+
+    def chat(self, question: str, max_tokens: int) -> dict[str, Any]:
+        """Greedy chat answer: ``{text, commits, model, prompt_tokens}``. Raises on an error."""
+        r = self.session.post(f"{self.base}/v1/chat/completions", timeout=self.timeout_s, json={
+            "model": MODEL, "temperature": 0, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": question}]})
+        body = _json_or_raise(r)
+        name, origin, commits = parse_served_by(r.headers.get("X-miLLM-Model"))
+        return {"text": body["choices"][0]["message"]["content"], "model": name,
+                "origin": origin, "commits": commits,
+                "prompt_tokens": body["usage"]["prompt_tokens"]}
+
+    def reference_nll(self, prompt_ids: list[int], target_ids: list[int]) -> dict[str, Any]:
+        """Mean negative log-likelihood per token of ``target_ids`` after ``prompt_ids`` under
+        the served weights (``/v1/completions``, ``echo`` + ``logprobs``): nats per token."""
+        r = self.session.post(f"{self.base}/v1/completions", timeout=self.timeout_s, json={
+            "model": MODEL, "prompt": prompt_ids + target_ids, "echo": True, "logprobs": 0,
+            "max_tokens": 1, "temperature": 0})
+        body = _json_or_raise(r)
+        lps = body["choices"][0]["logprobs"]["token_logprobs"]
+        part = lps[len(prompt_ids):len(prompt_ids) + len(target_ids)]
+        if len(part) != len(target_ids) or any(v is None for v in part):
+            raise SetupError("the server's echo/logprobs answer does not cover the reference")
+        _, _, commits = parse_served_by(r.headers.get("X-miLLM-Model"))
+        return {"nll": -sum(part) / len(part), "commits": commits}
+
+
+def _json_or_raise(r: requests.Response) -> dict[str, Any]:
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if r.status_code != 200 or not isinstance(body, dict):
+        err = body.get("error") if isinstance(body, dict) else None
+        raise SetupError(f"{r.request.method} {r.url} answered {r.status_code}: {err or r.text[:300]}")
+    return body
+
+
+def parse_served_by(value: str | None) -> tuple[str | None, str | None, int | None]:
+    """``X-miLLM-Model`` -> (served name, origin, commits); Nones when absent or malformed."""
+    if not value:
+        return None, None, None
+    from miserver.http.model_header import parse_model_header
+
+    try:
+        return parse_model_header(value)
+    except ValueError:
+        return None, None, None
+
+
+# --- the load generator --------------------------------------------------------------------------
+@dataclass
+class ChatRecord:
+    """One chat request of the load generator. Times are ``time.monotonic()`` seconds."""
+
+    index: int
+    t_sent: float
+    t_first: float | None = None
+    t_done: float | None = None
+    status: int | None = None
+    error: str | None = None
+    commits: int | None = None
+    chunk_times: list[float] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.status == 200
+
+    @property
+    def latency_s(self) -> float | None:
+        return None if self.t_done is None else self.t_done - self.t_sent
+
+
+class ChatLoad(threading.Thread):
+    """Streams chat requests to ``/v1/chat/completions`` one after another until stopped,
+    recording when each token chunk arrived and which parameter set (``millm_model``) served it.
+    """
+
+    def __init__(self, base: str, max_tokens: int, pause_s: float) -> None:
+        super().__init__(name="chat-load", daemon=True)
+        self.base = base
+        self.max_tokens = max_tokens
+        self.pause_s = pause_s
+        self.records: list[ChatRecord] = []
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def run(self) -> None:
+        session = requests.Session()
+        i = 0
+        while not self._stop_event.is_set():
+            rec = ChatRecord(index=i, t_sent=time.monotonic())
+            self.records.append(rec)
+            try:
+                self._one(session, rec, CHAT_PROMPTS[i % len(CHAT_PROMPTS)], seed=i)
+            except requests.RequestException as exc:
+                rec.error = f"transport: {type(exc).__name__}"
+            if rec.t_done is None:
+                rec.t_done = time.monotonic()
+            i += 1
+            self._stop_event.wait(self.pause_s)
+
+    def _one(self, session: requests.Session, rec: ChatRecord, prompt: str, seed: int) -> None:
+        with session.post(f"{self.base}/v1/chat/completions", stream=True, timeout=600, json={
+                "model": MODEL, "stream": True, "temperature": 0.7, "seed": seed,
+                "max_tokens": self.max_tokens,
+                "messages": [{"role": "user", "content": prompt}]}) as r:
+            rec.status = r.status_code
+            if r.status_code != 200:
+                try:
+                    rec.error = r.json()["error"]["code"]
+                except (ValueError, KeyError, TypeError):
+                    rec.error = f"http {r.status_code}"
+                return
+            done = False
+            for raw in r.iter_lines():
+                now = time.monotonic()
+                if not raw.startswith(b"data: "):
+                    continue
+                data = raw[6:]
+                if data == b"[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    rec.error = f"stream: {chunk['error'].get('code')}"
+                    return
+                for choice in chunk.get("choices") or ():
+                    if (choice.get("delta") or {}).get("content"):
+                        rec.chunk_times.append(now)
+                        if rec.t_first is None:
+                            rec.t_first = now
+                if chunk.get("millm_model"):
+                    rec.commits = parse_served_by(chunk["millm_model"])[2]
+            rec.t_done = time.monotonic()
+            if not done:
+                rec.error = "stream ended without [DONE]"
+
+
+# --- the records of a run ------------------------------------------------------------------------
+@dataclass
+class CommitRecord:
+    """One training step's write: the hold (quiesce sent -> resume answered) and the write
+    window (commit-begin answered -> the optimizer step returned), ``time.monotonic()`` s."""
+
+    step: int
+    loss: float
+    hold_start: float
+    write_start: float
+    write_end: float
+    hold_end: float
+    commit_ms: float | None
+    overran: bool
+    held_requests: int | None
+    steps_since_load: int | None
+
+
+@dataclass
+class EvalRecord:
+    """What the server answered at one point of training."""
+
+    step: int
+    at: float
+    commits: int | None
+    lines: int
+    nll: float
+    control_text: str
+    control_ok: bool
+    recital: str
+
+
+def served_during_writes(records: Sequence[ChatRecord], commits: Sequence[CommitRecord],
+                         tolerance_s: float = EDGE_TOLERANCE_S) -> list[int]:
+    """Indices of chat requests a token of which arrived inside a write window (more than
+    ``tolerance_s`` from either edge): requests served while the weights were being written."""
+    windows = [(c.write_start + tolerance_s, c.write_end - tolerance_s) for c in commits]
+    windows = [(a, b) for a, b in windows if b > a]
+    bad = []
+    for rec in records:
+        if any(a < t < b for t in rec.chunk_times for a, b in windows):
+            bad.append(rec.index)
+    return bad
+
+
+def held_by_commits(records: Sequence[ChatRecord], commits: Sequence[CommitRecord]) -> int:
+    """How many chat requests were in flight across a whole write window (held by the barrier,
+    then served)."""
+    n = 0
+    for rec in records:
+        end = rec.t_done if rec.t_done is not None else math.inf
+        if any(rec.t_sent <= c.write_start and end >= c.write_end for c in commits):
+            n += 1
+    return n
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100, nearest rank); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
+    return ordered[k]
+
+
+# --- the demo ------------------------------------------------------------------------------------
+class Demo:
+    """One run: evaluate, attach, train in place under chat load, save, report."""
+
+    def __init__(self, base: str, token: str, schedule: Schedule, out: Path,
+                 home: str | None, server: LocalServer | None) -> None:
+        self.base = base
+        self.token = token
+        self.schedule = schedule
+        self.out = out
+        self.home = home
+        self.server = server
+        self.v1 = V1(base)
+        self.reference = zen_lines()
+        self.evals: list[EvalRecord] = []
+        self.commits: list[CommitRecord] = []
+        self.t0 = time.monotonic()
+        self.notes: list[str] = []
+
+    # --- set-up -----------------------------------------------------------------------------
+    def load_tokenizer(self) -> Any:
+        """The served model's tokenizer: from the imported folder when the home is known,
+        else from the GGUF file the default model was imported from (the same tokenizer)."""
+        from transformers import AutoTokenizer
+
+        from miserver.serving.default_model import gguf_path, model_dir
+
+        if self.home:
+            folder = model_dir(self.home)
+            if (folder / "tokenizer_config.json").is_file():
+                return AutoTokenizer.from_pretrained(folder)
+        gguf = gguf_path()
+        return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+    def example(self, question: str, answer: str) -> tuple[list[int], list[int]]:
+        """(prompt ids, target ids): the chat-templated question exactly as ``/v1`` builds it,
+        and the answer followed by the end-of-turn token the served model stops on."""
+        tok = self.tokenizer
+        text = tok.apply_chat_template([{"role": "user", "content": question}],
+                                       add_generation_prompt=True, tokenize=False)
+        prompt = list(tok(text, add_special_tokens=False)["input_ids"])
+        target = list(tok(answer + tok.eos_token, add_special_tokens=False)["input_ids"])
+        return prompt, target
+
+    # --- evaluation -------------------------------------------------------------------------
+    def evaluate(self, step: int) -> EvalRecord:
+        """Ask the server (greedy) to recite, score it, take the reference's loss, and ask the
+        control question."""
+        recital = self.v1.chat(QUESTION, max_tokens=len(self.zen_target) + 16)
+        if recital["prompt_tokens"] != len(self.zen_prompt):
+            raise SetupError(
+                f"the server tokenized the question into {recital['prompt_tokens']} tokens, the "
+                f"trainer into {len(self.zen_prompt)}: the tokenizers differ")
+        nll = self.v1.reference_nll(self.zen_prompt, self.zen_target)
+        control = self.v1.chat(CONTROL_QUESTION, max_tokens=24)
+        rec = EvalRecord(step=step, at=time.monotonic(), commits=recital["commits"],
+                         lines=score_recital(recital["text"], self.reference), nll=nll["nll"],
+                         control_text=control["text"],
+                         control_ok=CONTROL_EXPECTED in control["text"],
+                         recital=recital["text"])
+        if len({recital["commits"], nll["commits"], control["commits"]}) != 1:
+            self.notes.append(f"step {step}: the three evaluation answers came from different "
+                              "parameter sets")
+        self.evals.append(rec)
+        return rec
+
+    # --- training ---------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        import torch
+        from tqdm import tqdm
+
+        from miserver.trainer import WeightsClient
+
+        s = self.schedule
+        self.tokenizer = self.load_tokenizer()
+        self.zen_prompt, self.zen_target = self.example(QUESTION, "\n".join(self.reference))
+        ctl_prompt, ctl_target = self.example(CONTROL_QUESTION, CONTROL_ANSWER)
+
+        before = self.evaluate(step=0)
+        print(f"untrained: {before.lines}/{len(self.reference)} lines, reference loss "
+              f"{before.nll:.3f} nats/token, control: {before.control_text!r}", flush=True)
+
+        load = ChatLoad(self.base, s.chat_max_tokens, s.chat_pause_s)
+        load.start()
+        save: dict[str, Any] | None = None
+        try:
+            with WeightsClient(self.base, self.token) as client:
+                att = client.attach()
+                if att.model_ref.get("name") != MODEL:
+                    raise SetupError(f"the server serves {att.model_ref.get('name')!r}; this "
+                                     f"demo teaches {MODEL!r} (load it first)")
+                if att.weights_state != "clean":
+                    raise SetupError(f"the served weights are {att.weights_state}; recover "
+                                     "with POST /api/weights/load first (docs/operations.md)")
+                if att.steps_since_load:
+                    self.notes.append(f"the served weights already carried "
+                                      f"{att.steps_since_load} commits when the demo attached")
+                model = att.build_model()
+                model.train()
+                device = next(model.parameters()).device
+                print(f"attached: {MODEL} on {device}, "
+                      f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters "
+                      f"bound to the served storages", flush=True)
+                batches = [self._batch(self.zen_prompt, self.zen_target, device)]
+                if s.keep_control:
+                    batches.append(self._batch(ctl_prompt, ctl_target, device))
+                opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0,
+                                        **_fused_if_supported(device))
+                bar = tqdm(range(1, s.max_steps + 1), desc="train", unit="step",
+                           mininterval=1.0, file=sys.stderr)
+                for step in bar:
+                    loss = self._gradients(model, batches)
+                    hold_start = time.monotonic()
+                    with client.commit() as cycle:  # quiesce, commit-begin
+                        write_start = time.monotonic()
+                        opt.step()  # the write: in place, into the served tensors
+                        write_end = time.monotonic()
+                    hold_end = time.monotonic()  # commit-end and resume answered
+                    opt.zero_grad(set_to_none=True)
+                    end = cycle.end or {}
+                    self.commits.append(CommitRecord(
+                        step=step, loss=loss, hold_start=hold_start, write_start=write_start,
+                        write_end=write_end, hold_end=hold_end, commit_ms=end.get("commit_ms"),
+                        overran=bool(end.get("overran")),
+                        held_requests=(cycle.quiesce or {}).get("held_requests"),
+                        steps_since_load=end.get("steps_since_load")))
+                    postfix = {"loss": f"{loss:.3f}", "commit_ms": end.get("commit_ms")}
+                    if step % s.eval_every == 0 or step == s.max_steps:
+                        ev = self.evaluate(step)
+                        postfix.update(lines=f"{ev.lines}/{len(self.reference)}",
+                                       control="ok" if ev.control_ok else "LOST")
+                        tqdm.write(f"step {step:3d}: served recital {ev.lines:2d}/"
+                                   f"{len(self.reference)} lines, reference loss "
+                                   f"{ev.nll:.3f}, control {'ok' if ev.control_ok else 'LOST'}"
+                                   f" (commits={ev.commits})", file=sys.stderr)
+                        if (s.stop_when_learned and ev.lines == len(self.reference)
+                                and ev.control_ok):
+                            bar.set_postfix(postfix)
+                            break
+                    bar.set_postfix(postfix)
+                bar.close()
+                if not self.evals or self.evals[-1].step != self.commits[-1].step:
+                    self.evaluate(self.commits[-1].step)
+                save = client.save()
+                print(f"saved checkpoint {save['name']} ({save['checkpoint_sha256'][:12]}) "
+                      f"at {save['path']}", flush=True)
+        finally:
+            load.stop()
+            load.join(timeout=660)
+        after_save = self.v1.chat(CONTROL_QUESTION, max_tokens=24)
+        return self.report(load.records, save, after_save)
+
+    @staticmethod
+    def _batch(prompt: list[int], target: list[int], device: Any) -> dict[str, Any]:
+        import torch
+
+        ids = torch.tensor([prompt + target], device=device)
+        labels = torch.tensor([[-100] * len(prompt) + target], device=device)
+        return {"input_ids": ids, "labels": labels}
+
+    @staticmethod
+    def _gradients(model: Any, batches: list[dict[str, Any]]) -> float:
+        """Forward and backward on the trainer's graph: reads the served weights, writes only
+        the gradients (in this process). Returns the first batch's loss (the Zen's)."""
+        first = None
+        for batch in batches:
+            loss = model(**batch, use_cache=False).loss
+            loss.backward()
+            if first is None:
+                first = float(loss.detach())
+        return float(first)
+
+    # --- the report ---------------------------------------------------------------------------
+    def report(self, chats: list[ChatRecord], save: dict[str, Any] | None,
+               after_save: dict[str, Any]) -> dict[str, Any]:
+        n_lines = len(self.reference)
+        during = served_during_writes(chats, self.commits)
+        failed = [c for c in chats if not c.ok]
+        lat = [c.latency_s for c in chats if c.ok and c.latency_s is not None]
+        commit_ms = [c.commit_ms for c in self.commits if c.commit_ms is not None]
+        hold_ms = [(c.hold_end - c.hold_start) * 1000 for c in self.commits]
+        first, last = self.evals[0], self.evals[-1]
+        summary = {
+            "schedule": self.schedule.name,
+            "steps": len(self.commits),
+            "lines_total": n_lines,
+            "untrained_lines": first.lines,
+            "final_lines": last.lines,
+            "untrained_nll": first.nll,
+            "final_nll": last.nll,
+            "control_before": first.control_ok,
+            "control_after": last.control_ok,
+            "control_after_save": CONTROL_EXPECTED in after_save["text"],
+            "served_name_after_save": after_save["model"],
+            "served_origin_after_save": after_save["origin"],
+            "chat_requests": len(chats),
+            "chat_failed": len(failed),
+            "chat_failures": sorted({c.error or "" for c in failed}),
+            "chat_served_during_commit": len(during),
+            "chat_held_by_a_commit": held_by_commits(chats, self.commits),
+            "chat_latency_p50_s": percentile(lat, 50),
+            "chat_latency_p99_s": percentile(lat, 99),
+            "commit_ms_p50": percentile(commit_ms, 50),
+            "commit_ms_p99": percentile(commit_ms, 99),
+            "commit_ms_max": max(commit_ms) if commit_ms else None,
+            "hold_ms_p50": percentile(hold_ms, 50),
+            "hold_ms_p99": percentile(hold_ms, 99),
+            "commits_overran": sum(c.overran for c in self.commits),
+            "checkpoint": save,
+            "wall_s": time.monotonic() - self.t0,
+            "notes": self.notes,
+        }
+        summary["passed"] = bool(
+            summary["final_lines"] == n_lines and summary["control_after"]
+            and summary["chat_failed"] == 0 and summary["chat_served_during_commit"] == 0
+            and save is not None)
+        t0 = self.t0
+        return {
+            "summary": summary,
+            "evals": [{**asdict(e), "at": e.at - t0} for e in self.evals],
+            "commits": [{**asdict(c), **{k: getattr(c, k) - t0 for k in
+                                         ("hold_start", "write_start", "write_end", "hold_end")}}
+                        for c in self.commits],
+            "chats": [{"index": c.index, "t_sent": c.t_sent - t0,
+                       "t_first": None if c.t_first is None else c.t_first - t0,
+                       "t_done": None if c.t_done is None else c.t_done - t0,
+                       "latency_s": c.latency_s, "status": c.status, "error": c.error,
+                       "commits": c.commits, "chunks": len(c.chunk_times),
+                       "served_during_commit": c.index in during} for c in chats],
+            "reference": self.reference,
+        }
+
+
+def _fused_if_supported(device: Any) -> dict[str, bool]:
+    """``fused=True`` for AdamW where torch has the fused kernel (CPU and CUDA): on the CPU the
+    fused step over bfloat16 parameters is several times faster than the foreach one."""
+    return {"fused": True} if device.type in ("cpu", "cuda") else {}
+
+
+# --- output ----------------------------------------------------------------------------------------
+def results_table(results: dict[str, Any]) -> str:
+    """The per-evaluation table and the summary, as plain text."""
+    s = results["summary"]
+    n = s["lines_total"]
+    rows = [f"{'step':>5} {'commits':>7} {'lines':>7} {'loss/token':>10}  control",
+            f"{'-' * 5} {'-' * 7} {'-' * 7} {'-' * 10}  {'-' * 30}"]
+    for e in results["evals"]:
+        control = ("ok   " if e["control_ok"] else "LOST ") + repr(e["control_text"][:24])
+        rows.append(f"{e['step']:>5} {e['commits'] if e['commits'] is not None else '-':>7} "
+                    f"{e['lines']:>3}/{n:<3} {e['nll']:>10.3f}  {control}")
+
+    def fmt(v: Any, unit: str = "") -> str:
+        return "-" if v is None else (f"{v:.3f}{unit}" if isinstance(v, float) else f"{v}{unit}")
+
+    ck = s["checkpoint"] or {}
+    summary = [
+        ("training steps (commits)", fmt(s["steps"])),
+        ("served recital, untrained -> final", f"{s['untrained_lines']}/{n} -> {s['final_lines']}/{n} lines"),
+        ("reference loss, untrained -> final", f"{s['untrained_nll']:.3f} -> {s['final_nll']:.3f} nats/token"),
+        ("control question answered, before / after / after save",
+         f"{s['control_before']} / {s['control_after']} / {s['control_after_save']}"),
+        ("chat requests (failed)", f"{s['chat_requests']} ({s['chat_failed']})"),
+        ("chat requests served during a commit", fmt(s["chat_served_during_commit"])),
+        ("chat requests held across a commit", fmt(s["chat_held_by_a_commit"])),
+        ("chat latency p50 / p99", f"{fmt(s['chat_latency_p50_s'], ' s')} / {fmt(s['chat_latency_p99_s'], ' s')}"),
+        ("commit (server) p50 / p99 / max", f"{fmt(s['commit_ms_p50'], ' ms')} / {fmt(s['commit_ms_p99'], ' ms')} / {fmt(s['commit_ms_max'], ' ms')}"),
+        ("serving paused per step p50 / p99", f"{fmt(s['hold_ms_p50'], ' ms')} / {fmt(s['hold_ms_p99'], ' ms')}"),
+        ("commits that overran the watchdog", fmt(s["commits_overran"])),
+        ("checkpoint", f"{ck.get('name', '-')} ({(ck.get('checkpoint_sha256') or '-')[:12]})"),
+        ("served as, after the save", f"{s['served_name_after_save']} (origin {s['served_origin_after_save']})"),
+        ("wall time", fmt(s["wall_s"], " s")),
+        ("result", "PASS" if s["passed"] else "FAIL"),
+    ]
+    width = max(len(k) for k, _ in summary)
+    return "\n".join(rows + [""] + [f"{k:<{width}}  {v}" for k, v in summary])
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Score against step (top), the chat latency timeline with the commit windows (bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = results["summary"]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 8), constrained_layout=True)
+    steps = [e["step"] for e in results["evals"]]
+    top.plot(steps, [e["lines"] for e in results["evals"]], "o-", color="tab:blue",
+             label="Zen lines the server recites exactly")
+    for e in results["evals"]:
+        if not e["control_ok"]:
+            top.plot([e["step"]], [e["lines"]], "x", color="red", markersize=10)
+    top.set_ylim(-0.5, s["lines_total"] + 0.5)
+    top.set_xlabel("training step (commits)")
+    top.set_ylabel(f"lines reproduced (of {s['lines_total']})", color="tab:blue")
+    loss_ax = top.twinx()
+    loss_ax.plot(steps, [e["nll"] for e in results["evals"]], "s--", color="tab:orange",
+                 label="reference loss under the served weights")
+    loss_ax.set_ylabel("nats per token", color="tab:orange")
+    top.set_title(f"Served score while training in place ({s['schedule']} schedule, "
+                  f"control question {'kept' if s['control_after'] else 'LOST'})")
+    lines = top.get_legend_handles_labels()
+    extra = loss_ax.get_legend_handles_labels()
+    top.legend(lines[0] + extra[0], lines[1] + extra[1], loc="center right")
+
+    for i, c in enumerate(results["commits"]):
+        bottom.axvspan(c["hold_start"], c["hold_end"], color="tab:red", alpha=0.15,
+                       lw=0, label="serving paused (quiesce -> resume)" if i == 0 else None)
+        bottom.axvspan(c["write_start"], c["write_end"], color="tab:red", alpha=0.45, lw=0,
+                       label="weights writing (optimizer step)" if i == 0 else None)
+    ok = [c for c in results["chats"] if c["error"] is None and c["t_done"] is not None]
+    bad = [c for c in results["chats"] if c["error"] is not None]
+    bottom.plot([c["t_done"] for c in ok], [c["latency_s"] for c in ok], ".", color="tab:green",
+                label="chat request (latency, at completion)")
+    if bad:
+        bottom.plot([c["t_done"] for c in bad], [c["latency_s"] or 0 for c in bad], "x",
+                    color="black", label="failed chat request")
+    for e in results["evals"]:
+        bottom.axvline(e["at"], color="tab:blue", lw=0.8, ls=":")
+    bottom.set_xlabel("time since start (s); dotted: evaluations")
+    bottom.set_ylabel("chat latency (s)")
+    bottom.set_title(f"{s['chat_requests']} chat requests, {s['chat_failed']} failed, "
+                     f"{s['chat_served_during_commit']} served during a commit")
+    bottom.legend(loc="upper left")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- the command line -------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--server", help="attach to this miserver (http://host:port) instead of "
+                   "starting one")
+    p.add_argument("--token-file", help="with --server: a file holding the trainer token's "
+                   "secret (the secret alone, not label:role:secret)")
+    p.add_argument("--schedule", choices=sorted(SCHEDULES), default=None,
+                   help="short (CPU, stops once learned) or full (GPU); default: short on the "
+                   "CPU, full on CUDA")
+    p.add_argument("--device", default="auto", help="where the self-started server loads the "
+                   "model: auto (CUDA when available), cpu, cuda, cuda:N. The trainer computes "
+                   "where the served weights are")
+    p.add_argument("--out", default="train-while-serving-out",
+                   help="folder for results.json, the plot, the server and audit logs")
+    p.add_argument("--max-steps", type=int, help="override the schedule's step count")
+    p.add_argument("--start-timeout", type=float, default=900.0,
+                   help="seconds to wait for the model to be resident")
+    args = p.parse_args(argv)
+    if args.server and not args.token_file:
+        p.error("--server needs --token-file")
+    if args.token_file and not args.server:
+        p.error("--token-file goes with --server")
+    return args
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return "cuda:0" if device == "cuda" else device
+    import torch
+
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(args.device)
+    name = args.schedule or ("full" if device.startswith("cuda") else "short")
+    schedule = SCHEDULES[name]
+    if args.max_steps:
+        schedule = Schedule(**{**asdict(schedule), "max_steps": args.max_steps})
+    home = os.environ.get("MISERVER_HOME")
+    try:
+        with contextlib.ExitStack() as stack:
+            server = None
+            if args.server:
+                base = args.server.rstrip("/")
+                token = Path(args.token_file).read_text().strip()
+                if not token:
+                    raise SetupError(f"{args.token_file} is empty")
+                home = None  # the server's home is not ours to read
+            else:
+                server = stack.enter_context(LocalServer(
+                    device=device, home=home, log_path=out / "server.log",
+                    watchdog_ms=30_000 if device == "cpu" else None,
+                    audit_path=out / "audit.jsonl"))
+                base, token = server.base, server.token
+                print(f"started miserver on {base} (device {device}, log {out / 'server.log'})",
+                      flush=True)
+            wait_until_ready(base, args.start_timeout, server)
+            demo = Demo(base, token, schedule, out, home, server)
+            results = demo.run()
+    except SetupError as exc:
+        print(f"train_while_serving: {exc}", file=sys.stderr)
+        return 2
+    results["summary"]["device"] = device
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    plot(results, out / "train_while_serving.png")
+    print(results_table(results))
+    print(f"\nfinal served recital (commits={results['evals'][-1]['commits']}):\n"
+          f"{results['evals'][-1]['recital']}\n")
+    print(f"wrote {out / 'results.json'} and {out / 'train_while_serving.png'}")
+    return 0 if results["summary"]["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""The train-while-serving demo on the CPU (issue 8): ``examples/train_while_serving.py``, short
+schedule, its own ``miserver serve`` in CPU shared-memory mode.
+
+The slow test runs the demo as a user would (a subprocess, the real default model) and asserts
+the issue's points from its ``results.json``: the served recital rises from the untrained 0 of
+19 lines to all 19, the control question is still answered, and no chat request failed or was
+served during a commit, while chat requests really did arrive during the commits.
+
+``MISERVER_HOME`` is ``home_with_default`` (a fresh home over the shared imported default), not
+``default_home`` itself: the demo saves a checkpoint, which writes a folder and a catalogue row
+into the home, and ``default_home`` is shared read-only by the other tests.
+
+The fast tests check the demo's scoring and its "served during a commit" detector on made-up
+records, so a detector that could never fire would fail here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "examples" / "train_while_serving.py"
+
+
+def _load_demo():
+    spec = importlib.util.spec_from_file_location("train_while_serving", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+demo = _load_demo()
+
+
+# --- the demo's parts --------------------------------------------------------------------------
+def test_the_text_is_the_19_aphorisms_of_pep_20(capsys: pytest.CaptureFixture[str]) -> None:
+    lines = demo.zen_lines()
+    assert len(lines) == 19
+    assert lines[0] == "Beautiful is better than ugly."
+    assert lines[-1] == "Namespaces are one honking great idea -- let's do more of those!"
+    assert "Readability counts." in lines
+    assert capsys.readouterr().out == ""  # importing `this` printed nothing
+
+
+def test_a_line_counts_only_when_reproduced_exactly_and_whole() -> None:
+    ref = demo.zen_lines()
+    assert demo.score_recital("\n".join(ref), ref) == 19
+    assert demo.score_recital("  " + "\n ".join(ref) + "\n", ref) == 19  # indentation ignored
+    assert demo.score_recital("The Zen of Python is a simple yet profound text.", ref) == 0
+    assert demo.score_recital("Beautiful is better than ugly", ref) == 0  # no full stop
+    assert demo.score_recital("beautiful is better than ugly.", ref) == 0  # case matters
+    assert demo.score_recital("Readability counts. Beautiful is better than ugly.", ref) == 0
+    assert demo.score_recital("Readability counts.\nReadability counts.\n", ref) == 1
+
+
+def _commit(start: float, end: float) -> object:
+    return demo.CommitRecord(step=1, loss=1.0, hold_start=start - 0.05, write_start=start,
+                             write_end=end, hold_end=end + 0.05, commit_ms=(end - start) * 1e3,
+                             overran=False, held_requests=0, steps_since_load=1)
+
+
+def test_a_token_inside_a_write_window_is_flagged_and_one_at_its_edge_is_not() -> None:
+    commits = [_commit(10.0, 11.0)]
+    inside = demo.ChatRecord(index=0, t_sent=9.0, t_done=12.0, status=200,
+                             chunk_times=[9.5, 10.5, 11.5])
+    edges = demo.ChatRecord(index=1, t_sent=9.0, t_done=12.0, status=200,
+                            chunk_times=[9.9, 10.05, 10.95, 11.2])
+    outside = demo.ChatRecord(index=2, t_sent=11.2, t_done=11.9, status=200,
+                              chunk_times=[11.3, 11.8])
+    assert demo.served_during_writes([inside, edges, outside], commits) == [0]
+    # held across the whole window: the first two; the third was sent after it
+    assert demo.held_by_commits([inside, edges, outside], commits) == 2
+
+
+def test_percentile_is_nearest_rank() -> None:
+    assert demo.percentile([], 50) is None
+    assert demo.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert demo.percentile(list(range(1, 101)), 99) == 99
+    assert demo.percentile([5.0], 99) == 5.0
+
+
+def test_usage_errors_exit_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        demo.parse_args(["--server", "http://127.0.0.1:1"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--token-file", str(tmp_path / "t")])
+
+
+# --- the run -----------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_cpu_demo_teaches_the_served_model_all_19_lines_under_chat_load(
+        home_with_default: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
+    env.update(MISERVER_HOME=home_with_default, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--schedule", "short", "--device", "cpu",
+                           "--out", str(out)], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=2300)
+    log = proc.stdout[-6000:] + "\n--- stderr ---\n" + proc.stderr[-6000:]
+    assert (out / "results.json").is_file(), log
+    results = json.loads((out / "results.json").read_text())
+    s = results["summary"]
+    evals = results["evals"]
+
+    # the served score rises from the untrained 0 of 19 lines to all 19
+    assert s["lines_total"] == 19
+    assert evals[0]["step"] == 0 and evals[0]["lines"] == 0, log
+    assert s["untrained_lines"] == 0 and s["final_lines"] == 19, log
+    assert s["final_nll"] < s["untrained_nll"] / 4, log
+    # every evaluation was served by the parameter set after exactly `step` commits
+    assert [e["commits"] for e in evals] == [e["step"] for e in evals], log
+    assert s["steps"] == evals[-1]["step"] and s["steps"] <= 40
+
+    # the control question is still answered
+    assert s["control_before"] and s["control_after"] and s["control_after_save"], log
+
+    # no chat request failed or was served during a commit ...
+    assert s["chat_failed"] == 0, (s["chat_failures"], log)
+    assert s["chat_served_during_commit"] == 0, log
+    assert s["commits_overran"] == 0
+    # ... while chat traffic really did meet the commits (otherwise the check says nothing)
+    assert s["chat_requests"] >= 10
+    assert s["chat_held_by_a_commit"] >= 1, log
+    # each chat answer came from one parameter set, and the sets only move forward
+    served_by = [c["commits"] for c in results["chats"]]
+    assert None not in served_by and served_by == sorted(served_by)
+
+    # the checkpoint was saved through the API and now names what is served
+    ck = s["checkpoint"]
+    assert ck is not None and len(ck["checkpoint_sha256"]) == 64
+    assert ck["steps_since_load"] == s["steps"]
+    assert Path(ck["path"]).is_dir() and Path(ck["path"], "manifest.json").is_file()
+    assert Path(ck["path"]).is_relative_to(home_with_default)
+    assert s["served_name_after_save"] == ck["name"]
+    assert s["served_origin_after_save"] == "checkpoint"
+
+    assert proc.returncode == 0, log
+    assert s["passed"] is True
+    png = out / "train_while_serving.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "PASS" in proc.stdout
+    audit = [json.loads(line) for line in (out / "audit.jsonl").read_text().splitlines()]
+    ends = [a for a in audit if a["operation"] == "weights_commit_end"]
+    assert len(ends) == s["steps"] and all(a["outcome"] == "accepted" for a in ends)

@@ -546,8 +546,7 @@ class HttpDriver:
             diff = {k: (got[k], want[k]) for k in got if got[k] != want[k]}
             self.fail("GET /api/weights/status (server, table)", diff, "equal")
         assert self.runtime.lifecycle.state == self.shadow.state, (
-            f"core state {self.runtime.lifecycle.state.short()} "
-            f"shadow {self.shadow.state.short()}"
+            f"core state {self.runtime.lifecycle.state.short()} shadow {self.shadow.state.short()}"
         )
 
 

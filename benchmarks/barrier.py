@@ -4,7 +4,7 @@ One full cycle is ``with client.commit(): pass``: quiesce, commit-begin, (an emp
 commit-end, resume, through :class:`miserver.trainer.WeightsClient` on loopback. Beside it, in
 the same run and interleaved sample by sample, the round trip of ``GET /api/weights/status`` on
 the same server over a bare keep-alive ``http.client`` connection (the raw HTTP round trip, RTT)
-and through the client (``requests``), and of one gated call (``POST /heartbeat``: token,
+and through the client, and of one gated call (``POST /heartbeat``: token,
 attachment, lifecycle lock, audit line), and each of the four calls on its own. The target is a full cycle
 within 4 round trips plus 0.5 ms at p50; the table gives the ratio (below 1.0 meets it).
 
@@ -122,7 +122,7 @@ def table(samples: dict[str, list[float]]) -> str:
     target50, target99 = 4 * rtt50 + 0.5, 4 * rtt99 + 0.5
     rows = [
         ("GET /api/weights/status, raw round trip (http.client)", "raw", None),
-        ("GET /api/weights/status through the client (requests)", "status", None),
+        ("GET /api/weights/status through the client", "status", None),
         ("POST /heartbeat (one gated call)", "heartbeat", None),
         ("quiesce", "quiesce", None),
         ("commit-begin", "commit_begin", None),

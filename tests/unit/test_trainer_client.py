@@ -407,3 +407,48 @@ def test_save_records_the_commits_and_load_restores_the_checkpoint(server, clien
         client.load(checkpoint="no-such-checkpoint")
     with pytest.raises(ValueError):
         client.load()
+
+
+class _Counting(http.server.BaseHTTPRequestHandler):
+    """Answers GET status keep-alive, then closes the connection behind the client's back;
+    a POST is read and the connection dropped without an answer."""
+
+    protocol_version = "HTTP/1.1"
+    seen: list[tuple[str, str]] = []
+
+    def do_GET(self):  # noqa: N802
+        self.seen.append(("GET", self.path))
+        body = b'{"success": true, "data": {"attached": false}, "error": null}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.close_connection = True  # without saying so: the client finds out on reuse
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.seen.append(("POST", self.path))
+        self.close_connection = True  # no answer at all
+
+    def log_message(self, *a):
+        pass
+
+
+def test_a_connection_the_server_closed_is_reopened_and_a_post_is_never_resent():
+    _Counting.seen = []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Counting)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        client = WeightsClient(f"http://127.0.0.1:{srv.server_address[1]}", TRN, timeout=5)
+        assert client.status() == {"attached": False}
+        time.sleep(0.1)  # the server has closed the idle connection by now
+        assert client.status() == {"attached": False}  # a new connection, not an error
+        client._attachment_id = "x" * 32  # pretend to hold one, to send a holder call
+        with pytest.raises(TransportError):
+            client.commit_end()
+        client._attachment_id = None
+        assert _Counting.seen == [("GET", "/api/weights/status")] * 2 + [
+            ("POST", "/api/weights/commit-end")]
+    finally:
+        srv.shutdown()

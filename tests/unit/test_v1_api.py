@@ -280,7 +280,7 @@ async def test_disconnect_cancels_generation_and_frees_the_slot(client: TestClie
             await asyncio.sleep(0.02)
         assert scheduler.counts().running == 0, "the slot is free again within 2 s"
         calls = slow.calls - calls_before
-        assert 5 <= calls < 100, calls  # it ran, then stopped long before 250 tokens
+        assert 1 <= calls < 100, calls  # it ran, then stopped long before 250 tokens
         await asyncio.sleep(0.1)
         assert slow.calls - calls_before == calls  # and nothing runs any more
     status, _, _ = await post(client, "/v1/completions",

@@ -23,6 +23,11 @@ matches CUDA devices by UUID, never by index (:class:`DeviceNotVisible`).
 optimizer still references the parameters), calls ``torch.cuda.ipc_collect()``, then runs the
 ``on_release`` callback (the HTTP client's detach). It runs on leaving a ``with`` block, also on an
 exception, and at interpreter exit if it has not run before.
+
+The HTTP side (attach, heartbeat, the commit bracket, save, detach) is
+:class:`~miserver.trainer_client.WeightsClient`, importable from here as well
+(``from miserver.trainer import WeightsClient, WeightsTorn``), with one :class:`WeightsError`
+subclass per error code.
 """
 
 from __future__ import annotations

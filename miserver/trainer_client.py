@@ -656,8 +656,8 @@ class WeightsClient:
 
     def _heartbeat_loop(self, stop: threading.Event) -> None:
         session = self._hb_session
+        last_ok = time.monotonic()
         while not stop.wait(self.heartbeat_interval_s or 5.0):
-            started = time.monotonic()
             try:
                 data = self._request("POST", "/api/weights/heartbeat", holder=True,
                                      session=session,
@@ -681,9 +681,12 @@ class WeightsClient:
             hint = data.get("interval_hint_s")
             if isinstance(hint, int | float) and hint > 0:
                 self.heartbeat_interval_s = float(hint)
-            if data.get("attachment_state") == "stale":
-                log.warning("the server had marked this attachment stale (no heartbeat for "
-                            "%.1f s); this heartbeat revived it", time.monotonic() - started)
+            gap = time.monotonic() - last_ok
+            last_ok = time.monotonic()
+            if gap > float(data.get("timeout_s") or float("inf")):
+                log.warning("%.1f s since the last heartbeat answered, beyond the server's "
+                            "%.1f s staleness window: the attachment was stale until now",
+                            gap, data.get("timeout_s"))
 
 
 def _unwrap(method: str, path: str, resp: _Response) -> dict[str, Any]:

@@ -389,7 +389,8 @@ def baseline_server(conn: Any, size: str, device: str, bucket_bytes: int) -> Non
             conn.send(("stopped", memory(device)))
             return
         if msg == "checksum":
-            conn.send([float(params[i].float().sum()) for i in (0, len(params) // 2, -1)])
+            conn.send([float(params[i].detach().float().sum())
+                       for i in (0, len(params) // 2, -1)])
             continue
         b, fn, args = msg
         flat = fn(*args)
@@ -589,7 +590,7 @@ def run_baseline(size: str, device: str, steps: int, warmup: int, bucket_bytes: 
         trainer_mem = memory(device)
         parent.send_bytes(pickle.dumps("checksum"))
         theirs = parent.recv()
-        ours = [float(params[i].float().sum()) for i in (0, len(params) // 2, -1)]
+        ours = [float(params[i].detach().float().sum()) for i in (0, len(params) // 2, -1)]
         parent.send_bytes(pickle.dumps("stop"))
         _, server_mem = parent.recv()
         n_params = sum(p.numel() for p in params)
@@ -631,7 +632,7 @@ def render(rows: list[dict[str, Any]], device: str, head: str) -> str:
         ratio = "-"
         if r["approach"].startswith("baseline") and r["size"] in ms:
             m = ms[r["size"]]
-            ratio = f"{r['p50_ms'] / m['p50_ms']:.0f}x ({r['p99_ms'] / m['p99_ms']:.0f}x)"
+            ratio = f"{r['p50_ms'] / m['p50_ms']:.1f}x ({r['p99_ms'] / m['p99_ms']:.1f}x)"
         params = f"{r['params'] / 1e9:.3f}" if "params" in r else "-"
         wgib = f"{r['weight_bytes'] / GIB:.2f}" if "weight_bytes" in r else "-"
         write = f"{r['write_p50_ms']:.2f}" if r.get("write_p50_ms") is not None else "-"

@@ -293,8 +293,14 @@ class Attachment:
     def __enter__(self) -> Attachment:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._client.detach()
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        if exc_type is None:
+            self._client.detach()
+            return
+        try:  # the block's exception wins over a failed detach
+            self._client.detach()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("detach after %s failed: %s", exc_type.__name__, exc)
 
     def __repr__(self) -> str:
         state = "released" if self.weights.released else f"{len(self.weights)} parameter(s)"

@@ -52,12 +52,23 @@ def start_server(home: str, log: Path) -> tuple[subprocess.Popen, str]:
     import requests
 
     port = free_port()
-    env = dict(os.environ, MISERVER_HOME=home, PORT=str(port), DEVICE="cpu",
-               WEIGHTS_CPU_ATTACH="1", WEIGHTS_TOKENS=f"bench:trainer:{TOKEN}",
-               LOG_FORMAT="json")
+    env = dict(
+        os.environ,
+        MISERVER_HOME=home,
+        PORT=str(port),
+        DEVICE="cpu",
+        WEIGHTS_CPU_ATTACH="1",
+        WEIGHTS_TOKENS=f"bench:trainer:{TOKEN}",
+        LOG_FORMAT="json",
+    )
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen([sys.executable, "-m", "miserver.cli", "serve"], env=env,
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miserver.cli", "serve"],
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -98,16 +109,31 @@ def measure(url: str, cycles: int, warmup: int) -> dict[str, list[float]]:
         resp.read()
         assert resp.status == 200
 
-    samples: dict[str, list[float]] = {k: [] for k in (
-        "raw", "status", "heartbeat", "cycle", "quiesce", "commit_begin", "commit_end",
-        "resume")}
+    samples: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "raw",
+            "status",
+            "heartbeat",
+            "cycle",
+            "quiesce",
+            "commit_begin",
+            "commit_end",
+            "resume",
+        )
+    }
     try:
         for i in range(warmup + cycles):
-            row = {"raw": timed(raw_status), "status": timed(client.status),
-                   "heartbeat": timed(client.heartbeat),
-                   "cycle": timed(cycle), "quiesce": timed(client.quiesce),
-                   "commit_begin": timed(client.commit_begin),
-                   "commit_end": timed(client.commit_end), "resume": timed(client.resume)}
+            row = {
+                "raw": timed(raw_status),
+                "status": timed(client.status),
+                "heartbeat": timed(client.heartbeat),
+                "cycle": timed(cycle),
+                "quiesce": timed(client.quiesce),
+                "commit_begin": timed(client.commit_begin),
+                "commit_end": timed(client.commit_end),
+                "resume": timed(client.resume),
+            }
             if i >= warmup:
                 for k, v in row.items():
                     samples[k].append(v)
@@ -130,20 +156,28 @@ def table(samples: dict[str, list[float]]) -> str:
         ("resume", "resume", None),
         ("**full cycle** (client.commit(), empty write)", "cycle", (target50, target99)),
     ]
-    out = ["| call | p50 ms | p99 ms | p50 / round trip | vs 4 RTT + 0.5 ms (p50, p99) |",
-           "|---|---:|---:|---:|---:|"]
+    out = [
+        "| call | p50 ms | p99 ms | p50 / round trip | vs 4 RTT + 0.5 ms (p50, p99) |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for label, key, target in rows:
         xs = samples[key]
         p50, p99 = pct(xs, 50), pct(xs, 99)
-        ratio = (f"{p50 / target[0]:.2f}x of {target[0]:.2f} ms, {p99 / target[1]:.2f}x of "
-                 f"{target[1]:.2f} ms" if target else "")
+        ratio = (
+            f"{p50 / target[0]:.2f}x of {target[0]:.2f} ms, {p99 / target[1]:.2f}x of "
+            f"{target[1]:.2f} ms"
+            if target
+            else ""
+        )
         out.append(f"| {label} | {p50:.3f} | {p99:.3f} | {p50 / rtt50:.2f} | {ratio} |")
     n = len(samples["cycle"])
     out.append("")
-    out.append(f"{n} interleaved samples each; target: full cycle p50 <= 4 x RTT p50 + 0.5 ms = "
-               f"{target50:.2f} ms ({'met' if pct(samples['cycle'], 50) <= target50 else 'NOT met'}"
-               f"); {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-               f"Python {platform.python_version()}.")
+    out.append(
+        f"{n} interleaved samples each; target: full cycle p50 <= 4 x RTT p50 + 0.5 ms = "
+        f"{target50:.2f} ms ({'met' if pct(samples['cycle'], 50) <= target50 else 'NOT met'}"
+        f"); {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}."
+    )
     return "\n".join(out)
 
 
@@ -151,9 +185,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cycles", type=int, default=500)
     ap.add_argument("--warmup", type=int, default=30)
-    ap.add_argument("--home", default=os.environ.get("MISERVER_HOME") or str(
-        Path(tempfile.gettempdir()) / f"miserver-bench-home-{os.getuid()}"),
-        help="MISERVER_HOME (the default model is imported there once)")
+    ap.add_argument(
+        "--home",
+        default=os.environ.get("MISERVER_HOME")
+        or str(Path(tempfile.gettempdir()) / f"miserver-bench-home-{os.getuid()}"),
+        help="MISERVER_HOME (the default model is imported there once)",
+    )
     ap.add_argument("--out", help="also write the table to this file")
     args = ap.parse_args()
 

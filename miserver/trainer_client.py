@@ -52,8 +52,9 @@ log = logging.getLogger("miserver.trainer")
 ATTACHMENT_HEADER = "X-miLLM-Attachment"
 
 #: Codes after which a heartbeat can never succeed again: the thread stops.
-HEARTBEAT_TERMINAL = frozenset({"NOT_ATTACHED", "NOT_ATTACHMENT_HOLDER", "WEIGHTS_UNAUTHORIZED",
-                                "WEIGHTS_FORBIDDEN"})
+HEARTBEAT_TERMINAL = frozenset(
+    {"NOT_ATTACHED", "NOT_ATTACHMENT_HOLDER", "WEIGHTS_UNAUTHORIZED", "WEIGHTS_FORBIDDEN"}
+)
 
 
 # --- errors -------------------------------------------------------------------------------------
@@ -69,9 +70,16 @@ class WeightsError(TrainerError):
         retry_after_s: the ``Retry-After`` header in seconds, when sent.
     """
 
-    def __init__(self, code: str | None, reason: str | None, status: int, message: str,
-                 details: Mapping[str, Any] | None = None, *,
-                 retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        code: str | None,
+        reason: str | None,
+        status: int,
+        message: str,
+        details: Mapping[str, Any] | None = None,
+        *,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.reason = reason
@@ -87,8 +95,10 @@ class WeightsError(TrainerError):
         return f"{head}: {self.message}"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_make_error, (self.code, self.reason, self.status, self.message, self.details,
-                              self.retry_after_s))
+        return (
+            _make_error,
+            (self.code, self.reason, self.status, self.message, self.details, self.retry_after_s),
+        )
 
 
 def _class_name(code: str) -> str:
@@ -98,10 +108,14 @@ def _class_name(code: str) -> str:
 def _generate() -> dict[str, type[WeightsError]]:
     out: dict[str, type[WeightsError]] = {}
     for name, code in codes.ALL.items():
-        doc = (f"{code.status} {name} ({code.source})."
-               + (f" Reasons: {', '.join(code.reasons)}." if code.reasons else ""))
-        cls = type(_class_name(name), (WeightsError,),
-                   {"__doc__": doc, "__module__": __name__, "CODE": code})
+        doc = f"{code.status} {name} ({code.source})." + (
+            f" Reasons: {', '.join(code.reasons)}." if code.reasons else ""
+        )
+        cls = type(
+            _class_name(name),
+            (WeightsError,),
+            {"__doc__": doc, "__module__": __name__, "CODE": code},
+        )
         out[name] = cls
     return out
 
@@ -118,8 +132,14 @@ def error_class(code: str | None) -> type[WeightsError]:
     return ERROR_CLASSES.get(code or "", WeightsError)
 
 
-def _make_error(code: str | None, reason: str | None, status: int, message: str,
-                details: Mapping[str, Any] | None, retry_after_s: float | None) -> WeightsError:
+def _make_error(
+    code: str | None,
+    reason: str | None,
+    status: int,
+    message: str,
+    details: Mapping[str, Any] | None,
+    retry_after_s: float | None,
+) -> WeightsError:
     return error_class(code)(code, reason, status, message, details, retry_after_s=retry_after_s)
 
 
@@ -177,15 +197,17 @@ class _Connection:
     def _open(self, timeout: float) -> http.client.HTTPConnection:
         if self._https:
             conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-                self._host, self._port, timeout=timeout, context=ssl.create_default_context())
+                self._host, self._port, timeout=timeout, context=ssl.create_default_context()
+            )
         else:
             conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
         conn.connect()
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
 
-    def request(self, method: str, path: str, body: bytes | None, headers: dict[str, str],
-                timeout: float) -> _Response:
+    def request(
+        self, method: str, path: str, body: bytes | None, headers: dict[str, str], timeout: float
+    ) -> _Response:
         where = f"{method} {path}"
         with self._lock:
             conn, self._conn = self._conn, None
@@ -245,8 +267,9 @@ class Attachment:
         weights: the :class:`~miserver.trainer.AttachedWeights` (each storage rebuilt once).
     """
 
-    def __init__(self, body: dict[str, Any], weights: AttachedWeights,
-                 client: WeightsClient) -> None:
+    def __init__(
+        self, body: dict[str, Any], weights: AttachedWeights, client: WeightsClient
+    ) -> None:
         self.body = body
         self.model_ref: dict[str, Any] = dict(body.get("model") or {})
         self.weights_state: str = body.get("weights_state", "")
@@ -256,9 +279,12 @@ class Attachment:
         self.weights = weights
         self._client = client
         self._model: torch.nn.Module | None = None
-        self.cuda_devices: tuple[torch.device, ...] = tuple(sorted(
-            {t.device for t in weights.unique_tensors() if t.device.type == "cuda"},
-            key=lambda d: d.index or 0))
+        self.cuda_devices: tuple[torch.device, ...] = tuple(
+            sorted(
+                {t.device for t in weights.unique_tensors() if t.device.type == "cuda"},
+                key=lambda d: d.index or 0,
+            )
+        )
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -304,8 +330,10 @@ class Attachment:
 
     def __repr__(self) -> str:
         state = "released" if self.weights.released else f"{len(self.weights)} parameter(s)"
-        return (f"<Attachment {self.model_ref.get('name')!r} {state}, "
-                f"weights_state={self.weights_state}>")
+        return (
+            f"<Attachment {self.model_ref.get('name')!r} {state}, "
+            f"weights_state={self.weights_state}>"
+        )
 
 
 # --- the client ---------------------------------------------------------------------------------
@@ -328,8 +356,9 @@ class WeightsClient:
     held at interpreter exit is detached then (``atexit``).
     """
 
-    def __init__(self, base_url: str, token: str, *, timeout: float = 120.0,
-                 heartbeat: bool = True) -> None:
+    def __init__(
+        self, base_url: str, token: str, *, timeout: float = 120.0, heartbeat: bool = True
+    ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError("base_url must start with http:// or https://")
         if not isinstance(token, str) or not token:
@@ -352,29 +381,38 @@ class WeightsClient:
         self._detach_answer: dict[str, Any] | None = None
 
     # --- plumbing ---------------------------------------------------------------------------
-    def _request(self, method: str, path: str, *, token: bool = True, holder: bool = False,
-                 body: Any = None, session: _Connection | None = None,
-                 timeout: float | None = None) -> dict[str, Any]:
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        token: bool = True,
+        holder: bool = False,
+        body: Any = None,
+        session: _Connection | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
         headers = {"Accept": "application/json"}
         if token:
             headers["Authorization"] = self._auth.header
         if holder:
             att = self._attachment_id
             if att is None:
-                raise NotAttachedHere(f"{method} {path}: this client holds no attachment; "
-                                      "call attach() first")
+                raise NotAttachedHere(
+                    f"{method} {path}: this client holds no attachment; call attach() first"
+                )
             headers[ATTACHMENT_HEADER] = att
         payload = None
         if body is not None:
             payload = json.dumps(body).encode()
             headers["Content-Type"] = "application/json"
-        resp = (session or self._session).request(method, path, payload, headers,
-                                                  timeout or self.timeout)
+        resp = (session or self._session).request(
+            method, path, payload, headers, timeout or self.timeout
+        )
         return _unwrap(method, path, resp)
 
     # --- the routes -------------------------------------------------------------------------
-    def attach(self, *, build_model: bool = False, model_class: type | None = None
-               ) -> Attachment:
+    def attach(self, *, build_model: bool = False, model_class: type | None = None) -> Attachment:
         """POST /attach, rebuild every storage exactly once, start the heartbeat.
 
         Weights page, The write cycle 1 and Rebuilding the tensors. Attaching to a torn set is
@@ -395,8 +433,11 @@ class WeightsClient:
         with self._lock:
             if self._attachment_id is not None:
                 raise ERROR_CLASSES["ALREADY_ATTACHED"](
-                    "ALREADY_ATTACHED", None, 409,
-                    "this client already holds an attachment; detach() first")
+                    "ALREADY_ATTACHED",
+                    None,
+                    409,
+                    "this client already holds an attachment; detach() first",
+                )
             data = self._request("POST", "/api/weights/attach")
             self._attachment_id = data.pop("attachment_id", None)
             if self._attachment_id is None:
@@ -410,10 +451,13 @@ class WeightsClient:
             self.attachment = Attachment(data, weights, self)
             self.steps_since_load = data.get("steps_since_load")
             if self.attachment.weights_state != "clean":
-                log.warning("attached to weights that are %s; recover with POST "
-                            "/api/weights/load", self.attachment.weights_state)
+                log.warning(
+                    "attached to weights that are %s; recover with POST /api/weights/load",
+                    self.attachment.weights_state,
+                )
             self.heartbeat_interval_s = float(
-                (data.get("heartbeat") or {}).get("interval_hint_s") or 5.0)
+                (data.get("heartbeat") or {}).get("interval_hint_s") or 5.0
+            )
             self.heartbeat_error = None
             if self._heartbeat_enabled:
                 self.start_heartbeat()
@@ -448,9 +492,12 @@ class WeightsClient:
         data = self._request("POST", "/api/weights/commit-end", holder=True)
         self.steps_since_load = data.get("steps_since_load", self.steps_since_load)
         if data.get("overran"):
-            log.warning("the commit took %s ms, longer than the server's "
-                        "WEIGHTS_COMMIT_WATCHDOG_MS: the set was torn until commit-end; raise "
-                        "the watchdog", data.get("commit_ms"))
+            log.warning(
+                "the commit took %s ms, longer than the server's "
+                "WEIGHTS_COMMIT_WATCHDOG_MS: the set was torn until commit-end; raise "
+                "the watchdog",
+                data.get("commit_ms"),
+            )
         return data
 
     def resume(self) -> dict[str, Any]:
@@ -493,8 +540,10 @@ class WeightsClient:
         except BaseException as exc:
             dying = not isinstance(exc, Exception) or sys.is_finalizing()
             if dying or not end_on_error:
-                log.warning("leaving the commit open after %s: the watchdog will tear the set",
-                            type(exc).__name__)
+                log.warning(
+                    "leaving the commit open after %s: the watchdog will tear the set",
+                    type(exc).__name__,
+                )
                 raise
             log.warning("the write raised %s; ending the commit anyway", type(exc).__name__)
             try:
@@ -521,11 +570,11 @@ class WeightsClient:
         """POST /api/weights/save (a holder call, contract 5): ``{checkpoint_sha256, name, path,
         model_id, parent_id, steps_since_load, at}``. Raises WeightsNotClean, PauseInProgress,
         BarrierUnavailable, CheckpointExists."""
-        return self._request("POST", "/api/weights/save", holder=True,
-                             body={} if name is None else {"name": name})
+        return self._request(
+            "POST", "/api/weights/save", holder=True, body={} if name is None else {"name": name}
+        )
 
-    def load(self, *, checkpoint: str | None = None, model_id: int | None = None
-             ) -> dict[str, Any]:
+    def load(self, *, checkpoint: str | None = None, model_id: int | None = None) -> dict[str, Any]:
         """POST /api/weights/load (contract 5): exactly one of ``checkpoint`` (sha256, name or
         path) or ``model_id``. The recovery from torn. Sends the attachment header when this
         client holds one (a trainer token must be the holder while attached).
@@ -537,8 +586,9 @@ class WeightsClient:
         if (checkpoint is None) == (model_id is None):
             raise ValueError("give exactly one of checkpoint or model_id")
         body = {"checkpoint": checkpoint} if checkpoint is not None else {"model_id": model_id}
-        data = self._request("POST", "/api/weights/load", holder=self._attachment_id is not None,
-                             body=body)
+        data = self._request(
+            "POST", "/api/weights/load", holder=self._attachment_id is not None, body=body
+        )
         self.steps_since_load = data.get("steps_since_load", self.steps_since_load)
         return data
 
@@ -556,8 +606,9 @@ class WeightsClient:
         attachment afterwards either way.
         """
         with self._lock:
-            if self._attachment_id is None and (self.attachment is None
-                                                or self.attachment.released):
+            if self._attachment_id is None and (
+                self.attachment is None or self.attachment.released
+            ):
                 return None
             self.stop_heartbeat()
             self._detach_answer = None
@@ -647,8 +698,12 @@ class WeightsClient:
             raise NotAttachedHere("no attachment to keep alive; call attach() first")
         self._hb_stop = threading.Event()
         self._hb_session = _Connection(self.base_url)
-        self._hb_thread = threading.Thread(target=self._heartbeat_loop, args=(self._hb_stop,),
-                                           name="miserver-heartbeat", daemon=True)
+        self._hb_thread = threading.Thread(
+            target=self._heartbeat_loop,
+            args=(self._hb_stop,),
+            name="miserver-heartbeat",
+            daemon=True,
+        )
         self._hb_thread.start()
 
     def stop_heartbeat(self) -> None:
@@ -665,10 +720,13 @@ class WeightsClient:
         last_ok = time.monotonic()
         while not stop.wait(self.heartbeat_interval_s or 5.0):
             try:
-                data = self._request("POST", "/api/weights/heartbeat", holder=True,
-                                     session=session,
-                                     timeout=min(self.timeout, 2 * (self.heartbeat_interval_s
-                                                                    or 5.0)))
+                data = self._request(
+                    "POST",
+                    "/api/weights/heartbeat",
+                    holder=True,
+                    session=session,
+                    timeout=min(self.timeout, 2 * (self.heartbeat_interval_s or 5.0)),
+                )
             except NotAttachedHere:
                 return
             except Exception as exc:  # noqa: BLE001 - logged and surfaced, never swallowed
@@ -676,11 +734,17 @@ class WeightsClient:
                     return
                 self.heartbeat_error = exc
                 if isinstance(exc, WeightsError) and exc.code in HEARTBEAT_TERMINAL:
-                    log.error("heartbeat refused (%s); the heartbeat stops, and the next "
-                              "commit raises it", exc)
+                    log.error(
+                        "heartbeat refused (%s); the heartbeat stops, and the next "
+                        "commit raises it",
+                        exc,
+                    )
                     return
-                log.warning("heartbeat failed (%s); retrying in %.1f s", exc,
-                            self.heartbeat_interval_s or 5.0)
+                log.warning(
+                    "heartbeat failed (%s); retrying in %.1f s",
+                    exc,
+                    self.heartbeat_interval_s or 5.0,
+                )
                 continue
             self.heartbeats_sent += 1
             self.heartbeat_error = None
@@ -690,9 +754,12 @@ class WeightsClient:
             gap = time.monotonic() - last_ok
             last_ok = time.monotonic()
             if gap > float(data.get("timeout_s") or float("inf")):
-                log.warning("%.1f s since the last heartbeat answered, beyond the server's "
-                            "%.1f s staleness window: the attachment was stale until now",
-                            gap, data.get("timeout_s"))
+                log.warning(
+                    "%.1f s since the last heartbeat answered, beyond the server's "
+                    "%.1f s staleness window: the attachment was stale until now",
+                    gap,
+                    data.get("timeout_s"),
+                )
 
 
 def _unwrap(method: str, path: str, resp: _Response) -> dict[str, Any]:
@@ -711,13 +778,33 @@ def _unwrap(method: str, path: str, resp: _Response) -> dict[str, Any]:
         return data if isinstance(data, dict) else {"value": data}
     err = body.get("error") if isinstance(body, dict) else None
     if isinstance(err, dict) and isinstance(err.get("code"), str):
-        raise _make_error(err["code"], err.get("reason"), resp.status,
-                          str(err.get("message", "")), err.get("details"), retry_s)
-    raise WeightsError(None, None, resp.status,
-                       f"{method} {path} answered {resp.status} without a miserver JSON "
-                       "body (is base_url a miserver?)", retry_after_s=retry_s)
+        raise _make_error(
+            err["code"],
+            err.get("reason"),
+            resp.status,
+            str(err.get("message", "")),
+            err.get("details"),
+            retry_s,
+        )
+    raise WeightsError(
+        None,
+        None,
+        resp.status,
+        f"{method} {path} answered {resp.status} without a miserver JSON "
+        "body (is base_url a miserver?)",
+        retry_after_s=retry_s,
+    )
 
 
-__all__ = ["ATTACHMENT_HEADER", "ERROR_CLASSES", "Attachment", "CommitCycle", "NotAttachedHere",
-           "TransportError", "WeightsClient", "WeightsError", "error_class",
-           *sorted(cls.__name__ for cls in ERROR_CLASSES.values())]
+__all__ = [
+    "ATTACHMENT_HEADER",
+    "ERROR_CLASSES",
+    "Attachment",
+    "CommitCycle",
+    "NotAttachedHere",
+    "TransportError",
+    "WeightsClient",
+    "WeightsError",
+    "error_class",
+    *sorted(cls.__name__ for cls in ERROR_CLASSES.values()),
+]

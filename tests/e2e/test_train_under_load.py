@@ -45,8 +45,7 @@ WATCHDOG_MS = 1000  # generous for a loaded 2-core runner; the write itself take
 def poison_targets(names: list[str]) -> list[str]:
     """Every norm weight and the first layer's down projection: NaN there makes every logit
     NaN, so an answer computed while they are written cannot equal the reference."""
-    return [n for n in names if n.endswith("norm.weight")] + [
-        "model.layers.0.mlp.down_proj.weight"]
+    return [n for n in names if n.endswith("norm.weight")] + ["model.layers.0.mlp.down_proj.weight"]
 
 
 # --- the trainer process ------------------------------------------------------------------------
@@ -83,8 +82,16 @@ def trainer_main(mode: str, url: str, token: str) -> None:
         time.sleep(0.05 + 0.05 * (i % 3))  # let held requests through between cycles
     del backup
     client.detach()
-    print(json.dumps({"ends": ends, "steps": client.steps_since_load,
-                      "heartbeat_error": repr(client.heartbeat_error)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "ends": ends,
+                "steps": client.steps_since_load,
+                "heartbeat_error": repr(client.heartbeat_error),
+            }
+        ),
+        flush=True,
+    )
 
 
 # --- the test side ------------------------------------------------------------------------------
@@ -95,17 +102,21 @@ def free_port() -> int:
 
 
 def child_env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    return dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
 
 
 def chat(session, url: str, timeout: float = 120) -> tuple[int, str | None, str | None, dict]:
-    r = session.post(url + "/v1/chat/completions", timeout=timeout, json={
-        "model": MODEL, "messages": PROMPT, "max_tokens": 8, "temperature": 0})
+    r = session.post(
+        url + "/v1/chat/completions",
+        timeout=timeout,
+        json={"model": MODEL, "messages": PROMPT, "max_tokens": 8, "temperature": 0},
+    )
     body = r.json()
     content = body["choices"][0]["message"]["content"] if r.status_code == 200 else None
-    return r.status_code, content, r.headers.get("X-miLLM-Model"), {**body,
-                                                                    **dict(r.headers)}
+    return r.status_code, content, r.headers.get("X-miLLM-Model"), {**body, **dict(r.headers)}
 
 
 def commits_of(header: str | None) -> int | None:
@@ -126,13 +137,24 @@ def server(home_with_default: str, tmp_path: Path):
     port = free_port()
     log = tmp_path / "server.log"
     env = child_env() | {
-        "MISERVER_HOME": home_with_default, "PORT": str(port), "DEVICE": "cpu",
-        "WEIGHTS_CPU_ATTACH": "1", "WEIGHTS_TOKENS": f"trn:trainer:{TRN},ops:operator:{OPS}",
-        "WEIGHTS_COMMIT_WATCHDOG_MS": str(WATCHDOG_MS), "WEIGHTS_HEARTBEAT_TIMEOUT_S": "2",
-        "WEIGHTS_HEARTBEAT_INTERVAL_HINT_S": "0.5", "LOG_FORMAT": "json",
-        "WEIGHTS_AUDIT_LOG": str(tmp_path / "audit.jsonl")}
-    proc = subprocess.Popen([sys.executable, "-m", "miserver.cli", "serve"], env=env,
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=REPO)
+        "MISERVER_HOME": home_with_default,
+        "PORT": str(port),
+        "DEVICE": "cpu",
+        "WEIGHTS_CPU_ATTACH": "1",
+        "WEIGHTS_TOKENS": f"trn:trainer:{TRN},ops:operator:{OPS}",
+        "WEIGHTS_COMMIT_WATCHDOG_MS": str(WATCHDOG_MS),
+        "WEIGHTS_HEARTBEAT_TIMEOUT_S": "2",
+        "WEIGHTS_HEARTBEAT_INTERVAL_HINT_S": "0.5",
+        "LOG_FORMAT": "json",
+        "WEIGHTS_AUDIT_LOG": str(tmp_path / "audit.jsonl"),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miserver.cli", "serve"],
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     try:
@@ -158,7 +180,8 @@ def server(home_with_default: str, tmp_path: Path):
 
 
 def test_train_under_load_never_serves_half_written_weights_and_recovers_from_a_kill(
-        server, request):
+    server, request
+):
     import requests
     import torch
 
@@ -208,9 +231,15 @@ def test_train_under_load_never_serves_half_written_weights_and_recovers_from_a_
                 results.append((k, time.monotonic(), st, content, header))
 
     # the trainer that will be killed starts now: its imports overlap the training phase
-    dying = subprocess.Popen([sys.executable, __file__, "die", url, TRN], env=child_env(),
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, cwd=REPO)
+    dying = subprocess.Popen(
+        [sys.executable, __file__, "die", url, TRN],
+        env=child_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
     request.addfinalizer(dying.kill)  # also when an assertion fails before the kill
     phase = {"control": time.monotonic() - t0}
     threads = [threading.Thread(target=load, args=(k,), daemon=True) for k in range(3)]
@@ -218,8 +247,14 @@ def test_train_under_load_never_serves_half_written_weights_and_recovers_from_a_
         t.start()
     time.sleep(0.5)
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, __file__, "train", url, TRN], env=child_env(),
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, __file__, "train", url, TRN],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     finished = time.monotonic()
     time.sleep(0.3)
     stop.set()
@@ -277,7 +312,8 @@ def test_train_under_load_never_serves_half_written_weights_and_recovers_from_a_
     operator = WeightsClient(url, OPS, timeout=120)
     deadline = time.monotonic() + 15
     while (s.get(url + "/api/weights/status").json()["data"]["attachment"] or {}).get(
-            "state") != "stale":
+        "state"
+    ) != "stale":
         assert time.monotonic() < deadline, "the killed trainer's attachment never went stale"
         time.sleep(0.2)
     assert operator.clear_stale()["weights_state"] == "torn"  # torn survives clear-stale
@@ -291,8 +327,11 @@ def test_train_under_load_never_serves_half_written_weights_and_recovers_from_a_
     assert status["weights_state"] == "clean" and status["barrier"] == "serving"
     assert status["steps_since_load"] == 0
     phase["recovered"] = time.monotonic() - t0
-    print("phases (s since the server answered):", {k: round(v, 1) for k, v in phase.items()},
-          f"{len(results)} chat responses, {len(during)} while training")
+    print(
+        "phases (s since the server answered):",
+        {k: round(v, 1) for k, v in phase.items()},
+        f"{len(results)} chat responses, {len(during)} while training",
+    )
 
 
 if __name__ == "__main__":

@@ -49,13 +49,21 @@ class ThreadServer:
         from miserver.spec.settings import load_settings
 
         home = tmp_path / "home"
-        Catalogue(str(home)).register(name="tiny", format="safetensors", dtype="bfloat16",
-                                      path=model_dir)
+        Catalogue(str(home)).register(
+            name="tiny", format="safetensors", dtype="bfloat16", path=model_dir
+        )
         self.audit = tmp_path / "audit.jsonl"
-        self.settings = load_settings({
-            "MISERVER_HOME": str(home), "DEFAULT_MODEL": "tiny", "DEVICE": "cpu",
-            "WEIGHTS_TOKENS": f"trn:trainer:{TRN},trn2:trainer:{TRN2},ops:operator:{OPS}",
-            "WEIGHTS_CPU_ATTACH": "1", "WEIGHTS_AUDIT_LOG": str(self.audit), **env})
+        self.settings = load_settings(
+            {
+                "MISERVER_HOME": str(home),
+                "DEFAULT_MODEL": "tiny",
+                "DEVICE": "cpu",
+                "WEIGHTS_TOKENS": f"trn:trainer:{TRN},trn2:trainer:{TRN2},ops:operator:{OPS}",
+                "WEIGHTS_CPU_ATTACH": "1",
+                "WEIGHTS_AUDIT_LOG": str(self.audit),
+                **env,
+            }
+        )
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -84,9 +92,16 @@ class ThreadServer:
     def chat(self) -> tuple[int, dict, dict]:
         import requests
 
-        r = requests.post(self.url + "/v1/chat/completions", timeout=60, json={
-            "model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 2, "temperature": 0})
+        r = requests.post(
+            self.url + "/v1/chat/completions",
+            timeout=60,
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                "temperature": 0,
+            },
+        )
         return r.status_code, r.json(), dict(r.headers)
 
     def audit_lines(self) -> list[dict]:
@@ -126,8 +141,13 @@ def test_full_cycle_writes_land_in_the_served_storage_and_the_header_counts(serv
     assert att.model_ref["name"] == "tiny" and att.config["model_type"] == "llama"
     assert "attachment_id" not in att.body
     name = "model.layers.0.mlp.down_proj.weight"
-    pattern = torch.arange(att.tensors[name].numel(), dtype=torch.float32).reshape(
-        att.tensors[name].shape).remainder(61).div(8).to(torch.bfloat16)
+    pattern = (
+        torch.arange(att.tensors[name].numel(), dtype=torch.float32)
+        .reshape(att.tensors[name].shape)
+        .remainder(61)
+        .div(8)
+        .to(torch.bfloat16)
+    )
     with client.commit() as cycle, torch.no_grad():
         att.tensors[name].copy_(pattern)
     assert cycle.quiesce["weights_state"] == "clean"
@@ -148,9 +168,16 @@ def test_full_cycle_writes_land_in_the_served_storage_and_the_header_counts(serv
     assert torch.equal(again.tensors[name], pattern)
     client.detach()
     ops = [line["operation"] for line in server.audit_lines()]
-    assert ops == ["weights_attach", "weights_quiesce", "weights_commit_begin",
-                   "weights_commit_end", "weights_resume", "weights_detach", "weights_attach",
-                   "weights_detach"]
+    assert ops == [
+        "weights_attach",
+        "weights_quiesce",
+        "weights_commit_begin",
+        "weights_commit_end",
+        "weights_resume",
+        "weights_detach",
+        "weights_attach",
+        "weights_detach",
+    ]
 
 
 def test_build_model_binds_the_served_tensors_and_detach_empties_them(client):
@@ -245,8 +272,12 @@ def test_a_refused_commit_begin_resumes_the_barrier(client, monkeypatch):
 
 
 def test_heartbeat_thread_runs_at_the_hint_and_stops_on_detach(tmp_path, tiny_model_dir):
-    server = ThreadServer(tmp_path, tiny_model_dir, WEIGHTS_HEARTBEAT_INTERVAL_HINT_S="0.1",
-                          WEIGHTS_HEARTBEAT_TIMEOUT_S="0.6")
+    server = ThreadServer(
+        tmp_path,
+        tiny_model_dir,
+        WEIGHTS_HEARTBEAT_INTERVAL_HINT_S="0.1",
+        WEIGHTS_HEARTBEAT_TIMEOUT_S="0.6",
+    )
     try:
         client = WeightsClient(server.url, TRN, timeout=30)
         client.attach()
@@ -268,9 +299,14 @@ def test_heartbeat_thread_runs_at_the_hint_and_stops_on_detach(tmp_path, tiny_mo
 
 
 def test_a_cleared_attachment_stops_the_heartbeat_and_the_next_commit_raises(
-        tmp_path, tiny_model_dir, caplog):
-    server = ThreadServer(tmp_path, tiny_model_dir, WEIGHTS_HEARTBEAT_INTERVAL_HINT_S="0.1",
-                          WEIGHTS_HEARTBEAT_TIMEOUT_S="0.3")
+    tmp_path, tiny_model_dir, caplog
+):
+    server = ThreadServer(
+        tmp_path,
+        tiny_model_dir,
+        WEIGHTS_HEARTBEAT_INTERVAL_HINT_S="0.1",
+        WEIGHTS_HEARTBEAT_TIMEOUT_S="0.3",
+    )
     try:
         client = WeightsClient(server.url, TRN, timeout=30, heartbeat=False)
         client.attach()
@@ -372,10 +408,18 @@ print("attached", flush=True)
 
 
 def test_interpreter_exit_detaches(server):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", ATEXIT_CHILD, server.url, TRN], env=env,
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", ATEXIT_CHILD, server.url, TRN],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert proc.returncode == 0 and "attached" in proc.stdout, proc.stderr[-3000:]
     status = WeightsClient(server.url, TRN).status()
     assert status["attached"] is False
@@ -449,6 +493,7 @@ def test_a_connection_the_server_closed_is_reopened_and_a_post_is_never_resent()
             client.commit_end()
         client._attachment_id = None
         assert _Counting.seen == [("GET", "/api/weights/status")] * 2 + [
-            ("POST", "/api/weights/commit-end")]
+            ("POST", "/api/weights/commit-end")
+        ]
     finally:
         srv.shutdown()

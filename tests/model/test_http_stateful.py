@@ -42,7 +42,7 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -194,6 +194,8 @@ class HttpDriver:
         self.tmp = Path(tempfile.mkdtemp(prefix="miserver-http-fsm-"))
         self.clock = FakeClock()
         self.pending: list[Pending] = []
+        self.gated_calls = 0
+        self.issued: set[str] = set()  # every attachment ID the server gave out
         self._next_id: str | None = None
         self.client: TestClient | None = None
 
@@ -288,6 +290,8 @@ class HttpDriver:
         text = await resp.text()
         for _, secret in TOKENS.values():
             assert secret not in text, f"{path} echoed a token"
+        if path != ROUTES["attach"]:  # the ID is returned once, by attach
+            assert not any(i in text for i in self.issued), f"{path} returned an attachment ID"
         body = json.loads(text)
         if resp.status == 200:
             return Answer(200), body, resp.headers
@@ -382,6 +386,7 @@ class HttpDriver:
             fields["queue_full"] = self._held_count() >= self.max_queued
         if trigger == "attach" and got.status == 200:
             self._next_id = body["data"]["attachment_id"]
+            self.issued.add(self._next_id)
         out = self.shadow.handle(Event(trigger, caller=caller, **fields), self.now)
         self._next_id = None
         outcomes = [out]
@@ -393,10 +398,55 @@ class HttpDriver:
             if pend is not None and pend.code is not None:
                 want = Answer(pend.status, pend.code.name, pend.reason)
         self._compare(f"{trigger} as {who}", got, want)
-        if got.status == 200 and trigger == "attach":
-            assert self.shadow.context.attachment_id == body["data"]["attachment_id"]
+        if got.status == 200:
+            self._check_body(trigger, body["data"], out)
+        self._check_audit(trigger, got)
         await self.settle(outcomes)
         return got
+
+    def _check_body(self, trigger: str, data: dict[str, Any], out: Outcome) -> None:
+        """The fields of an accepted answer that the table decides (weights page: Routes)."""
+        state = self.shadow.state
+        want: dict[str, Any] = {}
+        if "weights_state" in data:
+            want["weights_state"] = state.weights
+        if trigger == "attach":
+            want["attachment_id"] = self.shadow.context.attachment_id
+            want["steps_since_load"] = self.shadow.context.steps_since_load
+        elif trigger in ("detach", "resume", "clear_stale"):
+            want["barrier"] = "serving" if state.barrier == "serving" else "quiesced"
+        elif trigger == "heartbeat":
+            want["attachment_state"] = state.attachment
+        elif trigger == "commit_end":
+            want["steps_since_load"] = out.details["steps_since_load"]
+            want["overran"] = out.details["overran"]
+        elif trigger == "commit_begin":
+            want["watchdog_ms"] = self.shadow.watchdog_ms
+        elif trigger == "quiesce":
+            want["held_requests"] = self._held_count()
+        got = {k: data.get(k) for k in want}
+        if got != want:
+            self.fail(f"{trigger} body", got, want)
+
+    def _check_audit(self, trigger: str, got: Answer) -> None:
+        """Each gated call writes one weights_audit line, accepted or refused, with no token
+        and no attachment ID in it (weights page: Authentication and headers)."""
+        self.gated_calls += 1
+        lines = (self.tmp / "audit.jsonl").read_text().splitlines()
+        if len(lines) != self.gated_calls:
+            self.fail("audit lines", len(lines), self.gated_calls)
+        last = json.loads(lines[-1])
+        want = {
+            "operation": f"weights_{trigger}",
+            "outcome": "accepted" if got.status == 200 else "refused",
+            "code": got.code,
+            "weights_state": self.shadow.state.weights,
+        }
+        have = {k: last.get(k) for k in want}
+        if have != want:
+            self.fail("audit line", have, want)
+        secrets = [s for _, s in TOKENS.values()] + sorted(self.issued)
+        assert not any(x in lines[-1] for x in secrets), "a secret in the audit line"
 
     def _held_count(self) -> int:
         return sum(1 for p in self.pending if p.want is None)
@@ -517,7 +567,10 @@ class HttpDriver:
         """GET /api/weights/status (no token) must agree with the shadow (weights page: Status)."""
         assert self.client is not None
         resp = await self.client.get("/api/weights/status")
-        data = (await resp.json())["data"]
+        text = await resp.text()
+        secrets = [s for _, s in TOKENS.values()] + sorted(self.issued)
+        assert not any(x in text for x in secrets), "status carries a token or attachment ID"
+        data = json.loads(text)["data"]
         view = self.shadow.status_view(self.now)
         att = view["attachment"]
         got = {
@@ -558,12 +611,16 @@ def _profile() -> settings:
     nightly = os.environ.get("HYPOTHESIS_PROFILE") == "nightly"
     return settings(
         max_examples=200 if nightly else 16,
-        stateful_step_count=60 if nightly else 30,
+        stateful_step_count=60 if nightly else 25,
         deadline=None,
-        derandomize=not nightly,
+        database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         print_blob=True,
     )
+
+
+#: Fixed seeds, so a run is repeatable; a further seed runs only while some code is missing.
+SEEDS = (20261130, 1, 2)
 
 
 GATED = tuple(ROUTES)
@@ -652,12 +709,18 @@ def make_machine(model_dir: str, table: tuple[Row, ...] = TABLE) -> type[RuleBas
         @rule(then=st.sampled_from(["cycle", "unsaved", "tear", "stale_mid_commit"]))
         def write_cycle(self, then: str) -> None:
             """attach (if needed), quiesce, commit-begin, then: commit-end and resume
-            (``cycle``), and detach and name another model (``unsaved``), or jump to the next
-            timer (``tear``: the watchdog when it is first; ``stale_mid_commit``: the heartbeat
-            when it is first) and go on from there. Each call is compared."""
+            (``cycle``), and detach and name another model (``unsaved``); or jump to the next
+            timer and go on (``tear``); or let the attachment go stale first, then begin a
+            commit, clear the stale holder and attach again (``stale_mid_commit``: 400
+            NOT_ATTACHABLE weights_writing). Each call is compared."""
             d, h = self.d, self._attached_holder()
 
             async def go() -> None:
+                if then == "stale_mid_commit":
+                    for _ in range(3):  # the hold timer may come first
+                        if d.shadow.state.attachment != "active":
+                            break
+                        await d.advance("at")
                 await d.gated("quiesce", h)
                 await d.gated("commit_begin", h)
                 if then in ("cycle", "unsaved"):
@@ -666,9 +729,8 @@ def make_machine(model_dir: str, table: tuple[Row, ...] = TABLE) -> type[RuleBas
                     if then == "unsaved":
                         await d.gated("detach", h)
                         await d.v1("other", 1)
-                    return
-                await d.advance("at")
-                if then == "tear":
+                elif then == "tear":
+                    await d.advance("at")
                     await d.v1("resident", 1)
                     await d.gated("commit_end", h)
                 else:
@@ -701,6 +763,7 @@ def make_machine(model_dir: str, table: tuple[Row, ...] = TABLE) -> type[RuleBas
             with a trainer token, detach and attach again (409 BARRIER_UNAVAILABLE, NO_OPEN_COMMIT,
             403 WEIGHTS_FORBIDDEN, 400 NOT_ATTACHABLE concurrency); then back to 1."""
             d = self.d
+            self._attached_holder()
 
             async def go() -> None:
                 await d.management("settings_concurrency")
@@ -738,8 +801,11 @@ def make_machine(model_dir: str, table: tuple[Row, ...] = TABLE) -> type[RuleBas
 def test_weights_over_http_agree_with_the_table(tiny_model_dir: str) -> None:
     """Every answer over HTTP equals the table's, and every producible code is produced."""
     SEEN.clear()
-    run_state_machine_as_test(make_machine(tiny_model_dir), settings=_profile())
     wanted = weights_page_pairs() - set(NOT_PRODUCIBLE_HERE)
+    for n in SEEDS:
+        run_state_machine_as_test(seed(n)(make_machine(tiny_model_dir)), settings=_profile())
+        if wanted <= SEEN:
+            break
     missing = sorted(wanted - SEEN)
     assert not missing, f"never produced over HTTP: {missing} (seen: {sorted(SEEN)})"
 

@@ -74,7 +74,7 @@ def trainer_main(port: int) -> None:
     client.attachment = body["attachment_id"]
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
-    cycles, overheads, refusals = [], [], {}
+    cycles, quiesces, rests, refusals = [], [], [], {}
     end: dict = {}
     with trainer.rebuild(body) as weights:
         norm = weights.tensors.get("model.norm.weight")
@@ -104,22 +104,25 @@ def trainer_main(port: int) -> None:
                     client.post("/api/weights/resume")
                 continue
             cycles.append(time.perf_counter() - t0)
-            overheads.append(sum(times))
+            quiesces.append(times[0])  # waits for the running request (the drain)
+            rests.append(sum(times[1:]))  # commit-begin, commit-end, resume
         elapsed = time.perf_counter() - started
         del norm, write
     client.post("/api/weights/detach")
     client.close()
     ms = [x * 1e3 for x in cycles]
-    oh = [x * 1e3 for x in overheads]
+    qs = [x * 1e3 for x in quiesces]
+    rs = [x * 1e3 for x in rests]
     print(json.dumps({
         "commits": len(cycles), "seconds": elapsed, "commits_per_s": len(cycles) / elapsed,
         "cycle_p50_ms": percentile(ms, 50), "cycle_p99_ms": percentile(ms, 99),
-        "barrier_p50_ms": percentile(oh, 50), "barrier_p99_ms": percentile(oh, 99),
+        "quiesce_p50_ms": percentile(qs, 50), "quiesce_p99_ms": percentile(qs, 99),
+        "other_calls_p50_ms": percentile(rs, 50), "other_calls_p99_ms": percentile(rs, 99),
         "steps_since_load": end.get("steps_since_load"), "refusals": refusals}), flush=True)
 
 
 # --- the load generator (this process) ----------------------------------------------------------
-def chat(port: int, max_tokens: int) -> dict[str, Any]:
+def chat(port: int, max_tokens: int, timeout: float = 60.0) -> dict[str, Any]:
     """One streamed greedy chat completion: start time, TTFT, latency (s), tokens, text, the
     millm_model of the terminal chunk, and an error string when it failed."""
     body = {"model": MODEL, "messages": PROMPT, "temperature": 0, "max_tokens": max_tokens,
@@ -132,7 +135,7 @@ def chat(port: int, max_tokens: int) -> dict[str, Any]:
                            "error": None}
     parts = []
     try:
-        with urllib.request.urlopen(req, timeout=300) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             for line in resp:
                 line = line.strip()
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -157,10 +160,21 @@ def chat(port: int, max_tokens: int) -> dict[str, Any]:
     return out
 
 
-def run_phase(port: int, n: int, max_tokens: int) -> dict[str, Any]:
+def run_phase(name: str, port: int, n: int, max_tokens: int, timeout: float
+              ) -> dict[str, Any]:
+    """``n`` requests one after another; stops early after 3 failures in a row."""
     t0 = time.perf_counter()
-    results = [chat(port, max_tokens) for _ in range(n)]
+    results: list[dict[str, Any]] = []
+    for _ in range(n):
+        results.append(chat(port, max_tokens, timeout))
+        if len(results) >= 3 and all(r["error"] for r in results[-3:]):
+            print(f"{name}: 3 failures in a row, phase stopped: {results[-1]['error']}",
+                  file=sys.stderr, flush=True)
+            break
     wall = time.perf_counter() - t0
+    print(f"[{name}] {len(results)} requests, {sum(bool(r['error']) for r in results)} failed, "
+          f"{wall:.1f} s", file=sys.stderr, flush=True)
+    n = len(results)
     ok = [r for r in results if r["error"] is None]
     lat = [r["latency"] * 1e3 for r in ok]
     ttft = [r["ttft"] * 1e3 for r in ok if r["ttft"] is not None]
@@ -217,7 +231,7 @@ def render(phases: dict[str, dict[str, Any]], report: dict[str, Any], head: str)
              "|---|---|---|---|---|---|---|---|---|"]
     for name in PHASES:
         p = phases[name]
-        commits = (f"{report['commits']} ({report['commits_per_s']:.0f}/s)"
+        commits = (f"{report['commits']} ({report['commits_per_s']:.1f}/s)"
                    if name == PHASES[1] else "0")
         lines.append(
             f"| {name} | {p['requests']} ({p['failed']}) | {p['latency_p50_ms']:.1f} | "
@@ -228,8 +242,10 @@ def render(phases: dict[str, dict[str, Any]], report: dict[str, Any], head: str)
     lines += ["",
               f"Trainer: {report['commits']} commits in {report['seconds']:.1f} s; barrier cycle "
               f"(quiesce .. resume, write included) p50 {report['cycle_p50_ms']:.2f} ms, p99 "
-              f"{report['cycle_p99_ms']:.2f} ms; the four calls alone p50 "
-              f"{report['barrier_p50_ms']:.2f} ms, p99 {report['barrier_p99_ms']:.2f} ms; "
+              f"{report['cycle_p99_ms']:.2f} ms; of it quiesce (waits for the running "
+              f"request) p50 {report['quiesce_p50_ms']:.2f} ms, p99 "
+              f"{report['quiesce_p99_ms']:.2f} ms, and commit-begin + commit-end + resume p50 "
+              f"{report['other_calls_p50_ms']:.2f} ms, p99 {report['other_calls_p99_ms']:.2f} ms; "
               f"refused calls: {refusals}; steps_since_load at the end: "
               f"{report['steps_since_load']}."]
     served = sorted(phases[PHASES[1]]["served_by"], key=_commits)
@@ -267,6 +283,8 @@ def main() -> int:
                          "imported on first start)")
     ap.add_argument("--requests", type=int, default=40, help="chat requests per phase")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--request-timeout", type=float, default=60.0,
+                    help="seconds before a chat request counts as failed")
     ap.add_argument("--out", default=None,
                     help="folder for serving_under_training.md/.json/.png")
     ap.add_argument("--role", choices=("trainer",), help=argparse.SUPPRESS)
@@ -280,31 +298,56 @@ def main() -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="miserver-serving-under-training-"))
     home = args.home or str(workdir / "home")
+    dest = Path(args.out) if args.out else None
+    if dest is not None:
+        dest.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+
+    def progress(text: str) -> None:
+        print(f"[{time.perf_counter() - started:5.0f} s] {text}", file=sys.stderr, flush=True)
+
+    progress("starting miserver serve (imports the default model on first start)")
     proc, port, log_path = start_server(home, workdir)
     load_s = time.perf_counter() - started
+    progress(f"server ready on port {port}")
     phases: dict[str, dict[str, Any]] = {}
     report: dict[str, Any] = {}
     trainer_proc = None
+    trainer_log = workdir / "trainer.log"
     try:
         for _ in range(3):  # warm-up
-            chat(port, args.max_tokens)
-        phases[PHASES[0]] = run_phase(port, args.requests, args.max_tokens)
-        trainer_proc = subprocess.Popen(
-            [sys.executable, __file__, "--role", "trainer", "--port", str(port)],
-            env=child_env(), cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            chat(port, args.max_tokens, args.request_timeout)
+        phases[PHASES[0]] = run_phase(PHASES[0], port, args.requests, args.max_tokens,
+                                      args.request_timeout)
+        with open(trainer_log, "wb") as tlog:
+            trainer_proc = subprocess.Popen(
+                [sys.executable, __file__, "--role", "trainer", "--port", str(port)],
+                env=child_env(), cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=tlog, text=True)
         if trainer_proc.stdout.readline().strip() != "attached":
-            raise RuntimeError("the trainer did not attach")
-        phases[PHASES[1]] = run_phase(port, args.requests, args.max_tokens)
+            raise RuntimeError(f"the trainer did not attach: {trainer_log.read_text()[-2000:]}")
+        progress("trainer attached and committing")
+        phases[PHASES[1]] = run_phase(PHASES[1], port, args.requests, args.max_tokens,
+                                      args.request_timeout)
         trainer_proc.stdin.write("stop\n")
         trainer_proc.stdin.flush()
         out, _ = trainer_proc.communicate(timeout=120)
+        if trainer_proc.returncode != 0:
+            raise RuntimeError(f"the trainer failed: {trainer_log.read_text()[-2000:]}")
         report = json.loads(out.strip().splitlines()[-1])
-        phases[PHASES[2]] = run_phase(port, args.requests, args.max_tokens)
+        progress(f"trainer detached after {report['commits']} commits")
+        phases[PHASES[2]] = run_phase(PHASES[2], port, args.requests, args.max_tokens,
+                                      args.request_timeout)
     finally:
         if trainer_proc is not None and trainer_proc.poll() is None:
             trainer_proc.kill()
         stop_process(proc)
+        if dest is not None:  # the ends of the logs, for a run on a machine one cannot visit
+            for src in (log_path, trainer_log):
+                if src.exists():
+                    with open(src, "rb") as f:
+                        f.seek(max(0, src.stat().st_size - 2_000_000))
+                        (dest / f"{src.stem}.log.tail").write_bytes(f.read())
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         where = f"{props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}, CUDA IPC"
@@ -319,9 +362,7 @@ def main() -> int:
     same = len({t for p in phases.values() for t in p["texts"]}) == 1
     table += (f"Greedy answers identical in every phase: {'yes' if same else 'NO'}.\n")
     print(table)
-    if args.out:
-        dest = Path(args.out)
-        dest.mkdir(parents=True, exist_ok=True)
+    if dest is not None:
         (dest / "serving_under_training.md").write_text(table)
         (dest / "serving_under_training.json").write_text(
             json.dumps({"phases": phases, "trainer": report}, indent=1))

@@ -43,6 +43,7 @@ import json
 import math
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -74,6 +75,7 @@ CHAT_PROMPTS = (
 #: A token that arrives this close to the edge of a write window is not counted as "served
 #: during a commit": it may have been produced before the drain and read a little late.
 EDGE_TOLERANCE_S = 0.1
+DEFAULT_OUT = "train-while-serving-out"
 
 
 # --- the text ----------------------------------------------------------------------------------
@@ -429,6 +431,28 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 # --- the demo ------------------------------------------------------------------------------------
+class StopRequest:
+    """SIGINT/SIGTERM: the first asks the run to stop after the current step (the commit in
+    progress ends cleanly and the trainer detaches); a second one aborts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\n{signal.Signals(signum).name}: stopping after this step (again to abort)",
+              file=sys.stderr, flush=True)
+
+
 class Demo:
     """One run: evaluate, attach, train in place under chat load, save, report."""
 
@@ -446,6 +470,7 @@ class Demo:
         self.commits: list[CommitRecord] = []
         self.t0 = time.monotonic()
         self.notes: list[str] = []
+        self.stop = StopRequest()
 
     # --- set-up -----------------------------------------------------------------------------
     def load_tokenizer(self) -> Any:
@@ -453,12 +478,13 @@ class Demo:
         else from the GGUF file the default model was imported from (the same tokenizer)."""
         from transformers import AutoTokenizer
 
-        from miserver.serving.default_model import gguf_path, model_dir
+        from miserver.serving.catalogue import Catalogue
+        from miserver.serving.default_model import gguf_path
 
         if self.home:
-            folder = model_dir(self.home)
-            if (folder / "tokenizer_config.json").is_file():
-                return AutoTokenizer.from_pretrained(folder)
+            row = Catalogue(self.home).get_by_name(MODEL)
+            if row is not None and Path(row.path, "tokenizer_config.json").is_file():
+                return AutoTokenizer.from_pretrained(row.path)
         gguf = gguf_path()
         return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
@@ -502,6 +528,7 @@ class Demo:
         from miserver.trainer import WeightsClient
 
         s = self.schedule
+        self.stop.install()
         self.tokenizer = self.load_tokenizer()
         self.zen_prompt, self.zen_target = self.example(QUESTION, "\n".join(self.reference))
         ctl_prompt, ctl_target = self.example(CONTROL_QUESTION, CONTROL_ANSWER)
@@ -536,49 +563,63 @@ class Demo:
                     batches.append(self._batch(ctl_prompt, ctl_target, device))
                 opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0,
                                         **_fused_if_supported(device))
-                bar = tqdm(range(1, s.max_steps + 1), desc="train", unit="step",
-                           mininterval=1.0, file=sys.stderr)
-                for step in bar:
-                    loss = self._gradients(model, batches)
-                    hold_start = time.monotonic()
-                    with client.commit() as cycle:  # quiesce, commit-begin
-                        write_start = time.monotonic()
-                        opt.step()  # the write: in place, into the served tensors
-                        write_end = time.monotonic()
-                    hold_end = time.monotonic()  # commit-end and resume answered
-                    opt.zero_grad(set_to_none=True)
-                    end = cycle.end or {}
-                    self.commits.append(CommitRecord(
-                        step=step, loss=loss, hold_start=hold_start, write_start=write_start,
-                        write_end=write_end, hold_end=hold_end, commit_ms=end.get("commit_ms"),
-                        overran=bool(end.get("overran")),
-                        held_requests=(cycle.quiesce or {}).get("held_requests"),
-                        steps_since_load=end.get("steps_since_load")))
-                    postfix = {"loss": f"{loss:.3f}", "commit_ms": end.get("commit_ms")}
-                    if step % s.eval_every == 0 or step == s.max_steps:
-                        ev = self.evaluate(step)
-                        postfix.update(lines=f"{ev.lines}/{len(self.reference)}",
-                                       control="ok" if ev.control_ok else "LOST")
-                        tqdm.write(f"step {step:3d}: served recital {ev.lines:2d}/"
-                                   f"{len(self.reference)} lines, reference loss "
-                                   f"{ev.nll:.3f}, control {'ok' if ev.control_ok else 'LOST'}"
-                                   f" (commits={ev.commits})", file=sys.stderr)
-                        if (s.stop_when_learned and ev.lines == len(self.reference)
-                                and ev.control_ok):
-                            bar.set_postfix(postfix)
+                with tqdm(total=s.max_steps, desc="train", unit="step", mininterval=1.0,
+                          file=sys.stderr) as bar:
+                    for step in range(1, s.max_steps + 1):
+                        if self.stop.requested:
                             break
-                    bar.set_postfix(postfix)
-                bar.close()
-                if not self.evals or self.evals[-1].step != self.commits[-1].step:
+                        if self._step(step, model, batches, opt, client, bar):
+                            break
+                if not self.commits:
+                    raise SetupError("stopped before the first training step")
+                if self.evals[-1].step != self.commits[-1].step:
                     self.evaluate(self.commits[-1].step)
-                save = client.save()
-                print(f"saved checkpoint {save['name']} ({save['checkpoint_sha256'][:12]}) "
-                      f"at {save['path']}", flush=True)
+                if not self.stop.requested:
+                    save = client.save()
+                    print(f"saved checkpoint {save['name']} ({save['checkpoint_sha256'][:12]})"
+                          f" at {save['path']}", flush=True)
         finally:
             load.stop()
             load.join(timeout=660)
         after_save = self.v1.chat(CONTROL_QUESTION, max_tokens=24)
         return self.report(load.records, save, after_save)
+
+    def _step(self, step: int, model: Any, batches: list[dict[str, Any]], opt: Any,
+              client: Any, bar: Any) -> bool:
+        """One training step: gradients outside the bracket, the optimizer step inside it,
+        an evaluation every ``eval_every`` steps. Returns True when the run should stop."""
+        from tqdm import tqdm
+
+        s = self.schedule
+        loss = self._gradients(model, batches)
+        hold_start = time.monotonic()
+        with client.commit() as cycle:  # POST /quiesce, POST /commit-begin
+            write_start = time.monotonic()
+            opt.step()  # the write: in place, into the served tensors
+            write_end = time.monotonic()
+        hold_end = time.monotonic()  # POST /commit-end and POST /resume answered
+        opt.zero_grad(set_to_none=True)
+        end = cycle.end or {}
+        self.commits.append(CommitRecord(
+            step=step, loss=loss, hold_start=hold_start, write_start=write_start,
+            write_end=write_end, hold_end=hold_end, commit_ms=end.get("commit_ms"),
+            overran=bool(end.get("overran")),
+            held_requests=(cycle.quiesce or {}).get("held_requests"),
+            steps_since_load=end.get("steps_since_load")))
+        postfix = {"loss": f"{loss:.3f}", "commit_ms": end.get("commit_ms")}
+        learned = False
+        if step % s.eval_every == 0 or step == s.max_steps:
+            ev = self.evaluate(step)
+            postfix.update(lines=f"{ev.lines}/{len(self.reference)}",
+                           control="ok" if ev.control_ok else "LOST")
+            tqdm.write(f"step {step:3d}: served recital {ev.lines:2d}/{len(self.reference)} "
+                       f"lines, reference loss {ev.nll:.3f} nats/token, control "
+                       f"{'ok' if ev.control_ok else 'LOST'} (commits={ev.commits})",
+                       file=sys.stderr)
+            learned = ev.lines == len(self.reference) and ev.control_ok
+        bar.set_postfix(postfix, refresh=False)
+        bar.update(1)
+        return s.stop_when_learned and learned
 
     @staticmethod
     def _batch(prompt: list[int], target: list[int], device: Any) -> dict[str, Any]:
@@ -638,6 +679,7 @@ class Demo:
             "commits_overran": sum(c.overran for c in self.commits),
             "checkpoint": save,
             "wall_s": time.monotonic() - self.t0,
+            "interrupted": self.stop.requested,
             "notes": self.notes,
         }
         summary["passed"] = bool(
@@ -770,9 +812,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="where the self-started server loads the "
                    "model: auto (CUDA when available), cpu, cuda, cuda:N. The trainer computes "
                    "where the served weights are")
-    p.add_argument("--out", default="train-while-serving-out",
-                   help="folder for results.json, the plot, the server and audit logs")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help="folder for results.json, the plot, the server and audit logs "
+                   "(default: ./%(default)s, or in the home directory when . is read-only)")
     p.add_argument("--max-steps", type=int, help="override the schedule's step count")
+    p.add_argument("--no-control-example", action="store_true",
+                   help="train on the Zen alone (by default the control answer is a second "
+                   "example of every step, so the model keeps it)")
     p.add_argument("--start-timeout", type=float, default=900.0,
                    help="seconds to wait for the model to be resident")
     args = p.parse_args(argv)
@@ -794,13 +840,23 @@ def resolve_device(device: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except PermissionError:
+        if args.out != DEFAULT_OUT:
+            raise
+        out = Path.home() / DEFAULT_OUT  # a read-only working directory (the container image)
+        out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(args.device)
     name = args.schedule or ("full" if device.startswith("cuda") else "short")
     schedule = SCHEDULES[name]
     if args.max_steps:
         schedule = Schedule(**{**asdict(schedule), "max_steps": args.max_steps})
-    home = os.environ.get("MISERVER_HOME")
+    if args.no_control_example:
+        schedule = Schedule(**{**asdict(schedule), "keep_control": False})
+    from miserver.spec.settings import default_home
+
+    home = os.environ.get("MISERVER_HOME") or default_home()
     try:
         with contextlib.ExitStack() as stack:
             server = None
@@ -826,11 +882,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     results["summary"]["device"] = device
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    plot(results, out / "train_while_serving.png")
+    try:
+        plot(results, out / "train_while_serving.png")
+        wrote = f"{out / 'results.json'} and {out / 'train_while_serving.png'}"
+    except ImportError:
+        wrote = f"{out / 'results.json'} (no plot: pip install matplotlib)"
     print(results_table(results))
     print(f"\nfinal served recital (commits={results['evals'][-1]['commits']}):\n"
           f"{results['evals'][-1]['recital']}\n")
-    print(f"wrote {out / 'results.json'} and {out / 'train_while_serving.png'}")
+    print(f"wrote {wrote}")
+    if results["summary"]["interrupted"]:
+        return 130
     return 0 if results["summary"]["passed"] else 1
 
 

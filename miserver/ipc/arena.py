@@ -85,6 +85,9 @@ class ParameterArena:
     addresses: dict[str, int]
     cpu_shared: bool
     pools: list[object | None] = field(default_factory=list)
+    #: ``(name, owning module's _parameters dict, leaf name)`` per parameter, recorded with the
+    #: addresses, so the per-commit check reads each parameter without walking the module tree.
+    watch: list[tuple[str, dict, str]] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -106,6 +109,13 @@ class ParameterArena:
         self.addresses = {
             n: p.data_ptr() for n, p in model.named_parameters(remove_duplicate=False)
         }
+        watch = []
+        for module_name, module in model.named_modules(remove_duplicate=False):
+            for leaf in module._parameters:
+                name = f"{module_name}.{leaf}" if module_name else leaf
+                if name in self.addresses:
+                    watch.append((name, module._parameters, leaf))
+        self.watch = watch
 
 
 def _byte_extent(t: torch.Tensor) -> int:

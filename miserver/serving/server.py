@@ -87,7 +87,9 @@ def configure_logging(settings: Settings) -> None:
     root.setLevel(settings.log_level.upper())
     # Third-party chatter stays at warning unless debugging.
     if settings.log_level != "debug":
-        for noisy in ("urllib3", "filelock", "httpx", "asyncio"):
+        # ``transitions`` logs every state change at INFO: the audit log already records each
+        # weights call, and those lines cost the barrier time on every call.
+        for noisy in ("urllib3", "filelock", "httpx", "asyncio", "transitions"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

@@ -110,6 +110,8 @@ class WeightsRuntime:
         self._pending: asyncio.Future[Answer] | None = None
         self._pending_failure: Answer | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        self._drained_now = False
+        self._last_outputs: dict[str, Any] = {}
         self._jobs: dict[str, PauseJob] = {}
         self._job_params: dict[str, Any] = {}
         self._job_result: dict[str, Any] = {}
@@ -134,6 +136,7 @@ class WeightsRuntime:
             self._pump_task = asyncio.get_running_loop().create_task(self._pump())
 
     async def stop(self) -> None:
+        self.audit.close()
         for task in [self._pump_task, self._drain_task, *self._tasks]:
             if task is not None and not task.done():
                 task.cancel()
@@ -175,8 +178,12 @@ class WeightsRuntime:
             self._job_params = dict(params or {})
             self._job_result = {}
         outputs: dict[str, Any] = {}
+        self._drained_now = False
         self._perform(out, outputs)
         self._after_event(out)
+        if self._drained_now:
+            self._drained_now = False
+            self.decide(Event("drained"))
         self._last_outputs = outputs
         return out
 
@@ -222,7 +229,10 @@ class WeightsRuntime:
         elif effect is Effect.HOLD_ADMISSIONS:
             sched.barrier_begin()
         elif effect is Effect.START_DRAIN:
-            self._drain_task = self._spawn(self._drain())
+            if sched.barrier_hold_if_drained():
+                self._drained_now = True  # nothing runs: `drained` follows in this decision
+            else:
+                self._drain_task = self._spawn(self._drain())
         elif effect is Effect.CANCEL_DRAIN:
             if self._drain_task is not None and not self._drain_task.done():
                 self._drain_task.cancel()
@@ -367,16 +377,18 @@ class WeightsRuntime:
         return reason if reason in ("gguf", "quantized", "dtype", "not_on_gpu",
                                     "allocator") else None
 
-    def check_addresses(self) -> list[str]:
+    def check_addresses(self, *, full: bool = False) -> list[str]:
         """Compare every parameter's address with the export; a move tears the set
-        (weights page: States). Call under :attr:`lock`."""
-        from miserver.ipc.export import moved_parameters
+        (weights page: States). ``full`` also walks the module tree (new parameters); the
+        per-commit check reads the recorded parameters only. Call under :attr:`lock`."""
+        from miserver.ipc.export import moved_parameters, moved_parameters_fast
 
         resident = self.host.resident
         arena = getattr(resident, "arena", None) if resident is not None else None
         if arena is None or self.lifecycle.state.attachment == "none":
             return []
-        moved = moved_parameters(arena, resident.model)
+        moved = (moved_parameters(arena, resident.model) if full or not arena.watch
+                 else moved_parameters_fast(arena))
         if moved:
             log.error("weights: %d parameter(s) moved since export: %s", len(moved), moved[:3])
             self.decide(Event("address_moved"))
@@ -397,8 +409,10 @@ class WeightsRuntime:
         async with self.lock:
             before = self.lifecycle.state.weights
             ref = attachment_ref(self.lifecycle.context.attachment_id)
-            if trigger in ("commit_end", "resume", "detach"):
+            if trigger == "commit_end":  # the write happened inside this bracket
                 self.check_addresses()
+            elif trigger == "detach":
+                self.check_addresses(full=True)
             if trigger == "attach":
                 event_fields.setdefault("not_attachable", self.not_attachable_reason())
             if trigger == "quiesce":

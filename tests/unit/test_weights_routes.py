@@ -238,3 +238,19 @@ async def test_metrics_count_barrier_holds_commits_and_attachments(client):
     assert 'miserver_attachments_total{event="detach"} 1.0' in text
     assert "miserver_barrier_hold_seconds_count 1.0" in text
     assert "miserver_pinned_bytes" in text
+
+
+async def test_a_parameter_moved_during_a_commit_tears_the_set(client):
+    import torch
+
+    att = (await post(client, "/api/weights/attach", auth(TRN)))[1]["data"]["attachment_id"]
+    h = auth(TRN, att)
+    await post(client, "/api/weights/quiesce", h)
+    await post(client, "/api/weights/commit-begin", h)
+    norm = client.app[keys.HOST].resident.model.model.norm
+    norm.weight.data = torch.ones_like(norm.weight.data)  # rebinds storage out of the arena
+    st, body, _ = await post(client, "/api/weights/commit-end", h)
+    # the move orphaned the commit: no late commit-end can repair moved storage (the table)
+    assert st == 403 and body["error"]["code"] == "NOT_ATTACHMENT_HOLDER"
+    status = (await (await client.get("/api/weights/status")).json())["data"]
+    assert status["weights_state"] == "torn"

@@ -117,6 +117,7 @@ class WeightsRuntime:
         self._job_result: dict[str, Any] = {}
         self._pump_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._pump_deadline: float | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.last_save: dict[str, Any] | None = None
         self.last_export: Any = None
@@ -156,17 +157,27 @@ class WeightsRuntime:
         """Sleep until the core's next deadline (or a wake-up), then fire what is due."""
         while True:
             deadline = self.lifecycle.next_deadline()
+            self._pump_deadline = deadline
             self._wake.clear()
             timeout = None if deadline is None else max(0.0, deadline - self.now())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
+            due = self.lifecycle.next_deadline()
+            if due is None or due > self.now():
+                continue  # woken for an earlier deadline, or a timer was cancelled
             async with self.lock:
                 for out in self.lifecycle.fire_due(self.now()):
                     self._perform(out, {})
                     self._after_event(out)
 
     def _poke(self) -> None:
-        self._wake.set()
+        """Wake the pump only when the earliest deadline moved earlier than the one it sleeps
+        on (a later or cancelled deadline just costs the pump one early, empty wake-up)."""
+        deadline = self.lifecycle.next_deadline()
+        if deadline is not None and (self._pump_deadline is None
+                                     or deadline < self._pump_deadline):
+            self._pump_deadline = deadline
+            self._wake.set()
 
     # --- the one entry point -------------------------------------------------------------------
     def decide(self, event: Event, params: dict[str, Any] | None = None) -> Outcome:

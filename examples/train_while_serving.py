@@ -388,6 +388,7 @@ class EvalRecord:
     """What the server answered at one point of training."""
 
     step: int
+    started: float
     at: float
     commits: int | None
     lines: int
@@ -411,12 +412,12 @@ def served_during_writes(records: Sequence[ChatRecord], commits: Sequence[Commit
 
 
 def held_by_commits(records: Sequence[ChatRecord], commits: Sequence[CommitRecord]) -> int:
-    """How many chat requests were in flight across a whole write window (held by the barrier,
-    then served)."""
+    """How many chat requests waited through a write: sent before a write window ended, their
+    first token arriving after it (the barrier held them, then served them)."""
     n = 0
     for rec in records:
-        end = rec.t_done if rec.t_done is not None else math.inf
-        if any(rec.t_sent <= c.write_start and end >= c.write_end for c in commits):
+        first = rec.t_first if rec.t_first is not None else math.inf
+        if any(rec.t_sent < c.write_end < first for c in commits):
             n += 1
     return n
 
@@ -471,6 +472,7 @@ class Demo:
         self.t0 = time.monotonic()
         self.notes: list[str] = []
         self.stop = StopRequest()
+        self.save_window: tuple[float, float] | None = None
 
     # --- set-up -----------------------------------------------------------------------------
     def load_tokenizer(self) -> Any:
@@ -502,6 +504,7 @@ class Demo:
     def evaluate(self, step: int) -> EvalRecord:
         """Ask the server (greedy) to recite, score it, take the reference's loss, and ask the
         control question."""
+        started = time.monotonic()
         recital = self.v1.chat(QUESTION, max_tokens=len(self.zen_target) + 16)
         if recital["prompt_tokens"] != len(self.zen_prompt):
             raise SetupError(
@@ -509,7 +512,8 @@ class Demo:
                 f"trainer into {len(self.zen_prompt)}: the tokenizers differ")
         nll = self.v1.reference_nll(self.zen_prompt, self.zen_target)
         control = self.v1.chat(CONTROL_QUESTION, max_tokens=24)
-        rec = EvalRecord(step=step, at=time.monotonic(), commits=recital["commits"],
+        rec = EvalRecord(step=step, started=started, at=time.monotonic(),
+                         commits=recital["commits"],
                          lines=score_recital(recital["text"], self.reference), nll=nll["nll"],
                          control_text=control["text"],
                          control_ok=CONTROL_EXPECTED in control["text"],
@@ -575,7 +579,9 @@ class Demo:
                 if self.evals[-1].step != self.commits[-1].step:
                     self.evaluate(self.commits[-1].step)
                 if not self.stop.requested:
+                    t_save = time.monotonic()
                     save = client.save()
+                    self.save_window = (t_save, time.monotonic())
                     print(f"saved checkpoint {save['name']} ({save['checkpoint_sha256'][:12]})"
                           f" at {save['path']}", flush=True)
         finally:
@@ -668,6 +674,9 @@ class Demo:
             "chat_failed": len(failed),
             "chat_failures": sorted({c.error or "" for c in failed}),
             "chat_served_during_commit": len(during),
+            # write windows long enough for that check (a GPU step is shorter than the margins)
+            "write_windows_checked": sum(
+                c.write_end - c.write_start > 2 * EDGE_TOLERANCE_S for c in self.commits),
             "chat_held_by_a_commit": held_by_commits(chats, self.commits),
             "chat_latency_p50_s": percentile(lat, 50),
             "chat_latency_p99_s": percentile(lat, 99),
@@ -689,7 +698,10 @@ class Demo:
         t0 = self.t0
         return {
             "summary": summary,
-            "evals": [{**asdict(e), "at": e.at - t0} for e in self.evals],
+            "evals": [{**asdict(e), "started": e.started - t0, "at": e.at - t0}
+                      for e in self.evals],
+            "save_window": None if self.save_window is None else [
+                self.save_window[0] - t0, self.save_window[1] - t0],
             "commits": [{**asdict(c), **{k: getattr(c, k) - t0 for k in
                                          ("hold_start", "write_start", "write_end", "hold_end")}}
                         for c in self.commits],
@@ -732,7 +744,9 @@ def results_table(results: dict[str, Any]) -> str:
         ("control question answered, before / after / after save",
          f"{s['control_before']} / {s['control_after']} / {s['control_after_save']}"),
         ("chat requests (failed)", f"{s['chat_requests']} ({s['chat_failed']})"),
-        ("chat requests served during a commit", fmt(s["chat_served_during_commit"])),
+        ("chat requests served during a commit",
+         f"{s['chat_served_during_commit']} (over {s['write_windows_checked']} write windows "
+         f"longer than {2 * EDGE_TOLERANCE_S:.1f} s)"),
         ("chat requests held across a commit", fmt(s["chat_held_by_a_commit"])),
         ("chat latency p50 / p99", f"{fmt(s['chat_latency_p50_s'], ' s')} / {fmt(s['chat_latency_p99_s'], ' s')}"),
         ("commit (server) p50 / p99 / max", f"{fmt(s['commit_ms_p50'], ' ms')} / {fmt(s['commit_ms_p99'], ' ms')} / {fmt(s['commit_ms_max'], ' ms')}"),
@@ -763,6 +777,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         if not e["control_ok"]:
             top.plot([e["step"]], [e["lines"]], "x", color="red", markersize=10)
     top.set_ylim(-0.5, s["lines_total"] + 0.5)
+    top.yaxis.get_major_locator().set_params(integer=True)
+    top.xaxis.get_major_locator().set_params(integer=True)
     top.set_xlabel("training step (commits)")
     top.set_ylabel(f"lines reproduced (of {s['lines_total']})", color="tab:blue")
     loss_ax = top.twinx()
@@ -787,9 +803,15 @@ def plot(results: dict[str, Any], path: Path) -> None:
     if bad:
         bottom.plot([c["t_done"] for c in bad], [c["latency_s"] or 0 for c in bad], "x",
                     color="black", label="failed chat request")
-    for e in results["evals"]:
-        bottom.axvline(e["at"], color="tab:blue", lw=0.8, ls=":")
-    bottom.set_xlabel("time since start (s); dotted: evaluations")
+    for i, e in enumerate(results["evals"]):
+        bottom.axvspan(e["started"], e["at"], color="tab:blue", alpha=0.12, lw=0,
+                       label="evaluation (recital, reference loss, control)" if i == 0
+                       else None)
+    if results.get("save_window"):
+        a, b = results["save_window"]
+        bottom.axvspan(a, max(b, a + 0.5), color="tab:purple", alpha=0.4, lw=0,
+                       label="checkpoint save")
+    bottom.set_xlabel("time since start (s)")
     bottom.set_ylabel("chat latency (s)")
     bottom.set_title(f"{s['chat_requests']} chat requests, {s['chat_failed']} failed, "
                      f"{s['chat_served_during_commit']} served during a commit")

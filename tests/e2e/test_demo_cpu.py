@@ -69,15 +69,18 @@ def _commit(start: float, end: float) -> object:
 
 def test_a_token_inside_a_write_window_is_flagged_and_one_at_its_edge_is_not() -> None:
     commits = [_commit(10.0, 11.0)]
-    inside = demo.ChatRecord(index=0, t_sent=9.0, t_done=12.0, status=200,
+    inside = demo.ChatRecord(index=0, t_sent=9.0, t_first=9.5, t_done=12.0, status=200,
                              chunk_times=[9.5, 10.5, 11.5])
-    edges = demo.ChatRecord(index=1, t_sent=9.0, t_done=12.0, status=200,
+    edges = demo.ChatRecord(index=1, t_sent=9.0, t_first=9.9, t_done=12.0, status=200,
                             chunk_times=[9.9, 10.05, 10.95, 11.2])
-    outside = demo.ChatRecord(index=2, t_sent=11.2, t_done=11.9, status=200,
-                              chunk_times=[11.3, 11.8])
-    assert demo.served_during_writes([inside, edges, outside], commits) == [0]
-    # held across the whole window: the first two; the third was sent after it
-    assert demo.held_by_commits([inside, edges, outside], commits) == 2
+    held = demo.ChatRecord(index=2, t_sent=10.5, t_first=11.3, t_done=11.9, status=200,
+                           chunk_times=[11.3, 11.8])
+    after = demo.ChatRecord(index=3, t_sent=11.2, t_first=11.3, t_done=11.9, status=200,
+                            chunk_times=[11.3, 11.8])
+    records = [inside, edges, held, after]
+    assert demo.served_during_writes(records, commits) == [0]
+    # waited through the write: sent before it ended, first token after it
+    assert demo.held_by_commits(records, commits) == 1
 
 
 def test_percentile_is_nearest_rank() -> None:
@@ -132,6 +135,7 @@ def test_cpu_demo_teaches_the_served_model_all_19_lines_under_chat_load(
     # ... while chat traffic really did meet the commits (otherwise the check says nothing)
     assert s["chat_requests"] >= 10
     assert s["chat_held_by_a_commit"] >= 1, log
+    assert s["write_windows_checked"] >= 1, log
     # each chat answer came from one parameter set, and the sets only move forward
     served_by = [c["commits"] for c in results["chats"]]
     assert None not in served_by and served_by == sorted(served_by)

@@ -729,7 +729,7 @@ def results_table(results: dict[str, Any]) -> str:
     rows = [f"{'step':>5} {'commits':>7} {'lines':>7} {'loss/token':>10}  control",
             f"{'-' * 5} {'-' * 7} {'-' * 7} {'-' * 10}  {'-' * 30}"]
     for e in results["evals"]:
-        control = ("ok   " if e["control_ok"] else "LOST ") + repr(e["control_text"][:24])
+        control = ("ok   " if e["control_ok"] else "LOST ") + repr(e["control_text"][:40])
         rows.append(f"{e['step']:>5} {e['commits'] if e['commits'] is not None else '-':>7} "
                     f"{e['lines']:>3}/{n:<3} {e['nll']:>10.3f}  {control}")
 
@@ -747,7 +747,7 @@ def results_table(results: dict[str, Any]) -> str:
         ("chat requests served during a commit",
          f"{s['chat_served_during_commit']} (over {s['write_windows_checked']} write windows "
          f"longer than {2 * EDGE_TOLERANCE_S:.1f} s)"),
-        ("chat requests held across a commit", fmt(s["chat_held_by_a_commit"])),
+        ("chat requests held through a write", fmt(s["chat_held_by_a_commit"])),
         ("chat latency p50 / p99", f"{fmt(s['chat_latency_p50_s'], ' s')} / {fmt(s['chat_latency_p99_s'], ' s')}"),
         ("commit (server) p50 / p99 / max", f"{fmt(s['commit_ms_p50'], ' ms')} / {fmt(s['commit_ms_p99'], ' ms')} / {fmt(s['commit_ms_max'], ' ms')}"),
         ("serving paused per step p50 / p99", f"{fmt(s['hold_ms_p50'], ' ms')} / {fmt(s['hold_ms_p99'], ' ms')}"),

@@ -19,7 +19,7 @@ What a step covers:
   weights_torn when the set tore while it waited);
 - management loads and unloads, and ``PATCH /api/settings`` (pause availability);
 - fake-clock jumps biased to a timer's exact deadline and just either side of it, after which
-  the runtime's own timer pump is woken (``_poke``) and must fire what the shadow fires.
+  the runtime's own timer pump is woken and must fire what the shadow fires.
 
 The test then fails if any code or reason of the weights page that the server can produce over
 HTTP here was never produced (:data:`NOT_PRODUCIBLE_HERE` lists the others and why).
@@ -559,7 +559,9 @@ class HttpDriver:
         outcomes = self.shadow.fire_due(self.now)
         fired = [o.trigger for o in outcomes if o.kind == "accepted"]
         self.note(f"advance {where} -> {', '.join(fired) or 'nothing fires'}")
-        self.runtime._poke()
+        # Wake the runtime's own timer pump: it sleeps in real time until the deadline it
+        # computed, and only a moved deadline wakes it (``_poke``), not a jump of the clock.
+        self.runtime._wake.set()
         await self.settle(outcomes)
 
     # --- the oracle on status --------------------------------------------------------------------

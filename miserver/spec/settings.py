@@ -71,8 +71,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def has_trainer_token(self) -> bool:
-        """At least one token is configured (a load is then made attachable; weights page)."""
-        return bool(self.weights_tokens)
+        """At least one trainer token is configured (a 16-bit load is then made attachable;
+        weights page, Which models can be attached: ``allocator``)."""
+        return any(token.role == "trainer" for token in self.weights_tokens)
 
     def resolved_device(self) -> str:
         """``auto`` becomes ``cuda:0`` when CUDA is available, else ``cpu``."""

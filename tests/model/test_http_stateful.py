@@ -106,6 +106,7 @@ TIMINGS: tuple[tuple[float, float, float, float], ...] = (
 NOT_PRODUCIBLE_HERE: dict[str, str] = {
     "NOT_ATTACHABLE:gguf": "needs a GGUF row served by llama.cpp, not the tiny transformers model",
     "NOT_ATTACHABLE:quantized": "needs a quantized load (bitsandbytes/GPTQ/AWQ: CUDA only)",
+    # these three need another server; test_not_attachable_reasons_over_http produces them
     "NOT_ATTACHABLE:dtype": "needs a float32 row; the tiny model is bfloat16",
     "NOT_ATTACHABLE:not_on_gpu": "WEIGHTS_CPU_ATTACH=1 makes CPU parameters attachable here",
     "NOT_ATTACHABLE:allocator": "needs a load made with no trainer token configured",
@@ -836,3 +837,70 @@ def test_a_planted_refusal_order_is_caught_over_http(tiny_model_dir: str) -> Non
             make_machine(tiny_model_dir, bug_swapped_refusal_order()), settings=profile
         )
     assert "server 409 WEIGHTS_NOT_CLEAN, table 409 ALREADY_QUIESCED" in str(err.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# NOT_ATTACHABLE reasons that need another server configuration or another model
+
+
+async def _attach_refusal(model_dir: str, tmp: Path, dtype: str, env: dict[str, str]) -> Answer:
+    home = tmp / "home"
+    Catalogue(str(home)).register(name="m", format="safetensors", dtype=dtype, path=model_dir)
+    settings_ = load_settings(
+        {
+            "MISERVER_HOME": str(home),
+            "DEFAULT_MODEL": "m",
+            "DEVICE": "cpu",
+            "WEIGHTS_AUDIT_LOG": str(tmp / "audit.jsonl"),
+            **env,
+        }
+    )
+    app = create_app(settings_)
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    try:
+        await app[keys.STARTUP_LOAD]
+        assert app[keys.HOST].resident is not None
+        secret = TOKENS["ops"][1]
+        resp = await client.post(
+            "/api/weights/attach", headers={"Authorization": f"Bearer {secret}"}
+        )
+        err = (await resp.json())["error"]
+        status = (await (await client.get("/api/weights/status")).json())["data"]
+        assert status["attached"] is False and status["exports_since_start"] == 0
+        return Answer(resp.status, err["code"], err["reason"])
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("reason", ["dtype", "not_on_gpu", "allocator"])
+def test_not_attachable_reasons_over_http(reason: str, tiny_model_dir: str, tmp_path: Path) -> None:
+    """The NOT_ATTACHABLE reasons a CPU machine can produce (weights page: Which models can be
+    attached): a float32 row (``dtype``), CPU parameters without WEIGHTS_CPU_ATTACH
+    (``not_on_gpu``), a 16-bit load made with no trainer token configured (``allocator``).
+    The answer is the table's for an attach with that reason, and nothing is exported."""
+    ops = f"ops:operator:{TOKENS['ops'][1]}"
+    trainer = f"trn:trainer:{TOKENS['trn'][1]}"
+    model_dir, dtype = tiny_model_dir, "bfloat16"
+    env = {"WEIGHTS_TOKENS": f"{trainer},{ops}", "WEIGHTS_CPU_ATTACH": "1"}
+    if reason == "dtype":
+        import torch
+        from transformers import LlamaForCausalLM
+
+        model_dir, dtype = str(tmp_path / "fp32"), "float32"
+        LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).save_pretrained(
+            model_dir
+        )
+        for name in Path(tiny_model_dir).iterdir():
+            if name.name.startswith("tokenizer") or name.suffix == ".jinja":
+                shutil.copy(name, model_dir)
+    elif reason == "not_on_gpu":
+        env["WEIGHTS_CPU_ATTACH"] = "0"
+    else:
+        env["WEIGHTS_TOKENS"] = ops
+    got = asyncio.run(_attach_refusal(model_dir, tmp_path, dtype, env))
+    core = Lifecycle(resident=True)
+    out = core.handle(
+        Event("attach", caller=Caller("operator", "ops"), not_attachable=reason), START
+    )
+    assert got == _expected(out) == Answer(400, "NOT_ATTACHABLE", reason)

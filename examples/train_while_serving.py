@@ -285,6 +285,7 @@ class ChatRecord:
     t_done: float | None = None
     status: int | None = None
     error: str | None = None
+    model: str | None = None  # the served name that answered (X-miLLM-Model)
     commits: int | None = None
     chunk_times: list[float] = field(default_factory=list)
 
@@ -359,7 +360,7 @@ class ChatLoad(threading.Thread):
                         if rec.t_first is None:
                             rec.t_first = now
                 if chunk.get("millm_model"):
-                    rec.commits = parse_served_by(chunk["millm_model"])[2]
+                    rec.model, _, rec.commits = parse_served_by(chunk["millm_model"])
             rec.t_done = time.monotonic()
             if not done:
                 rec.error = "stream ended without [DONE]"
@@ -709,7 +710,7 @@ class Demo:
                        "t_first": None if c.t_first is None else c.t_first - t0,
                        "t_done": None if c.t_done is None else c.t_done - t0,
                        "latency_s": c.latency_s, "status": c.status, "error": c.error,
-                       "commits": c.commits, "chunks": len(c.chunk_times),
+                       "model": c.model, "commits": c.commits, "chunks": len(c.chunk_times),
                        "served_during_commit": c.index in during} for c in chats],
             "reference": self.reference,
         }

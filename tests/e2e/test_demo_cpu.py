@@ -115,6 +115,8 @@ def test_cpu_demo_teaches_the_served_model_all_19_lines_under_chat_load(
     results = json.loads((out / "results.json").read_text())
     s = results["summary"]
     evals = results["evals"]
+    ck = s["checkpoint"]
+    assert ck is not None, log
 
     # the served score rises from the untrained 0 of 19 lines to all 19
     assert s["lines_total"] == 19
@@ -136,13 +138,18 @@ def test_cpu_demo_teaches_the_served_model_all_19_lines_under_chat_load(
     assert s["chat_requests"] >= 10
     assert s["chat_held_by_a_commit"] >= 1, log
     assert s["write_windows_checked"] >= 1, log
-    # each chat answer came from one parameter set, and the sets only move forward
-    served_by = [c["commits"] for c in results["chats"]]
-    assert None not in served_by and served_by == sorted(served_by)
+    # each chat answer names the parameter set it came from; the sets only move forward, and
+    # after the save the checkpoint's name serves, its commits counted from 0
+    served_by = [(c["model"], c["commits"]) for c in results["chats"]]
+    assert {m for m, _ in served_by} <= {"smollm2-135m-instruct", ck["name"]}, served_by
+    base = [n for m, n in served_by if m == "smollm2-135m-instruct"]
+    assert base == sorted(base) and base[0] == 0 and base[-1] <= s["steps"], served_by
+    after = served_by[len(base):]
+    assert served_by[:len(base)] == [("smollm2-135m-instruct", n) for n in base], served_by
+    assert all(n == 0 for _, n in after), served_by
 
     # the checkpoint was saved through the API and now names what is served
-    ck = s["checkpoint"]
-    assert ck is not None and len(ck["checkpoint_sha256"]) == 64
+    assert len(ck["checkpoint_sha256"]) == 64
     assert ck["steps_since_load"] == s["steps"]
     assert Path(ck["path"]).is_dir() and Path(ck["path"], "manifest.json").is_file()
     assert Path(ck["path"]).is_relative_to(home_with_default)

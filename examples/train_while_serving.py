@@ -658,6 +658,13 @@ class Demo:
         commit_ms = [c.commit_ms for c in self.commits if c.commit_ms is not None]
         hold_ms = [(c.hold_end - c.hold_start) * 1000 for c in self.commits]
         first, last = self.evals[0], self.evals[-1]
+        overran = [c for c in self.commits if c.overran]
+        if overran:
+            self.notes.append(
+                f"{len(overran)} commit(s) took longer than the server's "
+                "WEIGHTS_COMMIT_WATCHDOG_MS: the set was torn until each late commit-end, and "
+                "requests held meanwhile were refused; raise the watchdog on the server "
+                "(docs/trainer-guide.md, 'The watchdog')")
         summary = {
             "schedule": self.schedule.name,
             "steps": len(self.commits),
@@ -911,6 +918,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         wrote = f"{out / 'results.json'} (no plot: pip install matplotlib)"
     print(results_table(results))
+    for note in results["summary"]["notes"]:
+        print(f"note: {note}")
     print(f"\nfinal served recital (commits={results['evals'][-1]['commits']}):\n"
           f"{results['evals'][-1]['recital']}\n")
     print(f"wrote {wrote}")

@@ -500,7 +500,7 @@ class WeightsRuntime:
     # --- management loads and /v1 admission ------------------------------------------------
     _transition_params: dict[str, Any] = {}
 
-    def _target(self, row_id: int | None) -> bool:
+    def _target(self, row_id: int | None, *, check: bool = True) -> bool:
         """Whether ``row_id`` names the resident row. A row that does not exist or cannot be
         loaded is refused here, before the lifecycle sees the load (404 MODEL_NOT_FOUND,
         400 BACKEND_UNAVAILABLE), so a started load fails only for a real load error."""
@@ -515,7 +515,8 @@ class WeightsRuntime:
         if row is None:
             raise ApiError(codes.MODEL_NOT_FOUND, f"no catalogue row with id {row_id}",
                            details={"model_id": row_id})
-        check_loadable(row)
+        if check:
+            check_loadable(row)
         return False
 
     async def model_transition(self, kind: str, row_id: int | None) -> Any:
@@ -544,7 +545,9 @@ class WeightsRuntime:
     async def admit_v1(self, *, refuse_policy: bool, row_id: int | None) -> Effect:
         """Decide a ``/v1`` request: ``ADMIT``, ``HOLD_REQUEST`` (the scheduler holds it), or a
         refusal raised as ApiError; an auto-load is started and awaited (contract 4)."""
-        targets_resident = row_id is None or self._target(row_id)
+        # The refuse policy refuses any swap first (weights page: Unsaved commits), before a
+        # check of whether the row could be loaded at all.
+        targets_resident = row_id is None or self._target(row_id, check=not refuse_policy)
         async with self.lock:
             counts = self.scheduler.counts()
             full = counts.queued + counts.held_interactive >= self.scheduler.max_queued

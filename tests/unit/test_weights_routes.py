@@ -254,3 +254,15 @@ async def test_a_parameter_moved_during_a_commit_tears_the_set(client):
     assert st == 403 and body["error"]["code"] == "NOT_ATTACHMENT_HOLDER"
     status = (await (await client.get("/api/weights/status")).json())["data"]
     assert status["weights_state"] == "torn"
+
+
+async def test_refuse_policy_refuses_a_swap_before_the_row_is_checked(client):
+    client.app[keys.CATALOGUE].register(name="tiny-q4", format="gguf", dtype="float16",
+                                        path="/nonexistent/tiny.gguf", quantization="gguf")
+    body = {"model": "tiny-q4", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    resp = await client.post("/v1/chat/completions", json=body,
+                             headers={"X-miLLM-Load-Policy": "refuse"})
+    assert resp.status == 409 and (await resp.json())["error"]["code"] == "model_not_loaded"
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 400 and (await resp.json())["error"]["code"] == "backend_unavailable"
+    assert client.app[keys.HOST].resident.row.name == "tiny"

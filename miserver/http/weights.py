@@ -77,14 +77,8 @@ async def attach(request: web.Request) -> web.Response:
         steps_since_load=view["steps_since_load"] or 0,
         heartbeat=W.HeartbeatInfo(timeout_s=runtime.settings.weights_heartbeat_timeout_s,
                                   interval_hint_s=runtime.settings.weights_heartbeat_interval_hint_s),
-        producer=msgspec.convert(msgspec.to_builtins(export.producer), W.Producer),
-        storages=msgspec.convert(msgspec.to_builtins(export.storages),
-                                 list[W.CudaIpcStorage | W.CpuSharedMemoryStorage]),
-        parameters=msgspec.convert(msgspec.to_builtins(export.parameters),
-                                   list[W.ParameterEntry]),
-        release=W.Release(pinned_bytes=export.release.pinned_bytes,
-                          contract=export.release.contract),
-        config=export.config,
+        producer=export.producer, storages=export.storages, parameters=export.parameters,
+        release=export.release, config=export.config,
     )
     return ok(data, headers={"Cache-Control": "no-store"})
 

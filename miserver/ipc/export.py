@@ -35,70 +35,15 @@ RELEASE_CONTRACT = (
 )
 
 
-class CudaIpcStorage(msgspec.Struct, kw_only=True, tag_field="kind", tag="cuda_ipc"):
-    """One CUDA storage: the arguments of ``rebuild_cuda_tensor`` that describe the storage.
-
-    ``handle`` is the ``cudaIpcMemHandle_t`` of the allocation (64 bytes, base64);
-    ``storage_offset_bytes`` the storage's offset inside it; ``ref_counter_handle`` and
-    ``ref_counter_offset`` the shared-memory reference counter the receiver releases;
-    ``event_handle`` an IPC event to wait on before reading when ``event_sync_required``.
-    ``device_index`` is the producer's index; match devices by ``device_uuid``.
-    """
-
-    device_index: int
-    device_uuid: str
-    handle: str
-    storage_size_bytes: int
-    storage_offset_bytes: int
-    ref_counter_handle: str
-    ref_counter_offset: int
-    event_handle: str | None
-    event_sync_required: bool
-
-
-class CpuSharedMemoryStorage(msgspec.Struct, kw_only=True, tag_field="kind",
-                             tag="cpu_shared_memory"):
-    """One CPU shared-memory storage (contract section 8): what PyTorch's ``file_system``
-    strategy emits, ``(manager_handle, storage_handle, size)``, with byte fields base64.
-    Rebuild with ``rebuild_storage_filename(torch.UntypedStorage, manager, handle, size)``.
-    ``device_index`` and ``device_uuid`` are null."""
-
-    manager_handle: str
-    storage_handle: str
-    storage_size_bytes: int
-    device_index: int | None = None
-    device_uuid: str | None = None
-
-
-class ParameterEntry(msgspec.Struct, kw_only=True):
-    """One parameter as a view of ``storages[storage]``: ``dtype`` (``bfloat16``), ``shape``,
-    ``stride`` (elements), ``storage_offset`` (elements). Tied names share the storage entry and
-    offset; ``tied_to`` names the first name of the same parameter (else null)."""
-
-    name: str
-    storage: int
-    dtype: str
-    shape: list[int]
-    stride: list[int]
-    storage_offset: int
-    requires_grad: bool
-    tied_to: str | None = None
-
-
-class Producer(msgspec.Struct, kw_only=True):
-    """The exporting process's build: ``torch`` version, ``cuda`` build version, ``driver``."""
-
-    torch: str
-    cuda: str | None
-    driver: str | None
-
-
-class Release(msgspec.Struct, kw_only=True):
-    """``pinned_bytes``: bytes the exported storages hold until released (GPU memory; shared
-    memory in CPU mode). ``contract``: the release order, in words."""
-
-    pinned_bytes: int
-    contract: str
+# The wire Structs live in miserver/spec/weights.py (one definition, no torch there); the export
+# builds them directly.
+from miserver.spec.weights import (  # noqa: E402
+    CpuSharedMemoryStorage,
+    CudaIpcStorage,
+    ParameterEntry,
+    Producer,
+    Release,
+)
 
 
 class ExportBody(msgspec.Struct, kw_only=True):

@@ -24,6 +24,16 @@ import torch
 from miserver.ipc.arena import ParameterArena
 from miserver.ipc.devices import device_uuid, producer_info
 
+# The wire Structs live in miserver/spec/weights.py (one definition, no torch there); the export
+# builds them directly.
+from miserver.spec.weights import (
+    CpuSharedMemoryStorage,
+    CudaIpcStorage,
+    ParameterEntry,
+    Producer,
+    Release,
+)
+
 #: The release contract stated in every export (weights page "Releasing the handles").
 RELEASE_CONTRACT = (
     "Rebuild each storage exactly once and take every parameter as a view of it. To release: "
@@ -35,15 +45,6 @@ RELEASE_CONTRACT = (
 )
 
 
-# The wire Structs live in miserver/spec/weights.py (one definition, no torch there); the export
-# builds them directly.
-from miserver.spec.weights import (  # noqa: E402
-    CpuSharedMemoryStorage,
-    CudaIpcStorage,
-    ParameterEntry,
-    Producer,
-    Release,
-)
 
 
 class ExportBody(msgspec.Struct, kw_only=True):

@@ -113,13 +113,15 @@ NOT_PRODUCIBLE_HERE: dict[str, str] = {
     "NOT_ATTACHABLE:continuous_batching_running": "continuous batching is not implemented "
     "(PATCH /api/settings refuses continuous_batching: true)",
     "BARRIER_UNAVAILABLE:cbm": "continuous batching is not implemented",
+    # these four need work held in progress; test_codes_that_need_work_in_progress does that
     "NOT_ATTACHABLE:model_transition": "needs an attach during a load or a pause (a race)",
     "MODEL_BUSY:drain_timeout": "needs a forward pass still running at a drain deadline",
     "NOT_QUIESCED:quiesce_in_progress": "needs a call while a quiesce is still draining",
     "PAUSE_IN_PROGRESS:save": "needs a call while a save holds the barrier (a race)",
     "PAUSE_IN_PROGRESS:weights_load": "needs a call during a weights load (a race)",
     "PAUSE_IN_PROGRESS:adapter": "needs a call during an adapter change (a race)",
-    "MODEL_BUSY:model_transition": "needs a call during a model load (a race)",
+    "MODEL_BUSY:model_transition": "needs a call during a model load (a race; also "
+    "test_codes_that_need_work_in_progress)",
 }
 
 #: Every (CODE, reason) the HTTP state machine has seen, across all examples of a run.
@@ -377,8 +379,9 @@ class HttpDriver:
         return Answer(200)
 
     # --- the steps ------------------------------------------------------------------------------
-    async def gated(self, trigger: str, who: str) -> Answer:
-        """POST one gated weights route as ``who``; compare with the table."""
+    async def gated(self, trigger: str, who: str, *, settle: bool = True) -> Answer:
+        """POST one gated weights route as ``who``; compare with the table. ``settle=False``:
+        do not wait for the server to go quiet (a test holds a slot or a pause open)."""
         headers, caller = self.headers_for(who)
         self.note(f"{trigger} as {who}")
         got, body, _ = await self._send("POST", ROUTES[trigger], headers=headers)
@@ -402,7 +405,8 @@ class HttpDriver:
         if got.status == 200:
             self._check_body(trigger, body["data"], out)
         self._check_audit(trigger, got)
-        await self.settle(outcomes)
+        if settle:
+            await self.settle(outcomes)
         return got
 
     def _check_body(self, trigger: str, data: dict[str, Any], out: Outcome) -> None:
@@ -904,3 +908,130 @@ def test_not_attachable_reasons_over_http(reason: str, tiny_model_dir: str, tmp_
         Event("attach", caller=Caller("operator", "ops"), not_attachable=reason), START
     )
     assert got == _expected(out) == Answer(400, "NOT_ATTACHABLE", reason)
+
+
+# ----------------------------------------------------------------------------------------------
+# Codes that need work in progress: a forward pass running, a model load, a save
+
+
+async def _wait_for(predicate: Any, what: str) -> None:
+    deadline = time.monotonic() + 30.0
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.002)
+
+
+async def _drain_scenario(d: HttpDriver) -> None:
+    """A forward pass holds the slot while the holder quiesces: resume and commit-begin are
+    409 NOT_QUIESCED quiesce_in_progress, and the drain deadline answers the quiesce 409
+    MODEL_BUSY drain_timeout, holding nothing (weights page: The write cycle 2, 5)."""
+    from miserver.serving.scheduler import Priority
+
+    await d.gated("attach", "trn")
+    await d.scheduler.acquire(Priority.INTERACTIVE)  # a request in its forward pass
+    try:
+        headers, caller = d.headers_for("trn+att")
+        quiesce = asyncio.ensure_future(d._send("POST", ROUTES["quiesce"], headers=headers))
+        await _wait_for(lambda: d.runtime.lifecycle.state.barrier == "draining", "the drain")
+        assert d.shadow.handle(Event("quiesce", caller=caller), d.now).kind == "accepted"
+        for trigger in ("resume", "commit_begin"):
+            got = await d.gated(trigger, "trn+att", settle=False)
+            assert got == Answer(409, "NOT_QUIESCED", "quiesce_in_progress")
+        d.clock.now = d.shadow.context.drain_deadline  # exactly (the heartbeat lapses first)
+        outs = d.shadow.fire_due(d.now)
+        d.runtime._wake.set()
+        got, _, _ = await asyncio.wait_for(quiesce, 30)
+        pend = next(o.pending for o in outs if o.pending is not None)
+        want = Answer(pend.status, pend.code.name if pend.code else None, pend.reason)
+        d._compare("quiesce at the drain deadline", got, want)
+        assert got == Answer(409, "MODEL_BUSY", "drain_timeout")
+    finally:
+        d.scheduler.release()
+    d.gated_calls += 1  # the quiesce's own audit line
+    await d.settle(outs)
+    await d.check_status()
+    await d.v1("resident", 1)  # serving again
+
+
+async def _load_scenario(d: HttpDriver) -> None:
+    """While a model load runs, attach is 400 NOT_ATTACHABLE model_transition and /v1 is 409
+    model_busy (model_transition) (weights page: Which models can be attached; contract 3)."""
+    gate = asyncio.Event()
+    real_load = d.host.load
+
+    async def load_after_gate(row_id: Any) -> Any:
+        await gate.wait()
+        return await real_load(row_id)
+
+    d.host.load = load_after_gate
+    try:
+        load = asyncio.ensure_future(d._send("POST", f"/api/models/{d.rows[MODELS[1]]}/load"))
+        await _wait_for(lambda: d.runtime.lifecycle.state.transition == "load", "the load")
+        assert d.shadow.handle(Event("model_load", target="other"), d.now).kind == "accepted"
+        got = await d.gated("attach", "trn")
+        assert got == Answer(400, "NOT_ATTACHABLE", "model_transition")
+        await d.v1("resident", 1)  # 409 model_busy (/v1 errors carry no reason)
+        got = await d.management("unload")
+        assert got == Answer(409, "MODEL_BUSY", "model_transition")
+        gate.set()
+        got, _, _ = await load
+        d._compare("the load", got, Answer(200))
+        await d.settle([d.shadow.handle(Event("transition_done"), d.now)])
+        await d.check_status()
+        assert d.host.resident.row.name == MODELS[1]
+    finally:
+        gate.set()  # never leave the work blocked
+
+
+async def _save_scenario(d: HttpDriver) -> None:
+    """While a save has taken over the holder's hold, quiesce and resume are 409
+    PAUSE_IN_PROGRESS save; a request stays held until the holder resumes (contract 5)."""
+    gate = asyncio.Event()
+    real_save = d.runtime._jobs["save"]
+
+    async def save_after_gate(params: dict[str, Any]) -> dict[str, Any]:
+        await gate.wait()
+        return await real_save(params)
+
+    d.runtime.register_job("save", save_after_gate)
+    try:
+        await d.gated("attach", "trn")
+        await d.gated("quiesce", "trn+att")
+        headers, caller = d.headers_for("trn+att")
+        save = asyncio.ensure_future(d._send("POST", "/api/weights/save", headers=headers, json={}))
+        await _wait_for(lambda: d.runtime.lifecycle.state.owner == "save", "the save")
+        assert d.shadow.handle(Event("save", caller=caller), d.now).kind == "accepted"
+        for trigger in ("quiesce", "resume"):
+            got = await d.gated(trigger, "trn+att")
+            assert got == Answer(409, "PAUSE_IN_PROGRESS", "save")
+        await d.gated("commit_begin", "trn+att")
+        await d.v1("resident", 1)  # held
+        gate.set()
+        got, _, _ = await save
+        d._compare("the save", got, Answer(200))
+        d.gated_calls += 1  # the save's audit line
+        await d.settle([d.shadow.handle(Event("save_done"), d.now)])
+        await d.check_status()
+        await d.gated("resume", "trn+att")  # the held request is served now
+        await d.check_status()
+    finally:
+        gate.set()  # never leave the work blocked
+
+
+@pytest.mark.parametrize("scenario", ["drain", "model_load", "save"])
+def test_codes_that_need_work_in_progress(scenario: str, tiny_model_dir: str) -> None:
+    """MODEL_BUSY drain_timeout, NOT_QUIESCED quiesce_in_progress, NOT_ATTACHABLE and
+    MODEL_BUSY model_transition, PAUSE_IN_PROGRESS save: each produced over HTTP with the work
+    really in progress (the test holds a real scheduler slot, or gates the real load or save
+    job until it has sent its calls), and each answer compared with the table."""
+    run = {"drain": _drain_scenario, "model_load": _load_scenario, "save": _save_scenario}
+
+    async def go() -> None:
+        d = HttpDriver(tiny_model_dir, timing=TIMINGS[0], max_queued=64)
+        await d.open()
+        try:
+            await run[scenario](d)
+        finally:
+            await d.close()
+
+    asyncio.run(go())

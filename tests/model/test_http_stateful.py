@@ -564,10 +564,14 @@ class HttpDriver:
         outcomes = self.shadow.fire_due(self.now)
         fired = [o.trigger for o in outcomes if o.kind == "accepted"]
         self.note(f"advance {where} -> {', '.join(fired) or 'nothing fires'}")
-        # Wake the runtime's own timer pump: it sleeps in real time until the deadline it
-        # computed, and only a moved deadline wakes it (``_poke``), not a jump of the clock.
-        self.runtime._wake.set()
+        self.wake_pump()
         await self.settle(outcomes)
+
+    def wake_pump(self) -> None:
+        """Wake the runtime's own timer pump after a clock jump: it sleeps in real time until
+        the deadline it computed, and ``_poke`` wakes it only when a deadline moves earlier,
+        which a jump of the clock does not do."""
+        self.runtime._wake.set()
 
     # --- the oracle on status --------------------------------------------------------------------
     async def check_status(self) -> None:
@@ -942,7 +946,7 @@ async def _drain_scenario(d: HttpDriver) -> None:
             assert got == Answer(409, "NOT_QUIESCED", "quiesce_in_progress")
         d.clock.now = d.shadow.context.drain_deadline  # exactly (the heartbeat lapses first)
         outs = d.shadow.fire_due(d.now)
-        d.runtime._wake.set()
+        d.wake_pump()
         got, _, _ = await asyncio.wait_for(quiesce, 30)
         pend = next(o.pending for o in outs if o.pending is not None)
         want = Answer(pend.status, pend.code.name if pend.code else None, pend.reason)

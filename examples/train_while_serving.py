@@ -626,7 +626,7 @@ class Demo:
             postfix.update(lines=f"{ev.lines}/{len(self.reference)}",
                            control="ok" if ev.control_ok else "LOST")
             tqdm.write(f"step {step:3d}: served recital {ev.lines:2d}/{len(self.reference)} "
-                       f"lines, reference loss {ev.nll:.3f} nats/token, control "
+                       f"lines, reference loss {ev.nll:.4f} nats/token, control "
                        f"{'ok' if ev.control_ok else 'LOST'} (commits={ev.commits})",
                        file=sys.stderr)
             learned = ev.lines == len(self.reference) and ev.control_ok
@@ -745,7 +745,7 @@ def results_table(results: dict[str, Any]) -> str:
     for e in results["evals"]:
         control = ("ok   " if e["control_ok"] else "LOST ") + repr(e["control_text"][:40])
         rows.append(f"{e['step']:>5} {e['commits'] if e['commits'] is not None else '-':>7} "
-                    f"{e['lines']:>3}/{n:<3} {e['nll']:>10.3f}  {control}")
+                    f"{e['lines']:>3}/{n:<3} {e['nll']:>10.4f}  {control}")
 
     def fmt(v: Any, unit: str = "") -> str:
         return "-" if v is None else (f"{v:.3f}{unit}" if isinstance(v, float) else f"{v}{unit}")
@@ -754,7 +754,7 @@ def results_table(results: dict[str, Any]) -> str:
     summary = [
         ("training steps (commits)", fmt(s["steps"])),
         ("served recital, untrained -> final", f"{s['untrained_lines']}/{n} -> {s['final_lines']}/{n} lines"),
-        ("reference loss, untrained -> final", f"{s['untrained_nll']:.3f} -> {s['final_nll']:.3f} nats/token"),
+        ("reference loss, untrained -> final", f"{s['untrained_nll']:.3f} -> {s['final_nll']:.4f} nats/token"),
         ("control question answered, before / after / after save",
          f"{s['control_before']} / {s['control_after']} / {s['control_after_save']}"),
         ("chat requests (failed)", f"{s['chat_requests']} ({s['chat_failed']})"),
@@ -764,7 +764,7 @@ def results_table(results: dict[str, Any]) -> str:
         ("chat requests held through a write", fmt(s["chat_held_by_a_commit"])),
         ("chat latency p50 / p99", f"{fmt(s['chat_latency_p50_s'], ' s')} / {fmt(s['chat_latency_p99_s'], ' s')}"),
         ("commit (server) p50 / p99 / max", f"{fmt(s['commit_ms_p50'], ' ms')} / {fmt(s['commit_ms_p99'], ' ms')} / {fmt(s['commit_ms_max'], ' ms')}"),
-        ("serving paused per step p50 / p99", f"{fmt(s['hold_ms_p50'], ' ms')} / {fmt(s['hold_ms_p99'], ' ms')}"),
+        ("quiesce sent -> resume answered, per step p50 / p99", f"{fmt(s['hold_ms_p50'], ' ms')} / {fmt(s['hold_ms_p99'], ' ms')}"),
         ("commits that overran the watchdog", fmt(s["commits_overran"])),
         ("checkpoint", f"{ck.get('name', '-')} ({(ck.get('checkpoint_sha256') or '-')[:12]})"),
         ("served as, after the save", f"{s['served_name_after_save']} (origin {s['served_origin_after_save']})"),
@@ -807,7 +807,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     for i, c in enumerate(results["commits"]):
         bottom.axvspan(c["hold_start"], c["hold_end"], color="tab:red", alpha=0.15,
-                       lw=0, label="serving paused (quiesce -> resume)" if i == 0 else None)
+                       lw=0, label="barrier: quiesce sent -> resume answered" if i == 0
+                       else None)
         bottom.axvspan(c["write_start"], c["write_end"], color="tab:red", alpha=0.45, lw=0,
                        label="weights writing (optimizer step)" if i == 0 else None)
     ok = [c for c in results["chats"] if c["error"] is None and c["t_done"] is not None]
@@ -829,7 +830,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     bottom.set_ylabel("chat latency (s)")
     bottom.set_title(f"{s['chat_requests']} chat requests, {s['chat_failed']} failed, "
                      f"{s['chat_served_during_commit']} served during a commit")
-    bottom.legend(loc="upper left")
+    bottom.legend(loc="upper right", fontsize="small", framealpha=0.9)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -198,11 +198,15 @@ class SetupError(RuntimeError):
     """The demo cannot run (no server, the wrong model, a torn set): exit status 2."""
 
 
-def wait_until_ready(base: str, timeout_s: float, server: LocalServer | None = None) -> None:
-    """Wait until ``MODEL`` is resident (the first start imports it, a minute or two)."""
+def wait_until_ready(base: str, timeout_s: float, server: LocalServer | None = None,
+                     stop: StopRequest | None = None) -> None:
+    """Wait until ``MODEL`` is resident (the first start imports it, a minute or two).
+    Raises KeyboardInterrupt when a stop was requested meanwhile."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     while time.monotonic() < deadline:
+        if stop is not None and stop.requested:
+            raise KeyboardInterrupt
         if server is not None:
             server.check_alive()
         try:
@@ -461,7 +465,8 @@ class Demo:
     """One run: evaluate, attach, train in place under chat load, save, report."""
 
     def __init__(self, base: str, token: str, schedule: Schedule, out: Path,
-                 home: str | None, server: LocalServer | None) -> None:
+                 home: str | None, server: LocalServer | None,
+                 stop: StopRequest | None = None) -> None:
         self.base = base
         self.token = token
         self.schedule = schedule
@@ -474,7 +479,7 @@ class Demo:
         self.commits: list[CommitRecord] = []
         self.t0 = time.monotonic()
         self.notes: list[str] = []
-        self.stop = StopRequest()
+        self.stop = stop or StopRequest()
         self.save_window: tuple[float, float] | None = None
 
     # --- set-up -----------------------------------------------------------------------------
@@ -535,7 +540,6 @@ class Demo:
         from miserver.trainer import WeightsClient
 
         s = self.schedule
-        self.stop.install()
         self.tokenizer = self.load_tokenizer()
         self.zen_prompt, self.zen_target = self.example(QUESTION, "\n".join(self.reference))
         ctl_prompt, ctl_target = self.example(CONTROL_QUESTION, CONTROL_ANSWER)
@@ -581,7 +585,9 @@ class Demo:
                         if self._step(step, model, batches, opt, client, bar):
                             break
                 if not self.commits:
-                    raise SetupError("stopped before the first training step")
+                    if self.stop.requested:
+                        raise KeyboardInterrupt
+                    raise SetupError("no training step ran")
                 if self.evals[-1].step != self.commits[-1].step:
                     self.evaluate(self.commits[-1].step)
                 if not self.stop.requested:
@@ -894,6 +900,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from miserver.spec.settings import default_home
 
     home = os.environ.get("MISERVER_HOME") or default_home()
+    stop = StopRequest()
+    stop.install()
     try:
         with contextlib.ExitStack() as stack:
             server = None
@@ -911,12 +919,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 base, token = server.base, server.token
                 print(f"started miserver on {base} (device {device}, log {out / 'server.log'})",
                       flush=True)
-            wait_until_ready(base, args.start_timeout, server)
-            demo = Demo(base, token, schedule, out, home, server)
+            wait_until_ready(base, args.start_timeout, server, stop)
+            demo = Demo(base, token, schedule, out, home, server, stop)
             results = demo.run()
     except SetupError as exc:
         print(f"train_while_serving: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("train_while_serving: interrupted", file=sys.stderr)
+        return 130
     results["summary"]["device"] = device
     (out / "results.json").write_text(json.dumps(results, indent=1))
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import msgspec
@@ -43,7 +43,7 @@ class AuditRecord(msgspec.Struct, kw_only=True):
     weights_state_before: str
     elapsed_ms: float | None = None
     steps: int | None = None
-    ts: float = 0.0
+    ts: str = ""  # RFC 3339 UTC, like every other time miserver writes
     event: str = "weights_audit"
 
 
@@ -65,7 +65,8 @@ class AuditLog:
         if record.operation not in OPERATIONS:
             raise ValueError(f"unknown audit operation {record.operation!r}")
         if not record.ts:
-            record.ts = time.time()
+            record.ts = datetime.now(UTC).isoformat(timespec="milliseconds").replace(
+                "+00:00", "Z")
         line = self._encoder.encode(record).decode()
         with self._lock:
             self.count += 1

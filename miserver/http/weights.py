@@ -31,19 +31,15 @@ def _caller(request: web.Request) -> Caller:
 
 
 async def decode_body(request: web.Request, struct: type[msgspec.Struct]) -> Any:
-    """Decode an optional JSON body into ``struct`` (an empty body is ``{}``).
+    """Decode an optional JSON body into ``struct``: an empty body is ``{}`` (the weights routes
+    without a body), anything else as the management API decodes it.
 
-    Raises ApiError 400 INVALID_REQUEST naming the problem (never echoing the body).
+    Raises ApiError 400 INVALID_REQUEST naming the field (never echoing the body).
     """
+    from miserver.http.management import decode_body as decode_management_body
+
     raw = await request.read()
-    if not raw.strip():
-        raw = b"{}"
-    try:
-        return msgspec.json.decode(raw, type=struct)
-    except msgspec.ValidationError as exc:
-        raise ApiError(codes.INVALID_REQUEST, f"invalid request body: {exc}") from None
-    except msgspec.DecodeError:
-        raise ApiError(codes.INVALID_REQUEST, "the request body is not valid JSON") from None
+    return decode_management_body(raw if raw.strip() else b"{}", struct)
 
 
 async def _gated(request: web.Request, trigger: str, operation: str,

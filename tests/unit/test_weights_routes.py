@@ -266,3 +266,18 @@ async def test_refuse_policy_refuses_a_swap_before_the_row_is_checked(client):
     resp = await client.post("/v1/chat/completions", json=body)
     assert resp.status == 400 and (await resp.json())["error"]["code"] == "backend_unavailable"
     assert client.app[keys.HOST].resident.row.name == "tiny"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/api/weights/load", {"checkpoint": 5}),
+    ("/api/weights/load", {"checkpoint": "x", "model_id": 1}),
+    ("/api/weights/load", {}),
+    ("/api/weights/attach", [1, 2]),
+    ("/api/weights/save", {"name": "ok", "extra": True}),
+])
+async def test_bad_bodies_are_400_json_and_change_nothing(client, tmp_path, path, body):
+    st, data, _ = await post(client, path, auth(OPS), body)
+    assert st == 400 and data["error"]["code"] == "INVALID_REQUEST", data
+    assert OPS not in json.dumps(data)
+    status = (await (await client.get("/api/weights/status")).json())["data"]
+    assert status["attached"] is False and status["weights_state"] == "clean"

@@ -120,6 +120,7 @@ class WeightsRuntime:
         self._pump_deadline: float | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.last_save: dict[str, Any] | None = None
+        self._transition_params: dict[str, Any] = {}
         self.last_export: Any = None
 
     # --- time -------------------------------------------------------------------------------
@@ -267,7 +268,9 @@ class WeightsRuntime:
                      Effect.BEGIN_ADAPTER_CHANGE: "adapter"}[effect]
             self._spawn(self._run_job(owner))
         elif effect in (Effect.START_MODEL_LOAD, Effect.START_MODEL_UNLOAD):
-            outputs["transition"] = self._spawn(self._run_transition(effect, out))
+            # The row is bound now: a later event may set other parameters before the task runs.
+            outputs["transition"] = self._spawn(
+                self._run_transition(effect, dict(self._transition_params)))
         elif effect in (Effect.ADMIT, Effect.HOLD_REQUEST):
             outputs["admission"] = effect
         elif effect is Effect.APPLY_SETTINGS:
@@ -334,9 +337,8 @@ class WeightsRuntime:
         """A weights load is about to write: the set is ``writing`` from here (contract 5)."""
         await self.event(Event("weights_load_write"))
 
-    async def _run_transition(self, effect: Effect, out: Outcome) -> Any:
+    async def _run_transition(self, effect: Effect, params: dict[str, Any]) -> Any:
         """Perform a model load or unload for the core and report its end."""
-        params = self._transition_params
         try:
             if effect is Effect.START_MODEL_LOAD:
                 resident = await self.host.load(params["row_id"])
@@ -498,7 +500,6 @@ class WeightsRuntime:
             elapsed_ms=elapsed, steps=steps))
 
     # --- management loads and /v1 admission ------------------------------------------------
-    _transition_params: dict[str, Any] = {}
 
     def _target(self, row_id: int | None, *, check: bool = True) -> bool:
         """Whether ``row_id`` names the resident row. A row that does not exist or cannot be

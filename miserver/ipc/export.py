@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 import torch
 
-from miserver.ipc.arena import ParameterArena
+from miserver.ipc.arena import ParameterArena, base_parameter_slots
 from miserver.ipc.devices import device_uuid, producer_info
 
 # The wire Structs live in miserver/spec/weights.py (one definition, no torch there); the export
@@ -117,7 +117,8 @@ def moved_parameters(arena: ParameterArena, model: torch.nn.Module) -> list[str]
     arena_ptrs = {st.data_ptr() for st in arena.storages}
     seen: set[str] = set()
     moved: list[str] = []
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, params, leaf in base_parameter_slots(model):
+        p = params[leaf]
         seen.add(name)
         if (arena.addresses.get(name) != p.data_ptr()
                 or p.untyped_storage().data_ptr() not in arena_ptrs):
@@ -162,7 +163,8 @@ def export_handles(arena: ParameterArena, model: torch.nn.Module) -> ExportBody:
         storages = [_share(arena, i) for i in range(len(arena.storages))]
         _exports += 1
     params = []
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, owner, leaf in base_parameter_slots(model):
+        p = owner[leaf]
         s = arena.slots[name]
         params.append(ParameterEntry(
             name=name, storage=s.storage, dtype=str(s.dtype).removeprefix("torch."),

@@ -178,3 +178,21 @@ async def test_adapter_changes_outputs_and_removing_it_restores_them(client, tmp
     assert await scores(client) == before
     resp = await client.post("/api/weights/adapter", json={"name": "x", "path": "/nonexistent"})
     assert resp.status == 400 and (await resp.json())["error"]["code"] == "ADAPTER_INVALID"
+
+
+async def test_an_adapter_while_attached_neither_tears_nor_changes_the_export(client, tmp_path,
+                                                                             tiny_model_dir):
+    adapter = make_adapter(tiny_model_dir, tmp_path / "lora")
+    st, body, _ = await post(client, "/api/weights/attach", auth(TRN))
+    names = [p["name"] for p in body["data"]["parameters"]]
+    h = auth(TRN, body["data"]["attachment_id"])
+    resp = await client.post("/api/weights/adapter", json={"name": "tiny-lora",
+                                                           "path": str(adapter)})
+    assert resp.status == 200, await resp.text()
+    await commit(client, h, bump)  # the per-commit address check looks through the LoRA layers
+    assert (await post(client, "/api/weights/detach", h))[0] == 200  # the full walk too
+    status = (await (await client.get("/api/weights/status")).json())["data"]
+    assert status["weights_state"] == "clean" and status["adapter"]["applied"] is True
+    st, body, _ = await post(client, "/api/weights/attach", auth(TRN))
+    assert st == 200, body
+    assert [p["name"] for p in body["data"]["parameters"]] == names  # base names, no lora_*

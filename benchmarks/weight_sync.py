@@ -412,6 +412,8 @@ def start_miserver(size: str, device: str, workdir: Path) -> tuple[subprocess.Po
                     DEFAULT_MODEL=f"random-{size}",
                     WEIGHTS_TOKENS=f"{TOKEN_LABEL}:trainer:{TOKEN_SECRET}",
                     WEIGHTS_CPU_ATTACH="1" if device == "cpu" else "0",
+                    # a CPU write on a loaded machine can outlast the GPU-sized 800 ms default
+                    **({"WEIGHTS_COMMIT_WATCHDOG_MS": "30000"} if device == "cpu" else {}),
                     LOG_LEVEL="info", LOG_FORMAT="json")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, __file__, "--role", "miserver", "--sizes", size],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -25,7 +26,10 @@ def _cache_key() -> str:
     import miserver.serving.default_model as dm
 
     source = Path(dm.__file__).read_bytes()
-    return hashlib.sha256(source + transformers.__version__.encode()).hexdigest()[:12]
+    # The catalogue records the GGUF's path inside this environment: key on it too, so a second
+    # checkout's venv does not reuse rows that point into another one.
+    env = sys.prefix.encode()
+    return hashlib.sha256(source + transformers.__version__.encode() + env).hexdigest()[:12]
 
 
 @pytest.fixture(scope="session")

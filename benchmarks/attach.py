@@ -30,13 +30,33 @@ REPO = Path(__file__).resolve().parents[1]
 
 SHAPES = {
     # Qwen2.5-0.5B's shape (tied embeddings)
-    "0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                           num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                           tie_word_embeddings=True, max_position_embeddings=4096)),
+    "0.5b": (
+        "qwen2",
+        dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            max_position_embeddings=4096,
+        ),
+    ),
     # Llama-3-8B's shape (untied)
-    "8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         tie_word_embeddings=False, max_position_embeddings=8192)),
+    "8b": (
+        "llama",
+        dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            tie_word_embeddings=False,
+            max_position_embeddings=8192,
+        ),
+    ),
 }
 
 
@@ -80,8 +100,9 @@ def in_place_step(served: list[torch.Tensor], grads: list[torch.Tensor]) -> None
     torch._foreach_add_(served, grads, alpha=-1e-4)
 
 
-def copy_based_step(served: list[torch.Tensor], own: list[torch.Tensor],
-                    grads: list[torch.Tensor]) -> None:
+def copy_based_step(
+    served: list[torch.Tensor], own: list[torch.Tensor], grads: list[torch.Tensor]
+) -> None:
     """The same step on the trainer's own copy, then that copy copied into the served tensors."""
     torch._foreach_add_(own, grads, alpha=-1e-4)
     torch._foreach_copy_(served, own)
@@ -101,8 +122,12 @@ def attach_cycle(path: str, reps: int, steps: bool) -> dict:
     t2 = time.perf_counter()
     model = trainer.build_model(body, w)
     t3 = time.perf_counter()
-    out = {"decode_ms": (t1 - t0) * 1e3, "rebuild_ms": (t2 - t1) * 1e3,
-           "build_model_ms": (t3 - t2) * 1e3, "storages": w.storage_count}
+    out = {
+        "decode_ms": (t1 - t0) * 1e3,
+        "rebuild_ms": (t2 - t1) * 1e3,
+        "build_model_ms": (t3 - t2) * 1e3,
+        "storages": w.storage_count,
+    }
     if steps:
         params = w.unique_tensors()
         with torch.no_grad():
@@ -110,18 +135,19 @@ def attach_cycle(path: str, reps: int, steps: bool) -> dict:
             sync()
             base_mem = torch.cuda.memory_allocated()
             # the optimizer writes the served tensors directly
-            out["in_place_ms"] = time_events(functools.partial(in_place_step, params, grads),
-                                             reps)
+            out["in_place_ms"] = time_events(functools.partial(in_place_step, params, grads), reps)
             out["in_place_extra_bytes"] = torch.cuda.memory_allocated() - base_mem
             own = [p.detach().clone() for p in params]  # the trainer's own copy
             sync()
             out["copy_extra_bytes"] = torch.cuda.memory_allocated() - base_mem
             # step the trainer's own copy, then copy it into the served tensors
             out["copy_ms"] = time_events(
-                functools.partial(copy_based_step, params, own, grads), reps)
+                functools.partial(copy_based_step, params, own, grads), reps
+            )
             # the in-place step once more: the spread between the two is the noise
             out["in_place_again_ms"] = time_events(
-                functools.partial(in_place_step, params, grads), reps)
+                functools.partial(in_place_step, params, grads), reps
+            )
             del own, grads
         del params
     del model
@@ -158,10 +184,17 @@ def main() -> None:
     from miserver.ipc.arena import make_attachable
     from miserver.ipc.export import export_handles, reclaim
 
-    worker = subprocess.Popen([sys.executable, __file__, "--child"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, cwd=REPO,
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                  filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+    worker = subprocess.Popen(
+        [sys.executable, __file__, "--child"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        },
+    )
     rows = []
     for shape in args.shapes.split(","):
         model = random_model(shape)
@@ -181,8 +214,9 @@ def main() -> None:
             t_export = time.perf_counter() - t0
             with tempfile.NamedTemporaryFile("wb", suffix=".json", delete=False) as f:
                 f.write(raw)
-            worker.stdin.write(json.dumps({"path": f.name, "reps": args.reps,
-                                           "steps": steps}) + "\n")
+            worker.stdin.write(
+                json.dumps({"path": f.name, "reps": args.reps, "steps": steps}) + "\n"
+            )
             worker.stdin.flush()
             r = json.loads(worker.stdout.readline())
             os.unlink(f.name)
@@ -191,22 +225,33 @@ def main() -> None:
             r["attach_rebuild_ms"] = r["export_ms"] + r["decode_ms"] + r["rebuild_ms"]
             cycles.append(r)
         first, r = cycles
-        rows.append({
-            "shape": shape, "params_b": n_params / 1e9, "gib": arena.total_bytes / 2**30,
-            "storages": len(body.storages), "trainer_storages": r["storages"],
-            "place_s": t_place, "place_peak_extra_gib": peak_extra / 2**30,
-            "export_ms": r["export_ms"], "body_kib": len(raw) / 1024,
-            "decode_ms": r["decode_ms"], "rebuild_ms": r["rebuild_ms"],
-            "first_rebuild_ms": first["rebuild_ms"],
-            "build_model_ms": r["build_model_ms"], "first_build_model_ms":
-            first["build_model_ms"], "attach_rebuild_ms": r["attach_rebuild_ms"],
-            "first_attach_rebuild_ms": first["attach_rebuild_ms"],
-            "in_place_ms": r["in_place_ms"], "in_place_again_ms": r["in_place_again_ms"],
-            "copy_ms": r["copy_ms"],
-            "ratio": r["copy_ms"] / r["in_place_ms"],
-            "in_place_extra_gib": r["in_place_extra_bytes"] / 2**30,
-            "copy_extra_gib": r["copy_extra_bytes"] / 2**30,
-            "lingering": max(first["lingering"], r["lingering"])})
+        rows.append(
+            {
+                "shape": shape,
+                "params_b": n_params / 1e9,
+                "gib": arena.total_bytes / 2**30,
+                "storages": len(body.storages),
+                "trainer_storages": r["storages"],
+                "place_s": t_place,
+                "place_peak_extra_gib": peak_extra / 2**30,
+                "export_ms": r["export_ms"],
+                "body_kib": len(raw) / 1024,
+                "decode_ms": r["decode_ms"],
+                "rebuild_ms": r["rebuild_ms"],
+                "first_rebuild_ms": first["rebuild_ms"],
+                "build_model_ms": r["build_model_ms"],
+                "first_build_model_ms": first["build_model_ms"],
+                "attach_rebuild_ms": r["attach_rebuild_ms"],
+                "first_attach_rebuild_ms": first["attach_rebuild_ms"],
+                "in_place_ms": r["in_place_ms"],
+                "in_place_again_ms": r["in_place_again_ms"],
+                "copy_ms": r["copy_ms"],
+                "ratio": r["copy_ms"] / r["in_place_ms"],
+                "in_place_extra_gib": r["in_place_extra_bytes"] / 2**30,
+                "copy_extra_gib": r["copy_extra_bytes"] / 2**30,
+                "lingering": max(first["lingering"], r["lingering"]),
+            }
+        )
         del model, arena, body
         gc.collect()
         torch.cuda.empty_cache()
@@ -215,16 +260,22 @@ def main() -> None:
     worker.wait(timeout=120)
 
     props = torch.cuda.get_device_properties(0)
-    head = (f"{props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}; steps: median "
-            f"of {args.reps} CUDA-event-timed steps after 3 warm-ups; one run. Attach times are "
-            "the second attach of the shape; (first) is the first, in a trainer process that "
-            "had not yet initialised CUDA (0.5b) or imported the architecture (both).\n\n")
+    head = (
+        f"{props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}; steps: median "
+        f"of {args.reps} CUDA-event-timed steps after 3 warm-ups; one run. Attach times are "
+        "the second attach of the shape; (first) is the first, in a trainer process that "
+        "had not yet initialised CUDA (0.5b) or imported the architecture (both).\n\n"
+    )
     cols = [
-        ("shape", "shape", "{}"), ("params (B)", "params_b", "{:.2f}"),
-        ("weights GiB", "gib", "{:.2f}"), ("storages (server/trainer)", None, None),
+        ("shape", "shape", "{}"),
+        ("params (B)", "params_b", "{:.2f}"),
+        ("weights GiB", "gib", "{:.2f}"),
+        ("storages (server/trainer)", None, None),
         ("make_attachable s (peak extra GiB)", None, None),
-        ("export+encode ms", "export_ms", "{:.1f}"), ("body KiB", "body_kib", "{:.0f}"),
-        ("decode ms", "decode_ms", "{:.1f}"), ("rebuild ms (first)", None, None),
+        ("export+encode ms", "export_ms", "{:.1f}"),
+        ("body KiB", "body_kib", "{:.0f}"),
+        ("decode ms", "decode_ms", "{:.1f}"),
+        ("rebuild ms (first)", None, None),
         ("attach+rebuild ms (first)", None, None),
         ("build_model ms (first)", None, None),
         ("in-place step ms (repeat)", None, None),
@@ -236,15 +287,14 @@ def main() -> None:
         "storages": lambda r: f"{r['storages']}/{r['trainer_storages']}",
         "make_attachable": lambda r: f"{r['place_s']:.2f} ({r['place_peak_extra_gib']:.2f})",
         "rebuild ms": lambda r: f"{r['rebuild_ms']:.1f} ({r['first_rebuild_ms']:.0f})",
-        "attach+rebuild": lambda r: (f"{r['attach_rebuild_ms']:.1f} "
-                                     f"({r['first_attach_rebuild_ms']:.0f})"),
-        "build_model": lambda r: (f"{r['build_model_ms']:.0f} "
-                                  f"({r['first_build_model_ms']:.0f})"),
+        "attach+rebuild": lambda r: (
+            f"{r['attach_rebuild_ms']:.1f} ({r['first_attach_rebuild_ms']:.0f})"
+        ),
+        "build_model": lambda r: f"{r['build_model_ms']:.0f} ({r['first_build_model_ms']:.0f})",
         "in-place step": lambda r: f"{r['in_place_ms']:.2f} ({r['in_place_again_ms']:.2f})",
         "extra": lambda r: f"{r['in_place_extra_gib']:.2f} / {r['copy_extra_gib']:.2f}",
     }
-    lines = ["| " + " | ".join(c[0] for c in cols) + " |",
-             "|" + "---|" * len(cols)]
+    lines = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "---|" * len(cols)]
     for row in rows:
         cells = []
         for title, key, fmt in cols:

@@ -62,8 +62,9 @@ def _cpu_s(pid: int) -> float:
 
 def _post(url: str, body: dict, stream: bool) -> tuple[float, float, int, str]:
     """(ttft_s, total_s, completion_tokens, text) of one chat completion."""
-    data = json.dumps(body | {"stream": stream} | (
-        {"stream_options": {"include_usage": True}} if stream else {})).encode()
+    data = json.dumps(
+        body | {"stream": stream} | ({"stream_options": {"include_usage": True}} if stream else {})
+    ).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
     ttft = None
@@ -71,8 +72,12 @@ def _post(url: str, body: dict, stream: bool) -> tuple[float, float, int, str]:
         if not stream:
             out = json.loads(resp.read())
             total = time.perf_counter() - t0
-            return total, total, out["usage"]["completion_tokens"], \
-                out["choices"][0]["message"]["content"]
+            return (
+                total,
+                total,
+                out["usage"]["completion_tokens"],
+                out["choices"][0]["message"]["content"],
+            )
         text, tokens = [], 0
         for line in resp:
             line = line.strip()
@@ -94,10 +99,20 @@ def _post(url: str, body: dict, stream: bool) -> tuple[float, float, int, str]:
 def _start_server(home: str) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
-    env.update(MISERVER_HOME=home, PORT=str(port), HOST="127.0.0.1", DEVICE="cpu",
-               LOG_LEVEL="warning", LOG_FORMAT="text")
-    proc = subprocess.Popen([sys.executable, "-m", "miserver.cli", "serve"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env.update(
+        MISERVER_HOME=home,
+        PORT=str(port),
+        HOST="127.0.0.1",
+        DEVICE="cpu",
+        LOG_LEVEL="warning",
+        LOG_FORMAT="text",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miserver.cli", "serve"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -116,12 +131,19 @@ def _start_server(home: str) -> tuple[subprocess.Popen[bytes], str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--home", default=os.environ.get("MISERVER_HOME"),
-                        help="a MISERVER_HOME with the default model (imported if missing)")
+    parser.add_argument(
+        "--home",
+        default=os.environ.get("MISERVER_HOME"),
+        help="a MISERVER_HOME with the default model (imported if missing)",
+    )
     parser.add_argument("--tokens", type=int, default=32, help="tokens to generate")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--omp-wait-policy", default="PASSIVE", choices=("PASSIVE", "ACTIVE"),
-                        help="OMP_WAIT_POLICY for this process and the server (default PASSIVE)")
+    parser.add_argument(
+        "--omp-wait-policy",
+        default="PASSIVE",
+        choices=("PASSIVE", "ACTIVE"),
+        help="OMP_WAIT_POLICY for this process and the server (default PASSIVE)",
+    )
     args = parser.parse_args()
     os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy  # before torch is imported
     # A SIGTERM (a timeout) still runs the finally below, which stops the server process.
@@ -144,8 +166,12 @@ def main() -> int:
 
     proc, base = _start_server(home)
     url = f"{base}/v1/chat/completions"
-    body = {"model": "smollm2-135m-instruct", "messages": PROMPT, "temperature": 0,
-            "max_tokens": args.tokens}
+    body = {
+        "model": "smollm2-135m-instruct",
+        "messages": PROMPT,
+        "temperature": 0,
+        "max_tokens": args.tokens,
+    }
     try:
         _post(url, body, stream=False)  # warm-up; fixes the token count
         _, _, n_tokens, server_text = _post(url, body, stream=False)
@@ -163,18 +189,27 @@ def main() -> int:
             th.start()
             t0 = time.perf_counter()
             with torch.inference_mode():
-                out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                     max_new_tokens=n_tokens, min_new_tokens=n_tokens,
-                                     do_sample=False, streamer=streamer)
+                out = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=n_tokens,
+                    min_new_tokens=n_tokens,
+                    do_sample=False,
+                    streamer=streamer,
+                )
             total = time.perf_counter() - t0
             th.join()
-            return (first[0] - t0) if first else total, total, tok.decode(
-                out[0, ids.shape[1]:], skip_special_tokens=True)
+            return (
+                (first[0] - t0) if first else total,
+                total,
+                tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True),
+            )
 
         def in_process() -> tuple[float, float, str]:
             async def go() -> tuple[float, float, str]:
-                gen = Generation(model, tok, ids[0].tolist(),
-                                 SamplingParams(max_tokens=n_tokens, temperature=0))
+                gen = Generation(
+                    model, tok, ids[0].tolist(), SamplingParams(max_tokens=n_tokens, temperature=0)
+                )
                 t0 = time.perf_counter()
                 gen.start()
                 ttft, parts = None, []
@@ -190,8 +225,11 @@ def main() -> int:
 
         generate()  # warm-up
         rows: dict[str, list[tuple[float, float, float]]] = {
-            "transformers generate": [], "miserver Generation": [],
-            "miserver HTTP stream": [], "miserver HTTP": []}
+            "transformers generate": [],
+            "miserver Generation": [],
+            "miserver HTTP stream": [],
+            "miserver HTTP": [],
+        }
         texts: dict[str, str] = {}
         for _ in range(args.repeats):
             c0 = time.process_time()
@@ -213,22 +251,30 @@ def main() -> int:
 
     base = rows["transformers generate"]
     base_ttft, base_total, base_cpu = med(base, 0), med(base, 1), med(base, 2)
-    print(f"\nSmolLM2-135M-Instruct bf16, CPU ({torch.get_num_threads()} threads), batch 1, "
-          f"greedy, {ids.shape[1]} prompt tokens, {n_tokens} generated, median of "
-          f"{args.repeats}, OMP_WAIT_POLICY={args.omp_wait_policy}, load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(
+        f"\nSmolLM2-135M-Instruct bf16, CPU ({torch.get_num_threads()} threads), batch 1, "
+        f"greedy, {ids.shape[1]} prompt tokens, {n_tokens} generated, median of "
+        f"{args.repeats}, OMP_WAIT_POLICY={args.omp_wait_policy}, load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
     base_best = min(t for _, t, _ in base)
-    print(f"{'path':<24}{'TTFT ms':>9}{'wall s':>9}{'tok/s':>8}{'wall ovh':>10}{'best ovh':>10}"
-          f"{'CPU s':>8}{'CPU ovh':>9}{'TTFT x':>8}")
+    print(
+        f"{'path':<24}{'TTFT ms':>9}{'wall s':>9}{'tok/s':>8}{'wall ovh':>10}{'best ovh':>10}"
+        f"{'CPU s':>8}{'CPU ovh':>9}{'TTFT x':>8}"
+    )
     for name, samples in rows.items():
         ttft, total, cpu = med(samples, 0), med(samples, 1), med(samples, 2)
         best = min(t for _, t, _ in samples)
-        print(f"{name:<24}{ttft * 1000:>9.0f}{total:>9.2f}{n_tokens / total:>8.1f}"
-              f"{(total - base_total) / base_total:>+10.1%}"
-              f"{(best - base_best) / base_best:>+10.1%}{cpu:>8.2f}"
-              f"{(cpu - base_cpu) / base_cpu:>+9.1%}{ttft / base_ttft:>8.2f}")
-    print("wall/CPU ovh: medians against generate's; best ovh: fastest run against generate's "
-          "fastest (the least disturbed by other processes)")
+        print(
+            f"{name:<24}{ttft * 1000:>9.0f}{total:>9.2f}{n_tokens / total:>8.1f}"
+            f"{(total - base_total) / base_total:>+10.1%}"
+            f"{(best - base_best) / base_best:>+10.1%}{cpu:>8.2f}"
+            f"{(cpu - base_cpu) / base_cpu:>+9.1%}{ttft / base_ttft:>8.2f}"
+        )
+    print(
+        "wall/CPU ovh: medians against generate's; best ovh: fastest run against generate's "
+        "fastest (the least disturbed by other processes)"
+    )
     same = len({texts[k] for k in texts} | {server_text}) == 1
     print(f"identical greedy text on every path: {same}")
     return 0

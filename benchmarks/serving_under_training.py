@@ -113,26 +113,52 @@ def trainer_main(port: int) -> None:
     ms = [x * 1e3 for x in cycles]
     qs = [x * 1e3 for x in quiesces]
     rs = [x * 1e3 for x in rests]
-    print(json.dumps({
-        "commits": len(cycles), "seconds": elapsed, "commits_per_s": len(cycles) / elapsed,
-        "cycle_p50_ms": percentile(ms, 50), "cycle_p99_ms": percentile(ms, 99),
-        "quiesce_p50_ms": percentile(qs, 50), "quiesce_p99_ms": percentile(qs, 99),
-        "other_calls_p50_ms": percentile(rs, 50), "other_calls_p99_ms": percentile(rs, 99),
-        "steps_since_load": end.get("steps_since_load"), "refusals": refusals}), flush=True)
+    print(
+        json.dumps(
+            {
+                "commits": len(cycles),
+                "seconds": elapsed,
+                "commits_per_s": len(cycles) / elapsed,
+                "cycle_p50_ms": percentile(ms, 50),
+                "cycle_p99_ms": percentile(ms, 99),
+                "quiesce_p50_ms": percentile(qs, 50),
+                "quiesce_p99_ms": percentile(qs, 99),
+                "other_calls_p50_ms": percentile(rs, 50),
+                "other_calls_p99_ms": percentile(rs, 99),
+                "steps_since_load": end.get("steps_since_load"),
+                "refusals": refusals,
+            }
+        ),
+        flush=True,
+    )
 
 
 # --- the load generator (this process) ----------------------------------------------------------
 def chat(port: int, max_tokens: int, timeout: float = 60.0) -> dict[str, Any]:
     """One streamed greedy chat completion: start time, TTFT, latency (s), tokens, text, the
     millm_model of the terminal chunk, and an error string when it failed."""
-    body = {"model": MODEL, "messages": PROMPT, "temperature": 0, "max_tokens": max_tokens,
-            "stream": True, "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "model": MODEL,
+        "messages": PROMPT,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     t0 = time.perf_counter()
-    out: dict[str, Any] = {"start": t0, "ttft": None, "tokens": 0, "text": "", "model": None,
-                           "error": None}
+    out: dict[str, Any] = {
+        "start": t0,
+        "ttft": None,
+        "tokens": 0,
+        "text": "",
+        "model": None,
+        "error": None,
+    }
     parts = []
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -160,33 +186,46 @@ def chat(port: int, max_tokens: int, timeout: float = 60.0) -> dict[str, Any]:
     return out
 
 
-def run_phase(name: str, port: int, n: int, max_tokens: int, timeout: float
-              ) -> dict[str, Any]:
+def run_phase(name: str, port: int, n: int, max_tokens: int, timeout: float) -> dict[str, Any]:
     """``n`` requests one after another; stops early after 3 failures in a row."""
     t0 = time.perf_counter()
     results: list[dict[str, Any]] = []
     for _ in range(n):
         results.append(chat(port, max_tokens, timeout))
         if len(results) >= 3 and all(r["error"] for r in results[-3:]):
-            print(f"{name}: 3 failures in a row, phase stopped: {results[-1]['error']}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{name}: 3 failures in a row, phase stopped: {results[-1]['error']}",
+                file=sys.stderr,
+                flush=True,
+            )
             break
     wall = time.perf_counter() - t0
-    print(f"[{name}] {len(results)} requests, {sum(bool(r['error']) for r in results)} failed, "
-          f"{wall:.1f} s", file=sys.stderr, flush=True)
+    print(
+        f"[{name}] {len(results)} requests, {sum(bool(r['error']) for r in results)} failed, "
+        f"{wall:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     n = len(results)
     ok = [r for r in results if r["error"] is None]
     lat = [r["latency"] * 1e3 for r in ok]
     ttft = [r["ttft"] * 1e3 for r in ok if r["ttft"] is not None]
     tokens = sum(r["tokens"] for r in ok)
-    return {"requests": n, "failed": n - len(ok), "wall_s": wall,
-            "latency_p50_ms": percentile(lat, 50), "latency_p99_ms": percentile(lat, 99),
-            "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
-            "tokens": tokens, "tokens_per_s": tokens / wall if wall else 0.0,
-            "texts": sorted({r["text"] for r in ok}),
-            "served_by": sorted({r["model"] for r in ok if r["model"]}),
-            "errors": sorted({r["error"] for r in results if r["error"]})[:5],
-            "timeline": [(r["start"], r["latency"] * 1e3) for r in results]}
+    return {
+        "requests": n,
+        "failed": n - len(ok),
+        "wall_s": wall,
+        "latency_p50_ms": percentile(lat, 50),
+        "latency_p99_ms": percentile(lat, 99),
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p99_ms": percentile(ttft, 99),
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall if wall else 0.0,
+        "texts": sorted({r["text"] for r in ok}),
+        "served_by": sorted({r["model"] for r in ok if r["model"]}),
+        "errors": sorted({r["error"] for r in results if r["error"]})[:5],
+        "timeline": [(r["start"], r["latency"] * 1e3) for r in results],
+    }
 
 
 def start_server(home: str, workdir: Path) -> tuple[subprocess.Popen, int, Path]:
@@ -194,14 +233,25 @@ def start_server(home: str, workdir: Path) -> tuple[subprocess.Popen, int, Path]
 
     port = free_port()
     log_path = workdir / "miserver.log"
-    env = child_env(MISERVER_HOME=home, HOST="127.0.0.1", PORT=str(port), DEVICE="auto",
-                    WEIGHTS_TOKENS=f"{TOKEN_LABEL}:trainer:{TOKEN_SECRET}",
-                    WEIGHTS_CPU_ATTACH="0" if torch.cuda.is_available() else "1",
-                    LOG_LEVEL="info", LOG_FORMAT="json")
+    env = child_env(
+        MISERVER_HOME=home,
+        HOST="127.0.0.1",
+        PORT=str(port),
+        DEVICE="auto",
+        WEIGHTS_TOKENS=f"{TOKEN_LABEL}:trainer:{TOKEN_SECRET}",
+        WEIGHTS_CPU_ATTACH="0" if torch.cuda.is_available() else "1",
+        LOG_LEVEL="info",
+        LOG_FORMAT="json",
+    )
     env.pop("DEFAULT_MODEL", None)
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "miserver.cli", "serve"], env=env,
-                                stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "miserver.cli", "serve"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
 
     def ready() -> bool:
         return get_json(port, "/api/weights/status")["data"]["resident_model"] is not None
@@ -225,33 +275,42 @@ def _commits(header: str) -> int:
 
 def render(phases: dict[str, dict[str, Any]], report: dict[str, Any], head: str) -> str:
     base = phases[PHASES[0]]
-    lines = [head, "",
-             "| phase | requests (failed) | latency p50 ms | latency p99 ms | TTFT p50 ms | "
-             "TTFT p99 ms | tokens/s | tokens/s vs no trainer | commits (per s) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        head,
+        "",
+        "| phase | requests (failed) | latency p50 ms | latency p99 ms | TTFT p50 ms | "
+        "TTFT p99 ms | tokens/s | tokens/s vs no trainer | commits (per s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name in PHASES:
         p = phases[name]
-        commits = (f"{report['commits']} ({report['commits_per_s']:.1f}/s)"
-                   if name == PHASES[1] else "0")
+        commits = (
+            f"{report['commits']} ({report['commits_per_s']:.1f}/s)" if name == PHASES[1] else "0"
+        )
         lines.append(
             f"| {name} | {p['requests']} ({p['failed']}) | {p['latency_p50_ms']:.1f} | "
             f"{p['latency_p99_ms']:.1f} | {p['ttft_p50_ms']:.1f} | {p['ttft_p99_ms']:.1f} | "
             f"{p['tokens_per_s']:.1f} | {p['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
-            f"{commits} |")
+            f"{commits} |"
+        )
     refusals = ", ".join(f"{k} {v}" for k, v in report["refusals"].items()) or "none"
-    lines += ["",
-              f"Trainer: {report['commits']} commits in {report['seconds']:.1f} s; barrier cycle "
-              f"(quiesce .. resume, write included) p50 {report['cycle_p50_ms']:.2f} ms, p99 "
-              f"{report['cycle_p99_ms']:.2f} ms; of it quiesce (waits for the running "
-              f"request) p50 {report['quiesce_p50_ms']:.2f} ms, p99 "
-              f"{report['quiesce_p99_ms']:.2f} ms, and commit-begin + commit-end + resume p50 "
-              f"{report['other_calls_p50_ms']:.2f} ms, p99 {report['other_calls_p99_ms']:.2f} ms; "
-              f"refused calls: {refusals}; steps_since_load at the end: "
-              f"{report['steps_since_load']}."]
+    lines += [
+        "",
+        f"Trainer: {report['commits']} commits in {report['seconds']:.1f} s; barrier cycle "
+        f"(quiesce .. resume, write included) p50 {report['cycle_p50_ms']:.2f} ms, p99 "
+        f"{report['cycle_p99_ms']:.2f} ms; of it quiesce (waits for the running "
+        f"request) p50 {report['quiesce_p50_ms']:.2f} ms, p99 "
+        f"{report['quiesce_p99_ms']:.2f} ms, and commit-begin + commit-end + resume p50 "
+        f"{report['other_calls_p50_ms']:.2f} ms, p99 {report['other_calls_p99_ms']:.2f} ms; "
+        f"refused calls: {refusals}; steps_since_load at the end: "
+        f"{report['steps_since_load']}.",
+    ]
     served = sorted(phases[PHASES[1]]["served_by"], key=_commits)
     if served:
-        lines.append(f"Answers during training were served by {len(served)} different "
-                     f"parameter sets (X-miLLM-Model), from `{served[0]}` to `{served[-1]}`.")
+        lines.append(
+            f"Answers during training were served by {len(served)} different "
+            f"parameter sets (X-miLLM-Model), from `{served[0]}` to `{served[-1]}`."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -265,8 +324,9 @@ def plot(phases: dict[str, dict[str, Any]], path: Path) -> None:
     t0 = min(t for p in phases.values() for t, _ in p["timeline"])
     fig, ax = plt.subplots(figsize=(8, 3.5))
     for name, p in phases.items():
-        ax.plot([t - t0 for t, _ in p["timeline"]], [ms for _, ms in p["timeline"]], ".",
-                label=name)
+        ax.plot(
+            [t - t0 for t, _ in p["timeline"]], [ms for _, ms in p["timeline"]], ".", label=name
+        )
     ax.set_xlabel("time (s)")
     ax.set_ylabel("chat latency (ms)")
     ax.grid(True, alpha=0.3)
@@ -278,15 +338,21 @@ def plot(phases: dict[str, dict[str, Any]], path: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--home", default=None,
-                    help="MISERVER_HOME (default: a fresh temporary one; the default model is "
-                         "imported on first start)")
+    ap.add_argument(
+        "--home",
+        default=None,
+        help="MISERVER_HOME (default: a fresh temporary one; the default model is "
+        "imported on first start)",
+    )
     ap.add_argument("--requests", type=int, default=40, help="chat requests per phase")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--request-timeout", type=float, default=60.0,
-                    help="seconds before a chat request counts as failed")
-    ap.add_argument("--out", default=None,
-                    help="folder for serving_under_training.md/.json/.png")
+    ap.add_argument(
+        "--request-timeout",
+        type=float,
+        default=60.0,
+        help="seconds before a chat request counts as failed",
+    )
+    ap.add_argument("--out", default=None, help="folder for serving_under_training.md/.json/.png")
     ap.add_argument("--role", choices=("trainer",), help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -317,18 +383,25 @@ def main() -> int:
     try:
         for _ in range(3):  # warm-up
             chat(port, args.max_tokens, args.request_timeout)
-        phases[PHASES[0]] = run_phase(PHASES[0], port, args.requests, args.max_tokens,
-                                      args.request_timeout)
+        phases[PHASES[0]] = run_phase(
+            PHASES[0], port, args.requests, args.max_tokens, args.request_timeout
+        )
         with open(trainer_log, "wb") as tlog:
             trainer_proc = subprocess.Popen(
                 [sys.executable, __file__, "--role", "trainer", "--port", str(port)],
-                env=child_env(), cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=tlog, text=True)
+                env=child_env(),
+                cwd=REPO,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=tlog,
+                text=True,
+            )
         if trainer_proc.stdout.readline().strip() != "attached":
             raise RuntimeError(f"the trainer did not attach: {trainer_log.read_text()[-2000:]}")
         progress("trainer attached and committing")
-        phases[PHASES[1]] = run_phase(PHASES[1], port, args.requests, args.max_tokens,
-                                      args.request_timeout)
+        phases[PHASES[1]] = run_phase(
+            PHASES[1], port, args.requests, args.max_tokens, args.request_timeout
+        )
         trainer_proc.stdin.write("stop\n")
         trainer_proc.stdin.flush()
         out, _ = trainer_proc.communicate(timeout=120)
@@ -336,8 +409,9 @@ def main() -> int:
             raise RuntimeError(f"the trainer failed: {trainer_log.read_text()[-2000:]}")
         report = json.loads(out.strip().splitlines()[-1])
         progress(f"trainer detached after {report['commits']} commits")
-        phases[PHASES[2]] = run_phase(PHASES[2], port, args.requests, args.max_tokens,
-                                      args.request_timeout)
+        phases[PHASES[2]] = run_phase(
+            PHASES[2], port, args.requests, args.max_tokens, args.request_timeout
+        )
     finally:
         if trainer_proc is not None and trainer_proc.poll() is None:
             trainer_proc.kill()
@@ -352,20 +426,25 @@ def main() -> int:
         props = torch.cuda.get_device_properties(0)
         where = f"{props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}, CUDA IPC"
     else:
-        where = (f"CPU ({os.cpu_count()} cores), torch {torch.__version__}, CPU shared memory "
-                 "(WEIGHTS_CPU_ATTACH=1)")
-    head = (f"{where}; `miserver serve` with the embedded default ({MODEL}, bfloat16); one "
-            f"client, streamed greedy chat, max_tokens {args.max_tokens}, {args.requests} "
-            f"requests per phase after 3 warm-ups; server start (import and load) "
-            f"{load_s:.0f} s; {time.perf_counter() - started:.0f} s in all.")
+        where = (
+            f"CPU ({os.cpu_count()} cores), torch {torch.__version__}, CPU shared memory "
+            "(WEIGHTS_CPU_ATTACH=1)"
+        )
+    head = (
+        f"{where}; `miserver serve` with the embedded default ({MODEL}, bfloat16); one "
+        f"client, streamed greedy chat, max_tokens {args.max_tokens}, {args.requests} "
+        f"requests per phase after 3 warm-ups; server start (import and load) "
+        f"{load_s:.0f} s; {time.perf_counter() - started:.0f} s in all."
+    )
     table = render(phases, report, head)
     same = len({t for p in phases.values() for t in p["texts"]}) == 1
-    table += (f"Greedy answers identical in every phase: {'yes' if same else 'NO'}.\n")
+    table += f"Greedy answers identical in every phase: {'yes' if same else 'NO'}.\n"
     print(table)
     if dest is not None:
         (dest / "serving_under_training.md").write_text(table)
         (dest / "serving_under_training.json").write_text(
-            json.dumps({"phases": phases, "trainer": report}, indent=1))
+            json.dumps({"phases": phases, "trainer": report}, indent=1)
+        )
         plot(phases, dest / "serving_under_training.png")
     failed = sum(p["failed"] for p in phases.values())
     for p in phases.values():
@@ -377,8 +456,11 @@ def main() -> int:
         print(f"server log: {log_path}", file=sys.stderr)
     ok = failed == 0 and report.get("commits", 0) > 0 and same
     if not ok:
-        print(f"check FAILED: {failed} failed requests, {report.get('commits')} commits, "
-              f"identical answers: {same}", file=sys.stderr)
+        print(
+            f"check FAILED: {failed} failed requests, {report.get('commits')} commits, "
+            f"identical answers: {same}",
+            file=sys.stderr,
+        )
     return 0 if ok else 1
 
 

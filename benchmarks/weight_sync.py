@@ -68,15 +68,45 @@ if str(REPO) not in sys.path:
 #: model_type and config of each size. 0.5b is Qwen2.5-0.5B's shape (tied embeddings), 8b is
 #: Llama-3-8B's (untied), as in benchmarks/attach.py; tiny is for a quick check on the CPU.
 SIZES: dict[str, tuple[str, dict[str, Any]]] = {
-    "tiny": ("llama", dict(vocab_size=1024, hidden_size=64, intermediate_size=128,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           tie_word_embeddings=True, max_position_embeddings=512)),
-    "0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                           num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                           tie_word_embeddings=True, max_position_embeddings=4096)),
-    "8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         tie_word_embeddings=False, max_position_embeddings=8192)),
+    "tiny": (
+        "llama",
+        dict(
+            vocab_size=1024,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            max_position_embeddings=512,
+        ),
+    ),
+    "0.5b": (
+        "qwen2",
+        dict(
+            vocab_size=151936,
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            max_position_embeddings=4096,
+        ),
+    ),
+    "8b": (
+        "llama",
+        dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            tie_word_embeddings=False,
+            max_position_embeddings=8192,
+        ),
+    ),
 }
 #: The trainer token the benchmark's servers are configured with (a throwaway secret).
 TOKEN_LABEL = "bench"
@@ -133,8 +163,11 @@ class KeepAliveClient:
 
     def request(self, method: str, path: str) -> tuple[int, Any]:
         """(status, decoded JSON body)."""
-        headers = self.base if self.attachment is None else {
-            **self.base, "X-miLLM-Attachment": self.attachment}
+        headers = (
+            self.base
+            if self.attachment is None
+            else {**self.base, "X-miLLM-Attachment": self.attachment}
+        )
         try:
             self.conn.request(method, path, headers=headers)
             resp = self.conn.getresponse()
@@ -149,16 +182,18 @@ class KeepAliveClient:
     def post(self, path: str, method: str = "POST") -> Any:
         status, body = self.request(method, path)
         if status != 200 or not isinstance(body, dict) or body.get("success") is False:
-            raise HttpFailure(method, path, status,
-                              body.get("error") if isinstance(body, dict) else body)
+            raise HttpFailure(
+                method, path, status, body.get("error") if isinstance(body, dict) else body
+            )
         return body.get("data", body)
 
     def close(self) -> None:
         self.conn.close()
 
 
-def wait_until(predicate: Callable[[], bool], proc: subprocess.Popen | None, what: str,
-               timeout: float = 900.0) -> None:
+def wait_until(
+    predicate: Callable[[], bool], proc: subprocess.Popen | None, what: str, timeout: float = 900.0
+) -> None:
     """Poll ``predicate`` (connection errors count as False) until it holds; raise on timeout
     or when ``proc`` exits first."""
     deadline = time.monotonic() + timeout
@@ -229,8 +264,9 @@ def random_model(size: str, device: str, seed: int = 0) -> Any:
     import transformers
 
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(model_config(size),
-                                                              dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(
+            model_config(size), dtype=torch.bfloat16
+        )
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -253,9 +289,11 @@ def memory(device: str, reset: bool = False) -> dict[str, float]:
 
     out: dict[str, float] = {"maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if device.startswith("cuda"):
-        out.update(allocated=torch.cuda.memory_allocated(device),
-                   peak=torch.cuda.max_memory_allocated(device),
-                   reserved=torch.cuda.memory_reserved(device))
+        out.update(
+            allocated=torch.cuda.memory_allocated(device),
+            peak=torch.cuda.max_memory_allocated(device),
+            reserved=torch.cuda.memory_reserved(device),
+        )
         if reset:
             torch.cuda.reset_peak_memory_stats(device)
     return out
@@ -301,8 +339,9 @@ def serve_miserver(size: str) -> None:
     if catalogue.get_by_name(settings.default_model) is None:
         folder = Path(settings.home) / "models" / settings.default_model
         model_config(size).save_pretrained(folder)  # config.json only: the row's check
-        catalogue.register(name=settings.default_model, format="safetensors", dtype="bfloat16",
-                           path=folder)
+        catalogue.register(
+            name=settings.default_model, format="safetensors", dtype="bfloat16", path=folder
+        )
 
     def load_random(row: Any, s: Any) -> Any:
         import torch
@@ -311,9 +350,13 @@ def serve_miserver(size: str) -> None:
         arena = loader_module.make_attachable(model, s)
         if device.startswith("cuda"):  # the random copy the arena replaced: give it back
             torch.cuda.empty_cache()
-        return loader_module.LoadedModel(model=model, tokenizer=None,
-                                         device=next(model.parameters()).device,
-                                         attachable=arena is not None, arena=arena)
+        return loader_module.LoadedModel(
+            model=model,
+            tokenizer=None,
+            device=next(model.parameters()).device,
+            attachable=arena is not None,
+            arena=arena,
+        )
 
     host = ModelHost(settings, catalogue, loader=load_random)
     app = create_app(settings, host=host)
@@ -322,9 +365,15 @@ def serve_miserver(size: str) -> None:
         return web.json_response(memory(device, reset="reset" in request.query))
 
     app.router.add_get("/bench/memory", bench_memory)
-    web.run_app(app, host=settings.host, port=settings.port, print=None, handle_signals=True,
-                shutdown_timeout=10.0,
-                access_log=__import__("logging").getLogger("miserver.server.access"))
+    web.run_app(
+        app,
+        host=settings.host,
+        port=settings.port,
+        print=None,
+        handle_signals=True,
+        shutdown_timeout=10.0,
+        access_log=__import__("logging").getLogger("miserver.server.access"),
+    )
 
 
 def serve_bare() -> None:
@@ -333,15 +382,15 @@ def serve_bare() -> None:
 
     async def handler(request: web.Request) -> web.Response:
         await request.read()
-        return web.json_response({"success": True, "data": {"weights_state": "clean"},
-                                  "error": None})
+        return web.json_response(
+            {"success": True, "data": {"weights_state": "clean"}, "error": None}
+        )
 
     app = web.Application()
     for name in BARRIER:
         app.router.add_post(f"/api/weights/{name}", handler)
     app.router.add_get("/ready", handler)
-    web.run_app(app, host="127.0.0.1", port=int(os.environ["PORT"]), print=None,
-                access_log=None)
+    web.run_app(app, host="127.0.0.1", port=int(os.environ["PORT"]), print=None, access_log=None)
 
 
 def bucket_plan(params: list[Any], bucket_bytes: int) -> list[list[int]]:
@@ -389,15 +438,15 @@ def baseline_server(conn: Any, size: str, device: str, bucket_bytes: int) -> Non
             conn.send(("stopped", memory(device)))
             return
         if msg == "checksum":
-            conn.send([float(params[i].detach().float().sum())
-                       for i in (0, len(params) // 2, -1)])
+            conn.send([float(params[i].detach().float().sum()) for i in (0, len(params) // 2, -1)])
             continue
         b, fn, args = msg
         flat = fn(*args)
         entries = layouts[b]
         with torch.no_grad():
-            torch._foreach_copy_([p for p, _, _ in entries],
-                                 [flat[o:o + n].view(p.shape) for p, o, n in entries])
+            torch._foreach_copy_(
+                [p for p, _, _ in entries], [flat[o : o + n].view(p.shape) for p, o, n in entries]
+            )
         sync(device)
         del flat
         conn.send_bytes(b"ok")
@@ -408,16 +457,27 @@ def start_miserver(size: str, device: str, workdir: Path) -> tuple[subprocess.Po
     port = free_port()
     home = workdir / f"home-{size}"
     log_path = workdir / f"miserver-{size}.log"
-    env = child_env(MISERVER_HOME=str(home), HOST="127.0.0.1", PORT=str(port), DEVICE=device,
-                    DEFAULT_MODEL=f"random-{size}",
-                    WEIGHTS_TOKENS=f"{TOKEN_LABEL}:trainer:{TOKEN_SECRET}",
-                    WEIGHTS_CPU_ATTACH="1" if device == "cpu" else "0",
-                    # a CPU write on a loaded machine can outlast the GPU-sized 800 ms default
-                    **({"WEIGHTS_COMMIT_WATCHDOG_MS": "30000"} if device == "cpu" else {}),
-                    LOG_LEVEL="info", LOG_FORMAT="json")
+    env = child_env(
+        MISERVER_HOME=str(home),
+        HOST="127.0.0.1",
+        PORT=str(port),
+        DEVICE=device,
+        DEFAULT_MODEL=f"random-{size}",
+        WEIGHTS_TOKENS=f"{TOKEN_LABEL}:trainer:{TOKEN_SECRET}",
+        WEIGHTS_CPU_ATTACH="1" if device == "cpu" else "0",
+        # a CPU write on a loaded machine can outlast the GPU-sized 800 ms default
+        **({"WEIGHTS_COMMIT_WATCHDOG_MS": "30000"} if device == "cpu" else {}),
+        LOG_LEVEL="info",
+        LOG_FORMAT="json",
+    )
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, __file__, "--role", "miserver", "--sizes", size],
-                                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--role", "miserver", "--sizes", size],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
 
     def loaded() -> bool:
         data = get_json(port, "/api/weights/status")["data"]
@@ -432,8 +492,9 @@ def start_miserver(size: str, device: str, workdir: Path) -> tuple[subprocess.Po
     return proc, port, log_path
 
 
-def timed_barrier(client: KeepAliveClient, write: Callable[[], None]
-                  ) -> tuple[list[float], float, dict]:
+def timed_barrier(
+    client: KeepAliveClient, write: Callable[[], None]
+) -> tuple[list[float], float, dict]:
     """One step: quiesce, commit-begin, ``write()``, commit-end, resume. Returns the four calls'
     seconds, the write's seconds and the commit-end answer."""
     times = []
@@ -452,22 +513,26 @@ def timed_barrier(client: KeepAliveClient, write: Callable[[], None]
     return times, t3 - t2, end
 
 
-def summarize(overhead_s: list[float], write_s: list[float], calls: list[list[float]] | None
-              ) -> dict[str, Any]:
+def summarize(
+    overhead_s: list[float], write_s: list[float], calls: list[list[float]] | None
+) -> dict[str, Any]:
     ms = [x * 1e3 for x in overhead_s]
-    out: dict[str, Any] = {"steps": len(ms), "p50_ms": percentile(ms, 50),
-                           "p99_ms": percentile(ms, 99), "max_ms": max(ms),
-                           "mean_ms": statistics.fmean(ms), "samples_ms": ms,
-                           "write_p50_ms": percentile([x * 1e3 for x in write_s], 50)
-                           if write_s else None}
+    out: dict[str, Any] = {
+        "steps": len(ms),
+        "p50_ms": percentile(ms, 50),
+        "p99_ms": percentile(ms, 99),
+        "max_ms": max(ms),
+        "mean_ms": statistics.fmean(ms),
+        "samples_ms": ms,
+        "write_p50_ms": percentile([x * 1e3 for x in write_s], 50) if write_s else None,
+    }
     if calls:
         for i, name in enumerate(BARRIER):
             out[f"{name}_p50_ms"] = percentile([c[i] * 1e3 for c in calls], 50)
     return out
 
 
-def run_miserver(size: str, device: str, steps: int, warmup: int, workdir: Path
-                 ) -> dict[str, Any]:
+def run_miserver(size: str, device: str, steps: int, warmup: int, workdir: Path) -> dict[str, Any]:
     import torch
 
     from miserver import trainer
@@ -510,19 +575,30 @@ def run_miserver(size: str, device: str, steps: int, warmup: int, workdir: Path
     finally:
         stop_process(proc)
     out = summarize(overhead, writes, calls)
-    out.update(approach="miserver", size=size, params=n_params, weight_bytes=weight_bytes,
-               trainer_mem=trainer_mem, server_mem=server_mem,
-               card_delta=None if card is None else card - before,
-               check=bool(counted), check_what="steps_since_load counted every commit",
-               server_log=str(log_path))
+    out.update(
+        approach="miserver",
+        size=size,
+        params=n_params,
+        weight_bytes=weight_bytes,
+        trainer_mem=trainer_mem,
+        server_mem=server_mem,
+        card_delta=None if card is None else card - before,
+        check=bool(counted),
+        check_what="steps_since_load counted every commit",
+        server_log=str(log_path),
+    )
     return out
 
 
 def run_bare(device: str, steps: int, warmup: int, workdir: Path) -> dict[str, Any]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "--role", "bare"],
-                            env=child_env(PORT=str(port)), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--role", "bare"],
+        env=child_env(PORT=str(port)),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         wait_until(lambda: get_json(port, "/ready")["success"], proc, "bare aiohttp server")
         client = KeepAliveClient(port)
@@ -540,8 +616,9 @@ def run_bare(device: str, steps: int, warmup: int, workdir: Path) -> dict[str, A
     return out
 
 
-def run_baseline(size: str, device: str, steps: int, warmup: int, bucket_bytes: int
-                 ) -> dict[str, Any]:
+def run_baseline(
+    size: str, device: str, steps: int, warmup: int, bucket_bytes: int
+) -> dict[str, Any]:
     from multiprocessing.reduction import ForkingPickler
 
     import torch
@@ -553,8 +630,9 @@ def run_baseline(size: str, device: str, steps: int, warmup: int, bucket_bytes: 
     before = card_used(device)
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=baseline_server, args=(child, size, device, bucket_bytes),
-                       daemon=True)
+    proc = ctx.Process(
+        target=baseline_server, args=(child, size, device, bucket_bytes), daemon=True
+    )
     proc.start()
     try:
         model = random_model(size, device, seed=2)
@@ -606,11 +684,19 @@ def run_baseline(size: str, device: str, steps: int, warmup: int, bucket_bytes: 
             torch.cuda.empty_cache()
             torch.cuda.ipc_collect()
     out = summarize(overhead, writes, None)
-    out.update(approach="baseline (bucketed IPC copy)", size=size, params=n_params,
-               weight_bytes=weight_bytes, buckets=len(buckets), bucket_mib=bucket_bytes / 2**20,
-               trainer_mem=trainer_mem, server_mem=server_mem,
-               card_delta=None if card is None else card - before,
-               check=ours == theirs, check_what="server parameters equal the trainer's")
+    out.update(
+        approach="baseline (bucketed IPC copy)",
+        size=size,
+        params=n_params,
+        weight_bytes=weight_bytes,
+        buckets=len(buckets),
+        bucket_mib=bucket_bytes / 2**20,
+        trainer_mem=trainer_mem,
+        server_mem=server_mem,
+        card_delta=None if card is None else card - before,
+        check=ours == theirs,
+        check_what="server parameters equal the trainer's",
+    )
     return out
 
 
@@ -624,11 +710,14 @@ def _mem(m: dict[str, float] | None, device: str) -> str:
 
 
 def render(rows: list[dict[str, Any]], device: str, head: str) -> str:
-    lines = [head, "",
-             "| approach | size | params (B) | weights GiB | p50 ms | p99 ms | max ms | "
-             "baseline / miserver p50 (p99) | optimizer step p50 ms (both pay) | "
-             "server peak GiB | trainer peak GiB | card used GiB | check |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        head,
+        "",
+        "| approach | size | params (B) | weights GiB | p50 ms | p99 ms | max ms | "
+        "baseline / miserver p50 (p99) | optimizer step p50 ms (both pay) | "
+        "server peak GiB | trainer peak GiB | card used GiB | check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     ms = {r["size"]: r for r in rows if r["approach"] == "miserver"}
     for r in rows:
         ratio = "-"
@@ -643,14 +732,22 @@ def render(rows: list[dict[str, Any]], device: str, head: str) -> str:
             f"| {r['approach']} | {r['size']} | {params} | {wgib} | {r['p50_ms']:.3f} | "
             f"{r['p99_ms']:.3f} | {r['max_ms']:.3f} | {ratio} | {write} | "
             f"{_mem(r.get('server_mem'), device)} | {_mem(r.get('trainer_mem'), device)} | "
-            f"{card} | {'pass' if r['check'] else 'FAIL'} |")
-    lines += ["", "Per call, p50 ms:", "",
-              "| approach | size | " + " | ".join(BARRIER) + " |",
-              "|---|---|" + "---|" * len(BARRIER)]
+            f"{card} | {'pass' if r['check'] else 'FAIL'} |"
+        )
+    lines += [
+        "",
+        "Per call, p50 ms:",
+        "",
+        "| approach | size | " + " | ".join(BARRIER) + " |",
+        "|---|---|" + "---|" * len(BARRIER),
+    ]
     for r in rows:
         if f"{BARRIER[0]}_p50_ms" in r:
-            lines.append(f"| {r['approach']} | {r['size']} | " + " | ".join(
-                f"{r[f'{n}_p50_ms']:.3f}" for n in BARRIER) + " |")
+            lines.append(
+                f"| {r['approach']} | {r['size']} | "
+                + " | ".join(f"{r[f'{n}_p50_ms']:.3f}" for n in BARRIER)
+                + " |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -706,11 +803,17 @@ def main() -> int:
         rows.append(run_bare(device, args.steps, args.warmup, workdir))
         for size in sizes:
             rows.append(run_miserver(size, device, args.steps, args.warmup, workdir))
-            rows.append(run_baseline(size, device, args.baseline_steps, args.warmup,
-                                     int(args.bucket_mib * 2**20)))
-            print(f"[{time.perf_counter() - started:.0f} s] {size}: miserver p50 "
-                  f"{rows[-2]['p50_ms']:.3f} ms, baseline p50 {rows[-1]['p50_ms']:.3f} ms",
-                  file=sys.stderr, flush=True)
+            rows.append(
+                run_baseline(
+                    size, device, args.baseline_steps, args.warmup, int(args.bucket_mib * 2**20)
+                )
+            )
+            print(
+                f"[{time.perf_counter() - started:.0f} s] {size}: miserver p50 "
+                f"{rows[-2]['p50_ms']:.3f} ms, baseline p50 {rows[-1]['p50_ms']:.3f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if device.startswith("cuda"):
@@ -718,9 +821,11 @@ def main() -> int:
         where = f"{props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}"
     else:
         where = f"CPU ({os.cpu_count()} cores), torch {torch.__version__}, CPU shared memory"
-    head = (f"{where}; one run; miserver and bare: {args.steps} timed steps, baseline: "
-            f"{args.baseline_steps}, each after {args.warmup} warm-ups; buckets of "
-            f"{args.bucket_mib:g} MiB; {time.perf_counter() - started:.0f} s in all.")
+    head = (
+        f"{where}; one run; miserver and bare: {args.steps} timed steps, baseline: "
+        f"{args.baseline_steps}, each after {args.warmup} warm-ups; buckets of "
+        f"{args.bucket_mib:g} MiB; {time.perf_counter() - started:.0f} s in all."
+    )
     table = render(rows, device, head)
     print(table)
     if args.out:
@@ -728,8 +833,9 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "weight_sync.md").write_text(table)
         (out / "weight_sync.json").write_text(json.dumps(rows, indent=1, default=str))
-        plot({f"{r['approach']} {r['size']}": r["samples_ms"] for r in rows},
-             out / "weight_sync.png")
+        plot(
+            {f"{r['approach']} {r['size']}": r["samples_ms"] for r in rows}, out / "weight_sync.png"
+        )
     failed = [f"{r['approach']} {r['size']}" for r in rows if not r["check"]]
     if failed:
         print(f"check FAILED: {', '.join(failed)}", file=sys.stderr)

@@ -120,12 +120,30 @@ class Schedule:
 SCHEDULES = {
     # CPU, two cores (CI): a short run that stops as soon as the served model recites it all
     # (measured: all 19 lines at step 10, about 5 minutes on two loaded cores).
-    "short": Schedule("short", max_steps=40, lr=2e-3, eval_every=5, stop_when_learned=True,
-                      chat_max_tokens=16, chat_pause_s=0.25, keep_control=True, decay=False),
+    "short": Schedule(
+        "short",
+        max_steps=40,
+        lr=2e-3,
+        eval_every=5,
+        stop_when_learned=True,
+        chat_max_tokens=16,
+        chat_pause_s=0.25,
+        keep_control=True,
+        decay=False,
+    ),
     # GPU: a fixed run, evaluated often, under heavier chat traffic (measured on the H200: all
     # 19 lines from step 15 of 21; 30 steps fit one 10-minute command with the server's start).
-    "full": Schedule("full", max_steps=30, lr=2e-3, eval_every=3, stop_when_learned=False,
-                     chat_max_tokens=64, chat_pause_s=0.0, keep_control=True, decay=True),
+    "full": Schedule(
+        "full",
+        max_steps=30,
+        lr=2e-3,
+        eval_every=3,
+        stop_when_learned=False,
+        chat_max_tokens=64,
+        chat_pause_s=0.0,
+        keep_control=True,
+        decay=True,
+    ),
 }
 
 
@@ -147,17 +165,32 @@ class LocalServer:
         audit_path: ``WEIGHTS_AUDIT_LOG``.
     """
 
-    def __init__(self, *, device: str, home: str | None, log_path: Path,
-                 watchdog_ms: int | None, audit_path: Path) -> None:
+    def __init__(
+        self,
+        *,
+        device: str,
+        home: str | None,
+        log_path: Path,
+        watchdog_ms: int | None,
+        audit_path: Path,
+    ) -> None:
         self.token = secrets.token_urlsafe(32)
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
-        env.update(HOST="127.0.0.1", PORT=str(self.port), DEVICE=device, DEFAULT_MODEL=MODEL,
-                   WEIGHTS_TOKENS=f"demo-trainer:trainer:{self.token}",
-                   WEIGHTS_AUDIT_LOG=str(audit_path), LOG_FORMAT="json", LOG_LEVEL="info",
-                   MAX_CONCURRENT_REQUESTS="1", CONTINUOUS_BATCHING="0")
+        env.update(
+            HOST="127.0.0.1",
+            PORT=str(self.port),
+            DEVICE=device,
+            DEFAULT_MODEL=MODEL,
+            WEIGHTS_TOKENS=f"demo-trainer:trainer:{self.token}",
+            WEIGHTS_AUDIT_LOG=str(audit_path),
+            LOG_FORMAT="json",
+            LOG_LEVEL="info",
+            MAX_CONCURRENT_REQUESTS="1",
+            CONTINUOUS_BATCHING="0",
+        )
         if device == "cpu":
             env["WEIGHTS_CPU_ATTACH"] = "1"
         if watchdog_ms is not None:
@@ -169,8 +202,12 @@ class LocalServer:
 
     def __enter__(self) -> LocalServer:
         with self.log_path.open("wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "miserver.cli", "serve"],
-                                         env=self._env, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "miserver.cli", "serve"],
+                env=self._env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         return self
 
     def log_tail(self, chars: int = 3000) -> str:
@@ -181,8 +218,10 @@ class LocalServer:
 
     def check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
-            raise SetupError(f"the server exited with status {self.proc.returncode}; its log "
-                             f"({self.log_path}) ends with:\n{self.log_tail()}")
+            raise SetupError(
+                f"the server exited with status {self.proc.returncode}; its log "
+                f"({self.log_path}) ends with:\n{self.log_tail()}"
+            )
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -199,8 +238,9 @@ class SetupError(RuntimeError):
     """The demo cannot run (no server, the wrong model, a torn set): exit status 2."""
 
 
-def wait_until_ready(base: str, timeout_s: float, server: LocalServer | None = None,
-                     stop: StopRequest | None = None) -> None:
+def wait_until_ready(
+    base: str, timeout_s: float, server: LocalServer | None = None, stop: StopRequest | None = None
+) -> None:
     """Wait until ``MODEL`` is resident (the first start imports it, a minute or two).
     Raises KeyboardInterrupt when a stop was requested meanwhile."""
     deadline = time.monotonic() + timeout_s
@@ -219,8 +259,9 @@ def wait_until_ready(base: str, timeout_s: float, server: LocalServer | None = N
         except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
             last = type(exc).__name__
         time.sleep(1.0)
-    raise SetupError(f"the server at {base} did not have a model resident within "
-                     f"{timeout_s:.0f} s ({last})")
+    raise SetupError(
+        f"the server at {base} did not have a model resident within {timeout_s:.0f} s ({last})"
+    )
 
 
 # --- talking to /v1 ------------------------------------------------------------------------------
@@ -234,24 +275,44 @@ class V1:
 
     def chat(self, question: str, max_tokens: int) -> dict[str, Any]:
         """Greedy chat answer: ``{text, commits, model, prompt_tokens}``. Raises on an error."""
-        r = self.session.post(f"{self.base}/v1/chat/completions", timeout=self.timeout_s, json={
-            "model": MODEL, "temperature": 0, "max_tokens": max_tokens,
-            "messages": [{"role": "user", "content": question}]})
+        r = self.session.post(
+            f"{self.base}/v1/chat/completions",
+            timeout=self.timeout_s,
+            json={
+                "model": MODEL,
+                "temperature": 0,
+                "max_tokens": max_tokens,
+                "messages": [{"role": "user", "content": question}],
+            },
+        )
         body = _json_or_raise(r)
         name, origin, commits = parse_served_by(r.headers.get("X-miLLM-Model"))
-        return {"text": body["choices"][0]["message"]["content"], "model": name,
-                "origin": origin, "commits": commits,
-                "prompt_tokens": body["usage"]["prompt_tokens"]}
+        return {
+            "text": body["choices"][0]["message"]["content"],
+            "model": name,
+            "origin": origin,
+            "commits": commits,
+            "prompt_tokens": body["usage"]["prompt_tokens"],
+        }
 
     def reference_nll(self, prompt_ids: list[int], target_ids: list[int]) -> dict[str, Any]:
         """Mean negative log-likelihood per token of ``target_ids`` after ``prompt_ids`` under
         the served weights (``/v1/completions``, ``echo`` + ``logprobs``): nats per token."""
-        r = self.session.post(f"{self.base}/v1/completions", timeout=self.timeout_s, json={
-            "model": MODEL, "prompt": prompt_ids + target_ids, "echo": True, "logprobs": 0,
-            "max_tokens": 1, "temperature": 0})
+        r = self.session.post(
+            f"{self.base}/v1/completions",
+            timeout=self.timeout_s,
+            json={
+                "model": MODEL,
+                "prompt": prompt_ids + target_ids,
+                "echo": True,
+                "logprobs": 0,
+                "max_tokens": 1,
+                "temperature": 0,
+            },
+        )
         body = _json_or_raise(r)
         lps = body["choices"][0]["logprobs"]["token_logprobs"]
-        part = lps[len(prompt_ids):len(prompt_ids) + len(target_ids)]
+        part = lps[len(prompt_ids) : len(prompt_ids) + len(target_ids)]
         if len(part) != len(target_ids) or any(v is None for v in part):
             raise SetupError("the server's echo/logprobs answer does not cover the reference")
         _, _, commits = parse_served_by(r.headers.get("X-miLLM-Model"))
@@ -265,7 +326,9 @@ def _json_or_raise(r: requests.Response) -> dict[str, Any]:
         body = None
     if r.status_code != 200 or not isinstance(body, dict):
         err = body.get("error") if isinstance(body, dict) else None
-        raise SetupError(f"{r.request.method} {r.url} answered {r.status_code}: {err or r.text[:300]}")
+        raise SetupError(
+            f"{r.request.method} {r.url} answered {r.status_code}: {err or r.text[:300]}"
+        )
     return body
 
 
@@ -337,10 +400,19 @@ class ChatLoad(threading.Thread):
             self._stop_event.wait(self.pause_s)
 
     def _one(self, session: requests.Session, rec: ChatRecord, prompt: str, seed: int) -> None:
-        with session.post(f"{self.base}/v1/chat/completions", stream=True, timeout=600, json={
-                "model": MODEL, "stream": True, "temperature": 0.7, "seed": seed,
+        with session.post(
+            f"{self.base}/v1/chat/completions",
+            stream=True,
+            timeout=600,
+            json={
+                "model": MODEL,
+                "stream": True,
+                "temperature": 0.7,
+                "seed": seed,
                 "max_tokens": self.max_tokens,
-                "messages": [{"role": "user", "content": prompt}]}) as r:
+                "messages": [{"role": "user", "content": prompt}],
+            },
+        ) as r:
             rec.status = r.status_code
             if r.status_code != 200:
                 try:
@@ -406,8 +478,11 @@ class EvalRecord:
     recital: str
 
 
-def served_during_writes(records: Sequence[ChatRecord], commits: Sequence[CommitRecord],
-                         tolerance_s: float = EDGE_TOLERANCE_S) -> list[int]:
+def served_during_writes(
+    records: Sequence[ChatRecord],
+    commits: Sequence[CommitRecord],
+    tolerance_s: float = EDGE_TOLERANCE_S,
+) -> list[int]:
     """Indices of chat requests a token of which arrived inside a write window (more than
     ``tolerance_s`` from either edge): requests served while the weights were being written."""
     windows = [(c.write_start + tolerance_s, c.write_end - tolerance_s) for c in commits]
@@ -458,16 +533,26 @@ class StopRequest:
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise KeyboardInterrupt
         self.requested = True
-        print(f"\n{signal.Signals(signum).name}: stopping after this step (again to abort)",
-              file=sys.stderr, flush=True)
+        print(
+            f"\n{signal.Signals(signum).name}: stopping after this step (again to abort)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 class Demo:
     """One run: evaluate, attach, train in place under chat load, save, report."""
 
-    def __init__(self, base: str, token: str, schedule: Schedule, out: Path,
-                 home: str | None, server: LocalServer | None,
-                 stop: StopRequest | None = None) -> None:
+    def __init__(
+        self,
+        base: str,
+        token: str,
+        schedule: Schedule,
+        out: Path,
+        home: str | None,
+        server: LocalServer | None,
+        stop: StopRequest | None = None,
+    ) -> None:
         self.base = base
         self.token = token
         self.schedule = schedule
@@ -503,8 +588,9 @@ class Demo:
         """(prompt ids, target ids): the chat-templated question exactly as ``/v1`` builds it,
         and the answer followed by the end-of-turn token the served model stops on."""
         tok = self.tokenizer
-        text = tok.apply_chat_template([{"role": "user", "content": question}],
-                                       add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
         prompt = list(tok(text, add_special_tokens=False)["input_ids"])
         target = list(tok(answer + tok.eos_token, add_special_tokens=False)["input_ids"])
         return prompt, target
@@ -518,18 +604,25 @@ class Demo:
         if recital["prompt_tokens"] != len(self.zen_prompt):
             raise SetupError(
                 f"the server tokenized the question into {recital['prompt_tokens']} tokens, the "
-                f"trainer into {len(self.zen_prompt)}: the tokenizers differ")
+                f"trainer into {len(self.zen_prompt)}: the tokenizers differ"
+            )
         nll = self.v1.reference_nll(self.zen_prompt, self.zen_target)
         control = self.v1.chat(CONTROL_QUESTION, max_tokens=24)
-        rec = EvalRecord(step=step, started=started, at=time.monotonic(),
-                         commits=recital["commits"],
-                         lines=score_recital(recital["text"], self.reference), nll=nll["nll"],
-                         control_text=control["text"],
-                         control_ok=CONTROL_EXPECTED in control["text"],
-                         recital=recital["text"])
+        rec = EvalRecord(
+            step=step,
+            started=started,
+            at=time.monotonic(),
+            commits=recital["commits"],
+            lines=score_recital(recital["text"], self.reference),
+            nll=nll["nll"],
+            control_text=control["text"],
+            control_ok=CONTROL_EXPECTED in control["text"],
+            recital=recital["text"],
+        )
         if len({recital["commits"], nll["commits"], control["commits"]}) != 1:
-            self.notes.append(f"step {step}: the three evaluation answers came from different "
-                              "parameter sets")
+            self.notes.append(
+                f"step {step}: the three evaluation answers came from different parameter sets"
+            )
         self.evals.append(rec)
         return rec
 
@@ -546,8 +639,11 @@ class Demo:
         ctl_prompt, ctl_target = self.example(CONTROL_QUESTION, CONTROL_ANSWER)
 
         before = self.evaluate(step=0)
-        print(f"untrained: {before.lines}/{len(self.reference)} lines, reference loss "
-              f"{before.nll:.3f} nats/token, control: {before.control_text!r}", flush=True)
+        print(
+            f"untrained: {before.lines}/{len(self.reference)} lines, reference loss "
+            f"{before.nll:.3f} nats/token, control: {before.control_text!r}",
+            flush=True,
+        )
 
         load = ChatLoad(self.base, s.chat_max_tokens, s.chat_pause_s)
         load.start()
@@ -556,30 +652,41 @@ class Demo:
             with WeightsClient(self.base, self.token) as client:
                 att = client.attach()
                 if att.model_ref.get("name") != MODEL:
-                    raise SetupError(f"the server serves {att.model_ref.get('name')!r}; this "
-                                     f"demo teaches {MODEL!r} (load it first)")
+                    raise SetupError(
+                        f"the server serves {att.model_ref.get('name')!r}; this "
+                        f"demo teaches {MODEL!r} (load it first)"
+                    )
                 if att.weights_state != "clean":
-                    raise SetupError(f"the served weights are {att.weights_state}; recover "
-                                     "with POST /api/weights/load first (docs/operations.md)")
+                    raise SetupError(
+                        f"the served weights are {att.weights_state}; recover "
+                        "with POST /api/weights/load first (docs/operations.md)"
+                    )
                 if att.steps_since_load:
-                    self.notes.append(f"the served weights already carried "
-                                      f"{att.steps_since_load} commits when the demo attached")
+                    self.notes.append(
+                        f"the served weights already carried "
+                        f"{att.steps_since_load} commits when the demo attached"
+                    )
                 model = att.build_model()
                 model.train()
                 device = next(model.parameters()).device
-                print(f"attached: {MODEL} on {device}, "
-                      f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters "
-                      f"bound to the served storages", flush=True)
+                print(
+                    f"attached: {MODEL} on {device}, "
+                    f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters "
+                    f"bound to the served storages",
+                    flush=True,
+                )
                 batches = [self._batch(self.zen_prompt, self.zen_target, device)]
                 if s.keep_control:
                     batches.append(self._batch(ctl_prompt, ctl_target, device))
-                opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0,
-                                        **_fused_if_supported(device))
+                opt = torch.optim.AdamW(
+                    model.parameters(), lr=s.lr, weight_decay=0.0, **_fused_if_supported(device)
+                )
                 self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(
-                    opt, lambda i: 1.0 - 0.9 * min(i, s.max_steps) / s.max_steps
-                    if s.decay else 1.0)
-                with tqdm(total=s.max_steps, desc="train", unit="step", mininterval=1.0,
-                          file=sys.stderr) as bar:
+                    opt, lambda i: 1.0 - 0.9 * min(i, s.max_steps) / s.max_steps if s.decay else 1.0
+                )
+                with tqdm(
+                    total=s.max_steps, desc="train", unit="step", mininterval=1.0, file=sys.stderr
+                ) as bar:
                     for step in range(1, s.max_steps + 1):
                         if self.stop.requested:
                             break
@@ -595,16 +702,20 @@ class Demo:
                     t_save = time.monotonic()
                     save = client.save()
                     self.save_window = (t_save, time.monotonic())
-                    print(f"saved checkpoint {save['name']} ({save['checkpoint_sha256'][:12]})"
-                          f" at {save['path']}", flush=True)
+                    print(
+                        f"saved checkpoint {save['name']} ({save['checkpoint_sha256'][:12]})"
+                        f" at {save['path']}",
+                        flush=True,
+                    )
         finally:
             load.stop()
             load.join(timeout=660)
         after_save = self.v1.chat(CONTROL_QUESTION, max_tokens=24)
         return self.report(load.records, save, after_save)
 
-    def _step(self, step: int, model: Any, batches: list[dict[str, Any]], opt: Any,
-              client: Any, bar: Any) -> bool:
+    def _step(
+        self, step: int, model: Any, batches: list[dict[str, Any]], opt: Any, client: Any, bar: Any
+    ) -> bool:
         """One training step: gradients outside the bracket, the optimizer step inside it,
         an evaluation every ``eval_every`` steps. Returns True when the run should stop."""
         from tqdm import tqdm
@@ -620,22 +731,33 @@ class Demo:
         opt.zero_grad(set_to_none=True)
         self.lr_schedule.step()  # changes the next step's lr, not the weights
         end = cycle.end or {}
-        self.commits.append(CommitRecord(
-            step=step, loss=loss, hold_start=hold_start, write_start=write_start,
-            write_end=write_end, hold_end=hold_end, commit_ms=end.get("commit_ms"),
-            overran=bool(end.get("overran")),
-            held_requests=(cycle.quiesce or {}).get("held_requests"),
-            steps_since_load=end.get("steps_since_load")))
+        self.commits.append(
+            CommitRecord(
+                step=step,
+                loss=loss,
+                hold_start=hold_start,
+                write_start=write_start,
+                write_end=write_end,
+                hold_end=hold_end,
+                commit_ms=end.get("commit_ms"),
+                overran=bool(end.get("overran")),
+                held_requests=(cycle.quiesce or {}).get("held_requests"),
+                steps_since_load=end.get("steps_since_load"),
+            )
+        )
         postfix = {"loss": f"{loss:.3f}", "commit_ms": end.get("commit_ms")}
         learned = False
         if step % s.eval_every == 0 or step == s.max_steps:
             ev = self.evaluate(step)
-            postfix.update(lines=f"{ev.lines}/{len(self.reference)}",
-                           control="ok" if ev.control_ok else "LOST")
-            tqdm.write(f"step {step:3d}: served recital {ev.lines:2d}/{len(self.reference)} "
-                       f"lines, reference loss {ev.nll:.4f} nats/token, control "
-                       f"{'ok' if ev.control_ok else 'LOST'} (commits={ev.commits})",
-                       file=sys.stderr)
+            postfix.update(
+                lines=f"{ev.lines}/{len(self.reference)}", control="ok" if ev.control_ok else "LOST"
+            )
+            tqdm.write(
+                f"step {step:3d}: served recital {ev.lines:2d}/{len(self.reference)} "
+                f"lines, reference loss {ev.nll:.4f} nats/token, control "
+                f"{'ok' if ev.control_ok else 'LOST'} (commits={ev.commits})",
+                file=sys.stderr,
+            )
             learned = ev.lines == len(self.reference) and ev.control_ok
         bar.set_postfix(postfix, refresh=False)
         bar.update(1)
@@ -662,8 +784,9 @@ class Demo:
         return float(first)
 
     # --- the report ---------------------------------------------------------------------------
-    def report(self, chats: list[ChatRecord], save: dict[str, Any] | None,
-               after_save: dict[str, Any]) -> dict[str, Any]:
+    def report(
+        self, chats: list[ChatRecord], save: dict[str, Any] | None, after_save: dict[str, Any]
+    ) -> dict[str, Any]:
         n_lines = len(self.reference)
         during = served_during_writes(chats, self.commits)
         failed = [c for c in chats if not c.ok]
@@ -677,7 +800,8 @@ class Demo:
                 f"{len(overran)} commit(s) took longer than the server's "
                 "WEIGHTS_COMMIT_WATCHDOG_MS: the set was torn until each late commit-end, and "
                 "requests held meanwhile were refused; raise the watchdog on the server "
-                "(docs/trainer-guide.md, 'The watchdog')")
+                "(docs/trainer-guide.md, 'The watchdog')"
+            )
         summary = {
             "schedule": self.schedule.name,
             "steps": len(self.commits),
@@ -697,7 +821,8 @@ class Demo:
             "chat_served_during_commit": len(during),
             # write windows long enough for that check (a GPU step is shorter than the margins)
             "write_windows_checked": sum(
-                c.write_end - c.write_start > 2 * EDGE_TOLERANCE_S for c in self.commits),
+                c.write_end - c.write_start > 2 * EDGE_TOLERANCE_S for c in self.commits
+            ),
             "chat_held_by_a_commit": held_by_commits(chats, self.commits),
             "chat_latency_p50_s": percentile(lat, 50),
             "chat_latency_p99_s": percentile(lat, 99),
@@ -713,25 +838,47 @@ class Demo:
             "notes": self.notes,
         }
         summary["passed"] = bool(
-            summary["final_lines"] == n_lines and summary["control_after"]
-            and summary["chat_failed"] == 0 and summary["chat_served_during_commit"] == 0
-            and save is not None)
+            summary["final_lines"] == n_lines
+            and summary["control_after"]
+            and summary["chat_failed"] == 0
+            and summary["chat_served_during_commit"] == 0
+            and save is not None
+        )
         t0 = self.t0
         return {
             "summary": summary,
-            "evals": [{**asdict(e), "started": e.started - t0, "at": e.at - t0}
-                      for e in self.evals],
-            "save_window": None if self.save_window is None else [
-                self.save_window[0] - t0, self.save_window[1] - t0],
-            "commits": [{**asdict(c), **{k: getattr(c, k) - t0 for k in
-                                         ("hold_start", "write_start", "write_end", "hold_end")}}
-                        for c in self.commits],
-            "chats": [{"index": c.index, "t_sent": c.t_sent - t0,
-                       "t_first": None if c.t_first is None else c.t_first - t0,
-                       "t_done": None if c.t_done is None else c.t_done - t0,
-                       "latency_s": c.latency_s, "status": c.status, "error": c.error,
-                       "model": c.model, "commits": c.commits, "chunks": len(c.chunk_times),
-                       "served_during_commit": c.index in during} for c in chats],
+            "evals": [
+                {**asdict(e), "started": e.started - t0, "at": e.at - t0} for e in self.evals
+            ],
+            "save_window": None
+            if self.save_window is None
+            else [self.save_window[0] - t0, self.save_window[1] - t0],
+            "commits": [
+                {
+                    **asdict(c),
+                    **{
+                        k: getattr(c, k) - t0
+                        for k in ("hold_start", "write_start", "write_end", "hold_end")
+                    },
+                }
+                for c in self.commits
+            ],
+            "chats": [
+                {
+                    "index": c.index,
+                    "t_sent": c.t_sent - t0,
+                    "t_first": None if c.t_first is None else c.t_first - t0,
+                    "t_done": None if c.t_done is None else c.t_done - t0,
+                    "latency_s": c.latency_s,
+                    "status": c.status,
+                    "error": c.error,
+                    "model": c.model,
+                    "commits": c.commits,
+                    "chunks": len(c.chunk_times),
+                    "served_during_commit": c.index in during,
+                }
+                for c in chats
+            ],
             "reference": self.reference,
         }
 
@@ -747,12 +894,16 @@ def results_table(results: dict[str, Any]) -> str:
     """The per-evaluation table and the summary, as plain text."""
     s = results["summary"]
     n = s["lines_total"]
-    rows = [f"{'step':>5} {'commits':>7} {'lines':>7} {'loss/token':>10}  control",
-            f"{'-' * 5} {'-' * 7} {'-' * 7} {'-' * 10}  {'-' * 30}"]
+    rows = [
+        f"{'step':>5} {'commits':>7} {'lines':>7} {'loss/token':>10}  control",
+        f"{'-' * 5} {'-' * 7} {'-' * 7} {'-' * 10}  {'-' * 30}",
+    ]
     for e in results["evals"]:
         control = ("ok   " if e["control_ok"] else "LOST ") + repr(e["control_text"][:40])
-        rows.append(f"{e['step']:>5} {e['commits'] if e['commits'] is not None else '-':>7} "
-                    f"{e['lines']:>3}/{n:<3} {e['nll']:>10.4f}  {control}")
+        rows.append(
+            f"{e['step']:>5} {e['commits'] if e['commits'] is not None else '-':>7} "
+            f"{e['lines']:>3}/{n:<3} {e['nll']:>10.4f}  {control}"
+        )
 
     def fmt(v: Any, unit: str = "") -> str:
         return "-" if v is None else (f"{v:.3f}{unit}" if isinstance(v, float) else f"{v}{unit}")
@@ -760,21 +911,43 @@ def results_table(results: dict[str, Any]) -> str:
     ck = s["checkpoint"] or {}
     summary = [
         ("training steps (commits)", fmt(s["steps"])),
-        ("served recital, untrained -> final", f"{s['untrained_lines']}/{n} -> {s['final_lines']}/{n} lines"),
-        ("reference loss, untrained -> final", f"{s['untrained_nll']:.3f} -> {s['final_nll']:.4f} nats/token"),
-        ("control question answered, before / after / after save",
-         f"{s['control_before']} / {s['control_after']} / {s['control_after_save']}"),
+        (
+            "served recital, untrained -> final",
+            f"{s['untrained_lines']}/{n} -> {s['final_lines']}/{n} lines",
+        ),
+        (
+            "reference loss, untrained -> final",
+            f"{s['untrained_nll']:.3f} -> {s['final_nll']:.4f} nats/token",
+        ),
+        (
+            "control question answered, before / after / after save",
+            f"{s['control_before']} / {s['control_after']} / {s['control_after_save']}",
+        ),
         ("chat requests (failed)", f"{s['chat_requests']} ({s['chat_failed']})"),
-        ("chat requests served during a commit",
-         f"{s['chat_served_during_commit']} (over {s['write_windows_checked']} write windows "
-         f"longer than {2 * EDGE_TOLERANCE_S:.1f} s)"),
+        (
+            "chat requests served during a commit",
+            f"{s['chat_served_during_commit']} (over {s['write_windows_checked']} write windows "
+            f"longer than {2 * EDGE_TOLERANCE_S:.1f} s)",
+        ),
         ("chat requests held through a write", fmt(s["chat_held_by_a_commit"])),
-        ("chat latency p50 / p99", f"{fmt(s['chat_latency_p50_s'], ' s')} / {fmt(s['chat_latency_p99_s'], ' s')}"),
-        ("commit (server) p50 / p99 / max", f"{fmt(s['commit_ms_p50'], ' ms')} / {fmt(s['commit_ms_p99'], ' ms')} / {fmt(s['commit_ms_max'], ' ms')}"),
-        ("quiesce sent -> resume answered, per step p50 / p99", f"{fmt(s['hold_ms_p50'], ' ms')} / {fmt(s['hold_ms_p99'], ' ms')}"),
+        (
+            "chat latency p50 / p99",
+            f"{fmt(s['chat_latency_p50_s'], ' s')} / {fmt(s['chat_latency_p99_s'], ' s')}",
+        ),
+        (
+            "commit (server) p50 / p99 / max",
+            f"{fmt(s['commit_ms_p50'], ' ms')} / {fmt(s['commit_ms_p99'], ' ms')} / {fmt(s['commit_ms_max'], ' ms')}",
+        ),
+        (
+            "quiesce sent -> resume answered, per step p50 / p99",
+            f"{fmt(s['hold_ms_p50'], ' ms')} / {fmt(s['hold_ms_p99'], ' ms')}",
+        ),
         ("commits that overran the watchdog", fmt(s["commits_overran"])),
         ("checkpoint", f"{ck.get('name', '-')} ({(ck.get('checkpoint_sha256') or '-')[:12]})"),
-        ("served as, after the save", f"{s['served_name_after_save']} (origin {s['served_origin_after_save']})"),
+        (
+            "served as, after the save",
+            f"{s['served_name_after_save']} (origin {s['served_origin_after_save']})",
+        ),
         ("wall time", fmt(s["wall_s"], " s")),
         ("result", "PASS" if s["passed"] else "FAIL"),
     ]
@@ -792,8 +965,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
     s = results["summary"]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 8), constrained_layout=True)
     steps = [e["step"] for e in results["evals"]]
-    top.plot(steps, [e["lines"] for e in results["evals"]], "o-", color="tab:blue",
-             label="Zen lines the server recites exactly")
+    top.plot(
+        steps,
+        [e["lines"] for e in results["evals"]],
+        "o-",
+        color="tab:blue",
+        label="Zen lines the server recites exactly",
+    )
     for e in results["evals"]:
         if not e["control_ok"]:
             top.plot([e["step"]], [e["lines"]], "x", color="red", markersize=10)
@@ -803,40 +981,76 @@ def plot(results: dict[str, Any], path: Path) -> None:
     top.set_xlabel("training step (commits)")
     top.set_ylabel(f"lines reproduced (of {s['lines_total']})", color="tab:blue")
     loss_ax = top.twinx()
-    loss_ax.plot(steps, [e["nll"] for e in results["evals"]], "s--", color="tab:orange",
-                 label="reference loss under the served weights")
+    loss_ax.plot(
+        steps,
+        [e["nll"] for e in results["evals"]],
+        "s--",
+        color="tab:orange",
+        label="reference loss under the served weights",
+    )
     loss_ax.set_ylabel("nats per token", color="tab:orange")
-    top.set_title(f"Served score while training in place ({s['schedule']} schedule, "
-                  f"control question {'kept' if s['control_after'] else 'LOST'})")
+    top.set_title(
+        f"Served score while training in place ({s['schedule']} schedule, "
+        f"control question {'kept' if s['control_after'] else 'LOST'})"
+    )
     lines = top.get_legend_handles_labels()
     extra = loss_ax.get_legend_handles_labels()
     top.legend(lines[0] + extra[0], lines[1] + extra[1], loc="center right")
 
     for i, c in enumerate(results["commits"]):
-        bottom.axvspan(c["hold_start"], c["hold_end"], color="tab:red", alpha=0.15,
-                       lw=0, label="barrier: quiesce sent -> resume answered" if i == 0
-                       else None)
-        bottom.axvspan(c["write_start"], c["write_end"], color="tab:red", alpha=0.45, lw=0,
-                       label="weights writing (optimizer step)" if i == 0 else None)
+        bottom.axvspan(
+            c["hold_start"],
+            c["hold_end"],
+            color="tab:red",
+            alpha=0.15,
+            lw=0,
+            label="barrier: quiesce sent -> resume answered" if i == 0 else None,
+        )
+        bottom.axvspan(
+            c["write_start"],
+            c["write_end"],
+            color="tab:red",
+            alpha=0.45,
+            lw=0,
+            label="weights writing (optimizer step)" if i == 0 else None,
+        )
     ok = [c for c in results["chats"] if c["error"] is None and c["t_done"] is not None]
     bad = [c for c in results["chats"] if c["error"] is not None]
-    bottom.plot([c["t_done"] for c in ok], [c["latency_s"] for c in ok], ".", color="tab:green",
-                label="chat request (latency, at completion)")
+    bottom.plot(
+        [c["t_done"] for c in ok],
+        [c["latency_s"] for c in ok],
+        ".",
+        color="tab:green",
+        label="chat request (latency, at completion)",
+    )
     if bad:
-        bottom.plot([c["t_done"] for c in bad], [c["latency_s"] or 0 for c in bad], "x",
-                    color="black", label="failed chat request")
+        bottom.plot(
+            [c["t_done"] for c in bad],
+            [c["latency_s"] or 0 for c in bad],
+            "x",
+            color="black",
+            label="failed chat request",
+        )
     for i, e in enumerate(results["evals"]):
-        bottom.axvspan(e["started"], e["at"], color="tab:blue", alpha=0.12, lw=0,
-                       label="evaluation (recital, reference loss, control)" if i == 0
-                       else None)
+        bottom.axvspan(
+            e["started"],
+            e["at"],
+            color="tab:blue",
+            alpha=0.12,
+            lw=0,
+            label="evaluation (recital, reference loss, control)" if i == 0 else None,
+        )
     if results.get("save_window"):
         a, b = results["save_window"]
-        bottom.axvspan(a, max(b, a + 0.5), color="tab:purple", alpha=0.4, lw=0,
-                       label="checkpoint save")
+        bottom.axvspan(
+            a, max(b, a + 0.5), color="tab:purple", alpha=0.4, lw=0, label="checkpoint save"
+        )
     bottom.set_xlabel("time since start (s)")
     bottom.set_ylabel("chat latency (s)")
-    bottom.set_title(f"{s['chat_requests']} chat requests, {s['chat_failed']} failed, "
-                     f"{s['chat_served_during_commit']} served during a commit")
+    bottom.set_title(
+        f"{s['chat_requests']} chat requests, {s['chat_failed']} failed, "
+        f"{s['chat_served_during_commit']} served during a commit"
+    )
     bottom.legend(loc="upper right", fontsize="small", framealpha=0.9)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -844,27 +1058,50 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 # --- the command line -------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--server", help="attach to this miserver (http://host:port) instead of "
-                   "starting one")
-    p.add_argument("--token-file", help="with --server: a file holding the trainer token's "
-                   "secret (the secret alone, not label:role:secret)")
-    p.add_argument("--schedule", choices=sorted(SCHEDULES), default=None,
-                   help="short (CPU, stops once learned) or full (GPU); default: short on the "
-                   "CPU, full on CUDA")
-    p.add_argument("--device", default="auto", help="where the self-started server loads the "
-                   "model: auto (CUDA when available), cpu, cuda, cuda:N. The trainer computes "
-                   "where the served weights are")
-    p.add_argument("--out", default=DEFAULT_OUT,
-                   help="folder for results.json, the plot, the server and audit logs "
-                   "(default: ./%(default)s, or in the home directory when . is read-only)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--server", help="attach to this miserver (http://host:port) instead of starting one"
+    )
+    p.add_argument(
+        "--token-file",
+        help="with --server: a file holding the trainer token's "
+        "secret (the secret alone, not label:role:secret)",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=sorted(SCHEDULES),
+        default=None,
+        help="short (CPU, stops once learned) or full (GPU); default: short on the "
+        "CPU, full on CUDA",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="where the self-started server loads the "
+        "model: auto (CUDA when available), cpu, cuda, cuda:N. The trainer computes "
+        "where the served weights are",
+    )
+    p.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        help="folder for results.json, the plot, the server and audit logs "
+        "(default: ./%(default)s, or in the home directory when . is read-only)",
+    )
     p.add_argument("--max-steps", type=int, help="override the schedule's step count")
-    p.add_argument("--no-control-example", action="store_true",
-                   help="train on the Zen alone (by default the control answer is a second "
-                   "example of every step, so the model keeps it)")
-    p.add_argument("--start-timeout", type=float, default=900.0,
-                   help="seconds to wait for the model to be resident")
+    p.add_argument(
+        "--no-control-example",
+        action="store_true",
+        help="train on the Zen alone (by default the control answer is a second "
+        "example of every step, so the model keeps it)",
+    )
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=900.0,
+        help="seconds to wait for the model to be resident",
+    )
     args = p.parse_args(argv)
     if args.server and not args.token_file:
         p.error("--server needs --token-file")
@@ -913,13 +1150,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                     raise SetupError(f"{args.token_file} is empty")
                 home = None  # the server's home is not ours to read
             else:
-                server = stack.enter_context(LocalServer(
-                    device=device, home=home, log_path=out / "server.log",
-                    watchdog_ms=30_000 if device == "cpu" else None,
-                    audit_path=out / "audit.jsonl"))
+                server = stack.enter_context(
+                    LocalServer(
+                        device=device,
+                        home=home,
+                        log_path=out / "server.log",
+                        watchdog_ms=30_000 if device == "cpu" else None,
+                        audit_path=out / "audit.jsonl",
+                    )
+                )
                 base, token = server.base, server.token
-                print(f"started miserver on {base} (device {device}, log {out / 'server.log'})",
-                      flush=True)
+                print(
+                    f"started miserver on {base} (device {device}, log {out / 'server.log'})",
+                    flush=True,
+                )
             wait_until_ready(base, args.start_timeout, server, stop)
             demo = Demo(base, token, schedule, out, home, server, stop)
             results = demo.run()
@@ -939,8 +1183,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(results_table(results))
     for note in results["summary"]["notes"]:
         print(f"note: {note}")
-    print(f"\nfinal served recital (commits={results['evals'][-1]['commits']}):\n"
-          f"{results['evals'][-1]['recital']}\n")
+    print(
+        f"\nfinal served recital (commits={results['evals'][-1]['commits']}):\n"
+        f"{results['evals'][-1]['recital']}\n"
+    )
     print(f"wrote {wrote}")
     if results["summary"]["interrupted"]:
         return 130

@@ -25,10 +25,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the server (contract sections 1-9)")
     for variable, _field, _kind in VARIABLES:
-        serve.add_argument(_flag(variable), dest=variable, metavar=variable, default=None,
-                           help=f"overrides ${variable}")
-    serve.add_argument(_flag("WEIGHTS_TOKENS_FILE"), dest="WEIGHTS_TOKENS_FILE", default=None,
-                       metavar="PATH", help="overrides $WEIGHTS_TOKENS_FILE")
+        serve.add_argument(
+            _flag(variable),
+            dest=variable,
+            metavar=variable,
+            default=None,
+            help=f"overrides ${variable}",
+        )
+    serve.add_argument(
+        _flag("WEIGHTS_TOKENS_FILE"),
+        dest="WEIGHTS_TOKENS_FILE",
+        default=None,
+        metavar="PATH",
+        help="overrides $WEIGHTS_TOKENS_FILE",
+    )
     check = sub.add_parser("check", help="exhaustively model-check the weights lifecycle table")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     sub.add_parser("docs", help="regenerate docs/state-machine.md and the JSON schema")

@@ -70,8 +70,11 @@ class ProducerMismatch(TrainerError):
 
     def __init__(self, differences: dict[str, tuple[Any, Any]]) -> None:
         text = "; ".join(f"{k}: server {a!r}, trainer {b!r}" for k, (a, b) in differences.items())
-        super().__init__("refusing to rebuild: the server's build differs from this process's ("
-                         + text + "); install the same torch build on both sides")
+        super().__init__(
+            "refusing to rebuild: the server's build differs from this process's ("
+            + text
+            + "); install the same torch build on both sides"
+        )
         self.differences = differences
 
 
@@ -133,8 +136,9 @@ def _field(entry: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
     return v
 
 
-def _rebuild_storage(entry: Mapping[str, Any], i: int
-                     ) -> tuple[torch.UntypedStorage, tuple[str, bytes, int]]:
+def _rebuild_storage(
+    entry: Mapping[str, Any], i: int
+) -> tuple[torch.UntypedStorage, tuple[str, bytes, int]]:
     where = f"storages[{i}]"
     kind = entry.get("kind")
     if kind == "cuda_ipc":
@@ -148,19 +152,34 @@ def _rebuild_storage(entry: Mapping[str, Any], i: int
             raise InvalidExport(f"{where}: missing field handle")
         key = ("cuda_ipc", handle, offset)
         if not torch.cuda.is_available():
-            raise DeviceNotVisible(f"{where} is on CUDA device {uuid}, and this process "
-                                   "has no CUDA")
+            raise DeviceNotVisible(
+                f"{where} is on CUDA device {uuid}, and this process has no CUDA"
+            )
         index = local_index_for_uuid(uuid)
         if index is None:
-            raise DeviceNotVisible(f"{where} is on CUDA device {uuid}, which this process does "
-                                   "not see (check CUDA_VISIBLE_DEVICES)")
+            raise DeviceNotVisible(
+                f"{where} is on CUDA device {uuid}, which this process does "
+                "not see (check CUDA_VISIBLE_DEVICES)"
+            )
         _claim(key, where)
         try:
             whole = rebuild_cuda_tensor(
-                torch.Tensor, (size,), (1,), 0, torch.UntypedStorage, torch.uint8, index,
-                handle, size, offset, False, _b64(entry, "ref_counter_handle"),
-                _field(entry, "ref_counter_offset", int, where), _b64(entry, "event_handle"),
-                bool(entry.get("event_sync_required")))
+                torch.Tensor,
+                (size,),
+                (1,),
+                0,
+                torch.UntypedStorage,
+                torch.uint8,
+                index,
+                handle,
+                size,
+                offset,
+                False,
+                _b64(entry, "ref_counter_handle"),
+                _field(entry, "ref_counter_offset", int, where),
+                _b64(entry, "event_handle"),
+                bool(entry.get("event_sync_required")),
+            )
         except BaseException:
             _unclaim(key)
             raise
@@ -181,8 +200,7 @@ def _rebuild_storage(entry: Mapping[str, Any], i: int
             _unclaim(key)
             raise
         return st, key
-    raise InvalidExport(f"{where}: unknown kind {kind!r} (expected cuda_ipc or "
-                        "cpu_shared_memory)")
+    raise InvalidExport(f"{where}: unknown kind {kind!r} (expected cuda_ipc or cpu_shared_memory)")
 
 
 def _claim(key: tuple[str, bytes, int], where: str) -> None:
@@ -190,7 +208,8 @@ def _claim(key: tuple[str, bytes, int], where: str) -> None:
         if key in _live:
             raise AlreadyRebuilt(
                 f"{where} is already rebuilt in this process; release the first AttachedWeights "
-                "before rebuilding (each storage is rebuilt exactly once)")
+                "before rebuilding (each storage is rebuilt exactly once)"
+            )
         _live[key] = True
 
 
@@ -213,21 +232,28 @@ def _view(storages: list[torch.UntypedStorage], p: Mapping[str, Any], j: int) ->
         raise InvalidExport(f"{where}: storage {sidx} does not exist")
     dtype = _dtype(p.get("dtype"), where)
     shape, stride = tuple(p.get("shape", ())), tuple(p.get("stride", ()))
-    if (len(shape) != len(stride) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0
-                                         for x in shape + stride)):
-        raise InvalidExport(f"{where}: shape and stride must be equal-length lists of "
-                            "non-negative integers")
+    if len(shape) != len(stride) or any(
+        isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in shape + stride
+    ):
+        raise InvalidExport(
+            f"{where}: shape and stride must be equal-length lists of non-negative integers"
+        )
     offset = _field(p, "storage_offset", int, where)
     st = storages[sidx]
     itemsize = torch.empty(0, dtype=dtype).element_size()
     numel = 1
     for s in shape:
         numel *= s
-    end = 0 if numel == 0 else (offset + sum((s - 1) * t for s, t in zip(shape, stride,
-                                                                         strict=True)) + 1)
+    end = (
+        0
+        if numel == 0
+        else (offset + sum((s - 1) * t for s, t in zip(shape, stride, strict=True)) + 1)
+    )
     if offset < 0 or end * itemsize > st.nbytes():
-        raise InvalidExport(f"{where} ({p.get('name')}): the view ends at byte {end * itemsize},"
-                            f" beyond its storage of {st.nbytes()} bytes")
+        raise InvalidExport(
+            f"{where} ({p.get('name')}): the view ends at byte {end * itemsize},"
+            f" beyond its storage of {st.nbytes()} bytes"
+        )
     t = torch.empty(0, dtype=dtype, device=st.device)
     t.set_(st, offset, shape, stride)
     return t.requires_grad_(bool(p.get("requires_grad", False)))
@@ -242,9 +268,14 @@ class AttachedWeights:
     release: storages something outside still referenced, which then stay pinned in the server).
     """
 
-    def __init__(self, storages: list[torch.UntypedStorage], keys: list[tuple[str, bytes, int]],
-                 tensors: dict[str, torch.Tensor], pinned_bytes: int | None,
-                 on_release: Callable[[], Any] | None) -> None:
+    def __init__(
+        self,
+        storages: list[torch.UntypedStorage],
+        keys: list[tuple[str, bytes, int]],
+        tensors: dict[str, torch.Tensor],
+        pinned_bytes: int | None,
+        on_release: Callable[[], Any] | None,
+    ) -> None:
         self._storages = storages
         self._storage_count = len(storages)
         self._keys = keys
@@ -322,7 +353,10 @@ class AttachedWeights:
                 warnings.warn(
                     f"{self.lingering} rebuilt storage(s) are still referenced outside "
                     "AttachedWeights (a view you made of a parameter); they stay pinned in the "
-                    "server until this process exits", ResourceWarning, stacklevel=2)
+                    "server until this process exits",
+                    ResourceWarning,
+                    stacklevel=2,
+                )
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.ipc_collect()
         finally:
@@ -350,8 +384,9 @@ class AttachedWeights:
         return f"<AttachedWeights {len(self.tensors)} parameter(s), {state}>"
 
 
-def rebuild(body: Mapping[str, Any], *, on_release: Callable[[], Any] | None = None
-            ) -> AttachedWeights:
+def rebuild(
+    body: Mapping[str, Any], *, on_release: Callable[[], Any] | None = None
+) -> AttachedWeights:
     """Rebuild the exported weights: each storage exactly once, every parameter as a view.
 
     Weights page "Rebuilding the tensors in the trainer". ``body`` is the POST /attach response
@@ -389,8 +424,13 @@ def rebuild(body: Mapping[str, Any], *, on_release: Callable[[], Any] | None = N
         for j, p in enumerate(params):  # a VIEW per parameter (tied names share one)
             if not isinstance(p, Mapping) or not isinstance(p.get("name"), str):
                 raise InvalidExport(f"parameters[{j}] must be an object with a name")
-            layout = (p.get("storage"), p.get("storage_offset"), p.get("dtype"),
-                      tuple(p.get("shape", ())), tuple(p.get("stride", ())))
+            layout = (
+                p.get("storage"),
+                p.get("storage_offset"),
+                p.get("dtype"),
+                tuple(p.get("shape", ())),
+                tuple(p.get("stride", ())),
+            )
             tied = p.get("tied_to")
             if tied is not None and tied in tensors:
                 tensors[p["name"]] = tensors[tied]
@@ -415,8 +455,9 @@ def _set_parameter(model: torch.nn.Module, name: str, param: torch.nn.Parameter)
     module._parameters[leaf] = param
 
 
-def bind_into(model: torch.nn.Module,
-              weights: AttachedWeights | Mapping[str, torch.Tensor]) -> torch.nn.Module:
+def bind_into(
+    model: torch.nn.Module, weights: AttachedWeights | Mapping[str, torch.Tensor]
+) -> torch.nn.Module:
     """Make ``model``'s parameters the rebuilt views, so an optimizer steps the served tensors.
 
     Every name of ``model.named_parameters(remove_duplicate=False)`` must be exported with the
@@ -434,10 +475,11 @@ def bind_into(model: torch.nn.Module,
     current = dict(model.named_parameters(remove_duplicate=False))
     missing = sorted(set(current) - set(views))
     extra = sorted(set(views) - set(current))
-    wrong = [f"{n}: model {tuple(p.shape)} {p.dtype}, export {tuple(views[n].shape)} "
-             f"{views[n].dtype}" for n, p in current.items()
-             if n in views and (tuple(p.shape) != tuple(views[n].shape)
-                                or p.dtype != views[n].dtype)]
+    wrong = [
+        f"{n}: model {tuple(p.shape)} {p.dtype}, export {tuple(views[n].shape)} {views[n].dtype}"
+        for n, p in current.items()
+        if n in views and (tuple(p.shape) != tuple(views[n].shape) or p.dtype != views[n].dtype)
+    ]
     if missing or extra or wrong:
         parts = []
         if missing:
@@ -477,8 +519,12 @@ def _parameters_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def build_model(body: Mapping[str, Any], weights: AttachedWeights | None = None, *,
-                model_class: type | None = None) -> torch.nn.Module:
+def build_model(
+    body: Mapping[str, Any],
+    weights: AttachedWeights | None = None,
+    *,
+    model_class: type | None = None,
+) -> torch.nn.Module:
     """Build the served architecture from ``body["config"]`` and bind ``weights`` into it.
 
     The graph comes from the config the server exported (weights page: rebuild the graph from
@@ -501,13 +547,16 @@ def build_model(body: Mapping[str, Any], weights: AttachedWeights | None = None,
 
     config = body.get("config")
     if not isinstance(config, Mapping) or "model_type" not in config:
-        raise InvalidExport("the export has no config; build the model yourself and call "
-                            "bind_into(model, weights)")
+        raise InvalidExport(
+            "the export has no config; build the model yourself and call bind_into(model, weights)"
+        )
     try:
         cfg_cls = transformers.CONFIG_MAPPING[config["model_type"]]
     except KeyError as e:
-        raise InvalidExport(f"unknown model_type {config['model_type']!r} for this "
-                            f"transformers {transformers.__version__}") from e
+        raise InvalidExport(
+            f"unknown model_type {config['model_type']!r} for this "
+            f"transformers {transformers.__version__}"
+        ) from e
     cfg = cfg_cls.from_dict(dict(config))
     if weights is None:
         weights = rebuild(body)

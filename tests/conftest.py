@@ -39,7 +39,8 @@ def default_home() -> str:
     from miserver.serving.default_model import import_default
 
     home = os.environ.get("MISERVER_TEST_HOME") or str(
-        Path(tempfile.gettempdir()) / f"miserver-test-default-{os.getuid()}-{_cache_key()}")
+        Path(tempfile.gettempdir()) / f"miserver-test-default-{os.getuid()}-{_cache_key()}"
+    )
     import_default(home, progress=False)
     return home
 
@@ -53,13 +54,23 @@ def home_with_default(default_home: str, tmp_path: Path) -> str:
     home = tmp_path / "home"
     fresh = Catalogue(home)
     for row in shared.list():
-        fresh.register(name=row.name, format=row.format, dtype=row.dtype, path=row.path,
-                       quantization=row.quantization, origin=row.origin)
+        fresh.register(
+            name=row.name,
+            format=row.format,
+            dtype=row.dtype,
+            path=row.path,
+            quantization=row.quantization,
+            origin=row.origin,
+        )
     return str(home)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                   "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+)
 
 
 @pytest.fixture(scope="session")
@@ -76,10 +87,19 @@ def tiny_model_dir(default_home: str, tmp_path_factory: pytest.TempPathFactory) 
 
     folder = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=512, tie_word_embeddings=True,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
     model.save_pretrained(folder)

@@ -51,8 +51,9 @@ def _is_holder(c: Context, e: Event) -> bool:
         and caller.token in ("trainer", "operator")
         and c.attachment_id is not None
         and caller.attachment_id is not None
-        and hmac.compare_digest(caller.attachment_id.encode("utf-8", "surrogateescape"),
-                               c.attachment_id.encode())
+        and hmac.compare_digest(
+            caller.attachment_id.encode("utf-8", "surrogateescape"), c.attachment_id.encode()
+        )
         and caller.label == c.attachment_label
     )
 

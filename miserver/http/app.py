@@ -44,9 +44,11 @@ def body_limit_middleware(max_bytes: int) -> Any:
     async def limit(request: web.Request, handler: Any) -> web.StreamResponse:
         length = request.content_length
         if length is not None and length > max_bytes:
-            raise ApiError(codes.PAYLOAD_TOO_LARGE,
-                           f"the request body is {length} bytes; MAX_REQUEST_BYTES is {max_bytes}",
-                           details={"max_request_bytes": max_bytes, "content_length": length})
+            raise ApiError(
+                codes.PAYLOAD_TOO_LARGE,
+                f"the request body is {length} bytes; MAX_REQUEST_BYTES is {max_bytes}",
+                details={"max_request_bytes": max_bytes, "content_length": length},
+            )
         return await handler(request)
 
     return limit
@@ -70,8 +72,11 @@ async def load_default_model(app: web.Application) -> None:
             await asyncio.to_thread(import_default, settings.home, False)
         row = catalogue.get_by_name(name)
         if row is None:
-            log.error("DEFAULT_MODEL %r is not in the catalogue (%s); nothing is resident",
-                      name, ", ".join(r.name for r in catalogue.list()) or "empty")
+            log.error(
+                "DEFAULT_MODEL %r is not in the catalogue (%s); nothing is resident",
+                name,
+                ", ".join(r.name for r in catalogue.list()) or "empty",
+            )
             return
         await app[keys.WEIGHTS].model_transition("model_load", row.id)
     except ApiError as exc:
@@ -80,10 +85,15 @@ async def load_default_model(app: web.Application) -> None:
         log.exception("loading DEFAULT_MODEL %r failed", name)
 
 
-def create_app(settings: Settings, *, host: ModelHost | None = None,
-               scheduler: Scheduler | None = None, catalogue: Catalogue | None = None,
-               metrics: Metrics | None = None,
-               clock: Callable[[], float] | None = None) -> web.Application:
+def create_app(
+    settings: Settings,
+    *,
+    host: ModelHost | None = None,
+    scheduler: Scheduler | None = None,
+    catalogue: Catalogue | None = None,
+    metrics: Metrics | None = None,
+    clock: Callable[[], float] | None = None,
+) -> web.Application:
     """Build the application of one server process.
 
     Args:
@@ -105,8 +115,9 @@ def create_app(settings: Settings, *, host: ModelHost | None = None,
     host = host or ModelHost(settings, catalogue, metrics=metrics)
     if host.metrics is None:
         host.metrics = metrics
-    scheduler = scheduler or Scheduler(max_concurrent=settings.max_concurrent_requests,
-                                       max_queued=settings.max_queued_requests)
+    scheduler = scheduler or Scheduler(
+        max_concurrent=settings.max_concurrent_requests, max_queued=settings.max_queued_requests
+    )
     app = web.Application(
         middlewares=[json_errors_middleware, body_limit_middleware(settings.max_request_bytes)],
         client_max_size=settings.max_request_bytes,
@@ -118,8 +129,13 @@ def create_app(settings: Settings, *, host: ModelHost | None = None,
     app[keys.METRICS] = metrics
     app[keys.STARTUP_LOAD] = None
 
-    runtime = WeightsRuntime(settings=settings, scheduler=scheduler, host=host, metrics=metrics,
-                             clock=clock or time.monotonic)
+    runtime = WeightsRuntime(
+        settings=settings,
+        scheduler=scheduler,
+        host=host,
+        metrics=metrics,
+        clock=clock or time.monotonic,
+    )
     weights.setup_routes(app, runtime)
     management.setup_routes(app)
     try:
@@ -133,8 +149,9 @@ def create_app(settings: Settings, *, host: ModelHost | None = None,
     batches.setup_routes(app)  # /v1/files, /v1/batches and the batch runner (contract 7)
 
     async def on_startup(app: web.Application) -> None:
-        app[keys.STARTUP_LOAD] = asyncio.create_task(load_default_model(app),
-                                                     name="miserver-default-load")
+        app[keys.STARTUP_LOAD] = asyncio.create_task(
+            load_default_model(app), name="miserver-default-load"
+        )
 
     async def on_cleanup(app: web.Application) -> None:
         task = app[keys.STARTUP_LOAD]

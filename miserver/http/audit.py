@@ -22,9 +22,19 @@ log = logging.getLogger("miserver.audit")
 #: The operation names of the weights page. ``save``/``load`` are used for the checkpoint routes'
 #: accepted and non-token refusals; ``weights_save``/``weights_load`` for their token refusals.
 OPERATIONS = (
-    "weights_attach", "weights_detach", "weights_heartbeat", "weights_quiesce", "weights_resume",
-    "weights_commit_begin", "weights_commit_end", "weights_clear_stale",
-    "weights_save", "weights_load", "save", "load", "adapter",
+    "weights_attach",
+    "weights_detach",
+    "weights_heartbeat",
+    "weights_quiesce",
+    "weights_resume",
+    "weights_commit_begin",
+    "weights_commit_end",
+    "weights_clear_stale",
+    "weights_save",
+    "weights_load",
+    "save",
+    "load",
+    "adapter",
 )
 
 
@@ -65,8 +75,7 @@ class AuditLog:
         if record.operation not in OPERATIONS:
             raise ValueError(f"unknown audit operation {record.operation!r}")
         if not record.ts:
-            record.ts = datetime.now(UTC).isoformat(timespec="milliseconds").replace(
-                "+00:00", "Z")
+            record.ts = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
         line = self._encoder.encode(record).decode()
         with self._lock:
             self.count += 1

@@ -82,5 +82,6 @@ def attachment_matches(header: str | None, attachment_id: str | None) -> bool:
     """Whether an ``X-miLLM-Attachment`` header names the current attachment (constant time)."""
     if not header or attachment_id is None:
         return False
-    return hmac.compare_digest(header.strip().encode("utf-8", "surrogateescape"),
-                               attachment_id.encode())
+    return hmac.compare_digest(
+        header.strip().encode("utf-8", "surrogateescape"), attachment_id.encode()
+    )

@@ -28,9 +28,17 @@ class ApiError(Exception):
     ``details`` must never hold a token or an attachment ID.
     """
 
-    def __init__(self, code: ErrorCode, message: str, *, reason: str | None = None,
-                 details: Mapping[str, Any] | None = None, status: int | None = None,
-                 param: str | None = None, headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        *,
+        reason: str | None = None,
+        details: Mapping[str, Any] | None = None,
+        status: int | None = None,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -41,11 +49,13 @@ class ApiError(Exception):
         self.headers = dict(headers or {})
 
 
-def json_response(body: Any, status: int = 200, headers: Mapping[str, str] | None = None
-                  ) -> web.Response:
+def json_response(
+    body: Any, status: int = 200, headers: Mapping[str, str] | None = None
+) -> web.Response:
     """A JSON response encoded with msgspec (Structs, dicts, lists)."""
-    return web.Response(body=_encoder.encode(body), status=status,
-                        content_type="application/json", headers=headers)
+    return web.Response(
+        body=_encoder.encode(body), status=status, content_type="application/json", headers=headers
+    )
 
 
 def ok(data: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
@@ -57,14 +67,24 @@ def management_error_body(err: ApiError) -> dict[str, Any]:
     return {
         "success": False,
         "data": None,
-        "error": {"code": err.code.name, "message": err.message, "reason": err.reason,
-                  "details": err.details},
+        "error": {
+            "code": err.code.name,
+            "message": err.message,
+            "reason": err.reason,
+            "details": err.details,
+        },
     }
 
 
 def openai_error_body(err: ApiError) -> dict[str, Any]:
-    return {"error": {"message": err.message, "type": err.code.openai_type,
-                      "param": err.param, "code": err.code.wire}}
+    return {
+        "error": {
+            "message": err.message,
+            "type": err.code.openai_type,
+            "param": err.param,
+            "code": err.code.wire,
+        }
+    }
 
 
 def is_openai_path(path: str) -> bool:
@@ -96,17 +116,18 @@ async def json_errors_middleware(request: web.Request, handler: Any) -> web.Stre
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = _HTTP_CODES.get(exc.status, codes.INTERNAL_ERROR if exc.status >= 500
-                               else codes.INVALID_REQUEST)
+        code = _HTTP_CODES.get(
+            exc.status, codes.INTERNAL_ERROR if exc.status >= 500 else codes.INVALID_REQUEST
+        )
         message = {
             404: f"no route for {request.method} {request.path}",
             405: f"method {request.method} is not allowed on {request.path}",
             413: "the request body is larger than MAX_REQUEST_BYTES",
         }.get(exc.status, exc.reason or "request refused")
         headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
-        return error_response(request.path, ApiError(code, message, status=exc.status,
-                                                     headers=headers))
+        return error_response(
+            request.path, ApiError(code, message, status=exc.status, headers=headers)
+        )
     except Exception:  # noqa: BLE001 - the last line of defence: log it, answer JSON 500
         log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(request.path, ApiError(codes.INTERNAL_ERROR,
-                                                     "internal server error"))
+        return error_response(request.path, ApiError(codes.INTERNAL_ERROR, "internal server error"))

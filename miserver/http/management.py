@@ -43,8 +43,9 @@ class RegisterModel(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     path: str
     dtype: Literal["float16", "bfloat16", "float32"] | None = None
-    quantization: Literal["none", "bitsandbytes-8bit", "bitsandbytes-4bit", "gptq", "awq",
-                          "gguf"] | None = None
+    quantization: (
+        Literal["none", "bitsandbytes-8bit", "bitsandbytes-4bit", "gptq", "awq", "gguf"] | None
+    ) = None
 
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1, le=1_000_000)]
@@ -64,8 +65,9 @@ _MISSING = re.compile(r"missing required field `([^`]*)`")
 
 
 def _invalid(message: str, field: str | None) -> ApiError:
-    return ApiError(codes.INVALID_REQUEST, message, param=field,
-                    details={"field": field} if field else None)
+    return ApiError(
+        codes.INVALID_REQUEST, message, param=field, details={"field": field} if field else None
+    )
 
 
 def decode_body(body: bytes, type_: type[T], *, hints: dict[str, str] | None = None) -> T:
@@ -90,9 +92,12 @@ def decode_body(body: bytes, type_: type[T], *, hints: dict[str, str] | None = N
             field = unknown.group(1)
             fields = ", ".join(getattr(type_, "__struct_fields__", ()))
             hint = (hints or {}).get(field)
-            raise _invalid(f"unknown field {field!r}"
-                           + (f" (did you mean {hint!r}?)" if hint else "")
-                           + f"; allowed fields: {fields}", field) from None
+            raise _invalid(
+                f"unknown field {field!r}"
+                + (f" (did you mean {hint!r}?)" if hint else "")
+                + f"; allowed fields: {fields}",
+                field,
+            ) from None
         if missing:
             field = missing.group(1)
             raise _invalid(f"missing required field {field!r}", field) from None
@@ -100,8 +105,9 @@ def decode_body(body: bytes, type_: type[T], *, hints: dict[str, str] | None = N
         detail = _FIELD_AT.sub("", text)
         if field is None and detail.startswith("Expected `object`"):
             raise _invalid(f"the request body must be a JSON object ({detail})", None) from None
-        raise _invalid(f"invalid value for {field!r}: {detail}" if field else detail,
-                       field) from None
+        raise _invalid(
+            f"invalid value for {field!r}: {detail}" if field else detail, field
+        ) from None
     except msgspec.DecodeError:
         raise _invalid("the request body is not valid JSON", None) from None
 
@@ -115,17 +121,22 @@ async def read_body(request: web.Request, type_: type[T], **kw: Any) -> T:
 def _row_id(request: web.Request) -> int:
     raw = request.match_info["id"]
     if not raw.isdigit() or len(raw) > 18:
-        raise ApiError(codes.MODEL_NOT_FOUND,
-                       f"no catalogue row with id {raw[:40]!r}: ids are integers "
-                       "(GET /api/models lists them)", details={"model_id": raw[:40]})
+        raise ApiError(
+            codes.MODEL_NOT_FOUND,
+            f"no catalogue row with id {raw[:40]!r}: ids are integers (GET /api/models lists them)",
+            details={"model_id": raw[:40]},
+        )
     return int(raw)
 
 
 def _row_or_404(request: web.Request, row_id: int) -> CatalogueRow:
     row = request.app[keys.CATALOGUE].get(row_id)
     if row is None:
-        raise ApiError(codes.MODEL_NOT_FOUND, f"no catalogue row with id {row_id}",
-                       details={"model_id": row_id})
+        raise ApiError(
+            codes.MODEL_NOT_FOUND,
+            f"no catalogue row with id {row_id}",
+            details={"model_id": row_id},
+        )
     return row
 
 
@@ -138,8 +149,11 @@ def _detect_quantization(config: dict[str, Any]) -> str:
         return "bitsandbytes-4bit" if q.get("load_in_4bit") else "bitsandbytes-8bit"
     if method in ("gptq", "awq"):
         return method
-    raise _invalid(f"config.json has a quantization_config of method {method or 'unknown'!r}; "
-                   "supported: bitsandbytes, gptq, awq", "path")
+    raise _invalid(
+        f"config.json has a quantization_config of method {method or 'unknown'!r}; "
+        "supported: bitsandbytes, gptq, awq",
+        "path",
+    )
 
 
 def _detect_dtype(config: dict[str, Any]) -> str | None:
@@ -166,8 +180,10 @@ def inspect_model_path(body: RegisterModel) -> dict[str, str]:
         raise _invalid("path must be a non-empty absolute path", "path")
     path = Path(raw)
     if not path.is_absolute():
-        raise _invalid(f"path must be absolute (the server's working directory is not yours): "
-                       f"{raw[:200]!r}", "path")
+        raise _invalid(
+            f"path must be absolute (the server's working directory is not yours): {raw[:200]!r}",
+            "path",
+        )
     path = path.resolve()
     if not path.exists():
         raise _invalid(f"path does not exist on the server: {str(path)[:300]}", "path")
@@ -178,20 +194,28 @@ def inspect_model_path(body: RegisterModel) -> dict[str, str]:
         except OSError as exc:
             raise _invalid(f"path cannot be read: {exc.strerror}", "path") from None
         if magic != GGUF_MAGIC:
-            raise _invalid("path is a file but not a GGUF file (no GGUF magic); register a "
-                           "Hugging Face model folder or a .gguf file", "path")
+            raise _invalid(
+                "path is a file but not a GGUF file (no GGUF magic); register a "
+                "Hugging Face model folder or a .gguf file",
+                "path",
+            )
         if body.quantization not in (None, "gguf"):
             raise _invalid("a GGUF file's quantization is gguf", "quantization")
-        return {"format": "gguf", "dtype": body.dtype or "float32", "quantization": "gguf",
-                "path": str(path)}
+        return {
+            "format": "gguf",
+            "dtype": body.dtype or "float32",
+            "quantization": "gguf",
+            "path": str(path),
+        }
     if not path.is_dir():
         raise _invalid("path is neither a folder nor a regular file", "path")
     config_file = path / "config.json"
     if not config_file.is_file():
         raise _invalid(f"{path} has no config.json: not a Hugging Face model folder", "path")
     if not any(path.glob("*.safetensors")):
-        raise _invalid(f"{path} has no *.safetensors file (only safetensors weights are "
-                       "supported)", "path")
+        raise _invalid(
+            f"{path} has no *.safetensors file (only safetensors weights are supported)", "path"
+        )
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))
         if not isinstance(config, dict):
@@ -200,13 +224,15 @@ def inspect_model_path(body: RegisterModel) -> dict[str, str]:
         raise _invalid(f"{config_file} is not a readable JSON object ({exc})", "path") from None
     detected_q = _detect_quantization(config)
     if body.quantization is not None and body.quantization != detected_q:
-        raise _invalid(f"quantization {body.quantization!r} does not match the folder's "
-                       f"config.json ({detected_q!r})", "quantization")
+        raise _invalid(
+            f"quantization {body.quantization!r} does not match the folder's "
+            f"config.json ({detected_q!r})",
+            "quantization",
+        )
     if body.quantization == "gguf":
         raise _invalid("quantization gguf is for .gguf files", "quantization")
     dtype = body.dtype or _detect_dtype(config) or "float32"
-    return {"format": "safetensors", "dtype": dtype, "quantization": detected_q,
-            "path": str(path)}
+    return {"format": "safetensors", "dtype": dtype, "quantization": detected_q, "path": str(path)}
 
 
 # --- catalogue routes ------------------------------------------------------------------------
@@ -227,20 +253,26 @@ async def register_model(request: web.Request) -> web.Response:
     """
     body = await read_body(request, RegisterModel)
     if not NAME_RE.match(body.name):
-        raise _invalid("name must be 1-128 characters of letters, digits and . _ : / @ + -, "
-                       "starting with a letter or digit", "name")
+        raise _invalid(
+            "name must be 1-128 characters of letters, digits and . _ : / @ + -, "
+            "starting with a letter or digit",
+            "name",
+        )
     catalogue = request.app[keys.CATALOGUE]
     existing = catalogue.get_by_name(body.name)
     if existing is not None:
-        raise ApiError(codes.MODEL_EXISTS,
-                       f"a catalogue row named {body.name!r} already exists (id {existing.id})",
-                       details={"name": body.name, "model_id": existing.id})
+        raise ApiError(
+            codes.MODEL_EXISTS,
+            f"a catalogue row named {body.name!r} already exists (id {existing.id})",
+            details={"name": body.name, "model_id": existing.id},
+        )
     found = inspect_model_path(body)
     try:
         row = catalogue.register(name=body.name, origin="model", **found)  # type: ignore[arg-type]
     except DuplicateName as exc:
-        raise ApiError(codes.MODEL_EXISTS, str(exc),
-                       details={"name": body.name, "model_id": exc.existing_id}) from None
+        raise ApiError(
+            codes.MODEL_EXISTS, str(exc), details={"name": body.name, "model_id": exc.existing_id}
+        ) from None
     except CatalogueError as exc:
         raise _invalid(str(exc), None) from None
     return ok(row, status=201)
@@ -251,13 +283,19 @@ async def delete_model(request: web.Request) -> web.Response:
     row = _row_or_404(request, _row_id(request))
     host = request.app[keys.HOST]
     if host.resident is not None and host.resident.row.id == row.id:
-        raise ApiError(codes.MODEL_RESIDENT,
-                       f"catalogue row {row.name!r} (id {row.id}) is resident; unload it first "
-                       f"(POST /api/models/{row.id}/unload)", details={"model_id": row.id})
+        raise ApiError(
+            codes.MODEL_RESIDENT,
+            f"catalogue row {row.name!r} (id {row.id}) is resident; unload it first "
+            f"(POST /api/models/{row.id}/unload)",
+            details={"model_id": row.id},
+        )
     if host.busy:
-        raise ApiError(codes.MODEL_BUSY, "a model load or unload is in progress; retry when "
-                       "it finishes", reason="model_transition",
-                       details={"transition": host.transition})
+        raise ApiError(
+            codes.MODEL_BUSY,
+            "a model load or unload is in progress; retry when it finishes",
+            reason="model_transition",
+            details={"transition": host.transition},
+        )
     try:
         request.app[keys.CATALOGUE].delete(row.id)
     except CatalogueError as exc:
@@ -272,8 +310,7 @@ async def load_model(request: web.Request) -> web.Response:
     already = host.resident is not None and host.resident.row.id == row_id
     await request.app[keys.WEIGHTS].model_transition("model_load", row_id)
     resident = host.resident
-    return ok({"model": resident.row, "already_resident": already,
-               "resident": host.describe()})
+    return ok({"model": resident.row, "already_resident": already, "resident": host.describe()})
 
 
 async def unload_model(request: web.Request) -> web.Response:
@@ -292,9 +329,11 @@ _SETTINGS_HINTS = {
 
 def _settings_view(app: web.Application) -> dict[str, Any]:
     scheduler = app[keys.SCHEDULER]
-    return {"max_concurrent_requests": scheduler.max_concurrent,
-            "continuous_batching": False,
-            "max_queued_requests": scheduler.max_queued}
+    return {
+        "max_concurrent_requests": scheduler.max_concurrent,
+        "continuous_batching": False,
+        "max_queued_requests": scheduler.max_queued,
+    }
 
 
 async def get_settings(request: web.Request) -> web.Response:
@@ -307,8 +346,11 @@ async def patch_settings(request: web.Request) -> web.Response:
     ``continuous_batching`` (only false: not implemented), ``max_queued_requests``."""
     patch = await read_body(request, SettingsPatch, hints=_SETTINGS_HINTS)
     if patch.continuous_batching is True:
-        raise _invalid("continuous batching is not implemented in this version; "
-                       "continuous_batching can only be false", "continuous_batching")
+        raise _invalid(
+            "continuous batching is not implemented in this version; "
+            "continuous_batching can only be false",
+            "continuous_batching",
+        )
     kwargs = {}
     if patch.max_concurrent_requests is not msgspec.UNSET:
         kwargs["max_concurrent"] = patch.max_concurrent_requests
@@ -349,18 +391,23 @@ async def health_detailed(request: web.Request) -> web.Response:
     host = app[keys.HOST]
     scheduler = app[keys.SCHEDULER]
     counts = scheduler.counts()
-    return ok({
-        "status": "ok",
-        "resident": host.describe(),
-        "transition": host.transition,
-        "device": app[keys.SETTINGS].resolved_device(),
-        "queue": {"running": counts.running, "queued": counts.queued,
-                  "held_requests": counts.held_interactive,
-                  "held_batch_chunks": counts.held_batch,
-                  "max_concurrent_requests": scheduler.max_concurrent,
-                  "max_queued_requests": scheduler.max_queued},
-        "weights": weights_summary(app),
-    })
+    return ok(
+        {
+            "status": "ok",
+            "resident": host.describe(),
+            "transition": host.transition,
+            "device": app[keys.SETTINGS].resolved_device(),
+            "queue": {
+                "running": counts.running,
+                "queued": counts.queued,
+                "held_requests": counts.held_interactive,
+                "held_batch_chunks": counts.held_batch,
+                "max_concurrent_requests": scheduler.max_concurrent,
+                "max_queued_requests": scheduler.max_queued,
+            },
+            "weights": weights_summary(app),
+        }
+    )
 
 
 async def metrics(request: web.Request) -> web.Response:

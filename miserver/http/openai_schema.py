@@ -120,11 +120,28 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
     suffix: str | None = None
 
 
-IGNORED_CHAT = ("frequency_penalty", "presence_penalty", "logit_bias", "metadata", "store",
-                "service_tier", "parallel_tool_calls", "tools", "tool_choice", "functions",
-                "function_call", "response_format", "modalities", "audio", "prediction",
-                "reasoning_effort", "verbosity", "web_search_options", "prompt_cache_key",
-                "safety_identifier")
+IGNORED_CHAT = (
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "metadata",
+    "store",
+    "service_tier",
+    "parallel_tool_calls",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "response_format",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "verbosity",
+    "web_search_options",
+    "prompt_cache_key",
+    "safety_identifier",
+)
 IGNORED_COMPLETION = ("frequency_penalty", "presence_penalty", "logit_bias", "suffix")
 
 _AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")
@@ -141,7 +158,7 @@ def _param_of(message: str) -> tuple[str, str | None]:
     path = None
     match = _AT.search(message)
     if match:
-        message = message[:match.start()]
+        message = message[: match.start()]
         path = match.group("path").lstrip(".") or None
     for pattern in (_UNKNOWN, _MISSING):
         m = pattern.search(message)
@@ -166,15 +183,22 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
         if message.startswith("Expected `object`") and param is None:
             raise _bad("the request body must be a JSON object", None) from None
         if _UNKNOWN.search(message):
-            raise _bad(f"unsupported field {param!r}: it is not an OpenAI "
-                       f"{'chat completion' if kind is ChatCompletionRequest else 'completion'}"
-                       " request field", param) from None
+            raise _bad(
+                f"unsupported field {param!r}: it is not an OpenAI "
+                f"{'chat completion' if kind is ChatCompletionRequest else 'completion'}"
+                " request field",
+                param,
+            ) from None
         if message.startswith("Invalid enum value") and param and param.endswith(".role"):
-            raise _bad(f"{message.replace('Invalid enum value', 'unsupported role')} at {param}: "
-                       "roles are system, developer, user and assistant", param) from None
+            raise _bad(
+                f"{message.replace('Invalid enum value', 'unsupported role')} at {param}: "
+                "roles are system, developer, user and assistant",
+                param,
+            ) from None
         if message.startswith("Invalid enum value") and param and param.endswith(".type"):
-            raise _bad(f"unsupported content part type at {param}: only text parts are "
-                       "supported", param) from None
+            raise _bad(
+                f"unsupported content part type at {param}: only text parts are supported", param
+            ) from None
         raise _bad(f"{message}" + (f" at {param}" if param else ""), param) from None
     except msgspec.DecodeError:
         raise _bad("the request body is not valid JSON", None) from None
@@ -207,8 +231,7 @@ def check_common(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, .
     else:
         stops = tuple(req.stop)
     if len(stops) > MAX_STOP_SEQUENCES:
-        raise _bad(f"stop takes at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}",
-                   "stop")
+        raise _bad(f"stop takes at most {MAX_STOP_SEQUENCES} sequences, got {len(stops)}", "stop")
     if any(s == "" for s in stops):
         raise _bad("stop sequences must not be empty strings", "stop")
     return stops
@@ -240,19 +263,25 @@ def check_chat(req: ChatCompletionRequest) -> tuple[str, ...]:
         raise _bad("messages must hold at least one message", "messages")
     for i, message in enumerate(req.messages):
         if message.content is None and message.role != "assistant":
-            raise _bad(f"messages[{i}].content is required for role {message.role}",
-                       f"messages[{i}].content")
+            raise _bad(
+                f"messages[{i}].content is required for role {message.role}",
+                f"messages[{i}].content",
+            )
         if message.content is None and message.tool_calls is None:
             raise _bad(f"messages[{i}].content is required", f"messages[{i}].content")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
-        raise _bad("give one of max_tokens and max_completion_tokens, not both",
-                   "max_completion_tokens")
+        raise _bad(
+            "give one of max_tokens and max_completion_tokens, not both", "max_completion_tokens"
+        )
     _check_max_tokens(req.max_tokens, "max_tokens")
     _check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= MAX_CHAT_TOP_LOGPROBS:
-            raise _bad(f"top_logprobs must be between 0 and {MAX_CHAT_TOP_LOGPROBS}, got "
-                       f"{req.top_logprobs}", "top_logprobs")
+            raise _bad(
+                f"top_logprobs must be between 0 and {MAX_CHAT_TOP_LOGPROBS}, got "
+                f"{req.top_logprobs}",
+                "top_logprobs",
+            )
         if not req.logprobs:
             raise _bad("top_logprobs needs logprobs set to true", "top_logprobs")
     return stops
@@ -277,17 +306,22 @@ def check_completion(req: CompletionRequest) -> tuple[PromptSpec, tuple[str, ...
         if not prompt:
             raise _bad("prompt must not be an empty list", "prompt")
         if all(isinstance(t, str) for t in prompt) or all(isinstance(t, list) for t in prompt):
-            raise _bad("prompt: one prompt per request (n is 1); send the prompts as separate "
-                       "requests", "prompt")
+            raise _bad(
+                "prompt: one prompt per request (n is 1); send the prompts as separate requests",
+                "prompt",
+            )
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-            raise _bad("prompt must be a string or a list of non-negative integer token ids",
-                       "prompt")
+            raise _bad(
+                "prompt must be a string or a list of non-negative integer token ids", "prompt"
+            )
     elif not isinstance(prompt, str):
         raise _bad("prompt must be a string or a list of integer token ids", "prompt")
     _check_max_tokens(req.max_tokens, "max_tokens")
     if req.best_of is not None and req.best_of != 1:
         raise _bad(f"best_of must be 1, got {req.best_of}", "best_of")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
-        raise _bad(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got "
-                   f"{req.logprobs}", "logprobs")
+        raise _bad(
+            f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {req.logprobs}",
+            "logprobs",
+        )
     return prompt, stops

@@ -90,15 +90,22 @@ async def admit(request: web.Request, model: str) -> Resident:
         row = host.resolve(model)
         if row is None:
             available = [r.name for r in host.catalogue.list()]
-            raise ApiError(codes.MODEL_NOT_FOUND,
-                           f"model {model!r} is neither resident nor in the catalogue",
-                           details={"model": model, "available": available}, param="model")
+            raise ApiError(
+                codes.MODEL_NOT_FOUND,
+                f"model {model!r} is neither resident nor in the catalogue",
+                details={"model": model, "available": available},
+                param="model",
+            )
         row_id = row.id
     await request.app[keys.WEIGHTS].admit_v1(refuse_policy=policy == "refuse", row_id=row_id)
     resident = host.resident
     if resident is None:  # the auto-load's own error was raised above; this is a race
-        raise ApiError(codes.MODEL_BUSY, "the model was unloaded while the request waited; retry",
-                       reason="model_transition", headers={"Retry-After": "1"})
+        raise ApiError(
+            codes.MODEL_BUSY,
+            "the model was unloaded while the request waited; retry",
+            reason="model_transition",
+            headers={"Retry-After": "1"},
+        )
     return resident
 
 
@@ -143,9 +150,12 @@ async def _acquire_slot(request: web.Request, resident: Resident) -> None:
         try:
             task.result()
         except QueueFull as exc:
-            raise ApiError(codes.QUEUE_FULL, str(exc),
-                           details={"max_queued_requests": exc.max_queued},
-                           headers={"Retry-After": "1"}) from None
+            raise ApiError(
+                codes.QUEUE_FULL,
+                str(exc),
+                details={"max_queued_requests": exc.max_queued},
+                headers={"Retry-After": "1"},
+            ) from None
     except BaseException:
         if not task.done():
             task.cancel()
@@ -165,9 +175,12 @@ async def _acquire_slot(request: web.Request, resident: Resident) -> None:
         raise
     if request.app[keys.HOST].resident is not resident:
         scheduler.release()
-        raise ApiError(codes.MODEL_BUSY,
-                       "the resident model changed while the request waited; retry",
-                       reason="model_transition", headers={"Retry-After": "1"})
+        raise ApiError(
+            codes.MODEL_BUSY,
+            "the resident model changed while the request waited; retry",
+            reason="model_transition",
+            headers={"Retry-After": "1"},
+        )
 
 
 def _update_queue_gauge(request: web.Request) -> None:
@@ -196,36 +209,53 @@ class _Job:
     want_logprobs: bool
 
 
-def _check_context(resident: Resident, prompt_ids: list[int], max_tokens: int | None,
-                   default: int | None, param: str, prompt_param: str) -> int:
+def _check_context(
+    resident: Resident,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    default: int | None,
+    param: str,
+    prompt_param: str,
+) -> int:
     context = context_length(resident.model)
     n = len(prompt_ids)
     if n >= context:
-        raise _bad(f"the prompt is {n} tokens; the context window of {resident.served_name} is "
-                   f"{context} tokens", prompt_param)
+        raise _bad(
+            f"the prompt is {n} tokens; the context window of {resident.served_name} is "
+            f"{context} tokens",
+            prompt_param,
+        )
     if max_tokens is None:
         return min(default, context - n) if default is not None else context - n
     if max_tokens > context:
-        raise _bad(f"{param} must be at most the context window ({context}), got {max_tokens}",
-                   param)
+        raise _bad(
+            f"{param} must be at most the context window ({context}), got {max_tokens}", param
+        )
     if n + max_tokens > context:
-        raise _bad(f"the prompt ({n} tokens) plus {param} ({max_tokens}) exceeds the context "
-                   f"window of {context} tokens", param)
+        raise _bad(
+            f"the prompt ({n} tokens) plus {param} ({max_tokens}) exceeds the context "
+            f"window of {context} tokens",
+            param,
+        )
     return max_tokens
 
 
 def _chat_prompt(resident: Resident, req: schema.ChatCompletionRequest) -> list[int]:
     tok = resident.tokenizer
     if getattr(tok, "chat_template", None) is None:
-        raise _bad(f"model {resident.served_name} has no chat template; use /v1/completions",
-                   "messages")
-    messages = [{"role": "system" if m.role == "developer" else m.role,
-                 "content": schema.message_text(m)} for m in req.messages]
+        raise _bad(
+            f"model {resident.served_name} has no chat template; use /v1/completions", "messages"
+        )
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": schema.message_text(m)}
+        for m in req.messages
+    ]
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # noqa: BLE001 - a template may refuse a conversation (jinja)
-        raise _bad(f"the chat template refused the messages: {str(exc)[:300]}",
-                   "messages") from None
+        raise _bad(
+            f"the chat template refused the messages: {str(exc)[:300]}", "messages"
+        ) from None
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
@@ -247,13 +277,18 @@ def _completion_prompt(resident: Resident, prompt: schema.PromptSpec) -> list[in
     return ids
 
 
-def _sampling(req: Any, stops: tuple[str, ...], max_tokens: int, logprobs: int | None,
-              echo: bool) -> SamplingParams:
+def _sampling(
+    req: Any, stops: tuple[str, ...], max_tokens: int, logprobs: int | None, echo: bool
+) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else float(req.temperature),
         top_p=1.0 if req.top_p is None else float(req.top_p),
-        seed=req.seed, stop=stops, logprobs=logprobs, echo=echo)
+        seed=req.seed,
+        stop=stops,
+        logprobs=logprobs,
+        echo=echo,
+    )
 
 
 async def _prepare_chat(request: web.Request, body: bytes) -> _Job:
@@ -266,9 +301,16 @@ async def _prepare_chat(request: web.Request, body: bytes) -> _Job:
     max_tokens = _check_context(resident, prompt_ids, given, None, param, "messages")
     want = bool(req.logprobs)
     logprobs = (req.top_logprobs or 0) if want else None
-    return _Job("chat", resident, prompt_ids, _sampling(req, stops, max_tokens, logprobs, False),
-                bool(req.stream), bool(req.stream_options and req.stream_options.include_usage),
-                None, want)
+    return _Job(
+        "chat",
+        resident,
+        prompt_ids,
+        _sampling(req, stops, max_tokens, logprobs, False),
+        bool(req.stream),
+        bool(req.stream_options and req.stream_options.include_usage),
+        None,
+        want,
+    )
 
 
 async def _prepare_completion(request: web.Request, body: bytes) -> _Job:
@@ -276,24 +318,37 @@ async def _prepare_completion(request: web.Request, body: bytes) -> _Job:
     prompt, stops = schema.check_completion(req)
     resident = await admit(request, req.model)
     prompt_ids = await asyncio.to_thread(_completion_prompt, resident, prompt)
-    max_tokens = _check_context(resident, prompt_ids, req.max_tokens,
-                                COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens", "prompt")
+    max_tokens = _check_context(
+        resident, prompt_ids, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens", "prompt"
+    )
     echo = bool(req.echo)
     echo_text = None
     if echo:
         echo_text = prompt if isinstance(prompt, str) else resident.tokenizer.decode(prompt_ids)
     want = req.logprobs is not None
-    return _Job("completion", resident, prompt_ids,
-                _sampling(req, stops, max_tokens, req.logprobs, echo and want),
-                bool(req.stream), bool(req.stream_options and req.stream_options.include_usage),
-                echo_text, want)
+    return _Job(
+        "completion",
+        resident,
+        prompt_ids,
+        _sampling(req, stops, max_tokens, req.logprobs, echo and want),
+        bool(req.stream),
+        bool(req.stream_options and req.stream_options.include_usage),
+        echo_text,
+        want,
+    )
 
 
 # --- logprobs shapes ---------------------------------------------------------------------------
 def _chat_logprob(lp: TokenLogprob) -> dict[str, Any]:
-    return {"token": lp.text, "logprob": lp.logprob, "bytes": list(lp.bytes),
-            "top_logprobs": [{"token": text, "logprob": value,
-                              "bytes": list(text.encode("utf-8"))} for _i, text, value in lp.top]}
+    return {
+        "token": lp.text,
+        "logprob": lp.logprob,
+        "bytes": list(lp.bytes),
+        "top_logprobs": [
+            {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+            for _i, text, value in lp.top
+        ],
+    }
 
 
 class _CompletionLogprobs:
@@ -307,17 +362,27 @@ class _CompletionLogprobs:
         for lp in entries:
             tokens.append(lp.text)
             token_logprobs.append(lp.logprob)
-            top.append({text: value for _i, text, value in lp.top} if lp.logprob is not None
-                       or lp.top else None)
+            top.append(
+                {text: value for _i, text, value in lp.top}
+                if lp.logprob is not None or lp.top
+                else None
+            )
             offsets.append(self.offset)
             self.offset += len(lp.text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
 
 
 def _usage(fin: Finished) -> dict[str, int]:
-    return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
-            "total_tokens": fin.prompt_tokens + fin.completion_tokens}
+    return {
+        "prompt_tokens": fin.prompt_tokens,
+        "completion_tokens": fin.completion_tokens,
+        "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+    }
 
 
 def _finish_reason(fin: Finished) -> str:
@@ -395,13 +460,21 @@ async def _collect(job: _Job, events: Any, first: Started, header: str) -> web.R
     name = job.resident.served_name
     if job.kind == "chat":
         body = {
-            "id": _completion_id("chatcmpl"), "object": "chat.completion", "created": created,
-            "model": name, "system_fingerprint": None,
-            "choices": [{"index": 0,
-                         "message": {"role": "assistant", "content": text, "refusal": None},
-                         "logprobs": {"content": [_chat_logprob(lp) for lp in lps],
-                                      "refusal": None} if job.want_logprobs else None,
-                         "finish_reason": _finish_reason(fin)}],
+            "id": _completion_id("chatcmpl"),
+            "object": "chat.completion",
+            "created": created,
+            "model": name,
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "logprobs": {"content": [_chat_logprob(lp) for lp in lps], "refusal": None}
+                    if job.want_logprobs
+                    else None,
+                    "finish_reason": _finish_reason(fin),
+                }
+            ],
             "usage": _usage(fin),
         }
     else:
@@ -411,10 +484,19 @@ async def _collect(job: _Job, events: Any, first: Started, header: str) -> web.R
             entries = list(first.prompt_logprobs or ()) + lps
             logprobs = block.block(entries)
         body = {
-            "id": _completion_id("cmpl"), "object": "text_completion", "created": created,
-            "model": name, "system_fingerprint": None,
-            "choices": [{"index": 0, "text": (job.echo_text or "") + text,
-                         "logprobs": logprobs, "finish_reason": _finish_reason(fin)}],
+            "id": _completion_id("cmpl"),
+            "object": "text_completion",
+            "created": created,
+            "model": name,
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": (job.echo_text or "") + text,
+                    "logprobs": logprobs,
+                    "finish_reason": _finish_reason(fin),
+                }
+            ],
             "usage": _usage(fin),
         }
     return json_response(body, headers={HEADER: header})
@@ -424,11 +506,17 @@ def _sse(payload: Any) -> bytes:
     return b"data: " + _encoder.encode(payload) + b"\n\n"
 
 
-async def _stream(request: web.Request, job: _Job, gen: Generation, events: Any,
-                  first: Started, header: str) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={
-        "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-        "X-Accel-Buffering": "no", HEADER: header})
+async def _stream(
+    request: web.Request, job: _Job, gen: Generation, events: Any, first: Started, header: str
+) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            HEADER: header,
+        }
+    )
     await resp.prepare(request)
     created = int(time.time())
     name = job.resident.served_name
@@ -438,22 +526,34 @@ async def _stream(request: web.Request, job: _Job, gen: Generation, events: Any,
     lp_block = _CompletionLogprobs()
 
     def chunk(choice: dict[str, Any] | None, **extra: Any) -> bytes:
-        body: dict[str, Any] = {"id": cid, "object": obj, "created": created, "model": name,
-                                "system_fingerprint": None,
-                                "choices": [choice] if choice is not None else []}
+        body: dict[str, Any] = {
+            "id": cid,
+            "object": obj,
+            "created": created,
+            "model": name,
+            "system_fingerprint": None,
+            "choices": [choice] if choice is not None else [],
+        }
         body.update(extra)
         return _sse(body)
 
-    def delta_choice(text: str, lps: tuple[TokenLogprob, ...] | list[TokenLogprob],
-                     finish: str | None = None, role: bool = False) -> dict[str, Any]:
+    def delta_choice(
+        text: str,
+        lps: tuple[TokenLogprob, ...] | list[TokenLogprob],
+        finish: str | None = None,
+        role: bool = False,
+    ) -> dict[str, Any]:
         if chat:
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if text or role:
                 delta["content"] = text
-            logprobs = ({"content": [_chat_logprob(lp) for lp in lps], "refusal": None}
-                        if job.want_logprobs and lps else None)
+            logprobs = (
+                {"content": [_chat_logprob(lp) for lp in lps], "refusal": None}
+                if job.want_logprobs and lps
+                else None
+            )
             return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         logprobs = lp_block.block(lps) if job.want_logprobs and (lps or text) else None
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -506,12 +606,16 @@ async def _stream(request: web.Request, job: _Job, gen: Generation, events: Any,
 _OUTCOME = web.RequestKey("millm_outcome", str)  # how a stream that opened ended
 _DISCONNECTED = "CLIENT_DISCONNECTED"
 
+
 def _count(request: web.Request, outcome: str, code: str | None = None) -> None:
     metrics = request.app.get(keys.METRICS)
     if metrics is None:
         return
-    route = request.match_info.route.resource.canonical if request.match_info.route.resource \
+    route = (
+        request.match_info.route.resource.canonical
+        if request.match_info.route.resource
         else request.path
+    )
     if outcome == "served":
         metrics.requests_served.labels(route=route).inc()
     else:
@@ -540,8 +644,11 @@ def _instrumented(handler: Handler) -> Handler:
             raise
         except web.HTTPException as exc:
             if exc.status >= 400:
-                _count(request, "refused", {413: codes.PAYLOAD_TOO_LARGE.name}.get(
-                    exc.status, str(exc.status)))
+                _count(
+                    request,
+                    "refused",
+                    {413: codes.PAYLOAD_TOO_LARGE.name}.get(exc.status, str(exc.status)),
+                )
             raise
         outcome = request.get(_OUTCOME, "served")
         if outcome == "served":
@@ -549,8 +656,11 @@ def _instrumented(handler: Handler) -> Handler:
         else:
             _count(request, "refused", outcome)
         if metrics is not None:
-            route = request.match_info.route.resource.canonical \
-                if request.match_info.route.resource else request.path
+            route = (
+                request.match_info.route.resource.canonical
+                if request.match_info.route.resource
+                else request.path
+            )
             metrics.request_latency.labels(route=route).observe(time.perf_counter() - started)
         return response
 
@@ -583,17 +693,31 @@ def _model_entries(request: web.Request) -> list[dict[str, Any]]:
     entries: list[dict[str, Any]] = []
     names: set[str] = set()
     if resident is not None and resident.served_name != resident.row.name:
-        entries.append({"id": resident.served_name, "object": "model",
-                        "created": int(resident.loaded_at), "owned_by": "miserver",
-                        "resident": True, "origin": resident.origin})
+        entries.append(
+            {
+                "id": resident.served_name,
+                "object": "model",
+                "created": int(resident.loaded_at),
+                "owned_by": "miserver",
+                "resident": True,
+                "origin": resident.origin,
+            }
+        )
         names.add(resident.served_name)
     for row in request.app[keys.CATALOGUE].list():
         if row.name in names:
             continue
         is_resident = resident is not None and row.id == resident.row.id
-        entries.append({"id": row.name, "object": "model", "created": _epoch(row.created_at),
-                        "owned_by": "miserver", "resident": is_resident,
-                        "origin": resident.origin if is_resident and resident else row.origin})
+        entries.append(
+            {
+                "id": row.name,
+                "object": "model",
+                "created": _epoch(row.created_at),
+                "owned_by": "miserver",
+                "resident": is_resident,
+                "origin": resident.origin if is_resident and resident else row.origin,
+            }
+        )
     return entries
 
 
@@ -607,8 +731,9 @@ async def list_models(request: web.Request) -> web.Response:
 
     ``X-miLLM-Model`` names the resident (absent while nothing is resident).
     """
-    return json_response({"object": "list", "data": _model_entries(request)},
-                         headers=_resident_header(request))
+    return json_response(
+        {"object": "list", "data": _model_entries(request)}, headers=_resident_header(request)
+    )
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -617,8 +742,11 @@ async def get_model(request: web.Request) -> web.Response:
     for entry in _model_entries(request):
         if entry["id"] == name:
             return json_response(entry, headers=_resident_header(request))
-    raise ApiError(codes.MODEL_NOT_FOUND, f"model {name!r} is neither resident nor in the "
-                   "catalogue", param="model")
+    raise ApiError(
+        codes.MODEL_NOT_FOUND,
+        f"model {name!r} is neither resident nor in the catalogue",
+        param="model",
+    )
 
 
 def setup_routes(app: web.Application) -> None:

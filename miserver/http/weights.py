@@ -26,8 +26,7 @@ RUNTIME = keys.WEIGHTS
 
 
 def _caller(request: web.Request) -> Caller:
-    return identify(request.headers.get("Authorization"),
-                    request.app[keys.SETTINGS].weights_tokens)
+    return identify(request.headers.get("Authorization"), request.app[keys.SETTINGS].weights_tokens)
 
 
 async def decode_body(request: web.Request, struct: type[msgspec.Struct]) -> Any:
@@ -42,17 +41,27 @@ async def decode_body(request: web.Request, struct: type[msgspec.Struct]) -> Any
     return decode_management_body(raw if raw.strip() else b"{}", struct)
 
 
-async def _gated(request: web.Request, trigger: str, operation: str,
-                 struct: type[msgspec.Struct] = W.EmptyRequest,
-                 params: dict[str, Any] | None = None, **fields: Any) -> tuple[CallResult, Any]:
+async def _gated(
+    request: web.Request,
+    trigger: str,
+    operation: str,
+    struct: type[msgspec.Struct] = W.EmptyRequest,
+    params: dict[str, Any] | None = None,
+    **fields: Any,
+) -> tuple[CallResult, Any]:
     runtime = request.app[RUNTIME]
     caller = _caller(request)
     body = None
     if caller.role is not None:  # an unauthenticated call is refused 401 before its body
         body = await decode_body(request, struct)
-    result = await runtime.gated(trigger, caller, request.headers.get(ATTACHMENT_HEADER),
-                                 operation=operation, params={**(params or {}), "body": body},
-                                 **fields)
+    result = await runtime.gated(
+        trigger,
+        caller,
+        request.headers.get(ATTACHMENT_HEADER),
+        operation=operation,
+        params={**(params or {}), "body": body},
+        **fields,
+    )
     return result, body
 
 
@@ -71,10 +80,15 @@ async def attach(request: web.Request) -> web.Response:
         model=W.ModelRef(**runtime.model_ref()),  # type: ignore[arg-type]
         weights_state=view["weights_state"],
         steps_since_load=view["steps_since_load"] or 0,
-        heartbeat=W.HeartbeatInfo(timeout_s=runtime.settings.weights_heartbeat_timeout_s,
-                                  interval_hint_s=runtime.settings.weights_heartbeat_interval_hint_s),
-        producer=export.producer, storages=export.storages, parameters=export.parameters,
-        release=export.release, config=export.config,
+        heartbeat=W.HeartbeatInfo(
+            timeout_s=runtime.settings.weights_heartbeat_timeout_s,
+            interval_hint_s=runtime.settings.weights_heartbeat_interval_hint_s,
+        ),
+        producer=export.producer,
+        storages=export.storages,
+        parameters=export.parameters,
+        release=export.release,
+        config=export.config,
     )
     return ok(data, headers={"Cache-Control": "no-store"})
 
@@ -91,10 +105,14 @@ async def heartbeat(request: web.Request) -> web.Response:
     await _gated(request, "heartbeat", "weights_heartbeat")
     view = _state(runtime)
     s = runtime.settings
-    return ok(W.HeartbeatResponse(attachment_state=view["attachment"]["state"],
-                                  timeout_s=s.weights_heartbeat_timeout_s,
-                                  interval_hint_s=s.weights_heartbeat_interval_hint_s,
-                                  weights_state=view["weights_state"]))
+    return ok(
+        W.HeartbeatResponse(
+            attachment_state=view["attachment"]["state"],
+            timeout_s=s.weights_heartbeat_timeout_s,
+            interval_hint_s=s.weights_heartbeat_interval_hint_s,
+            weights_state=view["weights_state"],
+        )
+    )
 
 
 async def quiesce(request: web.Request) -> web.Response:
@@ -102,11 +120,15 @@ async def quiesce(request: web.Request) -> web.Response:
     await _gated(request, "quiesce", "weights_quiesce")
     view = _state(runtime)
     counts = runtime.scheduler.counts()
-    return ok(W.QuiesceResponse(held_requests=counts.held_interactive,
-                                held_batch_chunks=counts.held_batch,
-                                weights_state=view["weights_state"],
-                                quiesced_at=runtime.stamp(view["quiesced_at"]) or "",
-                                hold_deadline=runtime.stamp(view["hold_deadline"])))
+    return ok(
+        W.QuiesceResponse(
+            held_requests=counts.held_interactive,
+            held_batch_chunks=counts.held_batch,
+            weights_state=view["weights_state"],
+            quiesced_at=runtime.stamp(view["quiesced_at"]) or "",
+            hold_deadline=runtime.stamp(view["hold_deadline"]),
+        )
+    )
 
 
 async def resume(request: web.Request) -> web.Response:
@@ -120,19 +142,27 @@ async def commit_begin(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     result, _ = await _gated(request, "commit_begin", "weights_commit_begin")
     d = result.outcome.details
-    return ok(W.CommitBeginResponse(weights_state=_state(runtime)["weights_state"],
-                                    began_at=runtime.stamp(d["began_at"]) or "",
-                                    watchdog_ms=d["watchdog_ms"]))
+    return ok(
+        W.CommitBeginResponse(
+            weights_state=_state(runtime)["weights_state"],
+            began_at=runtime.stamp(d["began_at"]) or "",
+            watchdog_ms=d["watchdog_ms"],
+        )
+    )
 
 
 async def commit_end(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     result, _ = await _gated(request, "commit_end", "weights_commit_end")
     d = result.outcome.details
-    return ok(W.CommitEndResponse(weights_state=_state(runtime)["weights_state"],
-                                  steps_since_load=d["steps_since_load"],
-                                  commit_ms=round(d["commit_ms"] or 0.0, 3),
-                                  overran=d["overran"]))
+    return ok(
+        W.CommitEndResponse(
+            weights_state=_state(runtime)["weights_state"],
+            steps_since_load=d["steps_since_load"],
+            commit_ms=round(d["commit_ms"] or 0.0, 3),
+            overran=d["overran"],
+        )
+    )
 
 
 async def clear_stale(request: web.Request) -> web.Response:
@@ -140,10 +170,17 @@ async def clear_stale(request: web.Request) -> web.Response:
     result, _ = await _gated(request, "clear_stale", "weights_clear_stale")
     cleared = result.outcome.details["cleared"]
     view = _state(runtime)
-    return ok(W.ClearStaleResponse(
-        cleared=W.ClearedAttachment(role=cleared["role"], label=cleared["label"],
-                                    stale_since=runtime.stamp(cleared["stale_since"])),
-        weights_state=view["weights_state"], barrier=view["barrier"]))
+    return ok(
+        W.ClearStaleResponse(
+            cleared=W.ClearedAttachment(
+                role=cleared["role"],
+                label=cleared["label"],
+                stale_since=runtime.stamp(cleared["stale_since"]),
+            ),
+            weights_state=view["weights_state"],
+            barrier=view["barrier"],
+        )
+    )
 
 
 async def status(request: web.Request) -> web.Response:
@@ -189,8 +226,13 @@ async def save(request: web.Request) -> web.Response:
     if caller.role is not None:
         body = await decode_body(request, W.SaveRequest)
         prepare_save(runtime.host, body)
-    result = await runtime.gated("save", caller, request.headers.get(ATTACHMENT_HEADER),
-                                 operation="save", params={"body": body})
+    result = await runtime.gated(
+        "save",
+        caller,
+        request.headers.get(ATTACHMENT_HEADER),
+        operation="save",
+        params={"body": body},
+    )
     return ok(msgspec.convert(result.job["response"], W.SaveResponse))
 
 
@@ -206,13 +248,23 @@ async def load(request: web.Request) -> web.Response:
         body = await decode_body(request, W.LoadRequest)
         plan = prepare_load(runtime.host, body)
         fields["in_place"] = plan.in_place
-    await runtime.gated("weights_load", caller, request.headers.get(ATTACHMENT_HEADER),
-                        operation="load", params={"plan": plan}, **fields)
+    await runtime.gated(
+        "weights_load",
+        caller,
+        request.headers.get(ATTACHMENT_HEADER),
+        operation="load",
+        params={"plan": plan},
+        **fields,
+    )
     view = _state(runtime)
-    return ok(W.LoadResponse(weights_state=view["weights_state"],
-                             steps_since_load=view["steps_since_load"] or 0,
-                             in_place=bool(plan and plan.in_place),
-                             model=W.ModelRef(**runtime.model_ref())))  # type: ignore[arg-type]
+    return ok(
+        W.LoadResponse(
+            weights_state=view["weights_state"],
+            steps_since_load=view["steps_since_load"] or 0,
+            in_place=bool(plan and plan.in_place),
+            model=W.ModelRef(**runtime.model_ref()),
+        )
+    )  # type: ignore[arg-type]
 
 
 async def lineage(request: web.Request) -> web.Response:
@@ -224,8 +276,7 @@ async def lineage(request: web.Request) -> web.Response:
     if resident is None:
         raise ApiError(codes.MODEL_NOT_LOADED, "nothing is resident")
     row = runtime.host.catalogue.get(resident.row.id) or resident.row
-    return ok(msgspec.convert({"chain": chain_of(runtime.host.catalogue, row)},
-                              W.LineageResponse))
+    return ok(msgspec.convert({"chain": chain_of(runtime.host.catalogue, row)}, W.LineageResponse))
 
 
 async def list_checkpoints(request: web.Request) -> web.Response:
@@ -249,8 +300,14 @@ async def _adapter_change(request: web.Request, apply: bool) -> web.Response:
     body = await decode_body(request, W.AdapterRequest) if apply else None
     if apply:
         prepare_adapter(runtime.host, body)
-    await runtime.gated("adapter_change", Caller("none"), None, operation=None,
-                        params={"body": body, "apply": apply}, applied=apply)
+    await runtime.gated(
+        "adapter_change",
+        Caller("none"),
+        None,
+        operation=None,
+        params={"body": body, "apply": apply},
+        applied=apply,
+    )
     return ok(runtime.adapter_block())
 
 

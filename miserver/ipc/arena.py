@@ -174,8 +174,9 @@ def _unique_parameters(
     return unique, tied
 
 
-def _allocate(nbytes: int, device: torch.device, cpu_shared: bool
-              ) -> tuple[torch.UntypedStorage, object | None]:
+def _allocate(
+    nbytes: int, device: torch.device, cpu_shared: bool
+) -> tuple[torch.UntypedStorage, object | None]:
     if device.type == "cuda":
         pool = torch.cuda.MemPool()
         with torch.cuda.use_mem_pool(pool, device=device):
@@ -191,8 +192,9 @@ def _allocate(nbytes: int, device: torch.device, cpu_shared: bool
     return st, None
 
 
-def make_attachable(model: torch.nn.Module, *, cpu_shared: bool,
-                    device: torch.device | str | None = None) -> ParameterArena:
+def make_attachable(
+    model: torch.nn.Module, *, cpu_shared: bool, device: torch.device | str | None = None
+) -> ParameterArena:
     """Move every parameter of ``model`` into one dedicated allocation per device.
 
     Weights page "Which models can be attached" (the ``allocator`` condition) and contract
@@ -232,7 +234,8 @@ def make_attachable(model: torch.nn.Module, *, cpu_shared: bool,
         if dev.type == "cpu" and not cpu_shared:
             raise NotArenaCompatible(
                 f"parameter {name} is on the CPU; CPU placement needs cpu_shared=True "
-                "(WEIGHTS_CPU_ATTACH=1)")
+                "(WEIGHTS_CPU_ATTACH=1)"
+            )
         if dev.type not in ("cpu", "cuda"):
             raise NotArenaCompatible(f"parameter {name} is on {dev}, not CUDA or CPU")
         by_device.setdefault(dev, {}).setdefault(_storage_key(p), []).append((name, p.data))
@@ -255,8 +258,9 @@ def make_attachable(model: torch.nn.Module, *, cpu_shared: bool,
             cursor = 0
             for members in groups.values():
                 lo = min(t.storage_offset() * t.element_size() for _, t in members)
-                hi = max(t.storage_offset() * t.element_size() + _byte_extent(t)
-                         for _, t in members)
+                hi = max(
+                    t.storage_offset() * t.element_size() + _byte_extent(t) for _, t in members
+                )
                 lo = lo // 16 * 16  # keeps every member's element alignment (itemsize | 16)
                 plan.append((cursor, lo, hi, members))
                 cursor = _round_up(cursor + (hi - lo), SPAN_ALIGN)
@@ -272,19 +276,26 @@ def make_attachable(model: torch.nn.Module, *, cpu_shared: bool,
                 src0 = members[0][1]
                 if hi > lo:
                     src = torch.empty(0, dtype=torch.uint8, device=src0.device).set_(
-                        src0.untyped_storage(), lo, (hi - lo,), (1,))
-                    dst_bytes[arena_off:arena_off + (hi - lo)].copy_(src)
+                        src0.untyped_storage(), lo, (hi - lo,), (1,)
+                    )
+                    dst_bytes[arena_off : arena_off + (hi - lo)].copy_(src)
                 for name, t in members:
                     byte_off = arena_off + t.storage_offset() * t.element_size() - lo
                     assert byte_off % t.element_size() == 0
                     elem_off = byte_off // t.element_size()
                     view = torch.empty(0, dtype=t.dtype, device=dev).set_(
-                        st, elem_off, tuple(t.shape), tuple(t.stride()))
+                        st, elem_off, tuple(t.shape), tuple(t.stride())
+                    )
                     new_data[name] = view
                     slots_by_name[name] = ParameterSlot(
-                        name=name, storage=index, dtype=t.dtype, shape=tuple(t.shape),
-                        stride=tuple(t.stride()), storage_offset=elem_off,
-                        requires_grad=False)
+                        name=name,
+                        storage=index,
+                        dtype=t.dtype,
+                        shape=tuple(t.shape),
+                        stride=tuple(t.stride()),
+                        storage_offset=elem_off,
+                        requires_grad=False,
+                    )
         if any(d.type == "cuda" for d in devices):
             for d in devices:
                 if d.type == "cuda":
@@ -304,11 +315,24 @@ def make_attachable(model: torch.nn.Module, *, cpu_shared: bool,
         base = tied.get(name, name)
         s = slots_by_name[base]
         slots[name] = ParameterSlot(
-            name=name, storage=s.storage, dtype=s.dtype, shape=s.shape, stride=s.stride,
-            storage_offset=s.storage_offset, requires_grad=p.requires_grad,
-            tied_to=tied.get(name))
-    arena = ParameterArena(storages=storages, devices=devices, nbytes=nbytes_list, slots=slots,
-                           addresses={}, cpu_shared=cpu_shared, pools=pools)
+            name=name,
+            storage=s.storage,
+            dtype=s.dtype,
+            shape=s.shape,
+            stride=s.stride,
+            storage_offset=s.storage_offset,
+            requires_grad=p.requires_grad,
+            tied_to=tied.get(name),
+        )
+    arena = ParameterArena(
+        storages=storages,
+        devices=devices,
+        nbytes=nbytes_list,
+        slots=slots,
+        addresses={},
+        cpu_shared=cpu_shared,
+        pools=pools,
+    )
     arena.record_addresses(model)
     return arena
 
@@ -322,8 +346,12 @@ def parameter_devices(model: torch.nn.Module) -> list[str]:
 def parameter_dtypes(model: torch.nn.Module) -> list[str]:
     """The distinct dtypes of the model's base parameters (an applied adapter's own are left
     out), without the ``torch.`` prefix."""
-    return sorted({str(params[leaf].dtype).removeprefix("torch.")
-                   for _, params, leaf in base_parameter_slots(model)})
+    return sorted(
+        {
+            str(params[leaf].dtype).removeprefix("torch.")
+            for _, params, leaf in base_parameter_slots(model)
+        }
+    )
 
 
 def is_in_arena(arena: ParameterArena, tensors: Iterable[torch.Tensor]) -> bool:

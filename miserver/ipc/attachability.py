@@ -83,9 +83,15 @@ def not_attachable_reason(
     return None
 
 
-def should_make_attachable(*, fmt: str, quantization: str | None, param_dtypes: Iterable[object],
-                           devices: Iterable[object], has_trainer_token: bool,
-                           cpu_attach: bool) -> bool:
+def should_make_attachable(
+    *,
+    fmt: str,
+    quantization: str | None,
+    param_dtypes: Iterable[object],
+    devices: Iterable[object],
+    has_trainer_token: bool,
+    cpu_attach: bool,
+) -> bool:
     """Whether a load must be placed in an arena (weights page, the ``allocator`` row).
 
     An unquantized 16-bit transformers load is made attachable when at least one token is
@@ -94,8 +100,18 @@ def should_make_attachable(*, fmt: str, quantization: str | None, param_dtypes: 
     """
     if not has_trainer_token:
         return False
-    return not_attachable_reason(
-        fmt=fmt, quantization=quantization, param_dtypes=param_dtypes, devices=devices,
-        arena=None, continuous_batching=False, max_concurrent=1, model_transition=False,
-        weights_writing=False, cpu_attach=cpu_attach,
-    ) == "allocator"
+    return (
+        not_attachable_reason(
+            fmt=fmt,
+            quantization=quantization,
+            param_dtypes=param_dtypes,
+            devices=devices,
+            arena=None,
+            continuous_batching=False,
+            max_concurrent=1,
+            model_transition=False,
+            weights_writing=False,
+            cpu_attach=cpu_attach,
+        )
+        == "allocator"
+    )

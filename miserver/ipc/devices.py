@@ -68,5 +68,4 @@ def producer_info() -> dict[str, str | None]:
     """``{torch, cuda, driver}``: this process's torch version (with its build suffix, such as
     ``2.13.0+cu130``), the CUDA version torch was built with (None for a CPU build), and the
     driver version. Weights page, POST /attach ``producer``."""
-    return {"torch": str(torch.__version__), "cuda": torch.version.cuda,
-            "driver": driver_version()}
+    return {"torch": str(torch.__version__), "cuda": torch.version.cuda, "driver": driver_version()}

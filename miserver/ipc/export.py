@@ -45,8 +45,6 @@ RELEASE_CONTRACT = (
 )
 
 
-
-
 class ExportBody(msgspec.Struct, kw_only=True):
     """The handle part of the POST /attach response (weights page "Routes")."""
 
@@ -66,8 +64,11 @@ class ParametersMoved(RuntimeError):
     the server no longer reads. ``names`` lists them (weights page "States": torn)."""
 
     def __init__(self, names: list[str]) -> None:
-        super().__init__(f"{len(names)} parameter(s) moved out of the arena: "
-                         + ", ".join(names[:5]) + (" ..." if len(names) > 5 else ""))
+        super().__init__(
+            f"{len(names)} parameter(s) moved out of the arena: "
+            + ", ".join(names[:5])
+            + (" ..." if len(names) > 5 else "")
+        )
         self.names = names
 
 
@@ -120,8 +121,10 @@ def moved_parameters(arena: ParameterArena, model: torch.nn.Module) -> list[str]
     for name, params, leaf in base_parameter_slots(model):
         p = params[leaf]
         seen.add(name)
-        if (arena.addresses.get(name) != p.data_ptr()
-                or p.untyped_storage().data_ptr() not in arena_ptrs):
+        if (
+            arena.addresses.get(name) != p.data_ptr()
+            or p.untyped_storage().data_ptr() not in arena_ptrs
+        ):
             moved.append(name)
     moved.extend(n for n in arena.slots if n not in seen)
     return sorted(moved)
@@ -131,19 +134,25 @@ def _share(arena: ParameterArena, i: int) -> CudaIpcStorage | CpuSharedMemorySto
     st = arena.storages[i]
     dev = arena.devices[i]
     if dev.type == "cuda":
-        (index, handle, size, offset, rc_handle, rc_offset, ev_handle,
-         ev_sync) = st._share_cuda_()
+        (index, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync) = st._share_cuda_()
         return CudaIpcStorage(
-            device_index=int(index), device_uuid=device_uuid(int(index)), handle=_b64(handle),
-            storage_size_bytes=int(size), storage_offset_bytes=int(offset),
-            ref_counter_handle=_b64(rc_handle), ref_counter_offset=int(rc_offset),
-            event_handle=_b64(ev_handle), event_sync_required=bool(ev_sync))
+            device_index=int(index),
+            device_uuid=device_uuid(int(index)),
+            handle=_b64(handle),
+            storage_size_bytes=int(size),
+            storage_offset_bytes=int(offset),
+            ref_counter_handle=_b64(rc_handle),
+            ref_counter_offset=int(rc_offset),
+            event_handle=_b64(ev_handle),
+            event_sync_required=bool(ev_sync),
+        )
     manager, handle, size = st._share_filename_cpu_()
     # As reduce_storage does: one reference for the receiver, which rebuild_storage_filename
     # takes over (it opens the file, then drops this reference).
     st._shared_incref()
-    return CpuSharedMemoryStorage(manager_handle=_b64(manager), storage_handle=_b64(handle),
-                                  storage_size_bytes=int(size))
+    return CpuSharedMemoryStorage(
+        manager_handle=_b64(manager), storage_handle=_b64(handle), storage_size_bytes=int(size)
+    )
 
 
 def export_handles(arena: ParameterArena, model: torch.nn.Module) -> ExportBody:
@@ -166,15 +175,26 @@ def export_handles(arena: ParameterArena, model: torch.nn.Module) -> ExportBody:
     for name, owner, leaf in base_parameter_slots(model):
         p = owner[leaf]
         s = arena.slots[name]
-        params.append(ParameterEntry(
-            name=name, storage=s.storage, dtype=str(s.dtype).removeprefix("torch."),
-            shape=list(s.shape), stride=list(s.stride), storage_offset=s.storage_offset,
-            requires_grad=bool(p.requires_grad), tied_to=s.tied_to))
+        params.append(
+            ParameterEntry(
+                name=name,
+                storage=s.storage,
+                dtype=str(s.dtype).removeprefix("torch."),
+                shape=list(s.shape),
+                stride=list(s.stride),
+                storage_offset=s.storage_offset,
+                requires_grad=bool(p.requires_grad),
+                tied_to=s.tied_to,
+            )
+        )
     arena.record_addresses(model)
     return ExportBody(
-        storages=storages, parameters=params, producer=Producer(**producer_info()),
+        storages=storages,
+        parameters=params,
+        producer=Producer(**producer_info()),
         release=Release(pinned_bytes=arena.total_bytes, contract=RELEASE_CONTRACT),
-        config=model_config(model))
+        config=model_config(model),
+    )
 
 
 def cuda_memory() -> list[dict[str, Any]] | None:
@@ -184,11 +204,13 @@ def cuda_memory() -> list[dict[str, Any]] | None:
         return None
     out = []
     for i in range(torch.cuda.device_count()):
-        out.append({
-            "device_index": i,
-            "allocated_mb": round(torch.cuda.memory_allocated(i) / 2**20, 3),
-            "reserved_mb": round(torch.cuda.memory_reserved(i) / 2**20, 3),
-        })
+        out.append(
+            {
+                "device_index": i,
+                "allocated_mb": round(torch.cuda.memory_allocated(i) / 2**20, 3),
+                "reserved_mb": round(torch.cuda.memory_reserved(i) / 2**20, 3),
+            }
+        )
     return out
 
 

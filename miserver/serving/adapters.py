@@ -50,8 +50,14 @@ class AdapterInvalid(Exception):
 
     code = codes.ADAPTER_INVALID
 
-    def __init__(self, reason: str, message: str, *, path: Path | str | None = None,
-                 details: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        reason: str,
+        message: str,
+        *,
+        path: Path | str | None = None,
+        details: Mapping[str, Any] | None = None,
+    ) -> None:
         super().__init__(message)
         assert reason in self.code.reasons, reason
         self.reason = reason
@@ -180,17 +186,23 @@ def _check_shapes(model: nn.Module, folder: Path, header: dict[str, Any]) -> Non
         parts = name.split(".")
         kind = next((p for p in parts if p.startswith("lora_")), None)
         if kind is None:
-            raise AdapterInvalid("incompatible",
-                                 f"adapter tensor {key!r} is not a LoRA tensor (lora_A/lora_B);"
-                                 " only plain LoRA adapters are served", path=folder,
-                                 details={"tensor": key})
-        mod_name = ".".join(parts[:parts.index(kind)])
+            raise AdapterInvalid(
+                "incompatible",
+                f"adapter tensor {key!r} is not a LoRA tensor (lora_A/lora_B);"
+                " only plain LoRA adapters are served",
+                path=folder,
+                details={"tensor": key},
+            )
+        mod_name = ".".join(parts[: parts.index(kind)])
         module = modules.get(mod_name)
         if module is None:
-            raise AdapterInvalid("incompatible",
-                                 f"the served model has no module {mod_name!r} (adapter tensor"
-                                 f" {key!r}): the adapter was trained on another architecture",
-                                 path=folder, details={"tensor": key, "module": mod_name})
+            raise AdapterInvalid(
+                "incompatible",
+                f"the served model has no module {mod_name!r} (adapter tensor"
+                f" {key!r}): the adapter was trained on another architecture",
+                path=folder,
+                details={"tensor": key, "module": mod_name},
+            )
         want: int | None = None
         dim = None
         if isinstance(module, nn.Linear):
@@ -208,7 +220,9 @@ def _check_shapes(model: nn.Module, folder: Path, header: dict[str, Any]) -> Non
                 "incompatible",
                 f"adapter tensor {key!r} has shape {shape}, which does not fit the served"
                 f" module {mod_name!r} ({type(module).__name__}, needs {want} along dim {dim})",
-                path=folder, details={"tensor": key, "module": mod_name, "shape": shape})
+                path=folder,
+                details={"tensor": key, "module": mod_name, "shape": shape},
+            )
 
 
 def _read_header(folder: Path) -> dict[str, Any]:
@@ -226,8 +240,9 @@ def _read_header(folder: Path) -> dict[str, Any]:
             raise ValueError("header is not an object")
         return header
     except (OSError, ValueError, struct.error) as e:
-        raise AdapterInvalid("incompatible", f"{WEIGHTS_NAME} cannot be read: {e}",
-                             path=folder) from None
+        raise AdapterInvalid(
+            "incompatible", f"{WEIGHTS_NAME} cannot be read: {e}", path=folder
+        ) from None
 
 
 def inspect_adapter(model: nn.Module, path: str | Path) -> AdapterInfo:
@@ -248,41 +263,66 @@ def inspect_adapter(model: nn.Module, path: str | Path) -> AdapterInfo:
         raise AdapterInvalid("not_found", f"no adapter folder at {str(folder)!r}", path=folder)
     cpath = folder / CONFIG_NAME
     if not cpath.is_file():
-        raise AdapterInvalid("no_config", f"{CONFIG_NAME} is missing in {str(folder)!r}",
-                             path=folder)
+        raise AdapterInvalid(
+            "no_config", f"{CONFIG_NAME} is missing in {str(folder)!r}", path=folder
+        )
     try:
         config = json.loads(cpath.read_text())
     except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise AdapterInvalid("no_config", f"{CONFIG_NAME} is not valid JSON: {e}",
-                             path=folder) from None
+        raise AdapterInvalid(
+            "no_config", f"{CONFIG_NAME} is not valid JSON: {e}", path=folder
+        ) from None
     if not isinstance(config, dict):
         raise AdapterInvalid("no_config", f"{CONFIG_NAME} is not a JSON object", path=folder)
     peft_type = config.get("peft_type")
     if peft_type != "LORA":
-        raise AdapterInvalid("not_lora", f"the adapter is peft_type {peft_type!r}; only LORA"
-                             " adapters can be applied", path=folder,
-                             details={"peft_type": peft_type})
+        raise AdapterInvalid(
+            "not_lora",
+            f"the adapter is peft_type {peft_type!r}; only LORA adapters can be applied",
+            path=folder,
+            details={"peft_type": peft_type},
+        )
     for key in ("modules_to_save", "trainable_token_indices"):
         if config.get(key):
-            raise AdapterInvalid("incompatible",
-                                 f"the adapter sets {key}, which replaces base tensors; only"
-                                 " plain unmerged LoRA is served", path=folder,
-                                 details={"field": key})
+            raise AdapterInvalid(
+                "incompatible",
+                f"the adapter sets {key}, which replaces base tensors; only"
+                " plain unmerged LoRA is served",
+                path=folder,
+                details={"field": key},
+            )
     rank, alpha = config.get("r"), config.get("lora_alpha")
-    if (not isinstance(rank, int) or isinstance(rank, bool) or rank < 1
-            or not isinstance(alpha, int | float) or isinstance(alpha, bool)):
-        raise AdapterInvalid("no_config", f"{CONFIG_NAME} needs an integer r >= 1 and a numeric"
-                             " lora_alpha", path=folder)
+    if (
+        not isinstance(rank, int)
+        or isinstance(rank, bool)
+        or rank < 1
+        or not isinstance(alpha, int | float)
+        or isinstance(alpha, bool)
+    ):
+        raise AdapterInvalid(
+            "no_config",
+            f"{CONFIG_NAME} needs an integer r >= 1 and a numeric lora_alpha",
+            path=folder,
+        )
     if not (folder / WEIGHTS_NAME).is_file():
         if (folder / PICKLE_WEIGHTS_NAME).is_file():
-            raise AdapterInvalid("unsafe_format", f"the adapter weights are a pickle"
-                                 f" ({PICKLE_WEIGHTS_NAME}); save them as {WEIGHTS_NAME}"
-                                 " (peft save_pretrained(safe_serialization=True))", path=folder)
-        raise AdapterInvalid("not_found", f"{WEIGHTS_NAME} is missing in {str(folder)!r}",
-                             path=folder)
+            raise AdapterInvalid(
+                "unsafe_format",
+                f"the adapter weights are a pickle"
+                f" ({PICKLE_WEIGHTS_NAME}); save them as {WEIGHTS_NAME}"
+                " (peft save_pretrained(safe_serialization=True))",
+                path=folder,
+            )
+        raise AdapterInvalid(
+            "not_found", f"{WEIGHTS_NAME} is missing in {str(folder)!r}", path=folder
+        )
     if getattr(model, "config", None) is None:
-        raise AdapterInvalid("incompatible", "the served model is not a transformers model"
-                             " (a GGUF model cannot take a LoRA adapter)", path=folder)
+        raise AdapterInvalid(
+            "incompatible",
+            "the served model is not a transformers model"
+            " (a GGUF model cannot take a LoRA adapter)",
+            path=folder,
+        )
     header = _read_header(folder)
     _check_shapes(model, folder, header)
     targets = config.get("target_modules")
@@ -291,11 +331,21 @@ def inspect_adapter(model: nn.Module, path: str | Path) -> AdapterInfo:
     elif isinstance(targets, list | tuple) and all(isinstance(t, str) for t in targets):
         target_modules = sorted(targets)
     else:
-        target_modules = sorted({key.removeprefix(_PEFT_PREFIX).split(".lora_")[0].rsplit(".")[-1]
-                                 for key in header if key != "__metadata__"})
+        target_modules = sorted(
+            {
+                key.removeprefix(_PEFT_PREFIX).split(".lora_")[0].rsplit(".")[-1]
+                for key in header
+                if key != "__metadata__"
+            }
+        )
     base = config.get("base_model_name_or_path")
-    return AdapterInfo(path=folder, rank=rank, alpha=float(alpha), target_modules=target_modules,
-                       base_model_name_or_path=base if isinstance(base, str) else None)
+    return AdapterInfo(
+        path=folder,
+        rank=rank,
+        alpha=float(alpha),
+        target_modules=target_modules,
+        base_model_name_or_path=base if isinstance(base, str) else None,
+    )
 
 
 # --- apply / remove -------------------------------------------------------------------------------
@@ -322,9 +372,15 @@ class AppliedAdapter:
     def block(self) -> dict[str, Any]:
         """The adapter block ``{applied: true, name, path, rank, alpha, target_modules,
         applied_at}`` (contract 6)."""
-        return {"applied": True, "name": self.name, "path": str(self.info.path),
-                "rank": self.info.rank, "alpha": self.info.alpha,
-                "target_modules": list(self.info.target_modules), "applied_at": self.applied_at}
+        return {
+            "applied": True,
+            "name": self.name,
+            "path": str(self.info.path),
+            "rank": self.info.rank,
+            "alpha": self.info.alpha,
+            "target_modules": list(self.info.target_modules),
+            "applied_at": self.applied_at,
+        }
 
 
 def adapter_block(applied: AppliedAdapter | None) -> dict[str, Any]:
@@ -346,8 +402,14 @@ def _restore_flags(model: nn.Module, requires_grad: Mapping[str, bool], training
     model.train(training)
 
 
-def apply_adapter(model: nn.Module, *, name: str, path: str | Path, now: float,
-                  replacing: AppliedAdapter | None = None) -> AppliedAdapter:
+def apply_adapter(
+    model: nn.Module,
+    *,
+    name: str,
+    path: str | Path,
+    now: float,
+    replacing: AppliedAdapter | None = None,
+) -> AppliedAdapter:
     """Apply the LoRA adapter at ``path`` to ``model``, unmerged (contract 6 ``POST``).
 
     The folder is validated first (:func:`inspect_adapter`); then a ``replacing`` adapter is
@@ -376,7 +438,8 @@ def apply_adapter(model: nn.Module, *, name: str, path: str | Path, now: float,
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise InvalidAdapterName(
             "an adapter name is 1-128 characters of letters, digits, '.', '_' and '-', starting"
-            " with a letter or digit (it becomes the served name)")
+            " with a letter or digit (it becomes the served name)"
+        )
     info = inspect_adapter(model, path)
     if replacing is None and has_adapter(model):
         raise RuntimeError("the model already has an adapter; pass it as replacing=")
@@ -388,23 +451,34 @@ def apply_adapter(model: nn.Module, *, name: str, path: str | Path, now: float,
     training = model.training
     try:
         peft_model = PeftModel.from_pretrained(
-            model, str(info.path), adapter_name=PEFT_ADAPTER_NAME, is_trainable=False,
-            torch_device=str(_model_device(model)))
+            model,
+            str(info.path),
+            adapter_name=PEFT_ADAPTER_NAME,
+            is_trainable=False,
+            torch_device=str(_model_device(model)),
+        )
     except Exception as e:
         _undo_partial(model, requires_grad, training)
         if replacing is not None:  # put the current adapter back; the caller's record stays valid
             restored = apply_adapter(model, name=replacing.name, path=replacing.info.path, now=now)
             replacing._peft = restored._peft
-        raise AdapterInvalid("incompatible", f"PEFT could not apply the adapter: {e}",
-                             path=info.path) from e
+        raise AdapterInvalid(
+            "incompatible", f"PEFT could not apply the adapter: {e}", path=info.path
+        ) from e
     _restore_flags(model, requires_grad, training)
     moved = [n for n, p in base_named_parameters(model).items() if p.data_ptr() != addresses.get(n)]
     if moved:  # pragma: no cover - PEFT never reallocates base layers for plain LoRA
         peft_model.unload()
         _restore_flags(model, requires_grad, training)
         raise RuntimeError(f"applying the adapter moved base parameters: {moved[:5]}")
-    return AppliedAdapter(name=name, info=info, applied_at=rfc3339(now), module=model,
-                          _peft=peft_model, _requires_grad=requires_grad)
+    return AppliedAdapter(
+        name=name,
+        info=info,
+        applied_at=rfc3339(now),
+        module=model,
+        _peft=peft_model,
+        _requires_grad=requires_grad,
+    )
 
 
 def _undo_partial(model: nn.Module, requires_grad: Mapping[str, bool], training: bool) -> None:

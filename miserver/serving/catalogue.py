@@ -82,8 +82,18 @@ CREATE TABLE IF NOT EXISTS models (
     created_at TEXT NOT NULL
 )
 """
-_COLUMNS = ("id", "name", "format", "dtype", "quantization", "path", "origin", "parent_id",
-            "checkpoint_sha256", "created_at")
+_COLUMNS = (
+    "id",
+    "name",
+    "format",
+    "dtype",
+    "quantization",
+    "path",
+    "origin",
+    "parent_id",
+    "checkpoint_sha256",
+    "created_at",
+)
 
 
 def _now() -> str:
@@ -130,15 +140,17 @@ class Catalogue:
     def get(self, row_id: int) -> CatalogueRow | None:
         """The row with this id, or None."""
         with self._connect() as db:
-            r = db.execute(f"SELECT {', '.join(_COLUMNS)} FROM models WHERE id = ?",
-                           (row_id,)).fetchone()
+            r = db.execute(
+                f"SELECT {', '.join(_COLUMNS)} FROM models WHERE id = ?", (row_id,)
+            ).fetchone()
         return self._row(r) if r else None
 
     def get_by_name(self, name: str) -> CatalogueRow | None:
         """The row with this exact name, or None."""
         with self._connect() as db:
-            r = db.execute(f"SELECT {', '.join(_COLUMNS)} FROM models WHERE name = ?",
-                           (name,)).fetchone()
+            r = db.execute(
+                f"SELECT {', '.join(_COLUMNS)} FROM models WHERE name = ?", (name,)
+            ).fetchone()
         return self._row(r) if r else None
 
     def is_empty(self) -> bool:
@@ -146,10 +158,18 @@ class Catalogue:
         with self._connect() as db:
             return db.execute("SELECT COUNT(*) FROM models").fetchone()[0] == 0
 
-    def register(self, *, name: str, format: Format, dtype: Dtype, path: str | Path,
-                 quantization: Quantization = "none", origin: Origin = "model",
-                 parent_id: int | None = None,
-                 checkpoint_sha256: str | None = None) -> CatalogueRow:
+    def register(
+        self,
+        *,
+        name: str,
+        format: Format,
+        dtype: Dtype,
+        path: str | Path,
+        quantization: Quantization = "none",
+        origin: Origin = "model",
+        parent_id: int | None = None,
+        checkpoint_sha256: str | None = None,
+    ) -> CatalogueRow:
         """Add a row and return it.
 
         Raises:
@@ -159,23 +179,37 @@ class Catalogue:
         """
         if not name or name != name.strip():
             raise CatalogueError("name must be non-empty and have no surrounding whitespace")
-        for label, value, allowed in (("format", format, FORMATS), ("dtype", dtype, DTYPES),
-                                      ("quantization", quantization, QUANTIZATIONS),
-                                      ("origin", origin, ORIGINS)):
+        for label, value, allowed in (
+            ("format", format, FORMATS),
+            ("dtype", dtype, DTYPES),
+            ("quantization", quantization, QUANTIZATIONS),
+            ("origin", origin, ORIGINS),
+        ):
             if value not in allowed:
                 raise CatalogueError(f"{label} must be one of {', '.join(allowed)}; got {value!r}")
         with self._connect() as db:
             existing = db.execute("SELECT id FROM models WHERE name = ?", (name,)).fetchone()
             if existing:
                 raise DuplicateName(name, existing[0])
-            if parent_id is not None and not db.execute(
-                    "SELECT 1 FROM models WHERE id = ?", (parent_id,)).fetchone():
+            if (
+                parent_id is not None
+                and not db.execute("SELECT 1 FROM models WHERE id = ?", (parent_id,)).fetchone()
+            ):
                 raise CatalogueError(f"parent_id {parent_id} names no catalogue row")
             cur = db.execute(
                 "INSERT INTO models (name, format, dtype, quantization, path, origin, parent_id,"
                 " checkpoint_sha256, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (name, format, dtype, quantization, str(path), origin, parent_id,
-                 checkpoint_sha256, _now()),
+                (
+                    name,
+                    format,
+                    dtype,
+                    quantization,
+                    str(path),
+                    origin,
+                    parent_id,
+                    checkpoint_sha256,
+                    _now(),
+                ),
             )
             row_id = cur.lastrowid
         row = self.get(row_id)

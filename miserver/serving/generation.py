@@ -131,26 +131,25 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True,
-                                clean_up_tokenization_spaces=False)
+        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int) -> str:
         """Add one token; returns the text that became final (possibly empty)."""
         self._ids.append(token_id)
-        prefix_text = self._decode(self._ids[self._prefix:self._read])
-        new_text = self._decode(self._ids[self._prefix:])
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             self._prefix = self._read
             self._read = len(self._ids)
-            return new_text[len(prefix_text):]
+            return new_text[len(prefix_text) :]
         return ""
 
     def flush(self) -> str:
         """The text still held (an incomplete character at the very end decodes to U+FFFD)."""
-        prefix_text = self._decode(self._ids[self._prefix:self._read])
-        new_text = self._decode(self._ids[self._prefix:])
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
         self._prefix = self._read = len(self._ids)
-        return new_text[len(prefix_text):]
+        return new_text[len(prefix_text) :]
 
 
 class StopMatcher:
@@ -195,8 +194,11 @@ class StopMatcher:
 # --- tokens -----------------------------------------------------------------------------------
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's printable-character -> byte table (byte-level BPE vocabularies use it)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
         + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -220,15 +222,18 @@ def token_bytes(tokenizer: Any, token_id: int) -> bytes:
 
 def token_text(tokenizer: Any, token_id: int) -> str:
     """One token decoded on its own (a partial character shows as U+FFFD)."""
-    return tokenizer.decode([int(token_id)], skip_special_tokens=False,
-                            clean_up_tokenization_spaces=False)
+    return tokenizer.decode(
+        [int(token_id)], skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
 
 
 def end_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     """The ids that end a completion: the tokenizer's EOS and the generation config's."""
     ids: set[int] = set()
-    for value in (getattr(tokenizer, "eos_token_id", None),
-                  getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+    for value in (
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+    ):
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, (list, tuple)):
@@ -269,8 +274,9 @@ def _cache_of(output: Any) -> Any:
     return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
-def pick_token(logits: torch.Tensor, params: SamplingParams,
-               generator: torch.Generator | None) -> int:
+def pick_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> int:
     """Choose the next token from ``logits`` (shape ``[vocab]``, float32).
 
     Greedy (argmax) at temperature 0; otherwise softmax(logits / temperature) restricted to the
@@ -316,8 +322,9 @@ class Generation:
     :class:`GenerationError` (``__cause__``: the original), and the thread ends.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, prompt_ids: Sequence[int],
-                 params: SamplingParams) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, prompt_ids: Sequence[int], params: SamplingParams
+    ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
         self.model = model
@@ -339,8 +346,9 @@ class Generation:
         self._loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
         self._done = self._loop.create_future()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"miserver-generation-{next(_THREAD_IDS)}")
+        self._thread = threading.Thread(
+            target=self._run, daemon=True, name=f"miserver-generation-{next(_THREAD_IDS)}"
+        )
         self._thread.start()
 
     def cancel(self) -> None:
@@ -361,8 +369,9 @@ class Generation:
         while True:
             event = await self._queue.get()
             if isinstance(event, _Failed):
-                raise GenerationError(f"generation failed: {type(event.error).__name__}: "
-                                      f"{event.error}") from event.error
+                raise GenerationError(
+                    f"generation failed: {type(event.error).__name__}: {event.error}"
+                ) from event.error
             yield event
             if isinstance(event, Finished):
                 return
@@ -418,10 +427,17 @@ class Generation:
         top: tuple[tuple[int, str, float], ...] = ()
         if k > 0:
             values, ids = torch.topk(logprobs_row, k)
-            top = tuple((int(i), token_text(tok, int(i)), float(v))
-                        for v, i in zip(values.tolist(), ids.tolist(), strict=True))
-        return TokenLogprob(token_id, token_text(tok, token_id), token_bytes(tok, token_id),
-                            float(logprobs_row[token_id]), top)
+            top = tuple(
+                (int(i), token_text(tok, int(i)), float(v))
+                for v, i in zip(values.tolist(), ids.tolist(), strict=True)
+            )
+        return TokenLogprob(
+            token_id,
+            token_text(tok, token_id),
+            token_bytes(tok, token_id),
+            float(logprobs_row[token_id]),
+            top,
+        )
 
     def _prompt_logprobs(self, logits: torch.Tensor) -> tuple[TokenLogprob, ...]:
         """``logits``: ``[seq, vocab]`` of the prefill; position i predicts token i + 1."""
@@ -429,7 +445,7 @@ class Generation:
         ids = self.prompt_ids
         entries = [TokenLogprob(ids[0], token_text(tok, ids[0]), token_bytes(tok, ids[0]), None)]
         for start in range(0, len(ids) - 1, 256):
-            rows = torch.log_softmax(logits[start:min(start + 256, len(ids) - 1)].float(), dim=-1)
+            rows = torch.log_softmax(logits[start : min(start + 256, len(ids) - 1)].float(), dim=-1)
             for j in range(rows.shape[0]):
                 entries.append(self._logprob_entry(rows[j], ids[start + j + 1]))
         return tuple(entries)
@@ -485,8 +501,11 @@ class Generation:
                 break
             if generated >= params.max_tokens:
                 break
-            step = model(input_ids=torch.tensor([[token]], dtype=torch.long, device=device),
-                         use_cache=True, **{cache_name: past})
+            step = model(
+                input_ids=torch.tensor([[token]], dtype=torch.long, device=device),
+                use_cache=True,
+                **{cache_name: past},
+            )
             past = _cache_of(step)
             logits = step.logits[0, -1].float()
             del step

@@ -50,9 +50,11 @@ def normalize_load_policy(value: str | None) -> str:
     """
     policy = (value or "").strip().lower() or "auto"
     if policy not in LOAD_POLICIES:
-        raise ApiError(codes.INVALID_REQUEST,
-                       f"X-miLLM-Load-Policy must be auto or refuse, got {value[:64]!r}",
-                       param="X-miLLM-Load-Policy")
+        raise ApiError(
+            codes.INVALID_REQUEST,
+            f"X-miLLM-Load-Policy must be auto or refuse, got {value[:64]!r}",
+            param="X-miLLM-Load-Policy",
+        )
     return policy
 
 
@@ -109,8 +111,14 @@ class ModelHost:
         loader: the blocking load function (default :func:`miserver.serving.loader.load_model`).
     """
 
-    def __init__(self, settings: Settings, catalogue: Catalogue, *, metrics: Metrics | None = None,
-                 loader: Callable[[CatalogueRow, Settings], LoadedModel] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        catalogue: Catalogue,
+        *,
+        metrics: Metrics | None = None,
+        loader: Callable[[CatalogueRow, Settings], LoadedModel] | None = None,
+    ) -> None:
         self.settings = settings
         self.catalogue = catalogue
         self.metrics = metrics
@@ -142,8 +150,9 @@ class ModelHost:
         return self.resident is not None and name in self.resident.names()
 
     # --- the one refusal decision ---------------------------------------------------------------
-    def _check_transition(self, kind: TransitionKind, row: CatalogueRow | None, *,
-                          load_policy: str | None = None) -> None:
+    def _check_transition(
+        self, kind: TransitionKind, row: CatalogueRow | None, *, load_policy: str | None = None
+    ) -> None:
         """Refuse a load, unload or auto-load, or return to let it run. Changes nothing.
 
         Order: ``X-miLLM-Load-Policy: refuse`` first (weights page: Unsaved commits), then the
@@ -163,7 +172,8 @@ class ModelHost:
                 + f"; load it with POST /api/models/{row.id}/load or drop the header",
                 status=409,
                 details={"model": row.name, "model_id": row.id, "resident": resident},
-                param="model")
+                param="model",
+            )
         for guard in self.transition_guards:
             guard(kind, row, self.resident)
         if self._busy is not None:
@@ -172,14 +182,18 @@ class ModelHost:
                 f"a model {self._busy.replace('_', '-')} is in progress; retry when it finishes",
                 reason="model_transition",
                 details={"transition": self._busy},
-                headers={"Retry-After": "1"})
+                headers={"Retry-After": "1"},
+            )
 
     # --- transitions ----------------------------------------------------------------------------
     def _row_or_404(self, row_id: int) -> CatalogueRow:
         row = self.catalogue.get(row_id)
         if row is None:
-            raise ApiError(codes.MODEL_NOT_FOUND, f"no catalogue row with id {row_id}",
-                           details={"model_id": row_id})
+            raise ApiError(
+                codes.MODEL_NOT_FOUND,
+                f"no catalogue row with id {row_id}",
+                details={"model_id": row_id},
+            )
         return row
 
     def _base_name(self, row: CatalogueRow) -> str:
@@ -195,8 +209,14 @@ class ModelHost:
             current = parent
         return current.name
 
-    async def load(self, row_id: int, *, kind: TransitionKind = "load",
-                   load_policy: str | None = None, reload: bool = False) -> Resident:
+    async def load(
+        self,
+        row_id: int,
+        *,
+        kind: TransitionKind = "load",
+        load_policy: str | None = None,
+        reload: bool = False,
+    ) -> Resident:
         """Make catalogue row ``row_id`` resident (a swap if another is; contract 3).
 
         Loading the resident row is a no-op that returns the resident unchanged, unless
@@ -217,8 +237,12 @@ class ModelHost:
             async with self._lock:
                 previous = self.resident.row.name if self.resident else None
                 self._drop_resident()
-                log.info("loading model %s (id %s)%s", row.name, row.id,
-                         f", replacing {previous}" if previous else "")
+                log.info(
+                    "loading model %s (id %s)%s",
+                    row.name,
+                    row.id,
+                    f", replacing {previous}" if previous else "",
+                )
                 started = time.perf_counter()
                 try:
                     loaded = await asyncio.to_thread(self._loader, row, self.settings)
@@ -230,18 +254,31 @@ class ModelHost:
                 elapsed = time.perf_counter() - started
                 origin = "checkpoint" if row.origin == "checkpoint" else "model"
                 self.resident = Resident(
-                    row=msgspec.structs.replace(row, resident=True), model=loaded.model, tokenizer=loaded.tokenizer,
-                    device=loaded.device, base_name=self._base_name(row), served_name=row.name,
-                    origin=origin, commits=0, attachable=loaded.attachable,
-                    loaded_at=time.time(), arena=getattr(loaded, "arena", None))
+                    row=msgspec.structs.replace(row, resident=True),
+                    model=loaded.model,
+                    tokenizer=loaded.tokenizer,
+                    device=loaded.device,
+                    base_name=self._base_name(row),
+                    served_name=row.name,
+                    origin=origin,
+                    commits=0,
+                    attachable=loaded.attachable,
+                    loaded_at=time.time(),
+                    arena=getattr(loaded, "arena", None),
+                )
                 del loaded
                 self.catalogue.set_resident(row.id)
                 if self.metrics:
                     self.metrics.model_loads.labels(outcome="ok").inc()
                     self.metrics.model_load_seconds.observe(elapsed)
                     self.metrics.set_resident(row.name)
-                log.info("model %s resident on %s in %.1f s (attachable: %s)", row.name,
-                         self.resident.device, elapsed, self.resident.attachable)
+                log.info(
+                    "model %s resident on %s in %.1f s (attachable: %s)",
+                    row.name,
+                    self.resident.device,
+                    elapsed,
+                    self.resident.attachable,
+                )
                 return self.resident
         finally:
             self._busy = None
@@ -277,11 +314,15 @@ class ModelHost:
             target = f"catalogue row {row.name!r}" if row else "no model"
             raise ApiError(
                 codes.MODEL_NOT_LOADED,
-                f"{target} is not resident" + (
+                f"{target} is not resident"
+                + (
                     f"; the resident model is {resident.row.name!r} (id {resident.row.id})"
-                    if resident else "; nothing is resident"),
+                    if resident
+                    else "; nothing is resident"
+                ),
                 status=409,
-                details={"resident_id": resident.row.id if resident else None})
+                details={"resident_id": resident.row.id if resident else None},
+            )
         self._check_transition("unload", resident.row)
         self._busy = "unload"
         try:
@@ -313,7 +354,9 @@ class ModelHost:
             raise ApiError(
                 codes.MODEL_NOT_FOUND,
                 f"model {name!r} is neither resident nor in the catalogue",
-                details={"model": name, "available": available}, param="model")
+                details={"model": name, "available": available},
+                param="model",
+            )
         return await self.load(row.id, kind="auto_load", load_policy=load_policy)
 
     def describe(self) -> dict[str, Any] | None:
@@ -321,8 +364,17 @@ class ModelHost:
         r = self.resident
         if r is None:
             return None
-        return {"model_id": r.row.id, "name": r.row.name, "served_name": r.served_name,
-                "base_name": r.base_name, "origin": r.origin, "commits": r.commits,
-                "dtype": r.row.dtype, "device": str(r.device), "attachable": r.attachable,
-                "loaded_at": datetime.fromtimestamp(r.loaded_at, UTC).isoformat(
-                    timespec="milliseconds").replace("+00:00", "Z")}
+        return {
+            "model_id": r.row.id,
+            "name": r.row.name,
+            "served_name": r.served_name,
+            "base_name": r.base_name,
+            "origin": r.origin,
+            "commits": r.commits,
+            "dtype": r.row.dtype,
+            "device": str(r.device),
+            "attachable": r.attachable,
+            "loaded_at": datetime.fromtimestamp(r.loaded_at, UTC)
+            .isoformat(timespec="milliseconds")
+            .replace("+00:00", "Z"),
+        }

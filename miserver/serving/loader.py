@@ -105,13 +105,16 @@ def make_attachable(model: torch.nn.Module, settings: Settings) -> Any:
 
     config = getattr(model, "config", None)
     quantized = getattr(model, "is_quantized", False) or (
-        getattr(config, "quantization_config", None) is not None)
+        getattr(config, "quantization_config", None) is not None
+    )
     if not should_make_attachable(
-            fmt="safetensors", quantization="quantized" if quantized else "none",
-            param_dtypes=ipc_arena.parameter_dtypes(model),
-            devices=ipc_arena.parameter_devices(model),
-            has_trainer_token=settings.has_trainer_token,
-            cpu_attach=settings.weights_cpu_attach):
+        fmt="safetensors",
+        quantization="quantized" if quantized else "none",
+        param_dtypes=ipc_arena.parameter_dtypes(model),
+        devices=ipc_arena.parameter_devices(model),
+        has_trainer_token=settings.has_trainer_token,
+        cpu_attach=settings.weights_cpu_attach,
+    ):
         return None
     return ipc_arena.make_attachable(model, cpu_shared=settings.weights_cpu_attach)
 
@@ -148,5 +151,6 @@ def load_model(row: CatalogueRow, settings: Settings) -> LoadedModel:
             details={"model_id": row.id, "name": row.name, "path": row.path},
         ) from exc
     arena = make_attachable(model, settings)
-    return LoadedModel(model=model, tokenizer=tokenizer, device=device,
-                       attachable=arena is not None, arena=arena)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, device=device, attachable=arena is not None, arena=arena
+    )

@@ -47,53 +47,89 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests_served = Counter(
-            "miserver_requests_served", "Requests answered with a 2xx status", ["route"],
-            registry=r)
+            "miserver_requests_served", "Requests answered with a 2xx status", ["route"], registry=r
+        )
         self.requests_refused = Counter(
-            "miserver_requests_refused", "Requests answered with an error, by code",
-            ["route", "code"], registry=r)
+            "miserver_requests_refused",
+            "Requests answered with an error, by code",
+            ["route", "code"],
+            registry=r,
+        )
         self.requests_held = Counter(
-            "miserver_requests_held", "Requests that waited behind a barrier hold", registry=r)
+            "miserver_requests_held", "Requests that waited behind a barrier hold", registry=r
+        )
         self.queue_depth = Gauge(
-            "miserver_queue_depth", "Interactive requests waiting or held now", registry=r)
+            "miserver_queue_depth", "Interactive requests waiting or held now", registry=r
+        )
         self.request_latency = Histogram(
-            "miserver_request_latency_seconds", "Request latency from admission to last byte",
-            ["route"], buckets=LATENCY_BUCKETS_S, registry=r)
+            "miserver_request_latency_seconds",
+            "Request latency from admission to last byte",
+            ["route"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
         self.model_loads = Counter(
-            "miserver_model_loads", "Model loads, by outcome (ok or failed)", ["outcome"],
-            registry=r)
+            "miserver_model_loads",
+            "Model loads, by outcome (ok or failed)",
+            ["outcome"],
+            registry=r,
+        )
         self.model_unloads = Counter(
-            "miserver_model_unloads", "Model unloads (including the unload of a swap)",
-            registry=r)
+            "miserver_model_unloads", "Model unloads (including the unload of a swap)", registry=r
+        )
         self.model_load_seconds = Histogram(
-            "miserver_model_load_seconds", "Duration of successful model loads",
-            buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300), registry=r)
+            "miserver_model_load_seconds",
+            "Duration of successful model loads",
+            buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300),
+            registry=r,
+        )
         self.resident = Gauge(
-            "miserver_model_resident", "1 for the resident model's catalogue name", ["name"],
-            registry=r)
+            "miserver_model_resident",
+            "1 for the resident model's catalogue name",
+            ["name"],
+            registry=r,
+        )
         # The weights barrier (contract 9), fed by the lifecycle's outcomes.
         self.barrier_holds = Counter(
-            "miserver_barrier_holds", "Barrier holds (a quiesce or another pause took it)",
-            registry=r)
+            "miserver_barrier_holds",
+            "Barrier holds (a quiesce or another pause took it)",
+            registry=r,
+        )
         self.barrier_hold_seconds = Histogram(
-            "miserver_barrier_hold_seconds", "How long serving was held, per hold",
-            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120), registry=r)
+            "miserver_barrier_hold_seconds",
+            "How long serving was held, per hold",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
+            registry=r,
+        )
         self.commit_seconds = Histogram(
-            "miserver_commit_seconds", "Commit durations (commit-begin to commit-end)",
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 2, 10), registry=r)
+            "miserver_commit_seconds",
+            "Commit durations (commit-begin to commit-end)",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 2, 10),
+            registry=r,
+        )
         self.watchdog_expiries = Counter(
-            "miserver_watchdog_expiries", "Commits torn by the watchdog", registry=r)
+            "miserver_watchdog_expiries", "Commits torn by the watchdog", registry=r
+        )
         self.hold_timeouts = Counter(
-            "miserver_hold_timeouts", "Quiesces that resumed on their own", registry=r)
+            "miserver_hold_timeouts", "Quiesces that resumed on their own", registry=r
+        )
         self.attachments = Counter(
-            "miserver_attachments", "Attach, detach and clear-stale calls accepted", ["event"],
-            registry=r)
+            "miserver_attachments",
+            "Attach, detach and clear-stale calls accepted",
+            ["event"],
+            registry=r,
+        )
         self.weights_calls = Counter(
-            "miserver_weights_calls", "Lifecycle events, by trigger and outcome",
-            ["trigger", "outcome", "code"], registry=r)
+            "miserver_weights_calls",
+            "Lifecycle events, by trigger and outcome",
+            ["trigger", "outcome", "code"],
+            registry=r,
+        )
         self.pinned_bytes = Gauge(
-            "miserver_pinned_bytes", "GPU/shared memory the last export pinned (release.pinned_bytes)",
-            registry=r)
+            "miserver_pinned_bytes",
+            "GPU/shared memory the last export pinned (release.pinned_bytes)",
+            registry=r,
+        )
         self._hold_started: float | None = None
 
     def lifecycle_event(self, out: Any) -> None:

@@ -121,8 +121,9 @@ class Scheduler:
         fewer run; a higher one grants waiting requests at once. Raises ``ValueError`` below 1.
         """
         for name, value in (("max_concurrent", max_concurrent), ("max_queued", max_queued)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
                 raise ValueError(f"{name} must be an integer of at least 1, got {value!r}")
         if max_concurrent is not None:
             self._max_concurrent = max_concurrent
@@ -152,8 +153,9 @@ class Scheduler:
         return HeldCounts(0, 0, self._running, len(waiting))
 
     def _waiting_interactive(self) -> int:
-        return sum(1 for w in self._heap
-                   if w.priority == Priority.INTERACTIVE and not w.future.done())
+        return sum(
+            1 for w in self._heap if w.priority == Priority.INTERACTIVE and not w.future.done()
+        )
 
     # --- slots --------------------------------------------------------------------------------
     async def acquire(self, priority: Priority) -> None:
@@ -175,8 +177,11 @@ class Scheduler:
         try:
             await waiter.future
         except BaseException:
-            if waiter.future.done() and not waiter.future.cancelled() \
-                    and waiter.future.exception() is None:
+            if (
+                waiter.future.done()
+                and not waiter.future.cancelled()
+                and waiter.future.exception() is None
+            ):
                 # Granted, then cancelled before we could use it: hand the slot on.
                 self.release()
             else:
@@ -307,8 +312,11 @@ class Scheduler:
         self._barrier_held = False
         self._grant()
 
-    def fail_held(self, exc: BaseException,
-                  priorities: Iterable[Priority] = (Priority.INTERACTIVE, Priority.BATCH)) -> int:
+    def fail_held(
+        self,
+        exc: BaseException,
+        priorities: Iterable[Priority] = (Priority.INTERACTIVE, Priority.BATCH),
+    ) -> int:
         """Refuse every waiter of ``priorities`` with ``exc`` (a torn set); returns how many.
 
         The barrier stays held. Pass ``(Priority.INTERACTIVE,)`` to keep batch chunks waiting

@@ -53,8 +53,11 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        out: dict[str, Any] = {"ts": f"{ts}.{int(record.msecs):03d}Z",
-                               "level": record.levelname.lower(), "logger": record.name}
+        out: dict[str, Any] = {
+            "ts": f"{ts}.{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+        }
         message = record.getMessage()
         merged = False
         if message.startswith("{") and message.endswith("}"):
@@ -113,9 +116,11 @@ def prepare_home(settings: Settings) -> str | None:
             return f"the embedded default model could not be imported: {exc}"
     if name and catalogue.get_by_name(name) is None:
         names = ", ".join(r.name for r in catalogue.list()) or "none"
-        return (f"DEFAULT_MODEL: {name!r} is not in the catalogue of {settings.home} "
-                f"(rows: {names}); register it or set DEFAULT_MODEL to one of them, or to "
-                "empty to load nothing")
+        return (
+            f"DEFAULT_MODEL: {name!r} is not in the catalogue of {settings.home} "
+            f"(rows: {names}); register it or set DEFAULT_MODEL to one of them, or to "
+            "empty to load nothing"
+        )
     return None
 
 
@@ -137,10 +142,17 @@ def serve(settings: Settings) -> int:
 
     app = create_app(settings)
     try:
-        web.run_app(app, host=settings.host, port=settings.port,
-                    print=lambda _banner: log.info("listening on http://%s:%s", settings.host,
-                                                   settings.port),
-                    handle_signals=True, shutdown_timeout=10.0, access_log=log.getChild("access"))
+        web.run_app(
+            app,
+            host=settings.host,
+            port=settings.port,
+            print=lambda _banner: log.info(
+                "listening on http://%s:%s", settings.host, settings.port
+            ),
+            handle_signals=True,
+            shutdown_timeout=10.0,
+            access_log=log.getChild("access"),
+        )
     except OSError as exc:
         log.error("cannot listen on %s:%s: %s", settings.host, settings.port, exc.strerror or exc)
         return 1

@@ -27,8 +27,9 @@ def _base_row(catalogue: Any, row: Any) -> Any:
     """Follow ``parent_id`` from ``row`` to its base row (origin ``model``)."""
     seen: set[int] = set()
     current = row
-    while current.origin == "checkpoint" and current.parent_id is not None \
-            and current.id not in seen:
+    while (
+        current.origin == "checkpoint" and current.parent_id is not None and current.id not in seen
+    ):
         seen.add(current.id)
         parent = catalogue.get(current.parent_id)
         if parent is None:
@@ -56,9 +57,15 @@ def lineage_entry(row: Any) -> dict[str, Any]:
             steps = checkpoints.open_checkpoint(row.path).manifest.steps_since_load
         except (checkpoints.CheckpointError, OSError, AttributeError):
             steps = None
-    return {"model_id": row.id, "name": row.name, "origin": row.origin,
-            "parent_id": row.parent_id, "checkpoint_sha256": row.checkpoint_sha256,
-            "steps_since_load": steps, "created_at": row.created_at}
+    return {
+        "model_id": row.id,
+        "name": row.name,
+        "origin": row.origin,
+        "parent_id": row.parent_id,
+        "checkpoint_sha256": row.checkpoint_sha256,
+        "steps_since_load": steps,
+        "created_at": row.created_at,
+    }
 
 
 @dataclass
@@ -84,8 +91,11 @@ def prepare_load(host: Any, body: Any) -> LoadPlan:
     if body.model_id is not None:
         row = catalogue.get(body.model_id)
         if row is None:
-            raise ApiError(codes.MODEL_NOT_FOUND, f"no catalogue row with id {body.model_id}",
-                           details={"model_id": body.model_id})
+            raise ApiError(
+                codes.MODEL_NOT_FOUND,
+                f"no catalogue row with id {body.model_id}",
+                details={"model_id": body.model_id},
+            )
         from miserver.serving.loader import check_loadable
 
         check_loadable(row)
@@ -111,8 +121,11 @@ def prepare_save(host: Any, body: Any) -> None:
     except checkpoints.CheckpointError as exc:
         raise exc.as_api_error() from None
     if host.catalogue.get_by_name(body.name) is not None:
-        raise ApiError(codes.CHECKPOINT_EXISTS, f"a catalogue row named {body.name!r} exists",
-                       details={"name": body.name})
+        raise ApiError(
+            codes.CHECKPOINT_EXISTS,
+            f"a catalogue row named {body.name!r} exists",
+            details={"name": body.name},
+        )
 
 
 def prepare_adapter(host: Any, body: Any) -> None:
@@ -152,30 +165,51 @@ class WeightsJobs:
         ctx = self.runtime.lifecycle.context
         steps = ctx.steps_since_load or 0
         base = _base_row(self.host.catalogue, resident.row)
-        parent_sha = resident.row.checkpoint_sha256 if resident.row.origin == "checkpoint" \
-            else None
+        parent_sha = resident.row.checkpoint_sha256 if resident.row.origin == "checkpoint" else None
         try:
             saved = await asyncio.to_thread(
-                checkpoints.save_checkpoint, resident.model, resident.tokenizer, root=self.root,
-                name=body.name, base_row_id=base.id, base_name=base.name,
-                parent_sha256=parent_sha, steps_since_load=steps, now=time.time())
+                checkpoints.save_checkpoint,
+                resident.model,
+                resident.tokenizer,
+                root=self.root,
+                name=body.name,
+                base_row_id=base.id,
+                base_name=base.name,
+                parent_sha256=parent_sha,
+                steps_since_load=steps,
+                now=time.time(),
+            )
         except checkpoints.CheckpointError as exc:
             raise exc.as_api_error() from None
         try:
             row = self.host.catalogue.register(
-                name=saved.name, format="safetensors", dtype=saved.dtype, path=str(saved.path),
-                origin="checkpoint", parent_id=base.id,
-                checkpoint_sha256=saved.checkpoint_sha256)
+                name=saved.name,
+                format="safetensors",
+                dtype=saved.dtype,
+                path=str(saved.path),
+                origin="checkpoint",
+                parent_id=base.id,
+                checkpoint_sha256=saved.checkpoint_sha256,
+            )
         except Exception:
             import shutil
 
             shutil.rmtree(saved.path, ignore_errors=True)  # no unregistered checkpoint left
             raise
-        self.runtime.last_save = {"checkpoint_sha256": saved.checkpoint_sha256,
-                                  "at": saved.saved_at, "path": str(saved.path)}
-        response = {"checkpoint_sha256": saved.checkpoint_sha256, "name": saved.name,
-                    "path": str(saved.path), "model_id": row.id, "parent_id": row.parent_id,
-                    "steps_since_load": steps, "at": saved.saved_at}
+        self.runtime.last_save = {
+            "checkpoint_sha256": saved.checkpoint_sha256,
+            "at": saved.saved_at,
+            "path": str(saved.path),
+        }
+        response = {
+            "checkpoint_sha256": saved.checkpoint_sha256,
+            "name": saved.name,
+            "path": str(saved.path),
+            "model_id": row.id,
+            "parent_id": row.parent_id,
+            "steps_since_load": steps,
+            "at": saved.saved_at,
+        }
         return {"served_name": saved.name, "response": response}
 
     async def weights_load(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -197,9 +231,11 @@ class WeightsJobs:
         if self.applied is not None:
             self.applied = None  # a load replaces the adapted model
         resident.adapter_block = None
-        return {"served_name": plan.row.name,
-                "origin": "checkpoint" if plan.row.origin == "checkpoint" else "model",
-                "response": {"in_place": plan.in_place}}
+        return {
+            "served_name": plan.row.name,
+            "origin": "checkpoint" if plan.row.origin == "checkpoint" else "model",
+            "response": {"in_place": plan.in_place},
+        }
 
     async def adapter(self, params: dict[str, Any]) -> dict[str, Any]:
         body = params["body"]
@@ -208,15 +244,20 @@ class WeightsJobs:
             if self.applied is None:
                 self.name_before_adapter = resident.served_name
             self.applied = await asyncio.to_thread(
-                adapters.apply_adapter, resident.model, name=body.name, path=body.path,
-                now=time.time(), replacing=self.applied)
+                adapters.apply_adapter,
+                resident.model,
+                name=body.name,
+                path=body.path,
+                now=time.time(),
+                replacing=self.applied,
+            )
             resident.adapter_block = self.applied.block()
             return {"served_name": body.name, "applied": True}
         if self.applied is None:
             return {"served_name": resident.served_name, "applied": False}
-        resident.model = await asyncio.to_thread(adapters.remove_adapter, resident.model,
-                                                 self.applied)
+        resident.model = await asyncio.to_thread(
+            adapters.remove_adapter, resident.model, self.applied
+        )
         self.applied = None
         resident.adapter_block = None
-        return {"served_name": self.name_before_adapter or resident.base_name,
-                "applied": False}
+        return {"served_name": self.name_before_adapter or resident.base_name, "applied": False}

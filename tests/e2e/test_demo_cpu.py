@@ -62,21 +62,39 @@ def test_a_line_counts_only_when_reproduced_exactly_and_whole() -> None:
 
 
 def _commit(start: float, end: float) -> object:
-    return demo.CommitRecord(step=1, loss=1.0, hold_start=start - 0.05, write_start=start,
-                             write_end=end, hold_end=end + 0.05, commit_ms=(end - start) * 1e3,
-                             overran=False, held_requests=0, steps_since_load=1)
+    return demo.CommitRecord(
+        step=1,
+        loss=1.0,
+        hold_start=start - 0.05,
+        write_start=start,
+        write_end=end,
+        hold_end=end + 0.05,
+        commit_ms=(end - start) * 1e3,
+        overran=False,
+        held_requests=0,
+        steps_since_load=1,
+    )
 
 
 def test_a_token_inside_a_write_window_is_flagged_and_one_at_its_edge_is_not() -> None:
     commits = [_commit(10.0, 11.0)]
-    inside = demo.ChatRecord(index=0, t_sent=9.0, t_first=9.5, t_done=12.0, status=200,
-                             chunk_times=[9.5, 10.5, 11.5])
-    edges = demo.ChatRecord(index=1, t_sent=9.0, t_first=9.9, t_done=12.0, status=200,
-                            chunk_times=[9.9, 10.05, 10.95, 11.2])
-    held = demo.ChatRecord(index=2, t_sent=10.5, t_first=11.3, t_done=11.9, status=200,
-                           chunk_times=[11.3, 11.8])
-    after = demo.ChatRecord(index=3, t_sent=11.2, t_first=11.3, t_done=11.9, status=200,
-                            chunk_times=[11.3, 11.8])
+    inside = demo.ChatRecord(
+        index=0, t_sent=9.0, t_first=9.5, t_done=12.0, status=200, chunk_times=[9.5, 10.5, 11.5]
+    )
+    edges = demo.ChatRecord(
+        index=1,
+        t_sent=9.0,
+        t_first=9.9,
+        t_done=12.0,
+        status=200,
+        chunk_times=[9.9, 10.05, 10.95, 11.2],
+    )
+    held = demo.ChatRecord(
+        index=2, t_sent=10.5, t_first=11.3, t_done=11.9, status=200, chunk_times=[11.3, 11.8]
+    )
+    after = demo.ChatRecord(
+        index=3, t_sent=11.2, t_first=11.3, t_done=11.9, status=200, chunk_times=[11.3, 11.8]
+    )
     records = [inside, edges, held, after]
     assert demo.served_during_writes(records, commits) == [0]
     # waited through the write: sent before it ended, first token after it
@@ -102,14 +120,22 @@ def test_usage_errors_exit_before_anything_starts(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_cpu_demo_teaches_the_served_model_all_19_lines_under_chat_load(
-        home_with_default: str, tmp_path: Path) -> None:
+    home_with_default: str, tmp_path: Path
+) -> None:
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
-    env.update(MISERVER_HOME=home_with_default, PYTHONPATH=os.pathsep.join(
-        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--schedule", "short", "--device", "cpu",
-                           "--out", str(out)], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=2300)
+    env.update(
+        MISERVER_HOME=home_with_default,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    )
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--schedule", "short", "--device", "cpu", "--out", str(out)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=2300,
+    )
     log = proc.stdout[-6000:] + "\n--- stderr ---\n" + proc.stderr[-6000:]
     assert (out / "results.json").is_file(), log
     results = json.loads((out / "results.json").read_text())
@@ -144,8 +170,8 @@ def test_cpu_demo_teaches_the_served_model_all_19_lines_under_chat_load(
     assert {m for m, _ in served_by} <= {"smollm2-135m-instruct", ck["name"]}, served_by
     base = [n for m, n in served_by if m == "smollm2-135m-instruct"]
     assert base == sorted(base) and base[0] == 0 and base[-1] <= s["steps"], served_by
-    after = served_by[len(base):]
-    assert served_by[:len(base)] == [("smollm2-135m-instruct", n) for n in base], served_by
+    after = served_by[len(base) :]
+    assert served_by[: len(base)] == [("smollm2-135m-instruct", n) for n in base], served_by
     assert all(n == 0 for _, n in after), served_by
 
     # the checkpoint was saved through the API and now names what is served

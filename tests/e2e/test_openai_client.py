@@ -74,8 +74,14 @@ def home(default_home: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("e2e-openai-home")
     fresh = Catalogue(path)
     for row in Catalogue(default_home).list():
-        fresh.register(name=row.name, format=row.format, dtype=row.dtype, path=row.path,
-                       quantization=row.quantization, origin=row.origin)
+        fresh.register(
+            name=row.name,
+            format=row.format,
+            dtype=row.dtype,
+            path=row.path,
+            quantization=row.quantization,
+            origin=row.origin,
+        )
     base = fresh.get_by_name(MODEL)
     assert base is not None
     fresh.register(name=ALIAS, format=base.format, dtype=base.dtype, path=base.path)
@@ -87,16 +93,28 @@ def server(home: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serv
     port = _free_port()
     log = tmp_path_factory.mktemp("e2e-openai") / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
-    env.update(MISERVER_HOME=home, HOST="127.0.0.1", PORT=str(port), DEVICE="cpu",
-               DEFAULT_MODEL=MODEL, LOG_FORMAT="text", LOG_LEVEL="info",
-               MAX_REQUEST_BYTES="65536", MAX_CONCURRENT_REQUESTS="1",
-               MAX_QUEUED_REQUESTS="64")
+    env.update(
+        MISERVER_HOME=home,
+        HOST="127.0.0.1",
+        PORT=str(port),
+        DEVICE="cpu",
+        DEFAULT_MODEL=MODEL,
+        LOG_FORMAT="text",
+        LOG_LEVEL="info",
+        MAX_REQUEST_BYTES="65536",
+        MAX_CONCURRENT_REQUESTS="1",
+        MAX_QUEUED_REQUESTS="64",
+    )
     # Two cores shared with this test process: OpenMP's spin-waiting would cost 10x the
     # compute (benchmarks/serving.py); an operator's OMP_WAIT_POLICY is kept.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "miserver.cli", "serve"], env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "miserver.cli", "serve"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     srv = Server(proc, f"http://127.0.0.1:{port}", log)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -122,14 +140,14 @@ def server(home: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serv
 
 @pytest.fixture
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture
 def aclient(server: Server) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0,
-                              timeout=120)
+    return openai.AsyncOpenAI(
+        base_url=f"{server.base}/v1", api_key="unused", max_retries=0, timeout=120
+    )
 
 
 def test_models(client: openai.OpenAI) -> None:
@@ -143,34 +161,43 @@ def test_models(client: openai.OpenAI) -> None:
 
 def test_greedy_chat_answers_paris_with_the_model_header(client: openai.OpenAI) -> None:
     raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)
+        model=MODEL, messages=FRANCE, temperature=0, max_tokens=24
+    )
     completion = raw.parse()
     answer = completion.choices[0].message.content
     assert "Paris" in answer, answer
     assert completion.model == MODEL
     assert completion.usage.completion_tokens <= 24
-    assert completion.usage.total_tokens == (completion.usage.prompt_tokens
-                                             + completion.usage.completion_tokens)
+    assert completion.usage.total_tokens == (
+        completion.usage.prompt_tokens + completion.usage.completion_tokens
+    )
     assert parse_model_header(raw.headers["x-millm-model"]) == (MODEL, "model", 0)
 
 
 def test_chat_stream_equals_the_non_streamed_text(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
-    whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                           max_tokens=30)
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=30
+    )
     raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=messages, temperature=0, max_tokens=30, stream=True,
-        stream_options={"include_usage": True})
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=30,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     header = raw.headers["x-millm-model"]
     chunks = list(raw.parse())
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert len(finish) == 1 and finish[0].choices[0].finish_reason == \
-        whole.choices[0].finish_reason
+    assert len(finish) == 1 and finish[0].choices[0].finish_reason == whole.choices[0].finish_reason
     assert finish[0].model_extra["millm_model"] == header
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == \
-        whole.usage.completion_tokens
+    assert (
+        chunks[-1].usage is not None
+        and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    )
     assert chunks[-1].model_extra["millm_model"] == header
 
 
@@ -179,19 +206,26 @@ def test_completions_stream_and_stop(client: openai.OpenAI) -> None:
     whole = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=20)
     text = whole.choices[0].text
     assert text and whole.usage.prompt_tokens > 0
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt=prompt, temperature=0, max_tokens=20, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=20, stream=True
+        )
+        if c.choices
+    )
     assert streamed == text
     stop = text.strip()[:3]
-    cut = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=20,
-                                    stop=[stop])
-    assert cut.choices[0].text == text[:text.index(stop)]
+    cut = client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=20, stop=[stop]
+    )
+    assert cut.choices[0].text == text[: text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
 
 
 def _score(client: openai.OpenAI, text: str) -> float:
-    c = client.completions.create(model=MODEL, prompt=text, echo=True, logprobs=1,
-                                  max_tokens=1, temperature=0)
+    c = client.completions.create(
+        model=MODEL, prompt=text, echo=True, logprobs=1, max_tokens=1, temperature=0
+    )
     lp = c.choices[0].logprobs
     n = c.usage.prompt_tokens
     assert c.choices[0].text.startswith(text)
@@ -213,14 +247,14 @@ def test_errors_are_typed_sdk_exceptions(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=3)
     assert bad.value.param == "temperature"
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard",
-                                                               "content": "x"}])
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}])
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="no-such-model", messages=FRANCE)
     assert missing.value.code == "model_not_found"
     with pytest.raises(openai.ConflictError) as refused:
-        client.chat.completions.create(model=ALIAS, messages=FRANCE,
-                                       extra_headers={"X-miLLM-Load-Policy": "refuse"})
+        client.chat.completions.create(
+            model=ALIAS, messages=FRANCE, extra_headers={"X-miLLM-Load-Policy": "refuse"}
+        )
     assert refused.value.code == "model_not_loaded"
     with pytest.raises(openai.BadRequestError) as gguf:
         client.chat.completions.create(model=f"{MODEL}-q4", messages=FRANCE)
@@ -229,14 +263,19 @@ def test_errors_are_typed_sdk_exceptions(client: openai.OpenAI) -> None:
         client.completions.create(model=MODEL, prompt="x" * 70_000)
     assert too_big.value.status_code == 413
     # Nothing above changed what is resident.
-    assert client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0,
-                                          max_tokens=2).model == MODEL
+    assert (
+        client.chat.completions.create(
+            model=MODEL, messages=FRANCE, temperature=0, max_tokens=2
+        ).model
+        == MODEL
+    )
 
 
 def test_disconnect_cancels_generation(client: openai.OpenAI, server: Server) -> None:
     messages = [{"role": "user", "content": "Write a very long story about a dragon."}]
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1500,
-                                            temperature=0.8, seed=1, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1500, temperature=0.8, seed=1, stream=True
+    )
     for i, _chunk in enumerate(stream):
         if i == 3:
             break
@@ -246,15 +285,21 @@ def test_disconnect_cancels_generation(client: openai.OpenAI, server: Server) ->
     # Non-streamed: the client times out and hangs up.
     with pytest.raises(openai.APITimeoutError):
         client.with_options(timeout=1.5).chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=1500, temperature=0.8, seed=1)
+            model=MODEL, messages=messages, max_tokens=1500, temperature=0.8, seed=1
+        )
     assert server.wait_idle(2.0) < 2.0
     assert client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=2).choices
 
 
 async def _open_stream(aclient: openai.AsyncOpenAI, max_tokens: int = 400):
-    stream = await aclient.completions.create(model=MODEL, prompt="Once upon a time",
-                                              max_tokens=max_tokens, temperature=0.9, seed=2,
-                                              stream=True)
+    stream = await aclient.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=max_tokens,
+        temperature=0.9,
+        seed=2,
+        stream=True,
+    )
     it = stream.__aiter__()
     await it.__anext__()
     return stream
@@ -281,12 +326,14 @@ async def test_queue_full_is_503(aclient: openai.AsyncOpenAI, server: Server) ->
     server.wait_idle(2.0)
 
 
-async def test_max_concurrent_two_runs_two_generations(aclient: openai.AsyncOpenAI,
-                                                      server: Server) -> None:
+async def test_max_concurrent_two_runs_two_generations(
+    aclient: openai.AsyncOpenAI, server: Server
+) -> None:
     server.patch_settings(max_concurrent_requests=2)
     try:
         streams = await asyncio.wait_for(
-            asyncio.gather(_open_stream(aclient), _open_stream(aclient)), 60)
+            asyncio.gather(_open_stream(aclient), _open_stream(aclient)), 60
+        )
         assert server.running() == 2
         for s in streams:
             await s.close()

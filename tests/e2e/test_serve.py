@@ -37,15 +37,27 @@ def get(port: int, path: str) -> tuple[int, dict]:
 def start(home: str, tmp_path: Path, **env: str) -> tuple[subprocess.Popen, int, Path]:
     port = free_port()
     log = tmp_path / "server.log"
-    full = os.environ | {"MISERVER_HOME": home, "PORT": str(port), "LOG_FORMAT": "json",
-                         "DEVICE": "cpu", "WEIGHTS_TOKENS": f"lab:trainer:{SECRET}"} | env
-    proc = subprocess.Popen([sys.executable, "-m", "miserver.cli", "serve"], env=full,
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    full = (
+        os.environ
+        | {
+            "MISERVER_HOME": home,
+            "PORT": str(port),
+            "LOG_FORMAT": "json",
+            "DEVICE": "cpu",
+            "WEIGHTS_TOKENS": f"lab:trainer:{SECRET}",
+        }
+        | env
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miserver.cli", "serve"],
+        env=full,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
     return proc, port, log
 
 
-def test_serve_loads_the_default_and_stops_cleanly(home_with_default: str,
-                                                   tmp_path: Path) -> None:
+def test_serve_loads_the_default_and_stops_cleanly(home_with_default: str, tmp_path: Path) -> None:
     proc, port, log = start(home_with_default, tmp_path)
     try:
         deadline = time.monotonic() + 120

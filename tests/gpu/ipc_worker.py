@@ -20,8 +20,13 @@ from miserver.ipc.devices import local_uuids
 HELD: list[trainer.AttachedWeights] = []
 
 
-def pattern(name: str, shape: tuple[int, ...], dtype: torch.dtype, salt: int,
-            device: torch.device | str = "cpu") -> torch.Tensor:
+def pattern(
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    salt: int,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """A value per element that bfloat16 and float16 hold exactly (m / 64, |m| <= 125)."""
     n = 1
     for s in shape:
@@ -58,9 +63,11 @@ def op_rebuild_write(msg: dict) -> dict:
             for n, t in items:
                 t.copy_(pattern(n, tuple(t.shape), t.dtype, salt, t.device))
         torch.cuda.synchronize()
-        info = {"storages": w.storage_count,
-                "storage_devices": [str(t.device) for t in first_storage_views(w)],
-                "written": len(items)}
+        info = {
+            "storages": w.storage_count,
+            "storage_devices": [str(t.device) for t in first_storage_views(w)],
+            "written": len(items),
+        }
         del items
         if msg.get("build_model"):
             del model
@@ -106,12 +113,25 @@ def op_naive_per_name(msg: dict) -> dict:
     tensors = []
     for p in body["parameters"]:
         s = body["storages"][p["storage"]]
-        tensors.append(rebuild_cuda_tensor(
-            torch.Tensor, tuple(p["shape"]), tuple(p["stride"]), p["storage_offset"],
-            torch.UntypedStorage, getattr(torch, p["dtype"]), s["device_index"], b(s, "handle"),
-            s["storage_size_bytes"], s["storage_offset_bytes"], False,
-            b(s, "ref_counter_handle"), s["ref_counter_offset"], b(s, "event_handle"),
-            s["event_sync_required"]))
+        tensors.append(
+            rebuild_cuda_tensor(
+                torch.Tensor,
+                tuple(p["shape"]),
+                tuple(p["stride"]),
+                p["storage_offset"],
+                torch.UntypedStorage,
+                getattr(torch, p["dtype"]),
+                s["device_index"],
+                b(s, "handle"),
+                s["storage_size_bytes"],
+                s["storage_offset_bytes"],
+                False,
+                b(s, "ref_counter_handle"),
+                s["ref_counter_offset"],
+                b(s, "event_handle"),
+                s["event_sync_required"],
+            )
+        )
     n = len(tensors)
     del tensors
     torch.cuda.synchronize()
@@ -123,9 +143,14 @@ def op_uuids(msg: dict) -> dict:
     return {"uuids": local_uuids()}
 
 
-OPS = {"rebuild_write": op_rebuild_write, "hold": op_hold, "release_held": op_release_held,
-       "rebuild_twice": op_rebuild_twice, "naive_per_name": op_naive_per_name,
-       "uuids": op_uuids}
+OPS = {
+    "rebuild_write": op_rebuild_write,
+    "hold": op_hold,
+    "release_held": op_release_held,
+    "rebuild_twice": op_rebuild_twice,
+    "naive_per_name": op_naive_per_name,
+    "uuids": op_uuids,
+}
 
 
 def main() -> None:

@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("ipc_worker.py")
@@ -28,10 +30,19 @@ class Worker:
 
     def __init__(self, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, cwd=REPO,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), **(env or {})})
+            [sys.executable, str(WORKER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, [str(REPO), os.environ.get("PYTHONPATH")])
+                ),
+                **(env or {}),
+            },
+        )
 
     def ask(self, op: str, **kw) -> dict:
         self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
@@ -60,9 +71,15 @@ def tiny_qwen2(device: str = "cuda:0") -> torch.nn.Module:
 
     torch.manual_seed(0)
     cfg = transformers.Qwen2Config(
-        vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-        max_position_embeddings=128)
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=128,
+    )
     return transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval().to(device)
 
 
@@ -103,8 +120,10 @@ def test_one_export_per_device_and_writes_visible_in_the_server(worker):
     assert r["storages"] == 1 and r["lingering"] == 0
     assert_pattern(model, 5)
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    print(f"\n[one device] storages={len(body['storages'])} uuid={st['device_uuid']} "
-          f"pinned={mib(body['release']['pinned_bytes'])} producer={body['producer']}")
+    print(
+        f"\n[one device] storages={len(body['storages'])} uuid={st['device_uuid']} "
+        f"pinned={mib(body['release']['pinned_bytes'])} producer={body['producer']}"
+    )
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -129,9 +148,11 @@ def test_two_devices_two_storages_matched_by_uuid_not_index():
     # storage 0 (our cuda:0) opened on the trainer's cuda:1 and the other way round
     assert r["storages"] == 2 and r["storage_devices"] == ["cuda:1", "cuda:0"]
     assert_pattern(model, 9)
-    print(f"\n[two devices] storages={len(body['storages'])} "
-          f"uuids={[s['device_uuid'] for s in body['storages']]} "
-          f"trainer devices={r['storage_devices']}")
+    print(
+        f"\n[two devices] storages={len(body['storages'])} "
+        f"uuids={[s['device_uuid'] for s in body['storages']]} "
+        f"trainer devices={r['storage_devices']}"
+    )
 
 
 def test_an_unknown_device_uuid_is_refused():
@@ -174,10 +195,12 @@ def test_release_restores_memory_and_twenty_cycles_leave_no_growth(worker):
     del model, arena, body
     settle()
     after_unload = torch.cuda.memory_allocated(0) - base
-    print(f"\n[20 cycles] pre-attach allocated={pre_attach} MiB; after each cycle "
-          f"{sorted({r[0] for r in rows})} MiB allocated, {sorted({r[1] for r in rows})} MiB "
-          f"reserved; device free drift {mib(rows[-1][2] - rows[0][2])}; after unload "
-          f"{mib(after_unload)} above the pre-load baseline (pinned was {mib(pinned)})")
+    print(
+        f"\n[20 cycles] pre-attach allocated={pre_attach} MiB; after each cycle "
+        f"{sorted({r[0] for r in rows})} MiB allocated, {sorted({r[1] for r in rows})} MiB "
+        f"reserved; device free drift {mib(rows[-1][2] - rows[0][2])}; after unload "
+        f"{mib(after_unload)} above the pre-load baseline (pinned was {mib(pinned)})"
+    )
     assert after_unload == 0
 
 
@@ -194,8 +217,10 @@ def test_handles_never_rebuilt_strand_exactly_pinned_bytes():
     del model, arena, body
     settle()
     stranded = torch.cuda.memory_allocated(0) - base
-    print(f"\n[never rebuilt] pinned_bytes={pinned} stranded after unload={stranded} "
-          f"({mib(stranded)})")
+    print(
+        f"\n[never rebuilt] pinned_bytes={pinned} stranded after unload={stranded} "
+        f"({mib(stranded)})"
+    )
     assert stranded == pinned
 
 
@@ -217,8 +242,10 @@ def test_rebuild_per_parameter_name_strands_and_the_client_refuses_it(worker):
     del model, arena, body
     settle()
     stranded = torch.cuda.memory_allocated(0) - base
-    print(f"\n[per-name rebuild] {r['rebuilds']} rebuilds of one storage: stranded after "
-          f"unload={stranded} ({mib(stranded)}), storage={pinned}")
+    print(
+        f"\n[per-name rebuild] {r['rebuilds']} rebuilds of one storage: stranded after "
+        f"unload={stranded} ({mib(stranded)}), storage={pinned}"
+    )
     assert stranded == pinned
 
 
@@ -227,14 +254,21 @@ def test_the_arena_segment_holds_the_parameters_and_nothing_else():
 
     model = tiny_qwen2()
     arena = make_attachable(model, cpu_shared=False)
-    others = [torch.empty(n, dtype=torch.uint8, device="cuda:0")
-              for n in (512, 4096, 2**20, 3 * 2**20, 64 * 2**20)]  # later allocations elsewhere
+    others = [
+        torch.empty(n, dtype=torch.uint8, device="cuda:0")
+        for n in (512, 4096, 2**20, 3 * 2**20, 64 * 2**20)
+    ]  # later allocations elsewhere
     ptr = arena.storages[0].data_ptr()
-    (seg,) = [s for s in torch.cuda.memory_snapshot()
-              if s["address"] <= ptr < s["address"] + s["total_size"]]
+    (seg,) = [
+        s
+        for s in torch.cuda.memory_snapshot()
+        if s["address"] <= ptr < s["address"] + s["total_size"]
+    ]
     active = [b for b in seg["blocks"] if b["state"] == "active_allocated"]
-    print(f"\n[segment] total={seg['total_size']} arena={arena.total_bytes} "
-          f"active blocks={[b['size'] for b in active]}")
+    print(
+        f"\n[segment] total={seg['total_size']} arena={arena.total_bytes} "
+        f"active blocks={[b['size'] for b in active]}"
+    )
     # the only live block in the exported segment is the arena; the rest of the segment is the
     # allocator's rounding (20 MiB for a 1-10 MiB request, else to 2 MiB), free in a pool
     # nothing else allocates from (measured on the H200: total=20971520 arena=4461056)

@@ -15,8 +15,11 @@ from miserver.serving.default_model import model_dir
 from miserver.serving.host import ModelHost
 from miserver.spec.settings import Settings
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 MIB = 1024 * 1024
 
@@ -25,8 +28,9 @@ MIB = 1024 * 1024
 def host(tmp_path: Path, default_home: str) -> ModelHost:
     cat = Catalogue(tmp_path)
     for name in ("smol-a", "smol-b"):
-        cat.register(name=name, format="safetensors", dtype="bfloat16",
-                     path=str(model_dir(default_home)))
+        cat.register(
+            name=name, format="safetensors", dtype="bfloat16", path=str(model_dir(default_home))
+        )
     return ModelHost(Settings(home=str(tmp_path), device="cuda:0"), cat)
 
 

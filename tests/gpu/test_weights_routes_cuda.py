@@ -8,15 +8,16 @@ import torch
 
 from miserver.http import keys
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 
 async def test_cuda_attach_and_in_place_load_allocate_nothing(tmp_path, tiny_model_dir):
     from tests.unit.test_weights_routes import TRN, auth, make_client, post
 
-    client = await make_client(tmp_path, tiny_model_dir, DEVICE="cuda:0",
-                               WEIGHTS_CPU_ATTACH="0")
+    client = await make_client(tmp_path, tiny_model_dir, DEVICE="cuda:0", WEIGHTS_CPU_ATTACH="0")
     try:
         st, body, _ = await post(client, "/api/weights/attach", auth(TRN))
         assert st == 200, body

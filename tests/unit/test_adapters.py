@@ -22,21 +22,41 @@ IDS = torch.tensor([[1, 5, 9, 17, 33, 64, 100, 2]])
 NOW = 1_795_000_000.5
 
 
-def tiny_model(dtype: torch.dtype = torch.float32, seed: int = 0, hidden: int = 32
-               ) -> LlamaForCausalLM:
-    cfg = LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      tie_word_embeddings=True, max_position_embeddings=64)
+def tiny_model(
+    dtype: torch.dtype = torch.float32, seed: int = 0, hidden: int = 32
+) -> LlamaForCausalLM:
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(seed)
     return LlamaForCausalLM._from_config(cfg, dtype=dtype).eval()
 
 
-def make_adapter(base: torch.nn.Module, folder: Path, *, seed: int = 5, r: int = 4,
-                 alpha: int = 8, targets=("q_proj", "v_proj"), **extra) -> Path:
+def make_adapter(
+    base: torch.nn.Module,
+    folder: Path,
+    *,
+    seed: int = 5,
+    r: int = 4,
+    alpha: int = 8,
+    targets=("q_proj", "v_proj"),
+    **extra,
+) -> Path:
     """A LoRA adapter with random (non-zero) B, saved as PEFT does."""
     torch.manual_seed(seed)
-    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(
-        r=r, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False, **extra))
+    peft_model = get_peft_model(
+        copy.deepcopy(base),
+        LoraConfig(
+            r=r, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False, **extra
+        ),
+    )
     peft_model.save_pretrained(str(folder))
     return folder
 
@@ -49,13 +69,15 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
 def greedy(model: torch.nn.Module, n: int = 12) -> list[int]:
     with torch.no_grad():
         out = model.generate(IDS, max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, IDS.shape[1]:].tolist()
+    return out[0, IDS.shape[1] :].tolist()
 
 
 def base_view(model: torch.nn.Module) -> dict[str, tuple[int, int, bool]]:
     """name -> (object id, data_ptr, requires_grad) of every base parameter."""
-    return {n: (id(p), p.data_ptr(), p.requires_grad)
-            for n, p in ad.base_named_parameters(model).items()}
+    return {
+        n: (id(p), p.data_ptr(), p.requires_grad)
+        for n, p in ad.base_named_parameters(model).items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +141,15 @@ def test_the_adapter_block(adapter_dir):
     assert ad.adapter_block(None) == {"applied": False}
     applied = ad.apply_adapter(tiny_model(), name="my-lora", path=adapter_dir, now=NOW)
     block = ad.adapter_block(applied)
-    assert block == {"applied": True, "name": "my-lora", "path": str(adapter_dir.absolute()),
-                     "rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"],
-                     "applied_at": "2026-11-18T11:06:40.500000Z"}
+    assert block == {
+        "applied": True,
+        "name": "my-lora",
+        "path": str(adapter_dir.absolute()),
+        "rank": 4,
+        "alpha": 8.0,
+        "target_modules": ["q_proj", "v_proj"],
+        "applied_at": "2026-11-18T11:06:40.500000Z",
+    }
     json.dumps(block)  # the block is plain JSON
 
 
@@ -137,9 +165,17 @@ def test_a_save_while_an_adapter_is_applied_saves_the_base_weights(tmp_path, ada
     model = tiny_model(torch.bfloat16)
     base_logits = logits(model)
     ad.apply_adapter(model, name="x", path=adapter_dir, now=NOW)
-    saved = ck.save_checkpoint(model, None, root=tmp_path / "ck", name="with-lora",
-                               base_row_id=1, base_name="tiny", parent_sha256=None,
-                               steps_since_load=0, now=NOW)
+    saved = ck.save_checkpoint(
+        model,
+        None,
+        root=tmp_path / "ck",
+        name="with-lora",
+        base_row_id=1,
+        base_name="tiny",
+        parent_sha256=None,
+        steps_since_load=0,
+        now=NOW,
+    )
     assert saved.manifest.names() == set(tiny_model(torch.bfloat16).state_dict())
     target = tiny_model(torch.bfloat16, seed=1)
     handle = ck.open_checkpoint(saved.path)
@@ -150,9 +186,19 @@ def test_a_save_while_an_adapter_is_applied_saves_the_base_weights(tmp_path, ada
 
 def test_an_in_place_load_under_an_adapter_writes_the_base_tensors(tmp_path, adapter_dir):
     source = tiny_model(seed=3)
-    handle = ck.open_checkpoint(ck.save_checkpoint(
-        source, None, root=tmp_path, name="s", base_row_id=1, base_name="tiny",
-        parent_sha256=None, steps_since_load=0, now=NOW).path)
+    handle = ck.open_checkpoint(
+        ck.save_checkpoint(
+            source,
+            None,
+            root=tmp_path,
+            name="s",
+            base_row_id=1,
+            base_name="tiny",
+            parent_sha256=None,
+            steps_since_load=0,
+            now=NOW,
+        ).path
+    )
     model = tiny_model(seed=0)
     applied = ad.apply_adapter(model, name="x", path=adapter_dir, now=NOW)
     view = base_view(model)
@@ -163,8 +209,7 @@ def test_an_in_place_load_under_an_adapter_writes_the_base_tensors(tmp_path, ada
 
 
 def test_replacing_an_adapter_gives_the_new_adapters_outputs(tmp_path, adapter_dir):
-    other = make_adapter(tiny_model(), tmp_path / "b", seed=9, r=2, alpha=4,
-                         targets=("o_proj",))
+    other = make_adapter(tiny_model(), tmp_path / "b", seed=9, r=2, alpha=4, targets=("o_proj",))
     alone = tiny_model()
     ad.apply_adapter(alone, name="b", path=other, now=NOW)
     model = tiny_model()
@@ -189,6 +234,7 @@ def _config_edit(edit):
         cfg = json.loads((folder / ad.CONFIG_NAME).read_text())
         edit(cfg)
         (folder / ad.CONFIG_NAME).write_text(json.dumps(cfg))
+
     return damage
 
 
@@ -200,8 +246,10 @@ def _rename_keys(folder: Path) -> None:
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(folder / ad.WEIGHTS_NAME))
-    save_file({k.replace("self_attn", "attention"): v for k, v in tensors.items()},
-              str(folder / ad.WEIGHTS_NAME))
+    save_file(
+        {k.replace("self_attn", "attention"): v for k, v in tensors.items()},
+        str(folder / ad.WEIGHTS_NAME),
+    )
 
 
 def _other_width(folder: Path) -> None:
@@ -209,22 +257,26 @@ def _other_width(folder: Path) -> None:
     make_adapter(tiny_model(hidden=64), folder)
 
 
-@pytest.mark.parametrize("damage, reason", [
-    (lambda f: shutil.rmtree(f), "not_found"),
-    (lambda f: (f / ad.CONFIG_NAME).unlink(), "no_config"),
-    (lambda f: (f / ad.CONFIG_NAME).write_text("{oops"), "no_config"),
-    (_config_edit(lambda c: c.update(peft_type="PREFIX_TUNING")), "not_lora"),
-    (_config_edit(lambda c: c.update(r=0)), "no_config"),
-    (_config_edit(lambda c: c.update(modules_to_save=["lm_head"])), "incompatible"),
-    (_to_bin, "unsafe_format"),
-    (lambda f: (f / ad.WEIGHTS_NAME).unlink(), "not_found"),
-    (lambda f: (f / ad.WEIGHTS_NAME).write_bytes(b"\x01\x02"), "incompatible"),
-    (_rename_keys, "incompatible"),
-    (_other_width, "incompatible"),
-    (_config_edit(lambda c: c.update(target_modules=["no_such_proj"])), "incompatible"),
-])
-def test_a_bad_adapter_folder_is_refused_and_the_model_is_unchanged(tmp_path, adapter_dir,
-                                                                     damage, reason):
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda f: shutil.rmtree(f), "not_found"),
+        (lambda f: (f / ad.CONFIG_NAME).unlink(), "no_config"),
+        (lambda f: (f / ad.CONFIG_NAME).write_text("{oops"), "no_config"),
+        (_config_edit(lambda c: c.update(peft_type="PREFIX_TUNING")), "not_lora"),
+        (_config_edit(lambda c: c.update(r=0)), "no_config"),
+        (_config_edit(lambda c: c.update(modules_to_save=["lm_head"])), "incompatible"),
+        (_to_bin, "unsafe_format"),
+        (lambda f: (f / ad.WEIGHTS_NAME).unlink(), "not_found"),
+        (lambda f: (f / ad.WEIGHTS_NAME).write_bytes(b"\x01\x02"), "incompatible"),
+        (_rename_keys, "incompatible"),
+        (_other_width, "incompatible"),
+        (_config_edit(lambda c: c.update(target_modules=["no_such_proj"])), "incompatible"),
+    ],
+)
+def test_a_bad_adapter_folder_is_refused_and_the_model_is_unchanged(
+    tmp_path, adapter_dir, damage, reason
+):
     folder = tmp_path / "bad"
     shutil.copytree(adapter_dir, folder)
     damage(folder)

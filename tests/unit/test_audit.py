@@ -7,14 +7,39 @@ import pytest
 
 from miserver.http.audit import AuditLog, AuditRecord
 
-FIELDS = {"operation", "outcome", "code", "reason", "role", "label", "attachment_ref", "model",
-          "weights_state", "weights_state_before", "elapsed_ms", "steps", "ts", "event"}
+FIELDS = {
+    "operation",
+    "outcome",
+    "code",
+    "reason",
+    "role",
+    "label",
+    "attachment_ref",
+    "model",
+    "weights_state",
+    "weights_state_before",
+    "elapsed_ms",
+    "steps",
+    "ts",
+    "event",
+}
 
 
 def _record(**kw):
-    base = dict(operation="weights_commit_end", outcome="accepted", code=None, reason=None,
-                role="trainer", label="trn", attachment_ref="abcd1234", model="m",
-                weights_state="clean", weights_state_before="writing", elapsed_ms=12.5, steps=3)
+    base = dict(
+        operation="weights_commit_end",
+        outcome="accepted",
+        code=None,
+        reason=None,
+        role="trainer",
+        label="trn",
+        attachment_ref="abcd1234",
+        model="m",
+        weights_state="clean",
+        weights_state_before="writing",
+        elapsed_ms=12.5,
+        steps=3,
+    )
     base.update(kw)
     return AuditRecord(**base)
 
@@ -24,9 +49,17 @@ def test_file_gets_one_json_line_per_call(tmp_path, caplog):
     audit = AuditLog(str(path))
     with caplog.at_level(logging.INFO, logger="miserver.audit"):
         audit.write(_record())
-        audit.write(_record(operation="weights_attach", outcome="refused",
-                            code="WEIGHTS_UNAUTHORIZED", role=None, label=None,
-                            elapsed_ms=None, steps=None))
+        audit.write(
+            _record(
+                operation="weights_attach",
+                outcome="refused",
+                code="WEIGHTS_UNAUTHORIZED",
+                role=None,
+                label=None,
+                elapsed_ms=None,
+                steps=None,
+            )
+        )
     lines = path.read_text().splitlines()
     assert len(lines) == 2 and audit.count == 2
     first = json.loads(lines[0])

@@ -19,7 +19,7 @@ def test_identify_each_kind():
     assert identify("Basic abc", TOKENS).token == "none"
     assert identify("Bearer ", TOKENS).token == "none"
     assert identify("Bearer nope-nope-nope-nope", TOKENS).token == "invalid"
-    assert identify("Bearer trainer-secret-0123456789", TOKENS) .label == "trn"
+    assert identify("Bearer trainer-secret-0123456789", TOKENS).label == "trn"
     caller = identify("bearer operator-secret-0123456789", TOKENS)
     assert (caller.token, caller.label, caller.role) == ("operator", "ops", "operator")
 

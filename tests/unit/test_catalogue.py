@@ -36,7 +36,13 @@ def test_register_returns_the_full_row(cat: Catalogue) -> None:
     row = _model(cat, "llama", path="/models/llama")
     assert row.id >= 1
     assert (row.name, row.format, row.dtype, row.quantization, row.path, row.origin) == (
-        "llama", "safetensors", "bfloat16", "none", "/models/llama", "model")
+        "llama",
+        "safetensors",
+        "bfloat16",
+        "none",
+        "/models/llama",
+        "model",
+    )
     assert row.parent_id is None and row.checkpoint_sha256 is None and row.resident is False
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", row.created_at)
     assert cat.get(row.id) == row
@@ -46,8 +52,18 @@ def test_register_returns_the_full_row(cat: Catalogue) -> None:
 def test_row_wire_shape_is_the_contracts(cat: Catalogue) -> None:
     row = _model(cat)
     assert list(msgspec.to_builtins(row)) == [
-        "id", "name", "format", "dtype", "quantization", "path", "origin", "parent_id",
-        "checkpoint_sha256", "created_at", "resident"]
+        "id",
+        "name",
+        "format",
+        "dtype",
+        "quantization",
+        "path",
+        "origin",
+        "parent_id",
+        "checkpoint_sha256",
+        "created_at",
+        "resident",
+    ]
 
 
 def test_list_is_ordered_by_id(cat: Catalogue) -> None:
@@ -70,9 +86,15 @@ def test_duplicate_name_is_refused_and_changes_nothing(cat: Catalogue) -> None:
     assert cat.list() == [first]
 
 
-@pytest.mark.parametrize("field,value", [
-    ("format", "pickle"), ("dtype", "int8"), ("quantization", "fp8"), ("origin", "adapter"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("format", "pickle"),
+        ("dtype", "int8"),
+        ("quantization", "fp8"),
+        ("origin", "adapter"),
+    ],
+)
 def test_values_outside_the_contract_are_refused(cat: Catalogue, field: str, value: str) -> None:
     with pytest.raises(CatalogueError, match=field):
         _model(cat, "bad", **{field: value})
@@ -88,14 +110,29 @@ def test_bad_names_are_refused(cat: Catalogue, name: str) -> None:
 
 def test_checkpoint_rows_name_an_existing_parent(cat: Catalogue) -> None:
     base = _model(cat, "base")
-    ckpt = cat.register(name="base-step3-abcdef01", format="safetensors", dtype="bfloat16",
-                        path="/ck", origin="checkpoint", parent_id=base.id,
-                        checkpoint_sha256="ab" * 32)
-    assert (ckpt.origin, ckpt.parent_id, ckpt.checkpoint_sha256) == ("checkpoint", base.id,
-                                                                     "ab" * 32)
+    ckpt = cat.register(
+        name="base-step3-abcdef01",
+        format="safetensors",
+        dtype="bfloat16",
+        path="/ck",
+        origin="checkpoint",
+        parent_id=base.id,
+        checkpoint_sha256="ab" * 32,
+    )
+    assert (ckpt.origin, ckpt.parent_id, ckpt.checkpoint_sha256) == (
+        "checkpoint",
+        base.id,
+        "ab" * 32,
+    )
     with pytest.raises(CatalogueError, match="parent_id"):
-        cat.register(name="orphan", format="safetensors", dtype="bfloat16", path="/x",
-                     origin="checkpoint", parent_id=999)
+        cat.register(
+            name="orphan",
+            format="safetensors",
+            dtype="bfloat16",
+            path="/x",
+            origin="checkpoint",
+            parent_id=999,
+        )
     assert cat.get_by_name("orphan") is None
 
 

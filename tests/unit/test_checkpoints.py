@@ -34,15 +34,28 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(125)}}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>",
-                                   eos_token="</s>", chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
-def tiny_model(dtype: torch.dtype = torch.bfloat16, seed: int = 0, *, hidden: int = 32,
-               tied: bool = True) -> LlamaForCausalLM:
-    cfg = LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      tie_word_embeddings=tied, max_position_embeddings=64)
+def tiny_model(
+    dtype: torch.dtype = torch.bfloat16, seed: int = 0, *, hidden: int = 32, tied: bool = True
+) -> LlamaForCausalLM:
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(seed)
     return LlamaForCausalLM._from_config(cfg, dtype=dtype).eval()
 
@@ -53,8 +66,15 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
 
 
 def save(model, root: Path, name: str | None = None, tokenizer=None, **kw) -> ck.SavedCheckpoint:
-    args = dict(root=root, name=name, base_row_id=7, base_name="tiny-base", parent_sha256=None,
-                steps_since_load=3, now=NOW)
+    args = dict(
+        root=root,
+        name=name,
+        base_row_id=7,
+        base_name="tiny-base",
+        parent_sha256=None,
+        steps_since_load=3,
+        now=NOW,
+    )
     args.update(kw)
     return ck.save_checkpoint(model, tokenizer, **args)
 
@@ -88,8 +108,9 @@ def tokenizer():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_save_then_from_pretrained_gives_identical_outputs_and_keeps_ties(tmp_path, tokenizer,
-                                                                          dtype):
+def test_save_then_from_pretrained_gives_identical_outputs_and_keeps_ties(
+    tmp_path, tokenizer, dtype
+):
     model = tiny_model(dtype)
     saved = save(model, tmp_path, tokenizer=tokenizer)
 
@@ -105,8 +126,7 @@ def test_save_then_from_pretrained_gives_identical_outputs_and_keeps_ties(tmp_pa
 
 def test_manifest_lists_every_tensor_once_with_sha256_and_aliases(tmp_path, tokenizer):
     model = tiny_model()
-    saved = save(model, tmp_path, tokenizer=tokenizer, parent_sha256="ab" * 32,
-                 steps_since_load=12)
+    saved = save(model, tmp_path, tokenizer=tokenizer, parent_sha256="ab" * 32, steps_since_load=12)
     data = (saved.path / "manifest.json").read_bytes()
     manifest = json.loads(data)
 
@@ -117,8 +137,10 @@ def test_manifest_lists_every_tensor_once_with_sha256_and_aliases(tmp_path, toke
     assert manifest["parent_checkpoint_sha256"] == "ab" * 32
     assert manifest["steps_since_load"] == 12
     assert manifest["saved_at"] == "2026-11-18T11:06:40.250000Z" == saved.saved_at
-    assert manifest["architecture"] == {"model_type": "llama",
-                                        "architectures": ["LlamaForCausalLM"]}
+    assert manifest["architecture"] == {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+    }
 
     by_name = {t["name"]: t for t in manifest["tensors"]}
     covered = set(by_name) | {a for t in manifest["tensors"] for a in t["aliases"]}
@@ -134,7 +156,7 @@ def test_manifest_lists_every_tensor_once_with_sha256_and_aliases(tmp_path, toke
         if name == "__metadata__":
             continue
         b, e = meta["data_offsets"]
-        assert hashlib.sha256(raw[start + b:start + e]).hexdigest() == by_name[name]["sha256"]
+        assert hashlib.sha256(raw[start + b : start + e]).hexdigest() == by_name[name]["sha256"]
         assert by_name[name]["shape"] == meta["shape"]
         assert by_name[name]["dtype"] == "bfloat16"
     for rel, sha in manifest["files"].items():
@@ -225,22 +247,29 @@ def _edit_manifest(path: Path, edit) -> None:
     (path / "manifest.json").write_text(json.dumps(m))
 
 
-@pytest.mark.parametrize("damage, field", [
-    (lambda p: (p / "manifest.json").unlink(), "file"),
-    (lambda p: (p / "manifest.json").write_text("{not json"), "file"),
-    (lambda p: _edit_manifest(p, lambda m: m.update(format_version=99)), "file"),
-    (lambda p: _edit_manifest(p, lambda m: m.update(weights_file="../escape.safetensors")),
-     "file"),
-    (lambda p: _edit_manifest(p, lambda m: m["files"].update({"/etc/hostname": "0" * 64})),
-     "file"),
-    (lambda p: (p / "model.safetensors").unlink(), "file"),
-    (lambda p: (p / "model.safetensors").write_bytes(b"\x00" * 7), "file"),
-    (lambda p: (p / "config.json").write_text("{}"), "file"),
-    (lambda p: _edit_manifest(p, lambda m: m["tensors"].pop()), "tensor"),
-    (lambda p: _edit_manifest(p, lambda m: m["tensors"][0].update(shape=[1, 2])), "tensor"),
-    (lambda p: _edit_manifest(p, lambda m: m["tensors"][0].update(dtype="float16")), "tensor"),
-    (lambda p: _edit_manifest(p, lambda m: m["tensors"][0].update(sha256="0" * 64)), "tensor"),
-])
+@pytest.mark.parametrize(
+    "damage, field",
+    [
+        (lambda p: (p / "manifest.json").unlink(), "file"),
+        (lambda p: (p / "manifest.json").write_text("{not json"), "file"),
+        (lambda p: _edit_manifest(p, lambda m: m.update(format_version=99)), "file"),
+        (
+            lambda p: _edit_manifest(p, lambda m: m.update(weights_file="../escape.safetensors")),
+            "file",
+        ),
+        (
+            lambda p: _edit_manifest(p, lambda m: m["files"].update({"/etc/hostname": "0" * 64})),
+            "file",
+        ),
+        (lambda p: (p / "model.safetensors").unlink(), "file"),
+        (lambda p: (p / "model.safetensors").write_bytes(b"\x00" * 7), "file"),
+        (lambda p: (p / "config.json").write_text("{}"), "file"),
+        (lambda p: _edit_manifest(p, lambda m: m["tensors"].pop()), "tensor"),
+        (lambda p: _edit_manifest(p, lambda m: m["tensors"][0].update(shape=[1, 2])), "tensor"),
+        (lambda p: _edit_manifest(p, lambda m: m["tensors"][0].update(dtype="float16")), "tensor"),
+        (lambda p: _edit_manifest(p, lambda m: m["tensors"][0].update(sha256="0" * 64)), "tensor"),
+    ],
+)
 def test_damaged_checkpoints_are_refused_and_nothing_is_written(tmp_path, damage, field):
     saved = save(tiny_model(seed=0), tmp_path)
     damage(saved.path)
@@ -264,11 +293,14 @@ def test_open_of_a_missing_folder_is_not_found(tmp_path):
 # --- layout -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("other", [
-    lambda: tiny_model(torch.float32),          # dtype differs
-    lambda: tiny_model(hidden=64),              # shapes differ
-    lambda: tiny_model(tied=False),             # lm_head is its own tensor
-])
+@pytest.mark.parametrize(
+    "other",
+    [
+        lambda: tiny_model(torch.float32),  # dtype differs
+        lambda: tiny_model(hidden=64),  # shapes differ
+        lambda: tiny_model(tied=False),  # lm_head is its own tensor
+    ],
+)
 def test_layout_mismatch_is_detected_and_load_in_place_refuses_it(tmp_path, other):
     handle = ck.open_checkpoint(save(tiny_model(), tmp_path).path)
     target = other()
@@ -303,28 +335,33 @@ def _fail_in_weights(monkeypatch):
 def _fail_in_tokenizer(monkeypatch, tokenizer):
     def boom(*a, **kw):
         raise OSError(5, "Input/output error")
+
     monkeypatch.setattr(tokenizer, "save_pretrained", boom)
 
 
 def _fail_in_fsync(monkeypatch):
     def boom(folder):
         raise OSError(5, "Input/output error")
+
     monkeypatch.setattr(ck, "_fsync_tree", boom)
 
 
 def _fail_in_rename(monkeypatch):
     def boom(src, dst):
         raise OSError(5, "Input/output error")
+
     monkeypatch.setattr(ck.os, "rename", boom)
 
 
 @pytest.mark.parametrize("inject", ["weights", "tokenizer", "fsync", "rename"])
 def test_a_failure_mid_save_leaves_no_checkpoint_and_no_leftovers(tmp_path, monkeypatch, inject):
     tokenizer = tiny_tokenizer()
-    {"weights": lambda: _fail_in_weights(monkeypatch),
-     "tokenizer": lambda: _fail_in_tokenizer(monkeypatch, tokenizer),
-     "fsync": lambda: _fail_in_fsync(monkeypatch),
-     "rename": lambda: _fail_in_rename(monkeypatch)}[inject]()
+    {
+        "weights": lambda: _fail_in_weights(monkeypatch),
+        "tokenizer": lambda: _fail_in_tokenizer(monkeypatch, tokenizer),
+        "fsync": lambda: _fail_in_fsync(monkeypatch),
+        "rename": lambda: _fail_in_rename(monkeypatch),
+    }[inject]()
     model = tiny_model()
 
     with pytest.raises(OSError):
@@ -337,8 +374,9 @@ def test_a_failure_mid_save_leaves_no_checkpoint_and_no_leftovers(tmp_path, monk
     ck.verify(ck.open_checkpoint(saved.path))
 
 
-def test_a_killed_save_leaves_only_a_partial_folder_that_is_never_a_checkpoint(tmp_path,
-                                                                               monkeypatch):
+def test_a_killed_save_leaves_only_a_partial_folder_that_is_never_a_checkpoint(
+    tmp_path, monkeypatch
+):
     # a kill runs no cleanup: model that by making the cleanup a no-op
     monkeypatch.setattr(ck.shutil, "rmtree", lambda *a, **kw: None)
     _fail_in_rename(monkeypatch)
@@ -358,8 +396,7 @@ def test_a_killed_save_leaves_only_a_partial_folder_that_is_never_a_checkpoint(t
 # --- names --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["", "../evil", "a/b", ".hidden", "-x", "x" * 129, "sp ace",
-                                  "é"])
+@pytest.mark.parametrize("name", ["", "../evil", "a/b", ".hidden", "-x", "x" * 129, "sp ace", "é"])
 def test_an_invalid_name_is_refused_and_nothing_is_written(tmp_path, name):
     root = tmp_path / "checkpoints"
     with pytest.raises(ck.InvalidCheckpointRequest) as err:
@@ -380,8 +417,9 @@ def test_a_taken_name_is_refused_and_the_existing_checkpoint_is_untouched(tmp_pa
 
 
 def test_default_name_sanitises_the_base_name():
-    assert ck.default_name("org/My Model", 4, "0123456789abcdef" * 4) == \
-        "org-My-Model-step4-01234567"
+    assert (
+        ck.default_name("org/My Model", 4, "0123456789abcdef" * 4) == "org-My-Model-step4-01234567"
+    )
     ck.validate_name(ck.default_name("..", 0, "f" * 64))
 
 
@@ -399,12 +437,27 @@ def test_a_checkpoint_of_a_checkpoint_records_its_parent(tmp_path):
 
 def _rows(tmp_path: Path) -> list[dict]:
     return [
-        {"id": 1, "name": "base", "origin": "model", "path": str(tmp_path / "base"),
-         "checkpoint_sha256": None},
-        {"id": 2, "name": "ck-a", "origin": "checkpoint", "path": str(tmp_path / "ck-a"),
-         "checkpoint_sha256": "a" * 64},
-        {"id": 3, "name": "ck-b", "origin": "checkpoint", "path": str(tmp_path / "ck-b"),
-         "checkpoint_sha256": "b" * 64},
+        {
+            "id": 1,
+            "name": "base",
+            "origin": "model",
+            "path": str(tmp_path / "base"),
+            "checkpoint_sha256": None,
+        },
+        {
+            "id": 2,
+            "name": "ck-a",
+            "origin": "checkpoint",
+            "path": str(tmp_path / "ck-a"),
+            "checkpoint_sha256": "a" * 64,
+        },
+        {
+            "id": 3,
+            "name": "ck-b",
+            "origin": "checkpoint",
+            "path": str(tmp_path / "ck-b"),
+            "checkpoint_sha256": "b" * 64,
+        },
     ]
 
 
@@ -419,9 +472,18 @@ def test_resolve_checkpoint_by_sha256_name_or_path(tmp_path):
 def test_resolve_checkpoint_works_on_catalogue_rows(tmp_path):
     from miserver.serving.catalogue import CatalogueRow
 
-    row = CatalogueRow(id=4, name="ck", format="safetensors", dtype="bfloat16",
-                       quantization="none", path=str(tmp_path), origin="checkpoint",
-                       parent_id=1, checkpoint_sha256="c" * 64, created_at="x")
+    row = CatalogueRow(
+        id=4,
+        name="ck",
+        format="safetensors",
+        dtype="bfloat16",
+        quantization="none",
+        path=str(tmp_path),
+        origin="checkpoint",
+        parent_id=1,
+        checkpoint_sha256="c" * 64,
+        created_at="x",
+    )
     assert ck.resolve_checkpoint([row], "c" * 64) is row
 
 
@@ -448,8 +510,9 @@ def test_the_default_models_tokenizer_and_chat_template_survive_a_save(tmp_path)
     again = AutoTokenizer.from_pretrained(saved.path)
     messages = [{"role": "user", "content": "Hello there, héllo 🤖"}]
     assert again.chat_template == tok.chat_template is not None
-    assert again.apply_chat_template(messages, tokenize=False) == \
-        tok.apply_chat_template(messages, tokenize=False)
+    assert again.apply_chat_template(messages, tokenize=False) == tok.apply_chat_template(
+        messages, tokenize=False
+    )
     assert again("Hello there, héllo 🤖").input_ids == tok("Hello there, héllo 🤖").input_ids
     ck.verify(ck.open_checkpoint(saved.path))
 

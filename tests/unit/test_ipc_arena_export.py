@@ -105,9 +105,15 @@ def test_export_body_fields_and_counter():
 def test_config_is_stated_in_full():
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-                                   num_hidden_layers=1, num_attention_heads=2,
-                                   num_key_value_heads=1, tie_word_embeddings=True)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     m = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
     arena = make_attachable(m, cpu_shared=True)
     config = export_handles(arena, m).config

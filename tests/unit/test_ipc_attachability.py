@@ -10,9 +10,18 @@ from hypothesis import strategies as st
 from miserver.ipc.attachability import REASONS, not_attachable_reason, should_make_attachable
 from miserver.spec import codes
 
-CLEAN = dict(fmt="safetensors", quantization="none", param_dtypes=["bfloat16"],
-             devices=["cuda:0"], arena=object(), continuous_batching=False, max_concurrent=1,
-             model_transition=False, weights_writing=False, cpu_attach=False)
+CLEAN = dict(
+    fmt="safetensors",
+    quantization="none",
+    param_dtypes=["bfloat16"],
+    devices=["cuda:0"],
+    arena=object(),
+    continuous_batching=False,
+    max_concurrent=1,
+    model_transition=False,
+    weights_writing=False,
+    cpu_attach=False,
+)
 
 # each reason and the smallest change of CLEAN that causes it
 CAUSES = {
@@ -30,16 +39,32 @@ CAUSES = {
 
 def test_the_table_order_is_the_weights_page_order():
     assert REASONS == (
-        "gguf", "quantized", "dtype", "not_on_gpu", "allocator",
-        "continuous_batching_running", "concurrency", "model_transition", "weights_writing")
+        "gguf",
+        "quantized",
+        "dtype",
+        "not_on_gpu",
+        "allocator",
+        "continuous_batching_running",
+        "concurrency",
+        "model_transition",
+        "weights_writing",
+    )
     assert codes.NOT_ATTACHABLE.reasons == REASONS
     assert list(CAUSES) == list(REASONS)
 
 
 def test_a_clean_attachable_model_has_no_reason():
     assert not_attachable_reason(**CLEAN) is None
-    assert not_attachable_reason(**{**CLEAN, "param_dtypes": [torch.float16, "bfloat16"],
-                                    "devices": [torch.device("cuda", 1)]}) is None
+    assert (
+        not_attachable_reason(
+            **{
+                **CLEAN,
+                "param_dtypes": [torch.float16, "bfloat16"],
+                "devices": [torch.device("cuda", 1)],
+            }
+        )
+        is None
+    )
 
 
 @pytest.mark.parametrize("reason", REASONS)
@@ -60,8 +85,7 @@ def test_cpu_attach_accepts_cpu_parameters_only():
     cpu = {**CLEAN, "devices": ["cpu"]}
     assert not_attachable_reason(**cpu) == "not_on_gpu"
     assert not_attachable_reason(**{**cpu, "cpu_attach": True}) is None
-    assert not_attachable_reason(**{**cpu, "cpu_attach": True, "devices": ["meta"]}) == \
-        "not_on_gpu"
+    assert not_attachable_reason(**{**cpu, "cpu_attach": True, "devices": ["meta"]}) == "not_on_gpu"
 
 
 def test_quantization_none_spellings_are_unquantized():
@@ -72,8 +96,14 @@ def test_quantization_none_spellings_are_unquantized():
 
 
 def test_which_loads_are_made_attachable():
-    base = dict(fmt="safetensors", quantization="none", param_dtypes=["bfloat16"],
-                devices=["cuda:0"], has_trainer_token=True, cpu_attach=False)
+    base = dict(
+        fmt="safetensors",
+        quantization="none",
+        param_dtypes=["bfloat16"],
+        devices=["cuda:0"],
+        has_trainer_token=True,
+        cpu_attach=False,
+    )
     assert should_make_attachable(**base)
     assert should_make_attachable(**{**base, "param_dtypes": ["float16"]})
     assert not should_make_attachable(**{**base, "has_trainer_token": False})

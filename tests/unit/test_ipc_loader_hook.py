@@ -18,13 +18,16 @@ def model(dtype=torch.bfloat16) -> torch.nn.Module:
     return m.to(dtype)
 
 
-@pytest.mark.parametrize("tokens, cpu_attach, dtype, attachable", [
-    ((TOKEN,), True, torch.bfloat16, True),
-    ((TOKEN,), True, torch.float16, True),
-    ((), True, torch.bfloat16, False),            # no token configured at load time
-    ((TOKEN,), False, torch.bfloat16, False),     # CPU without WEIGHTS_CPU_ATTACH
-    ((TOKEN,), True, torch.float32, False),       # FP32 is never attachable
-])
+@pytest.mark.parametrize(
+    "tokens, cpu_attach, dtype, attachable",
+    [
+        ((TOKEN,), True, torch.bfloat16, True),
+        ((TOKEN,), True, torch.float16, True),
+        ((), True, torch.bfloat16, False),  # no token configured at load time
+        ((TOKEN,), False, torch.bfloat16, False),  # CPU without WEIGHTS_CPU_ATTACH
+        ((TOKEN,), True, torch.float32, False),  # FP32 is never attachable
+    ],
+)
 def test_which_loads_get_an_arena(tmp_path, tokens, cpu_attach, dtype, attachable):
     settings = Settings(home=str(tmp_path), weights_tokens=tokens, weights_cpu_attach=cpu_attach)
     m = model(dtype)
@@ -32,8 +35,9 @@ def test_which_loads_get_an_arena(tmp_path, tokens, cpu_attach, dtype, attachabl
     arena = make_attachable(m, settings)
     if attachable:
         assert isinstance(arena, ParameterArena) and len(arena.storages) == 1
-        assert all(p.untyped_storage().data_ptr() == arena.storages[0].data_ptr()
-                   for p in m.parameters())
+        assert all(
+            p.untyped_storage().data_ptr() == arena.storages[0].data_ptr() for p in m.parameters()
+        )
     else:
         assert arena is None
         assert [p.data_ptr() for p in m.parameters()] == before  # nothing moved

@@ -82,11 +82,20 @@ def test_devices_are_matched_by_uuid_not_index():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU-only machine")
 def test_a_cuda_entry_without_cuda_is_refused(served):
     body = body_of(served)
-    body["storages"] = [{"kind": "cuda_ipc", "device_index": 0, "device_uuid": "GPU-x",
-                         "handle": "AAAA", "storage_size_bytes": 512,
-                         "storage_offset_bytes": 0, "ref_counter_handle": "AAAA",
-                         "ref_counter_offset": 0, "event_handle": None,
-                         "event_sync_required": False}]
+    body["storages"] = [
+        {
+            "kind": "cuda_ipc",
+            "device_index": 0,
+            "device_uuid": "GPU-x",
+            "handle": "AAAA",
+            "storage_size_bytes": 512,
+            "storage_offset_bytes": 0,
+            "ref_counter_handle": "AAAA",
+            "ref_counter_offset": 0,
+            "event_handle": None,
+            "event_sync_required": False,
+        }
+    ]
     with pytest.raises(trainer.DeviceNotVisible, match="GPU-x"):
         trainer.rebuild(body)
 
@@ -99,15 +108,18 @@ def test_a_second_rebuild_while_the_first_is_held_is_refused(served):
         assert again.storage_count == 1
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda b: b["storages"][0].update(kind="rdma"), "unknown kind"),
-    (lambda b: b["parameters"][0].update(dtype="float99"), "unknown dtype"),
-    (lambda b: b["parameters"][0].update(storage=3), "storage 3 does not exist"),
-    (lambda b: b["parameters"][0].update(storage_offset=10**6), "beyond its storage"),
-    (lambda b: b["parameters"][0].update(shape=[2, 2], stride=[1]), "shape and stride"),
-    (lambda b: b["storages"][0].update(storage_handle="***"), "not base64"),
-    (lambda b: b.pop("storages"), "storages"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda b: b["storages"][0].update(kind="rdma"), "unknown kind"),
+        (lambda b: b["parameters"][0].update(dtype="float99"), "unknown dtype"),
+        (lambda b: b["parameters"][0].update(storage=3), "storage 3 does not exist"),
+        (lambda b: b["parameters"][0].update(storage_offset=10**6), "beyond its storage"),
+        (lambda b: b["parameters"][0].update(shape=[2, 2], stride=[1]), "shape and stride"),
+        (lambda b: b["storages"][0].update(storage_handle="***"), "not base64"),
+        (lambda b: b.pop("storages"), "storages"),
+    ],
+)
 def test_malformed_exports_are_refused_clearly_and_release_their_claims(served, mutate, match):
     body = copy.deepcopy(body_of(served))
     mutate(body)
@@ -119,8 +131,12 @@ def test_malformed_exports_are_refused_clearly_and_release_their_claims(served, 
 def test_release_order_views_dropped_then_detach(served):
     m, _ = served
     calls = []
-    w = trainer.rebuild(body_of(served), on_release=lambda: calls.append(
-        ("detach", len(w.tensors), [p.numel() for p in bound.parameters()])))
+    w = trainer.rebuild(
+        body_of(served),
+        on_release=lambda: calls.append(
+            ("detach", len(w.tensors), [p.numel() for p in bound.parameters()])
+        ),
+    )
     bound = trainer.bind_into(Tied(), w)
     assert bound.head.weight is bound.emb.weight  # tied stays tied
     opt = torch.optim.SGD(bound.parameters(), lr=1.0)
@@ -173,9 +189,15 @@ def test_bind_into_refuses_a_different_model_and_changes_nothing(served):
 def test_build_model_from_config_binds_every_parameter_without_a_copy():
     import transformers
 
-    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32,
-                                   num_hidden_layers=1, num_attention_heads=2,
-                                   num_key_value_heads=1, tie_word_embeddings=True)
+    cfg = transformers.Qwen2Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     served = transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16).eval()
     arena = make_attachable(served, cpu_shared=True)
     body = export_handles(arena, served).to_builtins()
@@ -208,8 +230,15 @@ def test_interpreter_exit_releases_what_was_never_released(tmp_path):
         WEIGHTS = trainer.rebuild(body, on_release=lambda: print("detached", len(WEIGHTS.tensors)))
         print("exiting")
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                              filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))))
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        ),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["exiting", "detached", "0"]

@@ -32,14 +32,19 @@ def home(tmp_path: Path, tiny_model_dir: str) -> str:
     cat = Catalogue(tmp_path / "home")
     for name in ("tiny-a", "tiny-b"):
         cat.register(name=name, format="safetensors", dtype="bfloat16", path=tiny_model_dir)
-    cat.register(name="tiny-q4", format="gguf", dtype="float32", quantization="gguf",
-                 path=str(gguf_path()))
+    cat.register(
+        name="tiny-q4", format="gguf", dtype="float32", quantization="gguf", path=str(gguf_path())
+    )
     return str(tmp_path / "home")
 
 
 def make_app(home: str, **settings: Any) -> web.Application:
-    values = {"home": home, "default_model": "", "max_request_bytes": MAX_BYTES,
-              "log_format": "text"} | settings
+    values = {
+        "home": home,
+        "default_model": "",
+        "max_request_bytes": MAX_BYTES,
+        "log_format": "text",
+    } | settings
     return create_app(Settings(**values))
 
 
@@ -50,8 +55,15 @@ async def client(home: str):
         yield c
 
 
-async def call(client: TestClient, method: str, path: str, body: Any = None, *,
-               raw: bytes | None = None, status: int = 200) -> dict:
+async def call(
+    client: TestClient,
+    method: str,
+    path: str,
+    body: Any = None,
+    *,
+    raw: bytes | None = None,
+    status: int = 200,
+) -> dict:
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     resp = await client.request(method, path, data=data)
     assert resp.content_type == "application/json", (resp.status, await resp.text())
@@ -85,8 +97,16 @@ async def test_list_and_get(client: TestClient) -> None:
     assert (one["format"], one["quantization"]) == ("gguf", "gguf")
 
 
-@pytest.mark.parametrize("path", ["/api/models/999", "/api/models/abc", "/api/models/-1",
-                                  "/api/models/999/load", "/api/models/999/unload"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/models/999",
+        "/api/models/abc",
+        "/api/models/-1",
+        "/api/models/999/load",
+        "/api/models/999/unload",
+    ],
+)
 async def test_unknown_id_is_404_model_not_found(client: TestClient, path: str) -> None:
     method = "POST" if path.endswith(("load", "unload")) else "GET"
     err = error(await call(client, method, path, status=404))
@@ -94,37 +114,64 @@ async def test_unknown_id_is_404_model_not_found(client: TestClient, path: str) 
 
 
 async def test_delete_unknown_id_is_404(client: TestClient) -> None:
-    assert error(await call(client, "DELETE", "/api/models/999", status=404))["code"] == \
-        "MODEL_NOT_FOUND"
+    assert (
+        error(await call(client, "DELETE", "/api/models/999", status=404))["code"]
+        == "MODEL_NOT_FOUND"
+    )
 
 
 async def test_register_a_folder_detects_dtype(client: TestClient, tiny_model_dir: str) -> None:
-    row = (await call(client, "POST", "/api/models",
-                      {"name": "mine", "path": tiny_model_dir}, status=201))["data"]
+    row = (
+        await call(
+            client, "POST", "/api/models", {"name": "mine", "path": tiny_model_dir}, status=201
+        )
+    )["data"]
     assert (row["name"], row["format"], row["dtype"], row["quantization"], row["origin"]) == (
-        "mine", "safetensors", "bfloat16", "none", "model")
+        "mine",
+        "safetensors",
+        "bfloat16",
+        "none",
+        "model",
+    )
     assert row["path"] == str(Path(tiny_model_dir).resolve())
     assert (await call(client, "GET", f"/api/models/{row['id']}"))["data"] == row
 
 
-async def test_register_a_folder_with_explicit_dtype(client: TestClient,
-                                                     tiny_model_dir: str) -> None:
-    row = (await call(client, "POST", "/api/models",
-                      {"name": "as-fp32", "path": tiny_model_dir, "dtype": "float32",
-                       "quantization": "none"}, status=201))["data"]
+async def test_register_a_folder_with_explicit_dtype(
+    client: TestClient, tiny_model_dir: str
+) -> None:
+    row = (
+        await call(
+            client,
+            "POST",
+            "/api/models",
+            {"name": "as-fp32", "path": tiny_model_dir, "dtype": "float32", "quantization": "none"},
+            status=201,
+        )
+    )["data"]
     assert row["dtype"] == "float32"
 
 
 async def test_register_a_gguf_file(client: TestClient) -> None:
-    row = (await call(client, "POST", "/api/models",
-                      {"name": "q4-again", "path": str(gguf_path())}, status=201))["data"]
+    row = (
+        await call(
+            client,
+            "POST",
+            "/api/models",
+            {"name": "q4-again", "path": str(gguf_path())},
+            status=201,
+        )
+    )["data"]
     assert (row["format"], row["quantization"]) == ("gguf", "gguf")
 
 
 async def test_register_duplicate_name_is_409(client: TestClient, tiny_model_dir: str) -> None:
     before = rows_by_name(client)
-    err = error(await call(client, "POST", "/api/models",
-                           {"name": "tiny-a", "path": tiny_model_dir}, status=409))
+    err = error(
+        await call(
+            client, "POST", "/api/models", {"name": "tiny-a", "path": tiny_model_dir}, status=409
+        )
+    )
     assert err["code"] == "MODEL_EXISTS"
     assert err["details"]["model_id"] == before["tiny-a"]
     assert rows_by_name(client) == before
@@ -154,31 +201,37 @@ def _bad_paths(tmp: Path, tiny: str) -> dict[str, tuple[str, str]]:
     }
 
 
-async def test_register_bad_paths_are_400_naming_path(client: TestClient, tmp_path: Path,
-                                                      tiny_model_dir: str) -> None:
+async def test_register_bad_paths_are_400_naming_path(
+    client: TestClient, tmp_path: Path, tiny_model_dir: str
+) -> None:
     before = rows_by_name(client)
     for label, (path, words) in _bad_paths(tmp_path, tiny_model_dir).items():
-        err = error(await call(client, "POST", "/api/models", {"name": "x", "path": path},
-                               status=400))
+        err = error(
+            await call(client, "POST", "/api/models", {"name": "x", "path": path}, status=400)
+        )
         assert err["code"] == "INVALID_REQUEST", label
         assert err["details"] == {"field": "path"}, label
         assert words in err["message"], (label, err["message"])
     assert rows_by_name(client) == before
 
 
-@pytest.mark.parametrize("body,field", [
-    ({"name": 1, "path": "/x"}, "name"),
-    ({"name": "x", "path": ["/x"]}, "path"),
-    ({"name": "x"}, "path"),
-    ({"path": "/x"}, "name"),
-    ({"name": "x", "path": "/x", "dtype": "int4"}, "dtype"),
-    ({"name": "x", "path": "/x", "quantization": "fp8"}, "quantization"),
-    ({"name": "x", "path": "/x", "dtype": True}, "dtype"),
-    ({"name": "x", "path": "/x", "revision": "main"}, "revision"),
-    ({"name": "bad name!", "path": "/x"}, "name"),
-])
-async def test_register_invalid_fields_are_400_naming_the_field(client: TestClient, body: dict,
-                                                                field: str) -> None:
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"name": 1, "path": "/x"}, "name"),
+        ({"name": "x", "path": ["/x"]}, "path"),
+        ({"name": "x"}, "path"),
+        ({"path": "/x"}, "name"),
+        ({"name": "x", "path": "/x", "dtype": "int4"}, "dtype"),
+        ({"name": "x", "path": "/x", "quantization": "fp8"}, "quantization"),
+        ({"name": "x", "path": "/x", "dtype": True}, "dtype"),
+        ({"name": "x", "path": "/x", "revision": "main"}, "revision"),
+        ({"name": "bad name!", "path": "/x"}, "name"),
+    ],
+)
+async def test_register_invalid_fields_are_400_naming_the_field(
+    client: TestClient, body: dict, field: str
+) -> None:
     before = rows_by_name(client)
     err = error(await call(client, "POST", "/api/models", body, status=400))
     assert err["code"] == "INVALID_REQUEST"
@@ -187,15 +240,28 @@ async def test_register_invalid_fields_are_400_naming_the_field(client: TestClie
     assert rows_by_name(client) == before
 
 
-async def test_register_quantization_must_match_the_folder(client: TestClient,
-                                                           tiny_model_dir: str) -> None:
-    err = error(await call(client, "POST", "/api/models",
-                           {"name": "x", "path": tiny_model_dir, "quantization": "gptq"},
-                           status=400))
+async def test_register_quantization_must_match_the_folder(
+    client: TestClient, tiny_model_dir: str
+) -> None:
+    err = error(
+        await call(
+            client,
+            "POST",
+            "/api/models",
+            {"name": "x", "path": tiny_model_dir, "quantization": "gptq"},
+            status=400,
+        )
+    )
     assert err["details"] == {"field": "quantization"}
-    err = error(await call(client, "POST", "/api/models",
-                           {"name": "x", "path": str(gguf_path()), "quantization": "none"},
-                           status=400))
+    err = error(
+        await call(
+            client,
+            "POST",
+            "/api/models",
+            {"name": "x", "path": str(gguf_path()), "quantization": "none"},
+            status=400,
+        )
+    )
     assert err["details"] == {"field": "quantization"}
 
 
@@ -267,7 +333,8 @@ async def test_two_concurrent_loads_one_is_model_busy(client: TestClient) -> Non
     ids = rows_by_name(client)
     results = await asyncio.gather(
         client.post(f"/api/models/{ids['tiny-a']}/load"),
-        client.post(f"/api/models/{ids['tiny-b']}/load"))
+        client.post(f"/api/models/{ids['tiny-b']}/load"),
+    )
     statuses = sorted(r.status for r in results)
     assert statuses == [200, 409]
     refused = next(r for r in results if r.status == 409)
@@ -295,8 +362,7 @@ async def test_delete_and_unload_while_loading_are_model_busy(client: TestClient
     assert not host.busy
 
 
-async def test_gguf_load_is_backend_unavailable_and_keeps_the_resident(client: TestClient
-                                                                       ) -> None:
+async def test_gguf_load_is_backend_unavailable_and_keeps_the_resident(client: TestClient) -> None:
     ids = rows_by_name(client)
     await call(client, "POST", f"/api/models/{ids['tiny-a']}/load")
     err = error(await call(client, "POST", f"/api/models/{ids['tiny-q4']}/load", status=400))
@@ -306,11 +372,13 @@ async def test_gguf_load_is_backend_unavailable_and_keeps_the_resident(client: T
 
 
 async def test_load_of_vanished_files_is_a_json_error_and_keeps_the_resident(
-        client: TestClient, tmp_path: Path, tiny_model_dir: str) -> None:
+    client: TestClient, tmp_path: Path, tiny_model_dir: str
+) -> None:
     copy = tmp_path / "copy"
     shutil.copytree(tiny_model_dir, copy)
-    row = (await call(client, "POST", "/api/models", {"name": "gone", "path": str(copy)},
-                      status=201))["data"]
+    row = (
+        await call(client, "POST", "/api/models", {"name": "gone", "path": str(copy)}, status=201)
+    )["data"]
     ids = rows_by_name(client)
     await call(client, "POST", f"/api/models/{ids['tiny-a']}/load")
     shutil.rmtree(copy)
@@ -319,13 +387,17 @@ async def test_load_of_vanished_files_is_a_json_error_and_keeps_the_resident(
     assert client.app[keys.HOST].resident.row.name == "tiny-a"
 
 
-async def test_load_of_corrupt_weights_is_a_json_error(client: TestClient, tmp_path: Path,
-                                                       tiny_model_dir: str) -> None:
+async def test_load_of_corrupt_weights_is_a_json_error(
+    client: TestClient, tmp_path: Path, tiny_model_dir: str
+) -> None:
     copy = tmp_path / "corrupt"
     shutil.copytree(tiny_model_dir, copy)
     (copy / "model.safetensors").write_bytes(b"\x00" * 64)
-    row = (await call(client, "POST", "/api/models", {"name": "corrupt", "path": str(copy)},
-                      status=201))["data"]
+    row = (
+        await call(
+            client, "POST", "/api/models", {"name": "corrupt", "path": str(copy)}, status=201
+        )
+    )["data"]
     err = error(await call(client, "POST", f"/api/models/{row['id']}/load", status=500))
     assert err["code"] == "MODEL_LOAD_FAILED"
     assert "corrupt" in err["message"]
@@ -338,10 +410,19 @@ async def test_load_of_corrupt_weights_is_a_json_error(client: TestClient, tmp_p
 # --- settings -----------------------------------------------------------------------------------
 async def test_settings_get_and_patch(client: TestClient) -> None:
     data = (await call(client, "GET", "/api/settings"))["data"]
-    assert data == {"max_concurrent_requests": 1, "continuous_batching": False,
-                    "max_queued_requests": 64}
-    data = (await call(client, "PATCH", "/api/settings",
-                       {"max_concurrent_requests": 3, "max_queued_requests": 5}))["data"]
+    assert data == {
+        "max_concurrent_requests": 1,
+        "continuous_batching": False,
+        "max_queued_requests": 64,
+    }
+    data = (
+        await call(
+            client,
+            "PATCH",
+            "/api/settings",
+            {"max_concurrent_requests": 3, "max_queued_requests": 5},
+        )
+    )["data"]
     assert (data["max_concurrent_requests"], data["max_queued_requests"]) == (3, 5)
     scheduler = client.app[keys.SCHEDULER]
     assert (scheduler.max_concurrent, scheduler.max_queued) == (3, 5)
@@ -350,19 +431,23 @@ async def test_settings_get_and_patch(client: TestClient) -> None:
     assert (await call(client, "GET", "/api/settings"))["data"] == data
 
 
-@pytest.mark.parametrize("body,field", [
-    ({"max_concurrent_requests": True}, "max_concurrent_requests"),
-    ({"max_concurrent_requests": "2"}, "max_concurrent_requests"),
-    ({"max_concurrent_requests": 0}, "max_concurrent_requests"),
-    ({"max_concurrent_requests": 1.5}, "max_concurrent_requests"),
-    ({"max_queued_requests": -1}, "max_queued_requests"),
-    ({"continuous_batching": 1}, "continuous_batching"),
-    ({"continuous_batching": True}, "continuous_batching"),
-    ({"MAX_CONCURRENT_REQUESTS": 2}, "MAX_CONCURRENT_REQUESTS"),
-    ({"max_concurrent_requests": 2, "turbo": True}, "turbo"),
-])
-async def test_settings_patch_refusals_change_nothing(client: TestClient, body: dict,
-                                                      field: str) -> None:
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"max_concurrent_requests": True}, "max_concurrent_requests"),
+        ({"max_concurrent_requests": "2"}, "max_concurrent_requests"),
+        ({"max_concurrent_requests": 0}, "max_concurrent_requests"),
+        ({"max_concurrent_requests": 1.5}, "max_concurrent_requests"),
+        ({"max_queued_requests": -1}, "max_queued_requests"),
+        ({"continuous_batching": 1}, "continuous_batching"),
+        ({"continuous_batching": True}, "continuous_batching"),
+        ({"MAX_CONCURRENT_REQUESTS": 2}, "MAX_CONCURRENT_REQUESTS"),
+        ({"max_concurrent_requests": 2, "turbo": True}, "turbo"),
+    ],
+)
+async def test_settings_patch_refusals_change_nothing(
+    client: TestClient, body: dict, field: str
+) -> None:
     err = error(await call(client, "PATCH", "/api/settings", body, status=400))
     assert err["code"] == "INVALID_REQUEST"
     assert err["details"] == {"field": field}
@@ -370,14 +455,16 @@ async def test_settings_patch_refusals_change_nothing(client: TestClient, body: 
 
 
 async def test_settings_patch_hint_for_upper_case_names(client: TestClient) -> None:
-    err = error(await call(client, "PATCH", "/api/settings", {"MAX_QUEUED_REQUESTS": 2},
-                           status=400))
+    err = error(
+        await call(client, "PATCH", "/api/settings", {"MAX_QUEUED_REQUESTS": 2}, status=400)
+    )
     assert "max_queued_requests" in err["message"]
 
 
 async def test_continuous_batching_is_refused_clearly(client: TestClient) -> None:
-    err = error(await call(client, "PATCH", "/api/settings", {"continuous_batching": True},
-                           status=400))
+    err = error(
+        await call(client, "PATCH", "/api/settings", {"continuous_batching": True}, status=400)
+    )
     assert "not implemented" in err["message"]
 
 
@@ -390,11 +477,20 @@ async def test_health_detailed(client: TestClient) -> None:
     data = (await call(client, "GET", "/api/health/detailed"))["data"]
     assert data["resident"] is None and data["transition"] is None
     assert data["device"] == "cpu"
-    assert data["queue"] == {"running": 0, "queued": 0, "held_requests": 0,
-                             "held_batch_chunks": 0, "max_concurrent_requests": 1,
-                             "max_queued_requests": 64}
-    assert data["weights"] == {"weights_state": "clean", "barrier": "serving",
-                               "attached": False, "attachment_state": None}
+    assert data["queue"] == {
+        "running": 0,
+        "queued": 0,
+        "held_requests": 0,
+        "held_batch_chunks": 0,
+        "max_concurrent_requests": 1,
+        "max_queued_requests": 64,
+    }
+    assert data["weights"] == {
+        "weights_state": "clean",
+        "barrier": "serving",
+        "attached": False,
+        "attachment_state": None,
+    }
     await call(client, "POST", f"/api/models/{rows_by_name(client)['tiny-b']}/load")
     data = (await call(client, "GET", "/api/health/detailed"))["data"]
     assert data["resident"]["name"] == "tiny-b"
@@ -403,14 +499,20 @@ async def test_health_detailed(client: TestClient) -> None:
 
 
 async def test_health_detailed_weights_block(home: str) -> None:
-    summary = {"weights_state": "clean", "barrier": "serving", "attached": False,
-               "attachment_state": None}
+    summary = {
+        "weights_state": "clean",
+        "barrier": "serving",
+        "attached": False,
+        "attachment_state": None,
+    }
 
     def broken() -> dict:
         raise RuntimeError("lifecycle unavailable")
 
-    for provider, expected in ((lambda: summary, summary),
-                               (broken, {"error": "RuntimeError: lifecycle unavailable"})):
+    for provider, expected in (
+        (lambda: summary, summary),
+        (broken, {"error": "RuntimeError: lifecycle unavailable"}),
+    ):
         app = make_app(home)
         app[keys.WEIGHTS_SUMMARY] = provider
         async with TestClient(TestServer(app)) as c:
@@ -440,8 +542,11 @@ async def test_each_app_has_its_own_registry(home: str) -> None:
 # --- the app: JSON errors and body limits --------------------------------------------------------
 async def test_oversized_body_is_413_json_before_reading(client: TestClient) -> None:
     before = rows_by_name(client)
-    err = error(await call(client, "POST", "/api/models",
-                           raw=b'{"name": "' + b"x" * MAX_BYTES + b'"}', status=413))
+    err = error(
+        await call(
+            client, "POST", "/api/models", raw=b'{"name": "' + b"x" * MAX_BYTES + b'"}', status=413
+        )
+    )
     assert err["code"] == "PAYLOAD_TOO_LARGE"
     assert err["details"]["max_request_bytes"] == MAX_BYTES
     assert rows_by_name(client) == before
@@ -478,9 +583,9 @@ async def test_startup_loads_default_model(home: str) -> None:
     assert app[keys.HOST].resident is None  # cleanup unloads
 
 
-async def test_startup_with_an_unknown_default_serves_nothing(home: str,
-                                                              caplog: pytest.LogCaptureFixture
-                                                              ) -> None:
+async def test_startup_with_an_unknown_default_serves_nothing(
+    home: str, caplog: pytest.LogCaptureFixture
+) -> None:
     app = make_app(home, default_model="no-such-model")
     async with TestClient(TestServer(app)) as c:
         await app[keys.STARTUP_LOAD]

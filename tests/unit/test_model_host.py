@@ -19,9 +19,15 @@ def host(tmp_path: Path, tiny_model_dir: str) -> ModelHost:
     cat = Catalogue(tmp_path)
     base = cat.register(name="base", format="safetensors", dtype="bfloat16", path=tiny_model_dir)
     cat.register(name="other", format="safetensors", dtype="bfloat16", path=tiny_model_dir)
-    cat.register(name="base-step2-0123abcd", format="safetensors", dtype="bfloat16",
-                 path=tiny_model_dir, origin="checkpoint", parent_id=base.id,
-                 checkpoint_sha256="0" * 64)
+    cat.register(
+        name="base-step2-0123abcd",
+        format="safetensors",
+        dtype="bfloat16",
+        path=tiny_model_dir,
+        origin="checkpoint",
+        parent_id=base.id,
+        checkpoint_sha256="0" * 64,
+    )
     return ModelHost(Settings(home=str(tmp_path)), cat, metrics=Metrics())
 
 
@@ -29,7 +35,11 @@ async def test_auto_load_and_serve_by_name(host: ModelHost) -> None:
     assert host.resident is None and not host.serves("base")
     resident = await host.ensure_for_request("base")
     assert (resident.served_name, resident.base_name, resident.origin, resident.commits) == (
-        "base", "base", "model", 0)
+        "base",
+        "base",
+        "model",
+        0,
+    )
     assert host.serves("base") and not host.serves("other")
     assert await host.ensure_for_request("base") is resident  # no reload
     swapped = await host.ensure_for_request("other")
@@ -39,7 +49,10 @@ async def test_auto_load_and_serve_by_name(host: ModelHost) -> None:
 async def test_checkpoint_row_reports_its_base_name(host: ModelHost) -> None:
     resident = await host.ensure_for_request("base-step2-0123abcd")
     assert (resident.origin, resident.served_name, resident.base_name) == (
-        "checkpoint", "base-step2-0123abcd", "base")
+        "checkpoint",
+        "base-step2-0123abcd",
+        "base",
+    )
     # both names are served by the resident, without a reload
     assert await host.ensure_for_request("base") is resident
 
@@ -84,15 +97,20 @@ async def test_transition_guards_refuse_before_anything_changes(host: ModelHost)
         raise ApiError(codes.ALREADY_ATTACHED, "attached")
 
     host.transition_guards.append(attached)
-    for action in (lambda: host.ensure_for_request("other"),
-                   lambda: host.load(host.resolve("other").id),
-                   lambda: host.unload()):
+    for action in (
+        lambda: host.ensure_for_request("other"),
+        lambda: host.load(host.resolve("other").id),
+        lambda: host.unload(),
+    ):
         with pytest.raises(ApiError) as info:
             await action()
         assert info.value.code is codes.ALREADY_ATTACHED
         assert host.resident.row.name == "base" and not host.busy
-    assert seen == [("auto_load", "other", "base"), ("load", "other", "base"),
-                    ("unload", "base", "base")]
+    assert seen == [
+        ("auto_load", "other", "base"),
+        ("load", "other", "base"),
+        ("unload", "base", "base"),
+    ]
 
 
 async def test_load_metrics_and_unload(host: ModelHost) -> None:

@@ -20,8 +20,9 @@ async def _spin(n: int = 5) -> None:
         await asyncio.sleep(0)
 
 
-async def _holder(s: Scheduler, prio: Priority, log: list[str], name: str,
-                  gate: asyncio.Event | None = None) -> None:
+async def _holder(
+    s: Scheduler, prio: Priority, log: list[str], name: str, gate: asyncio.Event | None = None
+) -> None:
     async with s.slot(prio):
         log.append(name)
         if gate is not None:
@@ -51,9 +52,13 @@ async def test_priority_order_barrier_then_interactive_then_batch() -> None:
     first = asyncio.create_task(_holder(s, Priority.INTERACTIVE, log, "running", gate))
     await _spin()
     tasks = []
-    for name, prio in (("batch1", Priority.BATCH), ("int1", Priority.INTERACTIVE),
-                       ("bar", Priority.BARRIER), ("batch2", Priority.BATCH),
-                       ("int2", Priority.INTERACTIVE)):
+    for name, prio in (
+        ("batch1", Priority.BATCH),
+        ("int1", Priority.INTERACTIVE),
+        ("bar", Priority.BARRIER),
+        ("batch2", Priority.BATCH),
+        ("int2", Priority.INTERACTIVE),
+    ):
         tasks.append(asyncio.create_task(_holder(s, prio, log, name)))
         await _spin(1)
     await _spin()
@@ -172,8 +177,14 @@ async def test_barrier_drains_holds_and_releases_in_order() -> None:
     barrier = asyncio.create_task(s.barrier_acquire(5))
     await _spin()
     assert s.barrier_draining and not barrier.done()
-    held = [asyncio.create_task(_holder(s, p, log, n)) for n, p in
-            (("b1", Priority.BATCH), ("i1", Priority.INTERACTIVE), ("i2", Priority.INTERACTIVE))]
+    held = [
+        asyncio.create_task(_holder(s, p, log, n))
+        for n, p in (
+            ("b1", Priority.BATCH),
+            ("i1", Priority.INTERACTIVE),
+            ("i2", Priority.INTERACTIVE),
+        )
+    ]
     await _spin()
     assert s.counts() == HeldCounts(2, 1, 1, 0)
     gate.set()

@@ -44,23 +44,32 @@ def test_secrets_and_bearer_credentials_are_redacted() -> None:
 def test_json_lines_merge_audit_objects() -> None:
     logger, stream = _capture(JsonFormatter(), [SECRET])
     logger.info("plain %d", 7)
-    logger.info(json.dumps({"event": "weights_audit", "operation": "weights_attach",
-                            "label": "lab", "ts": 1.5}))
+    logger.info(
+        json.dumps(
+            {"event": "weights_audit", "operation": "weights_attach", "label": "lab", "ts": 1.5}
+        )
+    )
     first, second = (json.loads(line) for line in stream.getvalue().splitlines())
     assert first["message"] == "plain 7" and first["level"] == "info"
     assert first["ts"].endswith("Z") and first["logger"].startswith("test.redact")
     assert "message" not in second
     assert (second["event"], second["operation"], second["ts"]) == (
-        "weights_audit", "weights_attach", 1.5)
+        "weights_audit",
+        "weights_attach",
+        1.5,
+    )
 
 
 def test_configure_logging_follows_settings(tmp_path, capsys: pytest.CaptureFixture) -> None:
     root = logging.getLogger()
     saved = (list(root.handlers), root.level)
     try:
-        settings = Settings(home=str(tmp_path), log_level="warning", log_format="json",
-                            weights_tokens=(WeightsToken(label="a", role="trainer",
-                                                         secret=SECRET),))
+        settings = Settings(
+            home=str(tmp_path),
+            log_level="warning",
+            log_format="json",
+            weights_tokens=(WeightsToken(label="a", role="trainer", secret=SECRET),),
+        )
         configure_logging(settings)
         logging.getLogger("miserver.x").info("hidden")
         logging.getLogger("miserver.x").warning("shown %s", SECRET)

@@ -12,11 +12,20 @@ SECRET = "s3cret-value-0123456789"
 
 def test_defaults_are_the_contracts():
     s = load_settings({"MISERVER_HOME": "/tmp/x"})
-    assert (s.host, s.port, s.default_model, s.device) == ("127.0.0.1", 8000, "smollm2-135m-instruct", "auto")
+    assert (s.host, s.port, s.default_model, s.device) == (
+        "127.0.0.1",
+        8000,
+        "smollm2-135m-instruct",
+        "auto",
+    )
     assert (s.weights_hold_timeout_s, s.weights_commit_watchdog_ms) == (5.0, 800.0)
     assert (s.weights_heartbeat_timeout_s, s.weights_quiesce_drain_timeout_s) == (30.0, 60.0)
     assert s.weights_heartbeat_interval_hint_s == 5.0
-    assert (s.max_concurrent_requests, s.max_queued_requests, s.max_request_bytes) == (1, 64, 8388608)
+    assert (s.max_concurrent_requests, s.max_queued_requests, s.max_request_bytes) == (
+        1,
+        64,
+        8388608,
+    )
     assert s.weights_tokens == ()
 
 
@@ -50,9 +59,17 @@ def test_bad_value_names_the_variable_and_hides_secrets(env, variable):
 def test_tokens_from_variable_and_file_are_merged(tmp_path):
     f = tmp_path / "tokens"
     f.write_text(f"# a comment\nops:operator:{SECRET}-op\n\n")
-    s = load_settings({"MISERVER_HOME": "/tmp/x", "WEIGHTS_TOKENS": f"trn:trainer:{SECRET}",
-                       "WEIGHTS_TOKENS_FILE": str(f)})
-    assert [(t.label, t.role) for t in s.weights_tokens] == [("trn", "trainer"), ("ops", "operator")]
+    s = load_settings(
+        {
+            "MISERVER_HOME": "/tmp/x",
+            "WEIGHTS_TOKENS": f"trn:trainer:{SECRET}",
+            "WEIGHTS_TOKENS_FILE": str(f),
+        }
+    )
+    assert [(t.label, t.role) for t in s.weights_tokens] == [
+        ("trn", "trainer"),
+        ("ops", "operator"),
+    ]
     assert SECRET not in repr(s)
 
 
@@ -64,7 +81,9 @@ def test_flags_win_over_environment():
 def test_cli_exits_2_with_one_line_naming_the_variable(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "miserver.cli", "serve", "--port", "nope"],
-        capture_output=True, text=True, env={"MISERVER_HOME": str(tmp_path), "PATH": "/usr/bin"},
+        capture_output=True,
+        text=True,
+        env={"MISERVER_HOME": str(tmp_path), "PATH": "/usr/bin"},
     )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

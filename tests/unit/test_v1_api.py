@@ -38,8 +38,9 @@ async def make_client(folder: Path, home: Path, **settings: Any) -> TestClient:
     if cat.get_by_name(MODEL) is None:
         cat.register(name=MODEL, format="safetensors", dtype="float32", path=str(folder))
         cat.register(name="other", format="safetensors", dtype="float32", path=str(folder))
-    app = create_app(Settings(home=str(home), default_model=MODEL, device="cpu",
-                              log_format="text", **settings))
+    app = create_app(
+        Settings(home=str(home), default_model=MODEL, device="cpu", log_format="text", **settings)
+    )
     client = TestClient(TestServer(app))
     await client.start_server()
     task = app[keys.STARTUP_LOAD]
@@ -72,13 +73,17 @@ async def sse(client: TestClient, path: str, body: Any) -> tuple[int, list[Any],
         if not block.strip():
             continue
         assert block.startswith("data: "), block
-        payload = block[len("data: "):]
+        payload = block[len("data: ") :]
         events.append("[DONE]" if payload == "[DONE]" else json.loads(payload))
     return resp.status, events, resp.headers
 
 
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say something"}],
-        "temperature": 0, "max_tokens": 12}
+CHAT = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Say something"}],
+    "temperature": 0,
+    "max_tokens": 12,
+}
 
 
 def model_of(headers: Any) -> tuple[str, str, int | None]:
@@ -118,15 +123,21 @@ async def test_chat_non_streamed_shape_usage_and_header(client: TestClient) -> N
 async def test_stream_joins_to_the_non_streamed_text(client: TestClient) -> None:
     for path, body, text_of in (
         ("/v1/chat/completions", CHAT, lambda c: c["delta"].get("content", "")),
-        ("/v1/completions", {"model": MODEL, "prompt": "Once upon", "temperature": 0,
-                             "max_tokens": 20}, lambda c: c["text"]),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": "Once upon", "temperature": 0, "max_tokens": 20},
+            lambda c: c["text"],
+        ),
     ):
         _, whole, _ = await post(client, path, body)
-        expected = (whole["choices"][0].get("message") or {}).get("content") \
-            if "message" in whole["choices"][0] else whole["choices"][0]["text"]
-        status, events, headers = await sse(client, path, {**body, "stream": True,
-                                                           "stream_options":
-                                                               {"include_usage": True}})
+        expected = (
+            (whole["choices"][0].get("message") or {}).get("content")
+            if "message" in whole["choices"][0]
+            else whole["choices"][0]["text"]
+        )
+        status, events, headers = await sse(
+            client, path, {**body, "stream": True, "stream_options": {"include_usage": True}}
+        )
         assert status == 200
         assert headers["Content-Type"].startswith("text/event-stream")
         assert events[-1] == "[DONE]"
@@ -148,25 +159,35 @@ async def test_stop_sequence_is_never_emitted(client: TestClient) -> None:
     assert len(text) > 10
     stop = text[6:9]
     _, cut, _ = await post(client, "/v1/completions", {**body, "stop": [stop, "zzzz"]})
-    assert cut["choices"][0]["text"] == text[:text.index(stop)]
+    assert cut["choices"][0]["text"] == text[: text.index(stop)]
     assert cut["choices"][0]["finish_reason"] == "stop"
     _, events, _ = await sse(client, "/v1/completions", {**body, "stop": stop, "stream": True})
     streamed = "".join(e["choices"][0]["text"] for e in events[:-1])
-    assert streamed == text[:text.index(stop)]
+    assert streamed == text[: text.index(stop)]
 
 
 async def test_seed_reproduces_sampling(client: TestClient) -> None:
     body = {"model": MODEL, "prompt": "x", "temperature": 1.2, "max_tokens": 10, "seed": 3}
-    texts = [(await post(client, "/v1/completions", body))[1]["choices"][0]["text"]
-             for _ in range(2)]
+    texts = [
+        (await post(client, "/v1/completions", body))[1]["choices"][0]["text"] for _ in range(2)
+    ]
     assert texts[0] == texts[1]
 
 
 async def test_echo_and_logprobs_score_a_text(client: TestClient) -> None:
     prompt = "The quick brown fox"
-    status, body, _ = await post(client, "/v1/completions", {
-        "model": MODEL, "prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 1,
-        "temperature": 0})
+    status, body, _ = await post(
+        client,
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": prompt,
+            "echo": True,
+            "logprobs": 2,
+            "max_tokens": 1,
+            "temperature": 0,
+        },
+    )
     assert status == 200, body
     choice = body["choices"][0]
     assert choice["text"].startswith(prompt)
@@ -181,8 +202,9 @@ async def test_echo_and_logprobs_score_a_text(client: TestClient) -> None:
 
 
 async def test_chat_logprobs(client: TestClient) -> None:
-    status, body, _ = await post(client, "/v1/chat/completions",
-                                 {**CHAT, "logprobs": True, "top_logprobs": 3})
+    status, body, _ = await post(
+        client, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 3}
+    )
     assert status == 200
     content = body["choices"][0]["logprobs"]["content"]
     assert content and all(len(c["top_logprobs"]) == 3 for c in content)
@@ -190,15 +212,20 @@ async def test_chat_logprobs(client: TestClient) -> None:
 
 
 async def test_auto_load_and_refuse_policy(client: TestClient) -> None:
-    status, body, headers = await post(client, "/v1/chat/completions", {**CHAT, "model": "other"},
-                                       headers={"X-miLLM-Load-Policy": "refuse"})
+    status, body, headers = await post(
+        client,
+        "/v1/chat/completions",
+        {**CHAT, "model": "other"},
+        headers={"X-miLLM-Load-Policy": "refuse"},
+    )
     assert status == 409 and body["error"]["code"] == "model_not_loaded"
     assert client.app[keys.HOST].resident.served_name == MODEL
     status, body, headers = await post(client, "/v1/chat/completions", {**CHAT, "model": "other"})
     assert status == 200, body
     assert model_of(headers)[0] == "other"
-    status, body, _ = await post(client, "/v1/chat/completions", CHAT,
-                                 headers={"X-miLLM-Load-Policy": "sometimes"})
+    status, body, _ = await post(
+        client, "/v1/chat/completions", CHAT, headers={"X-miLLM-Load-Policy": "sometimes"}
+    )
     assert status == 400 and body["error"]["param"] == "X-miLLM-Load-Policy"
 
 
@@ -209,17 +236,21 @@ async def test_unknown_model_is_404(client: TestClient) -> None:
 
 
 async def test_context_limits(client: TestClient) -> None:
-    status, body, _ = await post(client, "/v1/completions",
-                                 {"model": MODEL, "prompt": "hi", "max_tokens": 257})
+    status, body, _ = await post(
+        client, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 257}
+    )
     assert status == 400 and body["error"]["param"] == "max_tokens"
-    status, body, _ = await post(client, "/v1/completions",
-                                 {"model": MODEL, "prompt": "word " * 250, "max_tokens": 10})
+    status, body, _ = await post(
+        client, "/v1/completions", {"model": MODEL, "prompt": "word " * 250, "max_tokens": 10}
+    )
     assert status == 400 and "context window" in body["error"]["message"]
-    status, body, _ = await post(client, "/v1/completions",
-                                 {"model": MODEL, "prompt": "word " * 300})
+    status, body, _ = await post(
+        client, "/v1/completions", {"model": MODEL, "prompt": "word " * 300}
+    )
     assert status == 400 and body["error"]["param"] == "prompt"
-    status, body, _ = await post(client, "/v1/completions",
-                                 {"model": MODEL, "prompt": [1, 2, 10**6]})
+    status, body, _ = await post(
+        client, "/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**6]}
+    )
     assert status == 400 and body["error"]["param"] == "prompt"
 
 
@@ -252,9 +283,11 @@ async def test_queue_full_is_503_and_the_queue_drains(folder: Path, tmp_path: Pa
         assert status == 503 and err["error"]["code"] == "queue_full"
         assert err["error"]["type"] == "server_error" and headers["Retry-After"] == "1"
         assert (await first)[0] == 200 and (await second)[0] == 200
-        metrics = (await (await client.get("/metrics")).text())
-        assert 'miserver_requests_refused_total{code="QUEUE_FULL",route="/v1/completions"} 1.0' \
+        metrics = await (await client.get("/metrics")).text()
+        assert (
+            'miserver_requests_refused_total{code="QUEUE_FULL",route="/v1/completions"} 1.0'
             in metrics
+        )
     finally:
         await client.close()
 
@@ -264,8 +297,13 @@ async def test_disconnect_cancels_generation_and_frees_the_slot(client: TestClie
     scheduler = client.app[keys.SCHEDULER]
     for stream in (True, False):
         calls_before = slow.calls
-        body = {"model": MODEL, "prompt": "x", "max_tokens": 250, "temperature": 0.0,
-                "stream": stream}
+        body = {
+            "model": MODEL,
+            "prompt": "x",
+            "max_tokens": 250,
+            "temperature": 0.0,
+            "stream": stream,
+        }
         if stream:  # read the first events, then hang up
             resp = await client.post("/v1/completions", json=body)
             assert resp.status == 200
@@ -283,8 +321,9 @@ async def test_disconnect_cancels_generation_and_frees_the_slot(client: TestClie
         assert 1 <= calls < 100, calls  # it ran, then stopped long before 250 tokens
         await asyncio.sleep(0.1)
         assert slow.calls - calls_before == calls  # and nothing runs any more
-    status, _, _ = await post(client, "/v1/completions",
-                              {"model": MODEL, "prompt": "x", "max_tokens": 2})
+    status, _, _ = await post(
+        client, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    )
     assert status == 200
 
 
@@ -300,8 +339,9 @@ async def test_generation_error_before_and_after_the_stream_opens(client: TestCl
     resident = client.app[keys.HOST].resident
     resident.model = resident.model.inner
     slow = _slow(client, 0.0, fail_at=4)  # a decode step fails: one error event, no [DONE]
-    status, events, _ = await sse(client, "/v1/chat/completions",
-                                  {**CHAT, "max_tokens": 10, "stream": True})
+    status, events, _ = await sse(
+        client, "/v1/chat/completions", {**CHAT, "max_tokens": 10, "stream": True}
+    )
     assert status == 200
     assert "[DONE]" not in events
     assert events[-1]["error"]["code"] == "generation_failed"
@@ -318,8 +358,7 @@ async def test_concurrent_requests_run_at_once(folder: Path, tmp_path: Path) -> 
     try:
         slow = _slow(client, 0.03)
         body = {"model": MODEL, "prompt": "x", "max_tokens": 6, "temperature": 0}
-        results = await asyncio.gather(*(post(client, "/v1/completions", body)
-                                         for _ in range(2)))
+        results = await asyncio.gather(*(post(client, "/v1/completions", body) for _ in range(2)))
         assert all(r[0] == 200 for r in results)
         threads = {w[2] for w in slow.windows}
         assert len(threads) == 2

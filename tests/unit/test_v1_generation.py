@@ -77,13 +77,16 @@ def test_detokenizer_flush_of_an_incomplete_character(tokenizer) -> None:
     assert detok.flush() == "\ufffd"
 
 
-@pytest.mark.parametrize("chunks, stops, expected_out, expected_stop", [
-    (["Hello wor", "ld! END", " tail"], ["END"], "Hello world! ", True),
-    (["abc", "E", "N", "X"], ["END"], "abcENX", False),
-    (["x<", "|", "im"], ["<|im_end|>"], "x", False),  # held, not yet released
-    (["aa", "b"], ["ab", "b"], "a", True),  # the earliest match wins
-    (["one\n\ntwo"], ["\n\n", "two"], "one", True),
-])
+@pytest.mark.parametrize(
+    "chunks, stops, expected_out, expected_stop",
+    [
+        (["Hello wor", "ld! END", " tail"], ["END"], "Hello world! ", True),
+        (["abc", "E", "N", "X"], ["END"], "abcENX", False),
+        (["x<", "|", "im"], ["<|im_end|>"], "x", False),  # held, not yet released
+        (["aa", "b"], ["ab", "b"], "a", True),  # the earliest match wins
+        (["one\n\ntwo"], ["\n\n", "two"], "one", True),
+    ],
+)
 def test_stop_matcher(chunks, stops, expected_out, expected_stop) -> None:
     m = StopMatcher(stops)
     out = ""
@@ -148,18 +151,19 @@ async def test_stop_sequence_cuts_before_the_match(model, tokenizer) -> None:
     full, _ = await run(model, tokenizer, "Numbers:", max_tokens=24, temperature=0)
     text = text_of(full)
     assert len(text) > 8
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     cut, fin = await run(model, tokenizer, "Numbers:", max_tokens=24, temperature=0, stop=(stop,))
-    assert text_of(cut) == text[:text.index(stop)]
+    assert text_of(cut) == text[: text.index(stop)]
     assert fin.finish_reason == "stop"
-    assert all(stop not in text_of(cut[:i + 1]) for i in range(len(cut)))
+    assert all(stop not in text_of(cut[: i + 1]) for i in range(len(cut)))
 
 
 async def test_logprobs_and_echo(model, tokenizer) -> None:
     prompt = "A short reference text"
     ids = tokenizer(prompt)["input_ids"]
-    gen = Generation(model, tokenizer, ids, SamplingParams(max_tokens=3, temperature=0,
-                                                           logprobs=2, echo=True))
+    gen = Generation(
+        model, tokenizer, ids, SamplingParams(max_tokens=3, temperature=0, logprobs=2, echo=True)
+    )
     gen.start()
     events = [e async for e in gen.events()]
     started = events[0]
@@ -196,8 +200,12 @@ class _Exploding(torch.nn.Module):
 
 @pytest.mark.parametrize("fail_at", [1, 3])
 async def test_exception_in_thread_reaches_the_caller(model, tokenizer, fail_at) -> None:
-    gen = Generation(_Exploding(model, fail_at), tokenizer, [1, 2, 3],
-                     SamplingParams(max_tokens=10, temperature=0))
+    gen = Generation(
+        _Exploding(model, fail_at),
+        tokenizer,
+        [1, 2, 3],
+        SamplingParams(max_tokens=10, temperature=0),
+    )
     gen.start()
     seen = []
     with pytest.raises(GenerationError, match="injected failure"):
@@ -226,8 +234,7 @@ class _Slow(torch.nn.Module):
 
 async def test_cancel_stops_within_a_step(model, tokenizer) -> None:
     slow = _Slow(model, 0.02)
-    gen = Generation(slow, tokenizer, [1, 2, 3],
-                     SamplingParams(max_tokens=10_000, temperature=0.0))
+    gen = Generation(slow, tokenizer, [1, 2, 3], SamplingParams(max_tokens=10_000, temperature=0.0))
     gen.start()
     async for e in gen.events():
         if isinstance(e, Started):
@@ -243,8 +250,10 @@ async def test_cancel_stops_within_a_step(model, tokenizer) -> None:
 async def test_two_generations_run_at_once(model, tokenizer) -> None:
     """Two worker threads overlap in time (the GIL is released inside the forward passes)."""
     slow = _Slow(model, 0.01)
-    gens = [Generation(slow, tokenizer, [1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
-            for _ in range(2)]
+    gens = [
+        Generation(slow, tokenizer, [1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
+        for _ in range(2)
+    ]
     for g in gens:
         g.start()
 

@@ -23,14 +23,22 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[asyncio.AbstractEventLoop,
-                                                                     TestClient]]:
+def server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[asyncio.AbstractEventLoop, TestClient]]:
     """An app with an empty catalogue and nothing resident (validation needs no model), on a
     private event loop so that Hypothesis (synchronous) can drive it."""
     home = tmp_path_factory.mktemp("v1-validation-home")
     loop = asyncio.new_event_loop()
-    app = create_app(Settings(home=str(home), default_model="", device="cpu",
-                              max_request_bytes=4096, log_format="text"))
+    app = create_app(
+        Settings(
+            home=str(home),
+            default_model="",
+            device="cpu",
+            max_request_bytes=4096,
+            log_format="text",
+        )
+    )
     client = TestClient(TestServer(app), loop=loop)
     loop.run_until_complete(client.start_server())
     yield loop, client
@@ -38,16 +46,22 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[asyncio.A
     loop.close()
 
 
-def call(server: Any, path: str, body: Any = None, *, raw: bytes | None = None,
-         method: str = "POST", headers: dict[str, str] | None = None) -> tuple[int, Any]:
+def call(
+    server: Any,
+    path: str,
+    body: Any = None,
+    *,
+    raw: bytes | None = None,
+    method: str = "POST",
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any]:
     loop, client = server
 
     async def go() -> tuple[int, Any]:
-        data = raw if raw is not None else (json.dumps(body).encode() if body is not None
-                                            else None)
-        resp = await client.request(method, path, data=data,
-                                    headers={"Content-Type": "application/json",
-                                             **(headers or {})})
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        resp = await client.request(
+            method, path, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+        )
         text = await resp.text()
         assert resp.headers["Content-Type"].startswith("application/json"), text
         return resp.status, json.loads(text)
@@ -55,8 +69,9 @@ def call(server: Any, path: str, body: Any = None, *, raw: bytes | None = None,
     return loop.run_until_complete(go())
 
 
-def assert_openai_error(status: int, body: Any, expected_status: int,
-                        param: str | None = "any") -> dict[str, Any]:
+def assert_openai_error(
+    status: int, body: Any, expected_status: int, param: str | None = "any"
+) -> dict[str, Any]:
     assert status == expected_status, body
     assert set(body) == {"error"}
     err = body["error"]
@@ -67,77 +82,123 @@ def assert_openai_error(status: int, body: Any, expected_status: int,
     return err
 
 
-@pytest.mark.parametrize("path, body, param", [
-    # wrong types
-    (CHAT, {"model": "m", "messages": MSG, "max_tokens": "5"}, "max_tokens"),
-    (CHAT, {"model": "m", "messages": MSG, "max_tokens": True}, "max_tokens"),
-    (CHAT, {"model": "m", "messages": MSG, "max_tokens": 1.5}, "max_tokens"),
-    (CHAT, {"model": "m", "messages": MSG, "temperature": "hot"}, "temperature"),
-    (CHAT, {"model": "m", "messages": MSG, "temperature": False}, "temperature"),
-    (CHAT, {"model": "m", "messages": MSG, "stream": "yes"}, "stream"),
-    (CHAT, {"model": "m", "messages": "hi"}, "messages"),
-    (CHAT, {"model": "m", "messages": ["hi"]}, "messages[0]"),
-    (CHAT, {"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    (CHAT, {"model": "m", "messages": MSG, "stop": 5}, "stop"),
-    (CHAT, {"model": "m", "messages": MSG, "seed": "1"}, "seed"),
-    (CHAT, {"model": 5, "messages": MSG}, "model"),
-    (CHAT, {"model": "m", "messages": MSG, "stream": True, "stream_options": {"x": 1}},
-     "stream_options.x"),
-    (COMP, {"model": "m", "prompt": 5}, "prompt"),
-    (COMP, {"model": "m", "prompt": [1.5, 2]}, "prompt"),
-    (COMP, {"model": "m", "prompt": [1, True]}, "prompt"),
-    (COMP, {"model": "m", "prompt": [-1]}, "prompt"),
-    (COMP, {"model": "m", "prompt": True}, "prompt"),
-    (COMP, {"model": "m", "prompt": "x", "echo": 1}, "echo"),
-    (COMP, {"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
-    # out of range
-    (CHAT, {"model": "m", "messages": MSG, "temperature": 2.5}, "temperature"),
-    (CHAT, {"model": "m", "messages": MSG, "temperature": -0.1}, "temperature"),
-    (CHAT, {"model": "m", "messages": MSG, "top_p": 0}, "top_p"),
-    (CHAT, {"model": "m", "messages": MSG, "top_p": 1.01}, "top_p"),
-    (CHAT, {"model": "m", "messages": MSG, "n": 2}, "n"),
-    (CHAT, {"model": "m", "messages": MSG, "max_tokens": 0}, "max_tokens"),
-    (CHAT, {"model": "m", "messages": MSG, "max_completion_tokens": -3}, "max_completion_tokens"),
-    (CHAT, {"model": "m", "messages": MSG, "max_tokens": 3, "max_completion_tokens": 3},
-     "max_completion_tokens"),
-    (CHAT, {"model": "m", "messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    (CHAT, {"model": "m", "messages": MSG, "top_logprobs": 2}, "top_logprobs"),
-    (CHAT, {"model": "m", "messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    (CHAT, {"model": "m", "messages": MSG, "stop": ""}, "stop"),
-    (CHAT, {"model": "m", "messages": MSG, "seed": 2**64}, "seed"),
-    (CHAT, {"model": "m", "messages": MSG, "stream_options": {"include_usage": True}},
-     "stream_options"),
-    (CHAT, {"model": " ", "messages": MSG}, "model"),
-    (COMP, {"model": "m", "prompt": "x", "logprobs": 6}, "logprobs"),
-    (COMP, {"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
-    (COMP, {"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
-    (COMP, {"model": "m", "prompt": []}, "prompt"),
-    (COMP, {"model": "m", "prompt": ["a", "b"]}, "prompt"),
-    # messages
-    (CHAT, {"model": "m", "messages": []}, "messages"),
-    (CHAT, {"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
-    (CHAT, {"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-    (CHAT, {"model": "m", "messages": [{"content": "x"}]}, "messages[0].role"),
-    (CHAT, {"model": "m", "messages": [{"role": "user"}]}, "messages[0].content"),
-    (CHAT, {"model": "m", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages[0].content[0].type"),
-    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x", "mood": "happy"}]},
-     "messages[0].mood"),
-    # missing and unknown fields
-    (CHAT, {"messages": MSG}, "model"),
-    (CHAT, {"model": "m"}, "messages"),
-    (COMP, {"model": "m"}, "prompt"),
-    (CHAT, {"model": "m", "messages": MSG, "temprature": 0.5}, "temprature"),
-    (COMP, {"model": "m", "prompt": "x", "messages": MSG}, "messages"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        # wrong types
+        (CHAT, {"model": "m", "messages": MSG, "max_tokens": "5"}, "max_tokens"),
+        (CHAT, {"model": "m", "messages": MSG, "max_tokens": True}, "max_tokens"),
+        (CHAT, {"model": "m", "messages": MSG, "max_tokens": 1.5}, "max_tokens"),
+        (CHAT, {"model": "m", "messages": MSG, "temperature": "hot"}, "temperature"),
+        (CHAT, {"model": "m", "messages": MSG, "temperature": False}, "temperature"),
+        (CHAT, {"model": "m", "messages": MSG, "stream": "yes"}, "stream"),
+        (CHAT, {"model": "m", "messages": "hi"}, "messages"),
+        (CHAT, {"model": "m", "messages": ["hi"]}, "messages[0]"),
+        (CHAT, {"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        (CHAT, {"model": "m", "messages": MSG, "stop": 5}, "stop"),
+        (CHAT, {"model": "m", "messages": MSG, "seed": "1"}, "seed"),
+        (CHAT, {"model": 5, "messages": MSG}, "model"),
+        (
+            CHAT,
+            {"model": "m", "messages": MSG, "stream": True, "stream_options": {"x": 1}},
+            "stream_options.x",
+        ),
+        (COMP, {"model": "m", "prompt": 5}, "prompt"),
+        (COMP, {"model": "m", "prompt": [1.5, 2]}, "prompt"),
+        (COMP, {"model": "m", "prompt": [1, True]}, "prompt"),
+        (COMP, {"model": "m", "prompt": [-1]}, "prompt"),
+        (COMP, {"model": "m", "prompt": True}, "prompt"),
+        (COMP, {"model": "m", "prompt": "x", "echo": 1}, "echo"),
+        (COMP, {"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
+        # out of range
+        (CHAT, {"model": "m", "messages": MSG, "temperature": 2.5}, "temperature"),
+        (CHAT, {"model": "m", "messages": MSG, "temperature": -0.1}, "temperature"),
+        (CHAT, {"model": "m", "messages": MSG, "top_p": 0}, "top_p"),
+        (CHAT, {"model": "m", "messages": MSG, "top_p": 1.01}, "top_p"),
+        (CHAT, {"model": "m", "messages": MSG, "n": 2}, "n"),
+        (CHAT, {"model": "m", "messages": MSG, "max_tokens": 0}, "max_tokens"),
+        (
+            CHAT,
+            {"model": "m", "messages": MSG, "max_completion_tokens": -3},
+            "max_completion_tokens",
+        ),
+        (
+            CHAT,
+            {"model": "m", "messages": MSG, "max_tokens": 3, "max_completion_tokens": 3},
+            "max_completion_tokens",
+        ),
+        (
+            CHAT,
+            {"model": "m", "messages": MSG, "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        (CHAT, {"model": "m", "messages": MSG, "top_logprobs": 2}, "top_logprobs"),
+        (CHAT, {"model": "m", "messages": MSG, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        (CHAT, {"model": "m", "messages": MSG, "stop": ""}, "stop"),
+        (CHAT, {"model": "m", "messages": MSG, "seed": 2**64}, "seed"),
+        (
+            CHAT,
+            {"model": "m", "messages": MSG, "stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
+        (CHAT, {"model": " ", "messages": MSG}, "model"),
+        (COMP, {"model": "m", "prompt": "x", "logprobs": 6}, "logprobs"),
+        (COMP, {"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
+        (COMP, {"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+        (COMP, {"model": "m", "prompt": []}, "prompt"),
+        (COMP, {"model": "m", "prompt": ["a", "b"]}, "prompt"),
+        # messages
+        (CHAT, {"model": "m", "messages": []}, "messages"),
+        (CHAT, {"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        (CHAT, {"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        (CHAT, {"model": "m", "messages": [{"content": "x"}]}, "messages[0].role"),
+        (CHAT, {"model": "m", "messages": [{"role": "user"}]}, "messages[0].content"),
+        (
+            CHAT,
+            {
+                "model": "m",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://x"}}],
+                    }
+                ],
+            },
+            "messages[0].content[0].type",
+        ),
+        (
+            CHAT,
+            {"model": "m", "messages": [{"role": "user", "content": "x", "mood": "happy"}]},
+            "messages[0].mood",
+        ),
+        # missing and unknown fields
+        (CHAT, {"messages": MSG}, "model"),
+        (CHAT, {"model": "m"}, "messages"),
+        (COMP, {"model": "m"}, "prompt"),
+        (CHAT, {"model": "m", "messages": MSG, "temprature": 0.5}, "temprature"),
+        (COMP, {"model": "m", "prompt": "x", "messages": MSG}, "messages"),
+    ],
+)
 def test_bad_field_is_400_naming_it(server, path, body, param) -> None:
     status, resp = call(server, path, body)
     err = assert_openai_error(status, resp, 400, param)
     assert err["code"] == "invalid_request" and err["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("raw", [b"", b"   ", b"{not json", b"[1, 2]", b'"text"', b"42",
-                                 b"null", b'{"model": "m", "messages": [] ,}', b"\xff\xfe"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"   ",
+        b"{not json",
+        b"[1, 2]",
+        b'"text"',
+        b"42",
+        b"null",
+        b'{"model": "m", "messages": [] ,}',
+        b"\xff\xfe",
+    ],
+)
 @pytest.mark.parametrize("path", [CHAT, COMP])
 def test_body_that_is_not_a_json_object_is_400(server, path, raw) -> None:
     status, resp = call(server, path, raw=raw)
@@ -146,19 +207,44 @@ def test_body_that_is_not_a_json_object_is_400(server, path, raw) -> None:
 
 def test_openai_fields_are_accepted_and_ignored(server) -> None:
     # Valid apart from naming no model: admission answers (404), so validation accepted it.
-    status, resp = call(server, CHAT, {
-        "model": "m", "messages": [{"role": "developer", "content": [{"type": "text",
-                                                                      "text": "be brief"}]},
-                                   {"role": "user", "content": "hi", "name": "ann"},
-                                   {"role": "assistant", "content": None, "tool_calls": []}],
-        "presence_penalty": 0.5, "frequency_penalty": 0.1, "logit_bias": {"5": 1.0},
-        "user": "u1", "metadata": {"a": "b"}, "store": False, "response_format": {"type": "text"},
-        "tools": [], "parallel_tool_calls": False, "service_tier": "auto",
-        "stream": True, "stream_options": {"include_usage": True}})
+    status, resp = call(
+        server,
+        CHAT,
+        {
+            "model": "m",
+            "messages": [
+                {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+                {"role": "user", "content": "hi", "name": "ann"},
+                {"role": "assistant", "content": None, "tool_calls": []},
+            ],
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.1,
+            "logit_bias": {"5": 1.0},
+            "user": "u1",
+            "metadata": {"a": "b"},
+            "store": False,
+            "response_format": {"type": "text"},
+            "tools": [],
+            "parallel_tool_calls": False,
+            "service_tier": "auto",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     err = assert_openai_error(status, resp, 404, "model")
     assert err["code"] == "model_not_found"
-    status, resp = call(server, COMP, {"model": "m", "prompt": ["x"], "suffix": None,
-                                       "best_of": 1, "logit_bias": {}, "echo": True})
+    status, resp = call(
+        server,
+        COMP,
+        {
+            "model": "m",
+            "prompt": ["x"],
+            "suffix": None,
+            "best_of": 1,
+            "logit_bias": {},
+            "echo": True,
+        },
+    )
     assert_openai_error(status, resp, 404, "model")
 
 
@@ -205,26 +291,60 @@ def test_errors_leave_the_scheduler_untouched(server) -> None:
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
     | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
-                                                                 max_size=3),
-    max_leaves=8)
-FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
-          "top_p", "stop", "seed", "stream", "stream_options", "n", "logprobs", "top_logprobs",
-          "echo", "user", "best_of", "role", "content"]
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+FIELDS = [
+    "model",
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "stream",
+    "stream_options",
+    "n",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "user",
+    "best_of",
+    "role",
+    "content",
+]
 bodies = st.one_of(
     json_values,
     st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=6),
-    st.fixed_dictionaries({"model": st.text(max_size=4), "messages": st.lists(
-        st.dictionaries(st.sampled_from(["role", "content", "name"]),
-                        st.sampled_from(["user", "system", "tool", "", 3, None, []])
-                        | json_values, max_size=3), max_size=3)},
-        optional={k: json_values for k in FIELDS[3:12]}),
+    st.fixed_dictionaries(
+        {
+            "model": st.text(max_size=4),
+            "messages": st.lists(
+                st.dictionaries(
+                    st.sampled_from(["role", "content", "name"]),
+                    st.sampled_from(["user", "system", "tool", "", 3, None, []]) | json_values,
+                    max_size=3,
+                ),
+                max_size=3,
+            ),
+        },
+        optional={k: json_values for k in FIELDS[3:12]},
+    ),
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(body=bodies, path=st.sampled_from([CHAT, COMP]))
 def test_never_a_500_for_any_json_body(server, body, path) -> None:
     status, resp = call(server, path, body)

@@ -16,8 +16,9 @@ from tests.unit.test_weights_routes import OPS, TRN, auth, chat, make_client, po
 @pytest.fixture
 async def client(tmp_path, tiny_model_dir):
     c = await make_client(tmp_path, tiny_model_dir)
-    c.app[keys.CATALOGUE].register(name="tiny-b", format="safetensors", dtype="bfloat16",
-                                   path=tiny_model_dir)
+    c.app[keys.CATALOGUE].register(
+        name="tiny-b", format="safetensors", dtype="bfloat16", path=tiny_model_dir
+    )
     yield c
     await c.close()
 
@@ -43,9 +44,17 @@ def bump(model) -> None:
 
 
 async def scores(client, model="tiny") -> list[float]:
-    resp = await client.post("/v1/completions", json={
-        "model": model, "prompt": "The quick brown fox", "max_tokens": 1, "echo": True,
-        "logprobs": 1, "temperature": 0})
+    resp = await client.post(
+        "/v1/completions",
+        json={
+            "model": model,
+            "prompt": "The quick brown fox",
+            "max_tokens": 1,
+            "echo": True,
+            "logprobs": 1,
+            "temperature": 0,
+        },
+    )
     body = await resp.json()
     assert resp.status == 200, body
     return [x for x in body["choices"][0]["logprobs"]["token_logprobs"] if x is not None]
@@ -133,14 +142,17 @@ async def test_torn_set_is_recovered_by_a_checkpoint_load(tmp_path, tiny_model_d
         assert st == 503 and body["error"]["code"] == "weights_torn"
         st, body, _ = await post(client, "/api/models/1/load")
         assert st == 409 or st == 503
-        st, body, _ = await post(client, "/api/weights/load", auth(OPS),
-                                 {"checkpoint": "tiny-good"})
+        st, body, _ = await post(
+            client, "/api/weights/load", auth(OPS), {"checkpoint": "tiny-good"}
+        )
         assert st == 200, body
         assert body["data"]["weights_state"] == "clean"
         assert (await chat(client))[0] == 200
         lines = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
-        assert [x["operation"] for x in lines if x["operation"] in ("save", "load")] == \
-            ["save", "load"]
+        assert [x["operation"] for x in lines if x["operation"] in ("save", "load")] == [
+            "save",
+            "load",
+        ]
     finally:
         await client.close()
 
@@ -150,8 +162,9 @@ def make_adapter(model_dir: str, out: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8,
-                                                  target_modules=["q_proj", "v_proj"]))
+    peft_model = get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    )
     torch.manual_seed(1)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -161,12 +174,14 @@ def make_adapter(model_dir: str, out: Path) -> Path:
     return out
 
 
-async def test_adapter_changes_outputs_and_removing_it_restores_them(client, tmp_path,
-                                                                    tiny_model_dir):
+async def test_adapter_changes_outputs_and_removing_it_restores_them(
+    client, tmp_path, tiny_model_dir
+):
     adapter = make_adapter(tiny_model_dir, tmp_path / "lora")
     before = await scores(client)
-    resp = await client.post("/api/weights/adapter", json={"name": "tiny-lora",
-                                                           "path": str(adapter)})
+    resp = await client.post(
+        "/api/weights/adapter", json={"name": "tiny-lora", "path": str(adapter)}
+    )
     body = await resp.json()
     assert resp.status == 200, body
     assert body["data"]["applied"] is True and body["data"]["rank"] == 4
@@ -180,14 +195,16 @@ async def test_adapter_changes_outputs_and_removing_it_restores_them(client, tmp
     assert resp.status == 400 and (await resp.json())["error"]["code"] == "ADAPTER_INVALID"
 
 
-async def test_an_adapter_while_attached_neither_tears_nor_changes_the_export(client, tmp_path,
-                                                                             tiny_model_dir):
+async def test_an_adapter_while_attached_neither_tears_nor_changes_the_export(
+    client, tmp_path, tiny_model_dir
+):
     adapter = make_adapter(tiny_model_dir, tmp_path / "lora")
     st, body, _ = await post(client, "/api/weights/attach", auth(TRN))
     names = [p["name"] for p in body["data"]["parameters"]]
     h = auth(TRN, body["data"]["attachment_id"])
-    resp = await client.post("/api/weights/adapter", json={"name": "tiny-lora",
-                                                           "path": str(adapter)})
+    resp = await client.post(
+        "/api/weights/adapter", json={"name": "tiny-lora", "path": str(adapter)}
+    )
     assert resp.status == 200, await resp.text()
     await commit(client, h, bump)  # the per-commit address check looks through the LoRA layers
     assert (await post(client, "/api/weights/detach", h))[0] == 200  # the full walk too

@@ -31,13 +31,21 @@ def auth(secret: str, attachment: str | None = None) -> dict[str, str]:
 
 async def make_client(tmp_path, model_dir, **env: str) -> TestClient:
     home = tmp_path / "home"
-    Catalogue(str(home)).register(name="tiny", format="safetensors", dtype="bfloat16",
-                                  path=model_dir)
+    Catalogue(str(home)).register(
+        name="tiny", format="safetensors", dtype="bfloat16", path=model_dir
+    )
     audit = tmp_path / "audit.jsonl"
-    settings = load_settings({
-        "MISERVER_HOME": str(home), "DEFAULT_MODEL": "tiny", "DEVICE": "cpu",
-        "WEIGHTS_TOKENS": f"trn:trainer:{TRN},trn2:trainer:{TRN2},ops:operator:{OPS}",
-        "WEIGHTS_CPU_ATTACH": "1", "WEIGHTS_AUDIT_LOG": str(audit), **env})
+    settings = load_settings(
+        {
+            "MISERVER_HOME": str(home),
+            "DEFAULT_MODEL": "tiny",
+            "DEVICE": "cpu",
+            "WEIGHTS_TOKENS": f"trn:trainer:{TRN},trn2:trainer:{TRN2},ops:operator:{OPS}",
+            "WEIGHTS_CPU_ATTACH": "1",
+            "WEIGHTS_AUDIT_LOG": str(audit),
+            **env,
+        }
+    )
     app = create_app(settings)
     client = TestClient(TestServer(app))
     await client.start_server()
@@ -62,8 +70,13 @@ def audit_lines(tmp_path) -> list[dict]:
 
 
 async def chat(client, **extra):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 2, "temperature": 0, **extra}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "temperature": 0,
+        **extra,
+    }
     resp = await client.post("/v1/chat/completions", json=body)
     return resp.status, await resp.json(), resp.headers
 
@@ -96,8 +109,13 @@ async def test_full_write_cycle_and_the_header_counts_commits(client, tmp_path):
     assert body["data"] == {"weights_state": "clean", "barrier": "serving"}
     lines = audit_lines(tmp_path)
     assert [line["operation"] for line in lines] == [
-        "weights_attach", "weights_quiesce", "weights_commit_begin", "weights_commit_end",
-        "weights_resume", "weights_detach"]
+        "weights_attach",
+        "weights_quiesce",
+        "weights_commit_begin",
+        "weights_commit_end",
+        "weights_resume",
+        "weights_detach",
+    ]
     assert all(line["outcome"] == "accepted" for line in lines)
     assert lines[3]["steps"] == 1 and lines[3]["elapsed_ms"] is not None
     assert all(att not in json.dumps(line) for line in lines)
@@ -125,8 +143,14 @@ async def test_auth_order_and_refusals_are_audited(client, tmp_path):
     lines = audit_lines(tmp_path)
     assert len(lines) == 8
     assert [line["code"] for line in lines if line["outcome"] == "refused"] == [
-        "WEIGHTS_UNAUTHORIZED", "WEIGHTS_FORBIDDEN", "NOT_ATTACHED", "NOT_ATTACHMENT_HOLDER",
-        "NOT_ATTACHMENT_HOLDER", "ALREADY_ATTACHED", "NO_OPEN_COMMIT"]
+        "WEIGHTS_UNAUTHORIZED",
+        "WEIGHTS_FORBIDDEN",
+        "NOT_ATTACHED",
+        "NOT_ATTACHMENT_HOLDER",
+        "NOT_ATTACHMENT_HOLDER",
+        "ALREADY_ATTACHED",
+        "NO_OPEN_COMMIT",
+    ]
 
 
 async def test_held_request_waits_for_resume_and_loads_are_refused_while_attached(client):
@@ -145,8 +169,7 @@ async def test_held_request_waits_for_resume_and_loads_are_refused_while_attache
     assert st == 200
 
 
-async def test_watchdog_tears_then_v1_is_503_and_late_commit_end_recovers(tmp_path,
-                                                                         tiny_model_dir):
+async def test_watchdog_tears_then_v1_is_503_and_late_commit_end_recovers(tmp_path, tiny_model_dir):
     client = await make_client(tmp_path, tiny_model_dir, WEIGHTS_COMMIT_WATCHDOG_MS="100")
     try:
         att = (await post(client, "/api/weights/attach", auth(TRN)))[1]["data"]["attachment_id"]
@@ -188,26 +211,32 @@ async def test_concurrent_duplicate_commit_begins_accept_exactly_once(client, tm
     att = (await post(client, "/api/weights/attach", auth(TRN)))[1]["data"]["attachment_id"]
     h = auth(TRN, att)
     await post(client, "/api/weights/quiesce", h)
-    results = await asyncio.gather(*[post(client, "/api/weights/commit-begin", h)
-                                     for _ in range(20)])
+    results = await asyncio.gather(
+        *[post(client, "/api/weights/commit-begin", h) for _ in range(20)]
+    )
     statuses = sorted(r[0] for r in results)
     assert statuses.count(200) == 1 and statuses.count(409) == 19
     assert {r[1]["error"]["code"] for r in results if r[0] == 409} == {"WEIGHTS_NOT_CLEAN"}
-    begins = [line for line in audit_lines(tmp_path)
-              if line["operation"] == "weights_commit_begin"]
+    begins = [line for line in audit_lines(tmp_path) if line["operation"] == "weights_commit_begin"]
     assert len(begins) == 20 and sum(b["outcome"] == "accepted" for b in begins) == 1
 
 
 async def test_two_concurrent_attaches_accept_exactly_once(client):
-    results = await asyncio.gather(post(client, "/api/weights/attach", auth(TRN)),
-                                   post(client, "/api/weights/attach", auth(TRN2)))
+    results = await asyncio.gather(
+        post(client, "/api/weights/attach", auth(TRN)),
+        post(client, "/api/weights/attach", auth(TRN2)),
+    )
     assert sorted(r[0] for r in results) == [200, 409]
 
 
 async def test_health_detailed_carries_the_weights_summary(client):
     data = (await (await client.get("/api/health/detailed")).json())["data"]
-    assert data["weights"] == {"weights_state": "clean", "barrier": "serving",
-                               "attached": False, "attachment_state": None}
+    assert data["weights"] == {
+        "weights_state": "clean",
+        "barrier": "serving",
+        "attached": False,
+        "attachment_state": None,
+    }
 
 
 async def test_settings_change_is_model_busy_while_the_barrier_is_held(client):
@@ -228,7 +257,9 @@ async def test_settings_change_is_model_busy_while_the_barrier_is_held(client):
 
 
 async def test_metrics_count_barrier_holds_commits_and_attachments(client):
-    h = auth(TRN, (await post(client, "/api/weights/attach", auth(TRN)))[1]["data"]["attachment_id"])
+    h = auth(
+        TRN, (await post(client, "/api/weights/attach", auth(TRN)))[1]["data"]["attachment_id"]
+    )
     for path in ("quiesce", "commit-begin", "commit-end", "resume", "detach"):
         assert (await post(client, f"/api/weights/{path}", h))[0] == 200
     text = await (await client.get("/metrics")).text()
@@ -257,24 +288,33 @@ async def test_a_parameter_moved_during_a_commit_tears_the_set(client):
 
 
 async def test_refuse_policy_refuses_a_swap_before_the_row_is_checked(client):
-    client.app[keys.CATALOGUE].register(name="tiny-q4", format="gguf", dtype="float16",
-                                        path="/nonexistent/tiny.gguf", quantization="gguf")
+    client.app[keys.CATALOGUE].register(
+        name="tiny-q4",
+        format="gguf",
+        dtype="float16",
+        path="/nonexistent/tiny.gguf",
+        quantization="gguf",
+    )
     body = {"model": "tiny-q4", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    resp = await client.post("/v1/chat/completions", json=body,
-                             headers={"X-miLLM-Load-Policy": "refuse"})
+    resp = await client.post(
+        "/v1/chat/completions", json=body, headers={"X-miLLM-Load-Policy": "refuse"}
+    )
     assert resp.status == 409 and (await resp.json())["error"]["code"] == "model_not_loaded"
     resp = await client.post("/v1/chat/completions", json=body)
     assert resp.status == 400 and (await resp.json())["error"]["code"] == "backend_unavailable"
     assert client.app[keys.HOST].resident.row.name == "tiny"
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/api/weights/load", {"checkpoint": 5}),
-    ("/api/weights/load", {"checkpoint": "x", "model_id": 1}),
-    ("/api/weights/load", {}),
-    ("/api/weights/attach", [1, 2]),
-    ("/api/weights/save", {"name": "ok", "extra": True}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/api/weights/load", {"checkpoint": 5}),
+        ("/api/weights/load", {"checkpoint": "x", "model_id": 1}),
+        ("/api/weights/load", {}),
+        ("/api/weights/attach", [1, 2]),
+        ("/api/weights/save", {"name": "ok", "extra": True}),
+    ],
+)
 async def test_bad_bodies_are_400_json_and_change_nothing(client, tmp_path, path, body):
     st, data, _ = await post(client, path, auth(OPS), body)
     assert st == 400 and data["error"]["code"] == "INVALID_REQUEST", data

@@ -39,10 +39,17 @@ def tiny_model(tokenizer: Any, *, seed: int = 0, context: int = 256) -> Any:
 
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-        tie_word_embeddings=False)
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=context,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).eval()
     # Random init gives near-uniform logits; sharpen them so greedy decoding is well defined.
     with torch.no_grad():

@@ -65,6 +65,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from attach import SHAPES as ATTACH_SHAPES  # noqa: E402  (benchmarks/attach.py, beside this file)
+
 #: model_type and config of each size. 0.5b is Qwen2.5-0.5B's shape (tied embeddings), 8b is
 #: Llama-3-8B's (untied), as in benchmarks/attach.py; tiny is for a quick check on the CPU.
 SIZES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -81,32 +83,8 @@ SIZES: dict[str, tuple[str, dict[str, Any]]] = {
             max_position_embeddings=512,
         ),
     ),
-    "0.5b": (
-        "qwen2",
-        dict(
-            vocab_size=151936,
-            hidden_size=896,
-            intermediate_size=4864,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-            max_position_embeddings=4096,
-        ),
-    ),
-    "8b": (
-        "llama",
-        dict(
-            vocab_size=128256,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            tie_word_embeddings=False,
-            max_position_embeddings=8192,
-        ),
-    ),
+    # the 0.5B and 8B shapes are those of the attach benchmark (one definition)
+    **ATTACH_SHAPES,
 }
 #: The trainer token the benchmark's servers are configured with (a throwaway secret).
 TOKEN_LABEL = "bench"

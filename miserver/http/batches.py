@@ -18,17 +18,16 @@ the JSON-errors middleware renders them in OpenAI's shape on ``/v1``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 from aiohttp import BodyPartReader, web
-from multidict import CIMultiDict
 
 from miserver.http import keys
 from miserver.http.errors import ApiError, json_response, openai_error_body
+from miserver.http.v1 import run_completion
 from miserver.serving.batches import (
     BLOCKING_REASONS,
     BatchRequestError,
@@ -36,8 +35,8 @@ from miserver.serving.batches import (
     BatchStore,
     RowDeferred,
     RowExecutor,
-    deferral_of,
 )
+from miserver.serving.host import Resident
 from miserver.serving.scheduler import Priority
 from miserver.spec import codes
 
@@ -253,23 +252,6 @@ _MAX_UPLOAD: web.AppKey[int] = web.AppKey("batch_max_upload_bytes", int)
 # -- the seam over the running server -----------------------------------------------------------
 
 
-class _Refused(Exception):  # noqa: N818 - carries a refusal out of the slot's try block
-    def __init__(self, error: ApiError) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
-class _RowRequest:
-    """What ``/v1``'s preparation reads of a request: the app and the headers.
-
-    A batch never loads a model, so every row is admitted with ``X-miLLM-Load-Policy: refuse``.
-    """
-
-    def __init__(self, app: web.Application) -> None:
-        self.app = app
-        self.headers = CIMultiDict({"X-miLLM-Load-Policy": "refuse"})
-
-
 class ServerRowExecutor:
     """The :class:`~miserver.serving.batches.RowExecutor` of a live server (contract 7).
 
@@ -279,11 +261,14 @@ class ServerRowExecutor:
     catalogue runs and gets its 404 line), ``quiesced`` while the scheduler's barrier is held or
     draining, else None.
 
-    ``execute_row`` runs one row as ``/v1`` does (the same strict schema, admission with the
-    refuse policy, context checks, generation and response body), but waits for the slot at
-    ``Priority.BATCH``, behind every interactive request; a quiesce holds it there
-    (``held_batch_chunks``). Refusals come back as ``(status, headers, OpenAI error body)``; a
-    row that cannot run now raises :class:`~miserver.serving.batches.RowDeferred`.
+    ``execute_row`` runs one row through :func:`miserver.http.v1.run_completion`, the path of a
+    non-streamed ``/v1`` request (the same strict schema, admission, context checks, generation,
+    response body and ``X-miLLM-Model``), with the refuse load policy (a batch never loads a
+    model) and at ``Priority.BATCH``: behind every interactive request, held by a quiesce
+    (``held_batch_chunks``). Refusals come back as ``(status, headers, OpenAI error body)``
+    (the runner turns the "not now" ones into waiting, :func:`~miserver.serving.batches.
+    deferral_of`); a row found blocked inside the slot raises
+    :class:`~miserver.serving.batches.RowDeferred`.
     """
 
     def __init__(self, app: web.Application) -> None:
@@ -310,61 +295,27 @@ class ServerRowExecutor:
             return "quiesced"
         return None
 
+    def _check_in_slot(self, resident: Resident) -> None:
+        """Inside the slot, before the forward pass: a row that cannot run now waits."""
+        reason = self.waiting_reason(resident.served_name)
+        if reason in BLOCKING_REASONS:
+            raise RowDeferred(reason)
+
     async def execute_row(
         self, method: str, url: str, body: dict[str, Any]
     ) -> tuple[int, dict[str, str], dict[str, Any]]:
-        from miserver.http import v1
-        from miserver.http.model_header import model_header
-        from miserver.serving.generation import Generation, GenerationError, Started
-
-        prepare = v1._prepare_chat if url == "/v1/chat/completions" else v1._prepare_completion
         try:
-            job = await prepare(_RowRequest(self.app), msgspec.json.encode(body))
+            result = await run_completion(
+                self.app,
+                url,
+                body,
+                priority=Priority.BATCH,
+                load_policy="refuse",
+                check_in_slot=self._check_in_slot,
+            )
         except ApiError as err:
             return err.status, dict(err.headers), openai_error_body(err)
-        scheduler = self.app[keys.SCHEDULER]
-        await scheduler.acquire(Priority.BATCH)
-        gen: Generation | None = None
-        try:
-            reason = self.waiting_reason(job.resident.served_name)
-            if reason in BLOCKING_REASONS or self.app[keys.HOST].resident is not job.resident:
-                raise RowDeferred(reason if reason in BLOCKING_REASONS else "model_not_resident")
-            lifecycle = self.app.get(keys.WEIGHTS)
-            if lifecycle is not None:
-                # inside the slot the table must still accept a request for the resident
-                try:
-                    await lifecycle.confirm_v1()
-                except ApiError as err:
-                    reason = deferral_of(err.status, openai_error_body(err))
-                    if reason is None:
-                        raise _Refused(err) from None
-                    raise RowDeferred(reason) from None
-            header = model_header(job.resident)
-            gen = Generation(job.resident.model, job.resident.tokenizer, job.prompt_ids, job.params)
-            gen.start()
-        except _Refused as refused:
-            scheduler.release()
-            err = refused.error
-            return err.status, dict(err.headers), openai_error_body(err)
-        except BaseException:
-            scheduler.release()
-            raise
-        gen.add_done_callback(scheduler.release)  # the slot is held until the thread ended
-        try:
-            events = gen.events()
-            first = await events.__anext__()
-            assert isinstance(first, Started)
-            response = await v1._collect(job, events, first, header)
-        except ApiError as err:
-            return err.status, dict(err.headers), openai_error_body(err)
-        except GenerationError as exc:
-            err = ApiError(codes.GENERATION_FAILED, str(exc))
-            return err.status, {}, openai_error_body(err)
-        finally:
-            gen.cancel()  # a no-op once it finished
-            with contextlib.suppress(Exception):
-                await gen.wait()
-        return response.status, dict(response.headers), msgspec.json.decode(response.body)
+        return 200, result.headers, result.body
 
 
 def setup_routes(

@@ -19,6 +19,11 @@ The path of one request:
 
 Every successful response carries ``X-miLLM-Model`` (:func:`miserver.http.model_header.model_header`)
 and a stream's terminal chunk (and its usage chunk) carries the same value as ``millm_model``.
+
+:func:`run_completion` is the one public entry point that runs a request body to its final
+(non-streamed) answer: the non-streamed ``/v1`` path and the Batch API's rows
+(:mod:`miserver.http.batches`, at :attr:`~miserver.serving.scheduler.Priority.BATCH`) both go
+through it, so a batch row is validated, admitted, computed and answered exactly as ``/v1`` would.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -64,16 +69,48 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _encoder = msgspec.json.Encoder()
 
 
-class ClientGone(Exception):
-    """The client disconnected; nothing can be answered."""
+class RequestCancelled(Exception):
+    """The request was cancelled before it finished (its ``/v1`` client disconnected, or the
+    ``cancelled`` callable given to :func:`run_completion` returned True); nothing is answered
+    and the slot is free again."""
+
+
+#: The request body type of each endpoint (the Batch API's ``url`` / ``endpoint`` values).
+COMPLETION_ENDPOINTS: dict[str, type[msgspec.Struct]] = {
+    "/v1/chat/completions": schema.ChatCompletionRequest,
+    "/v1/completions": schema.CompletionRequest,
+}
+
+RequestBody = bytes | Mapping[str, Any] | schema.ChatCompletionRequest | schema.CompletionRequest
+
+
+@dataclass(frozen=True)
+class CompletionResult:
+    """The final answer of :func:`run_completion`.
+
+    Attributes:
+        body: the OpenAI response object as JSON-ready data (``chat.completion`` or
+            ``text_completion``), exactly the body ``/v1`` answers with status 200.
+        model_header: the ``X-miLLM-Model`` value of the parameter set that computed it
+            (weights page: Which weights answered), e.g. ``"tiny";origin=model;commits=1``.
+    """
+
+    body: dict[str, Any]
+    model_header: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """``{"X-miLLM-Model": model_header}``: the headers ``/v1`` sends with the body."""
+        return {HEADER: self.model_header}
 
 
 # --- admission ---------------------------------------------------------------------------------
-async def admit(request: web.Request, model: str) -> Resident:
+async def admit(app: web.Application, model: str, load_policy: str | None = None) -> Resident:
     """The one ``/v1`` admission decision: which resident serves ``model`` (contract 4).
 
     ``model`` is the resident's served or base name (served at once) or a catalogue row's name
-    (auto-loaded, a swap), honouring ``X-miLLM-Load-Policy`` (``auto`` or ``refuse``). The
+    (auto-loaded, a swap), honouring ``load_policy``, the ``X-miLLM-Load-Policy`` header's value
+    (``auto``, the default when None, or ``refuse``). The
     lifecycle table decides (serve / hold / refuse / auto-load); the scheduler then holds a
     held request until the barrier is released.
 
@@ -83,8 +120,8 @@ async def admit(request: web.Request, model: str) -> Resident:
             refusals (409 ALREADY_ATTACHED, 503 WEIGHTS_TORN, 409 WEIGHTS_UNSAVED), and
             500 MODEL_LOAD_FAILED.
     """
-    host = request.app[keys.HOST]
-    policy = normalize_load_policy(request.headers.get(LOAD_POLICY_HEADER))
+    host = app[keys.HOST]
+    policy = normalize_load_policy(load_policy)
     row_id = None
     if host.resident is None or not host.serves(model):
         row = host.resolve(model)
@@ -97,7 +134,7 @@ async def admit(request: web.Request, model: str) -> Resident:
                 param="model",
             )
         row_id = row.id
-    await request.app[keys.WEIGHTS].admit_v1(refuse_policy=policy == "refuse", row_id=row_id)
+    await app[keys.WEIGHTS].admit_v1(refuse_policy=policy == "refuse", row_id=row_id)
     resident = host.resident
     if resident is None:  # the auto-load's own error was raised above; this is a race
         raise ApiError(
@@ -124,29 +161,36 @@ async def _read_body(request: web.Request) -> bytes:
     return await request.read()
 
 
-async def _acquire_slot(request: web.Request, resident: Resident) -> None:
-    """Wait for a slot, giving up (and leaving no trace) when the client disconnects.
+async def _acquire_slot(
+    app: web.Application,
+    resident: Resident,
+    priority: Priority,
+    cancelled: Callable[[], bool] | None,
+) -> None:
+    """Wait for a slot at ``priority``, giving up (and leaving no trace) once ``cancelled()``.
 
     Raises:
-        ApiError: 503 QUEUE_FULL with ``Retry-After``.
-        ClientGone: the client went away while waiting.
+        ApiError: 503 QUEUE_FULL with ``Retry-After`` (interactive only); the lifecycle's
+            refusals inside the slot (503 WEIGHTS_TORN, ...); 409 MODEL_BUSY when the resident
+            changed while the request waited.
+        RequestCancelled: ``cancelled()`` became true while waiting.
     """
-    scheduler = request.app[keys.SCHEDULER]
-    metrics = request.app.get(keys.METRICS)
+    scheduler = app[keys.SCHEDULER]
+    metrics = app.get(keys.METRICS)
     held = scheduler.barrier_held or scheduler.barrier_draining
-    task = asyncio.ensure_future(scheduler.acquire(Priority.INTERACTIVE))
-    _update_queue_gauge(request)
+    task = asyncio.ensure_future(scheduler.acquire(priority))
+    _update_queue_gauge(app)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S * 4)
             if done:
                 break
             held = held or scheduler.barrier_held or scheduler.barrier_draining
-            if _client_gone(request):
+            if cancelled is not None and cancelled():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-                raise ClientGone
+                raise RequestCancelled
         try:
             task.result()
         except QueueFull as exc:
@@ -163,17 +207,17 @@ async def _acquire_slot(request: web.Request, resident: Resident) -> None:
                 await task
         raise
     finally:
-        _update_queue_gauge(request)
-    if held and metrics is not None:
-        metrics.requests_held.inc()
+        _update_queue_gauge(app)
+    if held and metrics is not None and priority == Priority.INTERACTIVE:
+        metrics.requests_held.inc()  # held batch chunks are counted by the scheduler
     try:
         # Inside the slot: the table must still admit this request (the set may have torn
         # while it waited; weights page: States).
-        await request.app[keys.WEIGHTS].confirm_v1()
+        await app[keys.WEIGHTS].confirm_v1()
     except BaseException:
         scheduler.release()
         raise
-    if request.app[keys.HOST].resident is not resident:
+    if app[keys.HOST].resident is not resident:
         scheduler.release()
         raise ApiError(
             codes.MODEL_BUSY,
@@ -183,11 +227,11 @@ async def _acquire_slot(request: web.Request, resident: Resident) -> None:
         )
 
 
-def _update_queue_gauge(request: web.Request) -> None:
-    metrics = request.app.get(keys.METRICS)
+def _update_queue_gauge(app: web.Application) -> None:
+    metrics = app.get(keys.METRICS)
     if metrics is None:
         return
-    counts = request.app[keys.SCHEDULER].counts()
+    counts = app[keys.SCHEDULER].counts()
     metrics.queue_depth.set(counts.queued + counts.held_interactive)
 
 
@@ -291,10 +335,11 @@ def _sampling(
     )
 
 
-async def _prepare_chat(request: web.Request, body: bytes) -> _Job:
-    req = schema.decode(body, schema.ChatCompletionRequest)
+async def _prepare_chat(
+    app: web.Application, req: schema.ChatCompletionRequest, load_policy: str | None
+) -> _Job:
     stops = schema.check_chat(req)
-    resident = await admit(request, req.model)
+    resident = await admit(app, req.model, load_policy)
     prompt_ids = await asyncio.to_thread(_chat_prompt, resident, req)
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -313,10 +358,11 @@ async def _prepare_chat(request: web.Request, body: bytes) -> _Job:
     )
 
 
-async def _prepare_completion(request: web.Request, body: bytes) -> _Job:
-    req = schema.decode(body, schema.CompletionRequest)
+async def _prepare_completion(
+    app: web.Application, req: schema.CompletionRequest, load_policy: str | None
+) -> _Job:
     prompt, stops = schema.check_completion(req)
-    resident = await admit(request, req.model)
+    resident = await admit(app, req.model, load_policy)
     prompt_ids = await asyncio.to_thread(_completion_prompt, resident, prompt)
     max_tokens = _check_context(
         resident, prompt_ids, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens", "prompt"
@@ -390,30 +436,42 @@ def _finish_reason(fin: Finished) -> str:
 
 
 # --- running ----------------------------------------------------------------------------------
-async def _watch(request: web.Request, gen: Generation) -> None:
+async def _watch(cancelled: Callable[[], bool], gen: Generation) -> None:
     while True:
         await asyncio.sleep(DISCONNECT_POLL_S)
-        if _client_gone(request):
+        if cancelled():
             gen.cancel()
             return
 
 
-async def _run(request: web.Request, job: _Job) -> web.StreamResponse:
-    """Hold a slot for the whole generation and answer (streamed or not).
+@contextlib.asynccontextmanager
+async def _generation(
+    app: web.Application,
+    job: _Job,
+    priority: Priority,
+    cancelled: Callable[[], bool] | None,
+    check_in_slot: Callable[[Resident], None] | None,
+) -> AsyncIterator[tuple[Generation, AsyncIterator[Any], Started, str]]:
+    """Hold a slot for the whole generation: yields ``(generation, events, first, header)``.
 
-    The slot is released when the worker thread has ended, never before, also when the
-    handler itself is cancelled.
+    The slot is released when the worker thread has ended, never before, also when the caller
+    is cancelled; leaving the block cancels a generation that is still running.
+
+    Raises:
+        ApiError: the slot's refusals (:func:`_acquire_slot`), 500 GENERATION_FAILED before
+            the first token.
+        RequestCancelled: ``cancelled()`` became true while waiting for the slot.
     """
-    await _acquire_slot(request, job.resident)
-    scheduler = request.app[keys.SCHEDULER]
-    gen: Generation | None = None
-    watcher: asyncio.Task[None] | None = None
+    await _acquire_slot(app, job.resident, priority, cancelled)
+    scheduler = app[keys.SCHEDULER]
 
     def release() -> None:
         scheduler.release()
-        _update_queue_gauge(request)
+        _update_queue_gauge(app)
 
     try:
+        if check_in_slot is not None:
+            check_in_slot(job.resident)
         header = model_header(job.resident)
         gen = Generation(job.resident.model, job.resident.tokenizer, job.prompt_ids, job.params)
         gen.start()
@@ -421,17 +479,17 @@ async def _run(request: web.Request, job: _Job) -> web.StreamResponse:
         release()
         raise
     gen.add_done_callback(release)
+    watcher: asyncio.Task[None] | None = None
     try:
-        watcher = asyncio.ensure_future(_watch(request, gen))
+        if cancelled is not None:
+            watcher = asyncio.ensure_future(_watch(cancelled, gen))
         events = gen.events()
         try:
             first = await events.__anext__()
         except GenerationError as exc:
             raise ApiError(codes.GENERATION_FAILED, str(exc)) from exc
         assert isinstance(first, Started)
-        if job.stream:
-            return await _stream(request, job, gen, events, first, header)
-        return await _collect(job, events, first, header)
+        yield gen, events, first, header
     finally:
         if watcher is not None:
             watcher.cancel()
@@ -439,7 +497,98 @@ async def _run(request: web.Request, job: _Job) -> web.StreamResponse:
         await gen.wait()
 
 
-async def _collect(job: _Job, events: Any, first: Started, header: str) -> web.Response:
+def _decode(
+    endpoint: str, body: RequestBody
+) -> schema.ChatCompletionRequest | schema.CompletionRequest:
+    kind = COMPLETION_ENDPOINTS.get(endpoint)
+    if kind is None:
+        raise ValueError(
+            f"endpoint must be one of {', '.join(COMPLETION_ENDPOINTS)}, got {endpoint!r}"
+        )
+    if isinstance(body, kind):
+        return body  # type: ignore[return-value]
+    if isinstance(body, msgspec.Struct):
+        raise TypeError(f"{type(body).__name__} is not the request body of {endpoint}")
+    raw = body if isinstance(body, bytes) else msgspec.json.encode(body)
+    return schema.decode(raw, kind)
+
+
+async def _prepare(
+    app: web.Application,
+    req: schema.ChatCompletionRequest | schema.CompletionRequest,
+    load_policy: str | None,
+) -> _Job:
+    if isinstance(req, schema.ChatCompletionRequest):
+        return await _prepare_chat(app, req, load_policy)
+    return await _prepare_completion(app, req, load_policy)
+
+
+async def run_completion(
+    app: web.Application,
+    endpoint: str,
+    body: RequestBody,
+    *,
+    priority: Priority = Priority.INTERACTIVE,
+    load_policy: str | None = None,
+    cancelled: Callable[[], bool] | None = None,
+    check_in_slot: Callable[[Resident], None] | None = None,
+) -> CompletionResult:
+    """Run one chat-completion or completion request to its final, non-streamed answer.
+
+    The one run path of ``/v1`` (contract 4) outside streaming: strict decoding and range checks,
+    admission (:func:`admit`, honouring ``load_policy``), tokenization and the context checks,
+    a scheduler slot at ``priority`` held until the generation thread has ended (so the answer
+    is computed on one parameter set; weights page: Which weights answered), the table's
+    confirmation inside the slot, the generation, and the OpenAI response body.
+
+    Args:
+        app: the running application (host, scheduler, lifecycle).
+        endpoint: ``"/v1/chat/completions"`` or ``"/v1/completions"``
+            (:data:`COMPLETION_ENDPOINTS`).
+        body: the request body: JSON bytes, a decoded JSON object, or the already decoded
+            request Struct of ``endpoint``. ``stream`` must be false or absent.
+        priority: ``Priority.INTERACTIVE`` (``/v1``) or ``Priority.BATCH`` (Batch API rows:
+            granted after every waiting interactive request, held by a quiesce as a
+            ``held_batch_chunks`` chunk; contract 7). A full interactive queue refuses
+            interactive requests only.
+        load_policy: the ``X-miLLM-Load-Policy`` value, ``"auto"`` (None) or ``"refuse"`` (a
+            batch never loads a model, so its rows pass ``"refuse"``).
+        cancelled: polled about every 50 ms while the request waits for its slot and while it
+            generates; once it returns True the request stops within a decode step and
+            :class:`RequestCancelled` is raised. None: only task cancellation stops it.
+        check_in_slot: called with the resident inside the slot, after the lifecycle confirmed
+            the request and before the forward pass; whatever it raises propagates, the slot
+            given back and nothing generated (the Batch API raises ``RowDeferred`` there).
+
+    Returns:
+        :class:`CompletionResult`: the body ``/v1`` answers with status 200 and the
+        ``X-miLLM-Model`` record.
+
+    Raises:
+        ApiError: every refusal ``/v1`` answers (400 INVALID_REQUEST naming the field, 404
+            MODEL_NOT_FOUND, 409 MODEL_NOT_LOADED / ALREADY_ATTACHED / WEIGHTS_UNSAVED /
+            MODEL_BUSY, 503 WEIGHTS_TORN / QUEUE_FULL, 500 GENERATION_FAILED, ...); render it
+            with :func:`miserver.http.errors.openai_error_body` and ``err.status``.
+        RequestCancelled: ``cancelled()`` returned True before the answer was complete.
+        ValueError: ``endpoint`` is not a completion endpoint or ``priority`` is the barrier's.
+    """
+    if priority not in (Priority.INTERACTIVE, Priority.BATCH):
+        raise ValueError(f"priority must be INTERACTIVE or BATCH, got {priority!r}")
+    req = _decode(endpoint, body)
+    if req.stream:
+        raise _bad("stream must be false or absent: this answer is not streamed", "stream")
+    job = await _prepare(app, req, load_policy)
+    async with _generation(app, job, priority, cancelled, check_in_slot) as (
+        _,
+        events,
+        first,
+        header,
+    ):
+        answer = await _collect(job, events, first)
+    return CompletionResult(answer, header)
+
+
+async def _collect(job: _Job, events: Any, first: Started) -> dict[str, Any]:
     text_parts: list[str] = []
     lps: list[TokenLogprob] = []
     fin: Finished | None = None
@@ -454,7 +603,7 @@ async def _collect(job: _Job, events: Any, first: Started, header: str) -> web.R
         raise ApiError(codes.GENERATION_FAILED, str(exc)) from exc
     assert fin is not None
     if fin.finish_reason == "cancelled":
-        raise ClientGone
+        raise RequestCancelled
     text = "".join(text_parts)
     created = int(time.time())
     name = job.resident.served_name
@@ -499,7 +648,7 @@ async def _collect(job: _Job, events: Any, first: Started, header: str) -> web.R
             ],
             "usage": _usage(fin),
         }
-    return json_response(body, headers={HEADER: header})
+    return body
 
 
 def _sse(payload: Any) -> bytes:
@@ -636,7 +785,7 @@ def _instrumented(handler: Handler) -> Handler:
         except ApiError as err:
             _count(request, "refused", err.code.name)
             raise
-        except ClientGone:
+        except RequestCancelled:
             _count(request, "refused", _DISCONNECTED)
             return web.Response(status=499)  # never delivered: the client is gone
         except (ConnectionError, asyncio.CancelledError):
@@ -668,16 +817,38 @@ def _instrumented(handler: Handler) -> Handler:
 
 
 # --- handlers ---------------------------------------------------------------------------------
+async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
+    """Decode the body once; a stream is answered here, anything else by
+    :func:`run_completion` (the path batch rows take too)."""
+    req = _decode(endpoint, await _read_body(request))
+    load_policy = request.headers.get(LOAD_POLICY_HEADER)
+
+    def client_gone() -> bool:
+        return _client_gone(request)
+
+    if not req.stream:
+        result = await run_completion(
+            request.app, endpoint, req, load_policy=load_policy, cancelled=client_gone
+        )
+        return json_response(result.body, headers=result.headers)
+    job = await _prepare(request.app, req, load_policy)
+    async with _generation(request.app, job, Priority.INTERACTIVE, client_gone, None) as (
+        gen,
+        events,
+        first,
+        header,
+    ):
+        return await _stream(request, job, gen, events, first, header)
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/chat/completions``."""
-    job = await _prepare_chat(request, await _read_body(request))
-    return await _run(request, job)
+    return await _serve(request, "/v1/chat/completions")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/completions`` (``echo`` and ``logprobs`` score a text under the weights)."""
-    job = await _prepare_completion(request, await _read_body(request))
-    return await _run(request, job)
+    return await _serve(request, "/v1/completions")
 
 
 def _epoch(created_at: str) -> int:

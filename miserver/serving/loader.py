@@ -90,7 +90,9 @@ def check_loadable(row: CatalogueRow) -> None:
         )
 
 
-def make_attachable(model: torch.nn.Module, settings: Settings) -> Any:
+def make_attachable(
+    model: torch.nn.Module, settings: Settings, *, device: torch.device | str | None = None
+) -> Any:
     """Place the parameters of ``model`` in one shared allocation so a trainer can attach.
 
     Weights page "Which models can be attached" (the ``allocator`` row): when
@@ -99,6 +101,12 @@ def make_attachable(model: torch.nn.Module, settings: Settings) -> Any:
     allocation (:func:`miserver.ipc.arena.make_attachable`) and the arena is returned. Otherwise
     nothing changes and this returns None, so attach answers 400 NOT_ATTACHABLE (``allocator``
     or an earlier reason).
+
+    ``device``: where the model is to be served when that is not where its parameters are now
+    (a model read on the CPU and served from a GPU). The decision is taken for ``device``, and
+    the parameters are copied straight from where they are into the arena there, with the
+    buffers moved along, so the card never holds the model twice. When None to return, the
+    model is left where it is (the caller moves it).
     """
     from miserver.ipc import arena as ipc_arena
     from miserver.ipc.attachability import should_make_attachable
@@ -107,16 +115,37 @@ def make_attachable(model: torch.nn.Module, settings: Settings) -> Any:
     quantized = getattr(model, "is_quantized", False) or (
         getattr(config, "quantization_config", None) is not None
     )
+    target = torch.device(device) if device is not None else None
     if not should_make_attachable(
         fmt="safetensors",
         quantization="quantized" if quantized else "none",
         param_dtypes=ipc_arena.parameter_dtypes(model),
-        devices=ipc_arena.parameter_devices(model),
+        devices=[str(target)] if target is not None else ipc_arena.parameter_devices(model),
         has_trainer_token=settings.has_trainer_token,
         cpu_attach=settings.weights_cpu_attach,
     ):
         return None
-    return ipc_arena.make_attachable(model, cpu_shared=settings.weights_cpu_attach)
+    return ipc_arena.make_attachable(model, cpu_shared=settings.weights_cpu_attach, device=target)
+
+
+def place_model(model: torch.nn.Module, settings: Settings, device: torch.device) -> Any:
+    """Put a model read on the CPU onto ``device``, in an arena when the load is attachable.
+
+    Returns the :class:`miserver.ipc.arena.ParameterArena`, or None (not attachable).
+
+    On CUDA an attachable load is copied parameter by parameter from the CPU straight into the
+    arena on the card (one copy there, never two: moving the model first and then into the
+    arena briefly doubled it). Every other load moves with ``model.to(device)``, and a CPU load
+    with ``WEIGHTS_CPU_ATTACH=1`` is then placed in a CPU shared-memory arena.
+    """
+    if device.type == "cuda":
+        arena = make_attachable(model, settings, device=device)
+        if arena is not None:
+            return arena
+        model.to(device)
+        return None
+    model.to(device)
+    return make_attachable(model, settings)
 
 
 def load_model(row: CatalogueRow, settings: Settings) -> LoadedModel:
@@ -139,18 +168,17 @@ def load_model(row: CatalogueRow, settings: Settings) -> LoadedModel:
     dtype = TORCH_DTYPES[row.dtype]
     try:
         tokenizer = AutoTokenizer.from_pretrained(row.path)
-        model = AutoModelForCausalLM.from_pretrained(row.path, dtype=dtype)
-        model.to(device)
+        model = AutoModelForCausalLM.from_pretrained(row.path, dtype=dtype)  # on the CPU
         model.eval()
+        arena = place_model(model, settings, device)
     except Exception as exc:  # any failure of a third-party loader: report it, never a 500 page
         log.warning("loading catalogue row %s (%s) failed: %s", row.id, row.name, exc)
         raise ApiError(
             codes.MODEL_LOAD_FAILED,
-            f"catalogue row {row.name!r} could not be loaded from {row.path}: "
+            f"catalogue row {row.name!r} could not be loaded from {row.path} onto {device}: "
             f"{type(exc).__name__}: {str(exc)[:500]}",
             details={"model_id": row.id, "name": row.name, "path": row.path},
         ) from exc
-    arena = make_attachable(model, settings)
     return LoadedModel(
         model=model, tokenizer=tokenizer, device=device, attachable=arena is not None, arena=arena
     )

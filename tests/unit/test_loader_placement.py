@@ -1,0 +1,133 @@
+"""Where the loader puts a model read on the CPU (``miserver.serving.loader.place_model``).
+
+An attachable CUDA load is copied from the CPU straight into the arena on the card (one copy
+there, never two); every other load moves with ``model.to``. No GPU here: the arena's CUDA
+placement is replaced by a recorder (its real path is tested on the card in
+tests/gpu/test_cuda_attach.py and tests/gpu/test_model_host_cuda.py); the CPU paths run for real.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from miserver.ipc import arena as ipc_arena
+from miserver.ipc.arena import ParameterArena
+from miserver.serving.loader import place_model
+from miserver.spec.settings import Settings, WeightsToken
+
+TOKEN = WeightsToken(label="forge", role="trainer", secret="s" * 24)
+CUDA = torch.device("cuda", 0)
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(8, 4)
+        self.norm = torch.nn.LayerNorm(4)
+        self.head = torch.nn.Linear(4, 8, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("inv_freq", torch.ones(2))
+
+
+def model(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    return Tied().to(dtype)
+
+
+class Recorder:
+    """Stands in for ``model.to`` and the CUDA arena placement, noting each call."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, m: torch.nn.Module) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.model = m
+        real_to = m.to
+
+        def to(*args: Any, **kwargs: Any) -> torch.nn.Module:
+            self.calls.append(("to", torch.device(args[0]) if args else kwargs.get("device")))
+            if args and torch.device(args[0]).type == "cuda":
+                return m  # no card here: note the call only
+            return real_to(*args, **kwargs)
+
+        monkeypatch.setattr(m, "to", to)
+        real_place = ipc_arena.make_attachable
+
+        def fake_place(mod: torch.nn.Module, *, cpu_shared: bool, device: Any = None) -> Any:
+            devices = {str(p.device) for p in mod.parameters()}
+            self.calls.append(("arena", (device, cpu_shared, frozenset(devices))))
+            if device is not None and torch.device(device).type == "cuda":
+                return "cuda-arena"
+            return real_place(mod, cpu_shared=cpu_shared, device=device)
+
+        monkeypatch.setattr(ipc_arena, "make_attachable", fake_place)
+
+
+def settings(tmp_path, **kw: Any) -> Settings:
+    return Settings(home=str(tmp_path), **kw)
+
+
+def test_an_attachable_cuda_load_goes_from_the_cpu_straight_into_the_arena(tmp_path, monkeypatch):
+    m = model()
+    rec = Recorder(monkeypatch, m)
+    arena = place_model(m, settings(tmp_path, weights_tokens=(TOKEN,)), CUDA)
+    assert arena == "cuda-arena"
+    # never model.to(cuda): the arena is the only copy on the card, filled from the CPU
+    assert rec.calls == [("arena", (CUDA, False, frozenset({"cpu"})))]
+
+
+@pytest.mark.parametrize(
+    "kw, dtype",
+    [
+        ({}, torch.bfloat16),  # no trainer token
+        ({"weights_tokens": (TOKEN,)}, torch.float32),  # FP32 is never attachable
+    ],
+    ids=["no-token", "fp32"],
+)
+def test_a_cuda_load_that_is_not_attachable_moves_with_to(tmp_path, monkeypatch, kw, dtype):
+    m = model(dtype)
+    rec = Recorder(monkeypatch, m)
+    assert place_model(m, settings(tmp_path, **kw), CUDA) is None
+    assert rec.calls == [("to", CUDA)]
+
+
+def test_a_cpu_attach_load_is_placed_in_cpu_shared_memory_as_before(tmp_path, monkeypatch):
+    m = model()
+    rec = Recorder(monkeypatch, m)
+    arena = place_model(
+        m, settings(tmp_path, weights_tokens=(TOKEN,), weights_cpu_attach=True), torch.device("cpu")
+    )
+    assert isinstance(arena, ParameterArena) and arena.cpu_shared
+    assert rec.calls == [("to", torch.device("cpu")), ("arena", (None, True, frozenset({"cpu"})))]
+    assert m.head.weight is m.embed.weight  # the tie survives the placement
+    assert ipc_arena.is_in_arena(arena, m.parameters())
+    assert sorted(arena.slots) == ["embed.weight", "head.weight", "norm.bias", "norm.weight"]
+    assert arena.slots["head.weight"].tied_to == "embed.weight"
+
+
+def test_a_cpu_load_without_attach_gets_no_arena(tmp_path, monkeypatch):
+    m = model()
+    rec = Recorder(monkeypatch, m)
+    assert place_model(m, settings(tmp_path, weights_tokens=(TOKEN,)), torch.device("cpu")) is None
+    assert rec.calls == [("to", torch.device("cpu"))]
+
+
+def test_a_placement_failure_is_model_load_failed_naming_the_device(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    from miserver.http.errors import ApiError
+    from miserver.serving.catalogue import Catalogue
+    from miserver.serving.loader import load_model
+    from miserver.spec import codes
+
+    def oom(*args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 270.00 MiB")
+
+    monkeypatch.setattr(ipc_arena, "make_attachable", oom)
+    row = Catalogue(tmp_path).register(
+        name="tiny", format="safetensors", dtype="bfloat16", path=tiny_model_dir
+    )
+    with pytest.raises(ApiError) as info:
+        load_model(row, settings(tmp_path, weights_tokens=(TOKEN,), weights_cpu_attach=True))
+    assert info.value.code == codes.MODEL_LOAD_FAILED
+    assert "onto cpu" in str(info.value) and "OutOfMemoryError" in str(info.value)

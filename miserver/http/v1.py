@@ -134,7 +134,10 @@ async def admit(app: web.Application, model: str, load_policy: str | None = None
                 param="model",
             )
         row_id = row.id
-    await app[keys.WEIGHTS].admit_v1(refuse_policy=policy == "refuse", row_id=row_id)
+    try:
+        await app[keys.WEIGHTS].admit_v1(refuse_policy=policy == "refuse", row_id=row_id)
+    except ApiError as err:
+        raise _lifecycle_refusal(err) from None
     resident = host.resident
     if resident is None:  # the auto-load's own error was raised above; this is a race
         raise ApiError(
@@ -144,6 +147,45 @@ async def admit(app: web.Application, model: str, load_policy: str | None = None
             headers={"Retry-After": "1"},
         )
     return resident
+
+
+def _lifecycle_refusal(err: ApiError) -> ApiError:
+    """A lifecycle refusal as ``/v1`` answers it: the same code, status, reason and headers,
+    with what its ``details`` say written into the message.
+
+    ``/v1`` error bodies have OpenAI's shape only (``message``, ``type``, ``param``, ``code``;
+    contract 2), so the facts a management body carries in ``details`` must be in the message:
+    for 409 WEIGHTS_UNSAVED the resident's served name, the number of unsaved commits and the
+    ways forward (weights page: Unsaved commits and the auto-load); for 409 ALREADY_ATTACHED the
+    holder's role, label, state and attached_at (weights page: The write cycle 1). Other
+    refusals come back unchanged (503 WEIGHTS_TORN already names ``POST /api/weights/load``).
+    """
+    details = err.details or {}
+    extra = ""
+    if err.code is codes.WEIGHTS_UNSAVED and "unsaved_commits" in details:
+        n = details.get("unsaved_commits")
+        ways = details.get("ways_forward") or ()
+        extra = (
+            f" {details.get('served_name')!s} carries {n} unsaved commit"
+            f"{'' if n == 1 else 's'}; to serve another model: " + "; or ".join(map(str, ways))
+        )
+    elif err.code is codes.ALREADY_ATTACHED and isinstance(details.get("holder"), dict):
+        h = details["holder"]
+        extra = (
+            f" Attached by {h.get('role')} {h.get('label')!r} ({h.get('state')}) since "
+            f"{h.get('attached_at')}; no model is loaded or swapped until it detaches."
+        )
+    if not extra:
+        return err
+    return ApiError(
+        err.code,
+        err.message.rstrip() + extra.rstrip(".") + ".",
+        reason=err.reason,
+        details=err.details,
+        status=err.status,
+        param=err.param,
+        headers=err.headers,
+    )
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -214,6 +256,9 @@ async def _acquire_slot(
         # Inside the slot: the table must still admit this request (the set may have torn
         # while it waited; weights page: States).
         await app[keys.WEIGHTS].confirm_v1()
+    except ApiError as err:
+        scheduler.release()
+        raise _lifecycle_refusal(err) from None
     except BaseException:
         scheduler.release()
         raise

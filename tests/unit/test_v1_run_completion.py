@@ -214,3 +214,55 @@ async def test_check_in_slot_runs_inside_the_slot_and_gives_it_back(client: Test
         await run_completion(app, CHAT, chat(), priority=Priority.BATCH, check_in_slot=check)
     assert seen == [1]  # called holding the slot
     assert scheduler.counts().running == 0  # and the slot was given back
+
+
+async def test_lifecycle_refusals_name_their_details_in_the_openai_message(
+    tmp_path: Path, tiny_model_dir: str
+):
+    """Weights page, Unsaved commits: the message names the resident's served name, the number
+    of unsaved commits and the ways forward; /v1 bodies keep OpenAI's four fields (contract 2),
+    so the message carries them. ALREADY_ATTACHED names the holder the same way."""
+    import torch
+
+    from tests.unit.test_weights_routes import TRN, auth, make_client, post
+
+    c = await make_client(tmp_path, tiny_model_dir)
+    try:
+        app = c.server.app
+        app[keys.CATALOGUE].register(
+            name="tiny-b", format="safetensors", dtype="bfloat16", path=tiny_model_dir
+        )
+        st, body, _ = await post(c, "/api/weights/attach", auth(TRN))
+        assert st == 200, body
+        h = auth(TRN, body["data"]["attachment_id"])
+        other = {**chat(), "model": "tiny-b"}
+
+        resp = await c.post(CHAT, json=other)
+        attached = (await resp.json())["error"]
+        assert (resp.status, attached["code"]) == (409, "already_attached")
+        assert "trainer 'trn' (active)" in attached["message"]
+
+        for path in ("quiesce", "commit-begin"):
+            assert (await post(c, f"/api/weights/{path}", h))[0] == 200
+        with torch.no_grad():
+            app[keys.HOST].resident.model.model.norm.weight.add_(0.5)
+        for path in ("commit-end", "resume", "detach"):
+            assert (await post(c, f"/api/weights/{path}", h))[0] == 200
+
+        resp = await c.post(CHAT, json=other)
+        over_http = await resp.json()
+        err = over_http["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert (resp.status, err["code"], err["type"]) == (
+            409,
+            "weights_unsaved",
+            "invalid_request_error",
+        )
+        for words in ("tiny carries 1 unsaved commit;", "POST /api/weights/save", "/load"):
+            assert words in err["message"], err["message"]
+        with pytest.raises(ApiError) as info:
+            await run_completion(app, CHAT, other, priority=Priority.BATCH, load_policy="auto")
+        assert openai_error_body(info.value) == over_http
+        assert app[keys.HOST].resident.row.name == "tiny"  # nothing was loaded
+    finally:
+        await c.close()

@@ -242,7 +242,7 @@ async def cancel_batch(request: web.Request) -> web.Response:
         obj = _store(request).cancel_batch(batch_id)
     except BatchRequestError as exc:
         raise _api_error(exc) from None
-    _runner(request).wake()
+    _runner(request).cancel(batch_id)  # a row held by a quiesce or generating stops now
     return json_response(obj)
 
 

@@ -1033,6 +1033,8 @@ class BatchRunner:
         self._task: asyncio.Task[None] | None = None
         self.rows_run = 0
         self._current: tuple[str, str] | None = None  # (batch_id, model) inside execute_row
+        self._row_task: asyncio.Future[tuple[int, dict[str, str], dict[str, Any]]] | None = None
+        self._stopping_row: asyncio.Future[Any] | None = None  # the row cancel() stopped
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -1056,6 +1058,21 @@ class BatchRunner:
     def wake(self) -> None:
         """Look for work now (a batch was created or cancelled)."""
         self._wake.set()
+
+    def cancel(self, batch_id: str) -> None:
+        """Act on a cancel now (call it after :meth:`BatchStore.cancel_batch`).
+
+        A row of ``batch_id`` inside ``execute_row`` (held in the scheduler by a quiesce, or
+        generating) is stopped: its task is cancelled, it keeps no result, and its slot or its
+        place in the queue is given back; the batch then ends ``cancelled`` with the results
+        recorded so far, without waiting for the quiesce to end or the row to finish. Rows of
+        other batches are not touched. Wakes the runner.
+        """
+        task, current = self._row_task, self._current
+        if task is not None and not task.done() and current is not None and current[0] == batch_id:
+            self._stopping_row = task
+            task.cancel()
+        self.wake()
 
     def waiting_reason(self, batch_id: str) -> str | None:
         """The batch's current ``waiting_reason`` (null while it runs or once it ended).
@@ -1177,14 +1194,18 @@ class BatchRunner:
             if reason in BLOCKING_REASONS:
                 return ran
             self._current = (batch_id, model)
+            task = self._row_task = asyncio.ensure_future(
+                self.executor.execute_row(row.method, row.url, dict(row.body))
+            )
             try:
-                status, headers, body = await self.executor.execute_row(
-                    row.method, row.url, dict(row.body)
-                )
+                status, headers, body = await task
             except RowDeferred as exc:
                 self._waiting[batch_id] = exc.reason or None
                 return ran
             except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if self._stopping_row is task and (current is None or not current.cancelling()):
+                    return True  # cancel(): the row keeps no result; the next step finishes
                 raise
             except Exception as exc:  # noqa: BLE001 - a bug in one row must not stop the batch
                 key = (batch_id, row.idx)
@@ -1212,6 +1233,8 @@ class BatchRunner:
                         }
                     },
                 )
+            finally:
+                self._row_task = self._stopping_row = None
             deferred = deferral_of(status, body)
             if deferred is not None:
                 self._waiting[batch_id] = deferred or None

@@ -475,6 +475,61 @@ async def test_cancel_keeps_results_so_far(store: BatchStore):
         store.cancel_batch(other["id"])
 
 
+async def test_a_cancel_stops_the_row_in_flight_and_only_that_batch(store: BatchStore):
+    """A row held in the scheduler (or generating) when its batch is cancelled stops at once:
+    no result, the batch ends cancelled; a row of another batch is not touched."""
+    b = new_batch(store, [line("held"), line("never")])
+    ex = FakeExecutor()
+    runner = BatchRunner(store, ex, poll_s=0.01)
+    started, stopped = asyncio.Event(), asyncio.Event()
+    real = ex.execute_row
+
+    async def held(method, url, body):
+        if body["messages"][0]["content"] == "held":
+            started.set()
+            try:
+                await asyncio.Event().wait()  # a quiesce that never ends
+            except asyncio.CancelledError:
+                stopped.set()
+                raise
+        return await real(method, url, body)
+
+    ex.execute_row = held  # type: ignore[method-assign]
+    task = asyncio.create_task(runner.run_until_idle())
+    await asyncio.wait_for(started.wait(), 5)
+    runner.cancel("batch_other")  # another batch's cancel leaves the row running
+    await asyncio.sleep(0.05)
+    assert not stopped.is_set() and not task.done()
+    assert store.cancel_batch(b["id"])["status"] == "cancelling"
+    runner.cancel(b["id"])
+    await asyncio.wait_for(task, 5)
+    assert stopped.is_set()
+    done = store.get_batch(b["id"])
+    assert done["status"] == "cancelled"
+    assert done["request_counts"] == {"total": 2, "completed": 0, "failed": 0}
+    assert ex.calls == Counter()  # neither row produced an answer
+    other = new_batch(store, [line("z")])
+    await runner.run_until_idle()
+    assert store.get_batch(other["id"])["status"] == "completed"
+
+
+async def test_stopping_the_runner_is_not_a_cancel(store: BatchStore):
+    b = new_batch(store, [line("a")])
+    ex = FakeExecutor()
+    runner = BatchRunner(store, ex)
+    started = asyncio.Event()
+
+    async def held(method, url, body):
+        started.set()
+        await asyncio.Event().wait()
+
+    ex.execute_row = held  # type: ignore[method-assign]
+    runner.start()
+    await asyncio.wait_for(started.wait(), 5)
+    await runner.stop()
+    assert store.get_batch(b["id"])["status"] == "in_progress"  # runs again after a restart
+
+
 async def test_the_completion_window_expires_waiting_rows(tmp_path: Path):
     now = [1_000_000.0]
     store = BatchStore(tmp_path, clock=lambda: now[0])
@@ -912,6 +967,27 @@ async def test_a_quiesce_holds_the_next_chunk_in_the_scheduler(live):
         scheduler.barrier_release()
     done = await _poll(live, b["id"], lambda x: x["status"] == "completed")
     assert done["request_counts"]["completed"] == 2 and done["waiting_reason"] is None
+
+
+async def test_a_cancel_releases_a_chunk_held_by_a_quiesce(live):
+    """The held row leaves the scheduler's queue at once; the batch ends cancelled while the
+    barrier is still held (it does not wait for resume)."""
+    from miserver.http import keys
+
+    scheduler = live.server.app[keys.SCHEDULER]
+    await scheduler.barrier_acquire(5.0)
+    try:
+        b = await _start(live, [_tiny_chat("a"), _tiny_chat("b")])
+        await _poll(live, b["id"], lambda x: x["waiting_reason"] == "quiesced")
+        await _poll(live, b["id"], lambda _x: scheduler.counts().held_batch == 1)
+        r = await live.post(f"/v1/batches/{b['id']}/cancel")
+        assert r.status == 200
+        done = await _poll(live, b["id"], lambda x: x["status"] == "cancelled", timeout_s=5)
+        assert scheduler.barrier_held and scheduler.counts().held_batch == 0
+        assert done["request_counts"] == {"total": 2, "completed": 0, "failed": 0}
+    finally:
+        scheduler.barrier_release()
+    assert scheduler.counts().running == 0
 
 
 async def test_torn_weights_make_the_batch_wait_not_fail(live):

@@ -594,8 +594,9 @@ async def run_completion(
             request Struct of ``endpoint``. ``stream`` must be false or absent.
         priority: ``Priority.INTERACTIVE`` (``/v1``) or ``Priority.BATCH`` (Batch API rows:
             granted after every waiting interactive request, held by a quiesce as a
-            ``held_batch_chunks`` chunk; contract 7). A full interactive queue refuses
-            interactive requests only.
+            ``held_batch_chunks`` chunk; contract 7). Admission counts only interactive
+            waiters: while ``MAX_QUEUED_REQUESTS`` of them wait, either priority is refused
+            503 QUEUE_FULL (a batch row then waits, it does not fail).
         load_policy: the ``X-miLLM-Load-Policy`` value, ``"auto"`` (None) or ``"refuse"`` (a
             batch never loads a model, so its rows pass ``"refuse"``).
         cancelled: polled about every 50 ms while the request waits for its slot and while it

@@ -1,4 +1,5 @@
-"""The model host on a CUDA card: loads land on the card; unload and swap return the memory.
+"""The model host on a CUDA card: loads land on the card with one copy at a time (also an
+attachable load, placed in the parameter arena); unload and swap return the memory.
 
 Skipped without CUDA (run on the GPU machine). The CPU suite covers the same paths on the CPU.
 """
@@ -13,7 +14,7 @@ import torch
 from miserver.serving.catalogue import Catalogue
 from miserver.serving.default_model import model_dir
 from miserver.serving.host import ModelHost
-from miserver.spec.settings import Settings
+from miserver.spec.settings import Settings, WeightsToken
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,30 +25,49 @@ pytestmark = [
 MIB = 1024 * 1024
 
 
-@pytest.fixture
-def host(tmp_path: Path, default_home: str) -> ModelHost:
+TOKEN = WeightsToken(label="forge", role="trainer", secret="s" * 24)
+
+
+def make_host(tmp_path: Path, default_home: str, attach: bool) -> ModelHost:
     cat = Catalogue(tmp_path)
     for name in ("smol-a", "smol-b"):
         cat.register(
             name=name, format="safetensors", dtype="bfloat16", path=str(model_dir(default_home))
         )
-    return ModelHost(Settings(home=str(tmp_path), device="cuda:0"), cat)
+    tokens = (TOKEN,) if attach else ()
+    return ModelHost(Settings(home=str(tmp_path), device="cuda:0", weights_tokens=tokens), cat)
 
 
-async def test_load_unload_and_swap_return_cuda_memory(host: ModelHost) -> None:
+@pytest.mark.parametrize("attach", [False, True], ids=["attach-off", "attach-on"])
+async def test_load_unload_and_swap_return_cuda_memory(
+    tmp_path: Path, default_home: str, attach: bool
+) -> None:
+    # One coroutine, no yield between the steps: before the fix the load's asyncio futures
+    # kept the last model (269 MB) through the unload. tests/gpu/diagnose_cuda_unload.py tells
+    # what holds the memory when this fails.
+    host = make_host(tmp_path, default_home, attach)
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated(0)
+    torch.cuda.reset_peak_memory_stats(0)
     resident = await host.ensure_for_request("smol-a")
     assert resident.device == torch.device("cuda:0")
+    assert resident.attachable == attach and (resident.arena is not None) == attach
     assert {p.device.type for p in resident.model.parameters()} == {"cuda"}
+    assert {b.device.type for b in resident.model.buffers()} == {"cuda"}
     assert {p.dtype for p in resident.model.parameters()} == {torch.bfloat16}
+    assert resident.model.lm_head.weight is resident.model.model.embed_tokens.weight
     one_model = torch.cuda.memory_allocated(0) - baseline
     assert one_model > 200 * MIB  # 134.5M bf16 parameters
+    # one copy on the card while loading (an attachable load goes from the CPU straight into
+    # the arena; it used to move to the card first, then copy into the arena: two copies)
+    assert torch.cuda.max_memory_allocated(0) - baseline < one_model + 16 * MIB
     del resident
 
-    await host.ensure_for_request("smol-b")  # a swap: never two models at once afterwards
+    torch.cuda.reset_peak_memory_stats(0)
+    await host.ensure_for_request("smol-b")  # a swap: never two models at once
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated(0) - baseline < one_model + 16 * MIB
+    assert torch.cuda.max_memory_allocated(0) - baseline < one_model + 16 * MIB
 
     await host.unload()
     torch.cuda.synchronize()

@@ -168,6 +168,10 @@ class ModelHost:
         self.resident: Resident | None = None
         #: Extra refusal checks run by :meth:`_check_transition` (issue 5 plugs in here).
         self.transition_guards: list[TransitionGuard] = []
+        #: Called with the resident being dropped (unload, swap, reload, shutdown) before its
+        #: memory is freed: a part that keeps state about the served model (an applied adapter
+        #: holds the model) forgets it here, or the unload frees nothing.
+        self.drop_hooks: list[Callable[[Resident], None]] = []
         catalogue.set_resident(None)
 
     # --- state ---------------------------------------------------------------------------------
@@ -326,12 +330,19 @@ class ModelHost:
     def _drop_resident(self) -> None:
         if self.resident is None:
             return
-        name = self.resident.row.name
+        dropped = self.resident
+        name = dropped.row.name
         self.resident = None
         self.catalogue.set_resident(None)
         if self.metrics:
             self.metrics.model_unloads.inc()
             self.metrics.set_resident(None)
+        for hook in self.drop_hooks:
+            try:
+                hook(dropped)
+            except Exception:  # a hook's bug must not keep the model resident
+                log.exception("a drop hook failed for model %s", name)
+        del dropped
         free_memory()
         log.info("model %s unloaded", name)
 

@@ -156,6 +156,7 @@ class WeightsJobs:
         runtime.register_job("save", self.save)
         runtime.register_job("weights_load", self.weights_load)
         runtime.register_job("adapter", self.adapter)
+        self.host.drop_hooks.append(self._forget_adapter)
         if self.root.exists():
             checkpoints.remove_partial_saves(self.root)
 
@@ -236,6 +237,12 @@ class WeightsJobs:
             "origin": "checkpoint" if plan.row.origin == "checkpoint" else "model",
             "response": {"in_place": plan.in_place},
         }
+
+    def _forget_adapter(self, _dropped: Any) -> None:
+        """The model host dropped the resident (unload, swap): its adapter went with it, and
+        the applied adapter must not keep the dropped model alive."""
+        self.applied = None
+        self.name_before_adapter = None
 
     async def adapter(self, params: dict[str, Any]) -> dict[str, Any]:
         body = params["body"]

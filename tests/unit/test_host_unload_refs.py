@@ -189,3 +189,49 @@ async def test_attach_detach_swap_unload_over_http_frees_everything(
         assert second.alive() == []
     finally:
         await client.close()
+
+
+def make_adapter(model_dir: str, out: Path) -> Path:
+    """A LoRA adapter (q_proj, v_proj) for the tiny model, saved as PEFT does."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    peft_model = get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    )
+    peft_model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("then", ["unload", "swap"])
+async def test_an_adapter_applied_at_unload_or_swap_keeps_nothing(tmp_path, tiny_model_dir, then):
+    adapter = make_adapter(tiny_model_dir, tmp_path / "lora")
+    client = await make_client(tmp_path, tiny_model_dir, attach=True)
+    try:
+        host = client.app[keys.HOST]
+        ids = {r.name: r.id for r in host.catalogue.list()}
+        resp = await client.post(
+            "/api/weights/adapter", json={"name": "tiny-lora", "path": str(adapter)}
+        )
+        assert resp.status == 200, await resp.text()
+        del resp
+        refs = Refs(host.resident)
+        if then == "unload":
+            status, body = await post(client, f"/api/models/{ids['tiny-a']}/unload")
+        else:
+            status, body = await post(client, f"/api/models/{ids['tiny-b']}/load")
+        assert status == 200, body
+        assert refs.alive() == []
+        resp = await client.get("/api/weights/adapter")
+        assert (await resp.json())["data"] == {"applied": False}
+        if then == "swap":  # the dropped model's adapter is not removed from the new one
+            resp = await client.delete("/api/weights/adapter")
+            assert resp.status == 200 and (await resp.json())["data"] == {"applied": False}
+            resp = await client.post(
+                "/api/weights/adapter", json={"name": "tiny-lora", "path": str(adapter)}
+            )
+            assert resp.status == 200, await resp.text()
+    finally:
+        await client.close()

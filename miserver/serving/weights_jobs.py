@@ -215,9 +215,9 @@ class WeightsJobs:
 
     async def weights_load(self, params: dict[str, Any]) -> dict[str, Any]:
         plan: LoadPlan = params["plan"]
-        resident = self.host.resident
         mark_writing = params["mark_writing"]
         if plan.in_place:
+            resident = self.host.resident  # not before a reload: it would keep the old model
             await mark_writing()
             try:
                 await asyncio.to_thread(checkpoints.load_in_place, resident.model, plan.handle)

@@ -25,6 +25,7 @@ from miserver.spec.settings import Settings, WeightsToken, load_settings
 
 TOKEN = WeightsToken(label="forge", role="trainer", secret="t" * 24)
 TRN = "trainer-secret-0123456789"
+OPS = "operator-secret-0123456789"
 
 
 def host_settings(home: Path, attach: bool) -> Settings:
@@ -130,7 +131,7 @@ async def make_client(tmp_path: Path, model_dir: str, attach: bool) -> TestClien
         "MISERVER_HOME": str(home),
         "DEFAULT_MODEL": "tiny-a",
         "DEVICE": "cpu",
-        "WEIGHTS_TOKENS": f"trn:trainer:{TRN}",
+        "WEIGHTS_TOKENS": f"trn:trainer:{TRN},ops:operator:{OPS}",
         "WEIGHTS_AUDIT_LOG": str(tmp_path / "audit.jsonl"),
     }
     if attach:
@@ -142,8 +143,10 @@ async def make_client(tmp_path: Path, model_dir: str, attach: bool) -> TestClien
     return client
 
 
-async def post(client: TestClient, path: str, headers: dict | None = None) -> tuple[int, dict]:
-    resp = await client.post(path, headers=headers or {})
+async def post(
+    client: TestClient, path: str, headers: dict | None = None, body: Any = None
+) -> tuple[int, dict]:
+    resp = await client.post(path, headers=headers or {}, json=body)
     return resp.status, await resp.json()
 
 
@@ -233,5 +236,38 @@ async def test_an_adapter_applied_at_unload_or_swap_keeps_nothing(tmp_path, tiny
                 "/api/weights/adapter", json={"name": "tiny-lora", "path": str(adapter)}
             )
             assert resp.status == 200, await resp.text()
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("attach", [False, True], ids=["attach-off", "attach-on"])
+async def test_a_weights_load_of_another_model_frees_the_old_one_before_loading(
+    tmp_path, tiny_model_dir, attach
+):
+    # POST /api/weights/load {"model_id"} (contract 5) reloads through the host inside the
+    # barrier: the old model must be gone before the new one is read (one copy on the card).
+    client = await make_client(tmp_path, tiny_model_dir, attach)
+    try:
+        host = client.app[keys.HOST]
+        ids = {r.name: r.id for r in host.catalogue.list()}
+        old = Refs(host.resident)
+        alive_at_load: list[list[str]] = []
+        real_loader = host._loader
+
+        def loader(row: CatalogueRow, settings: Settings) -> loader_module.LoadedModel:
+            alive_at_load.append(old.alive())
+            return real_loader(row, settings)
+
+        host._loader = loader
+        status, body = await post(
+            client,
+            "/api/weights/load",
+            {"Authorization": f"Bearer {OPS}"},
+            {"model_id": ids["tiny-b"]},
+        )
+        assert status == 200, body
+        assert host.resident.row.name == "tiny-b"
+        assert alive_at_load == [[]]
+        assert old.alive() == []
     finally:
         await client.close()

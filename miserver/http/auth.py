@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
+from functools import lru_cache
 
 from miserver.spec.settings import WeightsToken
 
@@ -75,6 +76,11 @@ def attachment_ref(attachment_id: str | None) -> str | None:
     """The 8-character reference the audit log carries instead of the ID (a keyed hash)."""
     if attachment_id is None:
         return None
+    return _ref(attachment_id)
+
+
+@lru_cache(maxsize=16)  # every gated call of one attachment asks for the same reference
+def _ref(attachment_id: str) -> str:
     return hmac.new(_REF_KEY, attachment_id.encode(), hashlib.sha256).hexdigest()[:8]
 
 

@@ -18,6 +18,7 @@ from aiohttp import web
 from miserver.http import keys
 from miserver.http.auth import ATTACHMENT_HEADER, Caller, identify
 from miserver.http.errors import ApiError, ok
+from miserver.http.management import decode_body as decode_management_body
 from miserver.serving.weights_runtime import CallResult, WeightsRuntime
 from miserver.spec import codes
 from miserver.spec import weights as W
@@ -35,10 +36,15 @@ async def decode_body(request: web.Request, struct: type[msgspec.Struct]) -> Any
 
     Raises ApiError 400 INVALID_REQUEST naming the field (never echoing the body).
     """
-    from miserver.http.management import decode_body as decode_management_body
-
     raw = await request.read()
-    return decode_management_body(raw if raw.strip() else b"{}", struct)
+    if not raw.strip():
+        if struct is W.EmptyRequest:
+            return _EMPTY  # the barrier calls: no body, nothing to decode
+        raw = b"{}"
+    return decode_management_body(raw, struct)
+
+
+_EMPTY = W.EmptyRequest()
 
 
 async def _gated(

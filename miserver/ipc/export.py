@@ -98,14 +98,16 @@ def moved_parameters_fast(arena: ParameterArena) -> list[str]:
     """The recorded parameters whose address changed since the arena recorded them, reading
     each through its owning module (no walk of the module tree): a parameter replaced in its
     module, or whose ``.data`` was rebound, is listed. New modules are not seen here; the full
-    :func:`moved_parameters` covers them. Sorted. About 0.1 ms for 300 parameters."""
-    moved = []
+    :func:`moved_parameters` covers them. Sorted. About 40 us for 300 parameters on a CPU core
+    (it runs at every commit-end, inside the barrier)."""
     addresses = arena.addresses
-    for name, params, leaf in arena.watch:
-        p = params.get(leaf)
-        if p is None or p.data_ptr() != addresses[name]:
-            moved.append(name)
-    return sorted(moved)
+    moved = [
+        name
+        for name, params, leaf in arena.watch
+        if (p := params.get(leaf)) is None or p.data_ptr() != addresses[name]
+    ]
+    moved.sort()
+    return moved
 
 
 def moved_parameters(arena: ParameterArena, model: torch.nn.Module) -> list[str]:

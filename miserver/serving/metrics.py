@@ -131,11 +131,16 @@ class Metrics:
             registry=r,
         )
         self._hold_started: float | None = None
+        self._call_counters: dict[tuple[str, str, str], Any] = {}  # labels() once per series
 
     def lifecycle_event(self, out: Any) -> None:
         """Record one lifecycle :class:`~miserver.fsm.machine.Outcome` (contract 9)."""
         code = out.code.name if out.code is not None else ""
-        self.weights_calls.labels(trigger=out.trigger, outcome=out.kind, code=code).inc()
+        key = (out.trigger, out.kind, code)
+        counter = self._call_counters.get(key)
+        if counter is None:
+            counter = self._call_counters[key] = self.weights_calls.labels(*key)
+        counter.inc()
         if out.kind != "accepted":
             return
         before, after = out.before.barrier, out.after.barrier

@@ -6,10 +6,15 @@ weights state after the call (``weights_state``) and before it (``weights_state_
 ``elapsed_ms`` and ``steps`` for a commit-end. A token refusal (401/403) is audited too. Lines go
 to the ``miserver.audit`` logger and, with ``WEIGHTS_AUDIT_LOG`` set, are appended to that file,
 flushed per line (contract section 1).
+
+The routes use :meth:`AuditLog.write_soon`: the record is built and stamped when the call is
+decided, and written on the event loop's next turn, after the response has gone out, so a
+barrier call does not wait for its own audit line (lines keep the order of the calls).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from datetime import UTC, datetime
@@ -72,10 +77,8 @@ class AuditLog:
             self._file = self._path.open("a", encoding="utf-8")
 
     def write(self, record: AuditRecord) -> None:
-        if record.operation not in OPERATIONS:
-            raise ValueError(f"unknown audit operation {record.operation!r}")
-        if not record.ts:
-            record.ts = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        """Write ``record`` now. Raises ``ValueError`` for an operation not in :data:`OPERATIONS`."""
+        self._check_and_stamp(record)
         line = self._encoder.encode(record).decode()
         with self._lock:
             self.count += 1
@@ -83,6 +86,24 @@ class AuditLog:
             if self._file is not None:
                 self._file.write(line + "\n")
                 self._file.flush()
+
+    def write_soon(self, record: AuditRecord) -> None:
+        """Check and stamp ``record`` now (``ValueError`` as :meth:`write`); write it on the running
+        event loop's next turn, or at once outside one."""
+        self._check_and_stamp(record)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.write(record)
+            return
+        loop.call_soon(self.write, record)
+
+    @staticmethod
+    def _check_and_stamp(record: AuditRecord) -> None:
+        if record.operation not in OPERATIONS:
+            raise ValueError(f"unknown audit operation {record.operation!r}")
+        if not record.ts:
+            record.ts = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
     def close(self) -> None:
         """Close the audit file (the server's shutdown)."""

@@ -562,7 +562,7 @@ class WeightsRuntime:
             elapsed = out.details.get("commit_ms")
             steps = out.details.get("steps_since_load")
         resident = self.host.resident
-        self.audit.write(
+        self.audit.write_soon(  # after the response is on its way; see AuditLog.write_soon
             AuditRecord(
                 operation=operation,
                 outcome="refused" if refused else "accepted",

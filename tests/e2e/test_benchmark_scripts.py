@@ -51,7 +51,8 @@ def test_weight_sync_runs_every_approach_and_checks_them(tmp_path: Path) -> None
     rows = json.loads((out / "weight_sync.json").read_text())
     by = {(r["approach"], r["size"]): r for r in rows}
     assert set(by) == {
-        ("bare aiohttp", "-"),
+        ("bare aiohttp, back to back", "-"),
+        ("bare aiohttp, same write", "tiny"),
         ("miserver", "tiny"),
         ("baseline (bucketed IPC copy)", "tiny"),
     }
@@ -66,6 +67,9 @@ def test_weight_sync_runs_every_approach_and_checks_them(tmp_path: Path) -> None
     assert base["buckets"] == 1
     assert base["weight_bytes"] == by[("miserver", "tiny")]["weight_bytes"] > 0
     assert "| miserver | tiny |" in proc.stdout
+    # the fair floor has the same step shape: the write sits between commit-begin and end
+    assert by[("bare aiohttp, same write", "tiny")]["write_p50_ms"] > 0
+    assert "miserver minus four bare calls around the same write" in proc.stdout
     assert (out / "weight_sync.png").stat().st_size > 0
 
 

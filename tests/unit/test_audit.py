@@ -72,3 +72,27 @@ def test_file_gets_one_json_line_per_call(tmp_path, caplog):
 def test_unknown_operation_is_refused():
     with pytest.raises(ValueError):
         AuditLog().write(_record(operation="weights_bogus"))
+
+
+async def test_write_soon_writes_after_the_current_turn_in_call_order(tmp_path):
+    import asyncio
+
+    path = tmp_path / "audit.jsonl"
+    audit = AuditLog(str(path))
+    audit.write_soon(_record(operation="weights_quiesce"))
+    audit.write_soon(_record(operation="weights_commit_begin"))
+    assert audit.count == 0  # nothing written inside the deciding turn
+    with pytest.raises(ValueError):
+        audit.write_soon(_record(operation="bogus"))  # refused at once, not later
+    await asyncio.sleep(0)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [x["operation"] for x in lines] == ["weights_quiesce", "weights_commit_begin"]
+    assert all(x["ts"].endswith("Z") for x in lines)
+    audit.close()
+
+
+def test_write_soon_outside_a_loop_writes_at_once(tmp_path):
+    audit = AuditLog(str(tmp_path / "audit.jsonl"))
+    audit.write_soon(_record())
+    assert audit.count == 1
+    audit.close()

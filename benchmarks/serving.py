@@ -96,14 +96,14 @@ def _post(url: str, body: dict, stream: bool) -> tuple[float, float, int, str]:
         return ttft or total, total, tokens, "".join(text)
 
 
-def _start_server(home: str) -> tuple[subprocess.Popen[bytes], str]:
+def _start_server(home: str, device: str) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
     env.update(
         MISERVER_HOME=home,
         PORT=str(port),
         HOST="127.0.0.1",
-        DEVICE="cpu",
+        DEVICE=device,
         LOG_LEVEL="warning",
         LOG_FORMAT="text",
     )
@@ -139,6 +139,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32, help="tokens to generate")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--device", default="cpu", help="cpu, or cuda / cuda:N: the model on that card, both sides"
+    )
+    parser.add_argument(
         "--omp-wait-policy",
         default="PASSIVE",
         choices=("PASSIVE", "ACTIVE"),
@@ -160,11 +163,12 @@ def main() -> int:
     import_default(home, progress=True)
     folder = model_dir(home)
     tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    device = "cuda:0" if args.device == "cuda" else args.device
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval().to(device)
     text = tok.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
-    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
 
-    proc, base = _start_server(home)
+    proc, base = _start_server(home, device)
     url = f"{base}/v1/chat/completions"
     body = {
         "model": "smollm2-135m-instruct",
@@ -251,8 +255,13 @@ def main() -> int:
 
     base = rows["transformers generate"]
     base_ttft, base_total, base_cpu = med(base, 0), med(base, 1), med(base, 2)
+    where = (
+        torch.cuda.get_device_name(device)
+        if device.startswith("cuda")
+        else f"CPU ({torch.get_num_threads()} threads)"
+    )
     print(
-        f"\nSmolLM2-135M-Instruct bf16, CPU ({torch.get_num_threads()} threads), batch 1, "
+        f"\nSmolLM2-135M-Instruct bf16, {where}, batch 1, "
         f"greedy, {ids.shape[1]} prompt tokens, {n_tokens} generated, median of "
         f"{args.repeats}, OMP_WAIT_POLICY={args.omp_wait_policy}, load average "
         f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"

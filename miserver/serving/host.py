@@ -6,9 +6,14 @@ never needs room for two. Loads and unloads are serialised: while one runs, a se
 with 409 MODEL_BUSY (reason ``model_transition``; contract 3). The blocking part of a load runs in
 a worker thread, so the event loop keeps answering (``/api/health``, ``/api/weights/status``).
 
-Every refusal of a load, unload or auto-load is decided in :meth:`ModelHost._check_transition`,
-the single place the weights lifecycle (issue 5) routes through its state machine: attached
-(409 ALREADY_ATTACHED), torn (503 WEIGHTS_TORN), unsaved commits (409 WEIGHTS_UNSAVED).
+The weights lifecycle's refusals of a load, unload or auto-load (attached: 409 ALREADY_ATTACHED,
+torn: 503 WEIGHTS_TORN, unsaved commits: 409 WEIGHTS_UNSAVED, a transition in progress) are
+decided by the lifecycle table before the host is called
+(:meth:`miserver.serving.weights_runtime.WeightsRuntime.model_transition` and ``admit_v1``).
+:meth:`ModelHost._check_transition` keeps what is the host's own: ``X-miLLM-Load-Policy: refuse``
+for an auto-load, and a last 409 MODEL_BUSY should a caller reach the host while a transition
+runs without going through the table (tests, and the runtime's race between admission and a
+slot).
 """
 
 from __future__ import annotations
@@ -37,9 +42,6 @@ from miserver.spec.settings import Settings
 log = logging.getLogger("miserver.host")
 
 TransitionKind = Literal["load", "unload", "auto_load"]
-#: A guard of :meth:`ModelHost._check_transition`: raises :class:`ApiError` to refuse.
-#: Arguments: the kind, the target row (None for an unload of nothing), the resident (or None).
-TransitionGuard = Callable[[TransitionKind, "CatalogueRow | None", "Resident | None"], None]
 LOAD_POLICIES = ("auto", "refuse")
 T = TypeVar("T")
 
@@ -166,8 +168,6 @@ class ModelHost:
         self._lock = asyncio.Lock()
         self._busy: TransitionKind | None = None
         self.resident: Resident | None = None
-        #: Extra refusal checks run by :meth:`_check_transition` (issue 5 plugs in here).
-        self.transition_guards: list[TransitionGuard] = []
         #: Called with the resident being dropped (unload, swap, reload, shutdown) before its
         #: memory is freed: a part that keeps state about the served model (an applied adapter
         #: holds the model) forgets it here, or the unload frees nothing.
@@ -199,9 +199,9 @@ class ModelHost:
     ) -> None:
         """Refuse a load, unload or auto-load, or return to let it run. Changes nothing.
 
-        Order: ``X-miLLM-Load-Policy: refuse`` first (weights page: Unsaved commits), then the
-        lifecycle guards (attached, torn, unsaved commits; issue 5), then a transition already
-        in progress (409 MODEL_BUSY, reason ``model_transition``; contract 3).
+        Order: ``X-miLLM-Load-Policy: refuse`` first (weights page: Unsaved commits), then a
+        transition already in progress (409 MODEL_BUSY, reason ``model_transition``; contract
+        3). The lifecycle's refusals come from the table, before the host is called.
 
         Raises:
             ApiError: the refusal.
@@ -218,8 +218,6 @@ class ModelHost:
                 details={"model": row.name, "model_id": row.id, "resident": resident},
                 param="model",
             )
-        for guard in self.transition_guards:
-            guard(kind, row, self.resident)
         if self._busy is not None:
             raise ApiError(
                 codes.MODEL_BUSY,
@@ -360,17 +358,20 @@ class ModelHost:
                 anything, is not resident), 409 MODEL_BUSY, a lifecycle refusal.
         """
         row = self._row_or_404(row_id) if row_id is not None else None
+        if self._busy is not None:  # a swap has dropped the old model but is not done yet
+            self._check_transition("unload", row)
         resident = self.resident
         if resident is None or (row is not None and resident.row.id != row.id):
-            target = f"catalogue row {row.name!r}" if row else "no model"
+            where = (
+                f"; the resident model is {resident.row.name!r} (id {resident.row.id})"
+                if resident
+                else "; nothing is resident"
+            )
             raise ApiError(
                 codes.MODEL_NOT_LOADED,
-                f"{target} is not resident"
-                + (
-                    f"; the resident model is {resident.row.name!r} (id {resident.row.id})"
-                    if resident
-                    else "; nothing is resident"
-                ),
+                f"catalogue row {row.name!r} is not resident{where}"
+                if row
+                else "nothing is resident",
                 status=409,
                 details={"resident_id": resident.row.id if resident else None},
             )

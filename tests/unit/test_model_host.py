@@ -88,31 +88,6 @@ def test_load_policy_values(value: str) -> None:
     assert normalize_load_policy(" REFUSE ") == "refuse"
 
 
-async def test_transition_guards_refuse_before_anything_changes(host: ModelHost) -> None:
-    await host.ensure_for_request("base")
-    seen: list[tuple[str, str | None, str | None]] = []
-
-    def attached(kind, row, resident) -> None:
-        seen.append((kind, row.name if row else None, resident.row.name if resident else None))
-        raise ApiError(codes.ALREADY_ATTACHED, "attached")
-
-    host.transition_guards.append(attached)
-    for action in (
-        lambda: host.ensure_for_request("other"),
-        lambda: host.load(host.resolve("other").id),
-        lambda: host.unload(),
-    ):
-        with pytest.raises(ApiError) as info:
-            await action()
-        assert info.value.code is codes.ALREADY_ATTACHED
-        assert host.resident.row.name == "base" and not host.busy
-    assert seen == [
-        ("auto_load", "other", "base"),
-        ("load", "other", "base"),
-        ("unload", "base", "base"),
-    ]
-
-
 async def test_load_metrics_and_unload(host: ModelHost) -> None:
     await host.load(host.resolve("base").id)
     await host.load(host.resolve("other").id)
@@ -124,3 +99,35 @@ async def test_load_metrics_and_unload(host: ModelHost) -> None:
     with pytest.raises(ApiError) as info:
         await host.unload()
     assert info.value.code is codes.MODEL_NOT_LOADED
+
+
+async def test_a_transition_while_one_runs_is_refused_and_changes_nothing(
+    tmp_path: Path, tiny_model_dir: str
+) -> None:
+    import asyncio
+    import threading
+
+    from miserver.serving.loader import load_model
+
+    cat = Catalogue(tmp_path)
+    for name in ("base", "other"):
+        cat.register(name=name, format="safetensors", dtype="bfloat16", path=tiny_model_dir)
+    release = threading.Event()
+
+    def slow_loader(row, settings):
+        if row.name == "other":
+            release.wait(30)
+        return load_model(row, settings)
+
+    host = ModelHost(Settings(home=str(tmp_path)), cat, loader=slow_loader)
+    await host.load(host.resolve("base").id)
+    swap = asyncio.create_task(host.load(host.resolve("other").id))
+    while not host.busy:
+        await asyncio.sleep(0.01)
+    for action in (lambda: host.load(host.resolve("base").id), host.unload):
+        with pytest.raises(ApiError) as info:
+            await action()
+        assert info.value.code is codes.MODEL_BUSY and info.value.reason == "model_transition"
+    release.set()
+    await swap
+    assert host.resident.row.name == "other" and not host.busy

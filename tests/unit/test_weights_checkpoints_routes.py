@@ -67,7 +67,8 @@ async def test_unsaved_commits_refuse_auto_load_until_a_save(client):
     st, body, _ = await chat(client, model="tiny-b")
     assert st == 409 and body["error"]["code"] == "weights_unsaved"
     assert body["error"]["type"] == "invalid_request_error"
-    assert "tiny" in body["error"]["message"] or body["error"]["code"] == "weights_unsaved"
+    message = body["error"]["message"]  # /v1 carries the details in the message (contract 2)
+    assert "carries 1 unsaved commit;" in message and "POST /api/weights/save" in message
     h = await attach(client)
     st, body, _ = await post(client, "/api/weights/save", h, {"name": "tiny-trained"})
     assert st == 200, body

@@ -91,6 +91,7 @@ class SlowModel:
                 self.fail_at = fail_at
                 self.calls = 0
                 self.windows: list[tuple[float, float, str]] = []
+                self.prefills: list[bool] = []  # per call: a prefill (no cache passed)
 
             def forward(self, **kw: Any) -> Any:
                 self.calls += 1
@@ -101,6 +102,7 @@ class SlowModel:
                     time.sleep(self.delay)
                 out = self.inner(**kw)
                 self.windows.append((t0, time.perf_counter(), threading.current_thread().name))
+                self.prefills.append(kw.get("past_key_values") is None and kw.get("cache") is None)
                 return out
 
         return _Slow()

@@ -79,3 +79,44 @@ def test_configure_logging_follows_settings(tmp_path, capsys: pytest.CaptureFixt
     finally:
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
+
+
+def test_access_line_names_the_call_and_never_a_credential() -> None:
+    from types import SimpleNamespace
+
+    from miserver.serving.server import AccessLogger
+
+    logger, stream = _capture(JsonFormatter(), [SECRET])
+    request = SimpleNamespace(
+        remote="127.0.0.1",
+        method="POST",
+        path_qs="/api/weights/commit-end",
+        version=SimpleNamespace(major=1, minor=1),
+        headers={"User-Agent": "miserver-trainer", "Authorization": f"Bearer {SECRET}"},
+    )
+    response = SimpleNamespace(status=200, body_length=231)
+    access = AccessLogger(logger, "")
+    assert access.enabled
+    access.log(request, response, 0.000412)
+    line = json.loads(stream.getvalue())
+    assert line["message"] == (
+        '127.0.0.1 "POST /api/weights/commit-end HTTP/1.1" 200 231 0.412ms "miserver-trainer"'
+    )
+    assert SECRET not in stream.getvalue()
+    logger.setLevel(logging.WARNING)
+    assert not access.enabled  # aiohttp then skips the call entirely
+
+
+def test_json_timestamps_follow_each_record_across_seconds() -> None:
+    fmt = JsonFormatter()
+    stamps = []
+    for created in (1_700_000_000.25, 1_700_000_000.75, 1_700_000_001.5, 1_700_000_000.0):
+        record = logging.LogRecord("miserver.x", logging.INFO, "x", 1, "m", None, None)
+        record.created, record.msecs = created, (created % 1) * 1000
+        stamps.append(json.loads(fmt.format(record))["ts"])
+    assert stamps == [
+        "2023-11-14T22:13:20.250Z",
+        "2023-11-14T22:13:20.750Z",
+        "2023-11-14T22:13:21.500Z",
+        "2023-11-14T22:13:20.000Z",
+    ]

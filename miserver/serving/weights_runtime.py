@@ -485,13 +485,19 @@ class WeightsRuntime:
         if out.kind == "refused":
             self._audit(operation, out, caller, ref, before, refused=True)
             headers = {}
+            message = out.message
             if out.code is codes.WEIGHTS_UNAUTHORIZED:
                 headers["WWW-Authenticate"] = "Bearer"
+                if not self.settings.weights_tokens:  # say where the fault is: the server
+                    message += (
+                        " This server has no tokens configured (WEIGHTS_TOKENS is empty), so"
+                        " every gated call is refused; set it and restart the server."
+                    )
             if out.code in (codes.WEIGHTS_TORN, codes.QUEUE_FULL):
                 headers["Retry-After"] = str(RETRY_AFTER_S)
             raise ApiError(
                 out.code,
-                out.message,
+                message,
                 reason=out.reason,  # type: ignore[arg-type]
                 details=self._wire_details(out.details),
                 status=out.status,

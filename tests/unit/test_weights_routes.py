@@ -321,3 +321,19 @@ async def test_bad_bodies_are_400_json_and_change_nothing(client, tmp_path, path
     assert OPS not in json.dumps(data)
     status = (await (await client.get("/api/weights/status")).json())["data"]
     assert status["attached"] is False and status["weights_state"] == "clean"
+
+
+async def test_with_no_tokens_configured_the_401_says_the_server_has_none(tmp_path, tiny_model_dir):
+    client = await make_client(tmp_path, tiny_model_dir, WEIGHTS_TOKENS="")
+    try:
+        st, body, headers = await post(client, "/api/weights/attach", auth("anything-at-all-123"))
+        assert st == 401 and body["error"]["code"] == "WEIGHTS_UNAUTHORIZED"
+        assert headers["WWW-Authenticate"] == "Bearer"
+        assert "no tokens configured (WEIGHTS_TOKENS is empty)" in body["error"]["message"]
+    finally:
+        await client.close()
+
+
+async def test_with_tokens_configured_the_401_does_not_mention_their_absence(client):
+    st, body, _ = await post(client, "/api/weights/attach", auth("not-a-configured-token-1"))
+    assert st == 401 and "no tokens configured" not in body["error"]["message"]

@@ -307,7 +307,7 @@ def serve_miserver(size: str) -> None:
     from miserver.serving import loader as loader_module
     from miserver.serving.catalogue import Catalogue
     from miserver.serving.host import ModelHost
-    from miserver.serving.server import configure_logging
+    from miserver.serving.server import AccessLogger, configure_logging
     from miserver.spec.settings import load_settings
 
     settings = load_settings()
@@ -351,6 +351,7 @@ def serve_miserver(size: str) -> None:
         handle_signals=True,
         shutdown_timeout=10.0,
         access_log=__import__("logging").getLogger("miserver.server.access"),
+        access_log_class=AccessLogger,  # as `miserver serve` runs it
     )
 
 

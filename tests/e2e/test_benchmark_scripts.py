@@ -1,7 +1,8 @@
 """The GPU benchmarks run end to end on the CPU at tiny sizes, so they cannot rot between GPU
 runs: benchmarks/weight_sync.py (miserver's barrier over HTTP against a bucketed shared-memory
-copy, CPU shared memory) and benchmarks/serving_under_training.py (a real ``miserver serve`` on
-the embedded default with a trainer committing). Each script checks its own results (commits
+copy, CPU shared memory), benchmarks/serving_under_training.py (a real ``miserver serve`` on
+the embedded default with a trainer committing) and benchmarks/generation_threads.py (decode time
+by thread). Each script checks its own results (commits
 counted, copies equal, no failed request, identical greedy answers) and exits non-zero when a
 check fails; these tests also read the JSON each one writes.
 """
@@ -115,3 +116,34 @@ def test_serving_under_training_serves_every_request_while_committing(
     assert len({t for p in phases.values() for t in p["texts"]}) == 1
     # answers during training carry the commit count of the weights that produced them
     assert any(";commits=" in s for s in phases["trainer committing"]["served_by"])
+
+
+def test_generation_threads_measures_every_path(tmp_path: Path) -> None:
+    proc = _run(
+        [
+            "benchmarks/generation_threads.py",
+            "--device",
+            "cpu",
+            "--layers",
+            "2",
+            "--tokens",
+            "4",
+            "--repeats",
+            "1",
+        ],
+        tmp_path,
+        300,
+    )
+    rows = {
+        line.split(" | ")[0].lstrip("| "): float(line.split(" | ")[1])
+        for line in proc.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| path")
+    }
+    assert set(rows) == {
+        "miserver Generation #1 (its worker thread is new)",
+        "miserver Generation #2..#2 (reused)",
+        "transformers generate",
+        "decode loop, main thread",
+        "decode loop, fresh thread each run",
+    }
+    assert all(ms > 0 for ms in rows.values())

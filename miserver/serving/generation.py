@@ -48,6 +48,9 @@ class _WorkerThreads:
     thread); a thread per request made every answer three times slower. Idle threads wait for
     the next job; a job while all are busy gets a new thread (the scheduler bounds how many run).
     A finished job keeps no reference to its generation (an unloaded model can be freed).
+    Not ``concurrent.futures.ThreadPoolExecutor``: its threads are joined at interpreter exit,
+    so a generation still running at shutdown (nothing cancels it there) would hold the exit;
+    these are daemon threads, as the thread per request was.
     """
 
     def __init__(self) -> None:

@@ -358,8 +358,8 @@ class ModelHost:
                 anything, is not resident), 409 MODEL_BUSY, a lifecycle refusal.
         """
         row = self._row_or_404(row_id) if row_id is not None else None
-        if self._busy is not None:  # a swap has dropped the old model but is not done yet
-            self._check_transition("unload", row)
+        # Before the resident check: during a swap nothing is resident yet, and that is busy.
+        self._check_transition("unload", row)
         resident = self.resident
         if resident is None or (row is not None and resident.row.id != row.id):
             where = (
@@ -375,7 +375,6 @@ class ModelHost:
                 status=409,
                 details={"resident_id": resident.row.id if resident else None},
             )
-        self._check_transition("unload", resident.row)
         self._busy = "unload"
         try:
             async with self._lock:

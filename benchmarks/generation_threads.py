@@ -10,12 +10,18 @@ in one run, side by side:
 - ``transformers generate``: ``model.generate`` in the main thread (greedy, a fixed count);
 - ``decode loop, main thread``: prefill, then one token a step with the KV cache;
 - ``decode loop, fresh thread``: the same loop in a thread started for it (the old way);
+- ``decode loop, fresh thread, after a k-token warm-up in it``: the thread first runs a short
+  loop, then the timed one, without waiting in between (does a warm-up in the thread help?);
+- ``decode loop, fresh thread, 4n tokens: quarter q``: one long loop in a fresh thread, timed by
+  quarter (does the slowness wear off with time or work?);
 - ``miserver Generation #k``: :class:`miserver.serving.generation.Generation` in an asyncio loop,
   k-th generation in a row (the worker threads are reused, so #1 pays the new-thread cost once).
 
 The model is SmolLM2-135M-shaped (the embedded default's architecture) with random bfloat16
 weights, so no download or import is needed; the tokenizer is a stand-in that names token ids
-(the decode loop, not text, is measured). Medians of ``--repeats`` runs, ms a token::
+(the decode loop, not text, is measured). On the H200 (2026-11-30 second run) neither a warm-up
+in the thread (1 or 8 tokens) nor 256 tokens of work made a fresh thread fast (3.0-4.1x
+``generate``), while miserver's reused worker threads ran at 0.92x. Medians of ``--repeats`` runs, ms a token::
 
     python benchmarks/generation_threads.py [--device auto] [--tokens 64] [--repeats 3]
 """
@@ -90,11 +96,13 @@ def main() -> int:
                 pad_token_id=0,
             )
 
-    def loop() -> None:
+    def loop(count: int = n, marks: list[float] | None = None) -> None:
         with torch.inference_mode():
             out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
             past, logits = out.past_key_values, out.logits[0, -1].float()
-            for _ in range(n - 1):
+            for _ in range(count - 1):
+                if marks is not None:
+                    marks.append(time.perf_counter())
                 token = int(torch.argmax(logits))
                 step = model(
                     input_ids=torch.tensor([[token]], device=device),
@@ -107,6 +115,33 @@ def main() -> int:
         t = threading.Thread(target=loop)
         t.start()
         t.join()
+
+    def in_fresh_thread(job: Callable[[], None]) -> None:
+        t = threading.Thread(target=job)
+        t.start()
+        t.join()
+
+    def warmed_then_timed(warm_tokens: int) -> float:
+        """A fresh thread runs a ``warm_tokens`` loop, then the timed ``n``-token loop."""
+        took: list[float] = []
+
+        def job() -> None:
+            loop(warm_tokens)
+            sync()
+            t0 = time.perf_counter()
+            loop()
+            sync()
+            took.append((time.perf_counter() - t0) / n * 1000.0)
+
+        in_fresh_thread(job)
+        return took[0]
+
+    def quarters_of_a_long_run() -> list[float]:
+        """ms a token in each quarter of one ``4 n``-token loop in a fresh thread."""
+        marks: list[float] = []
+        in_fresh_thread(lambda: loop(4 * n + 1, marks))
+        q = len(marks) // 4
+        return [(marks[(i + 1) * q - 1] - marks[i * q]) / (q - 1) * 1000.0 for i in range(4)]
 
     async def one_generation() -> None:
         gen = Generation(
@@ -139,6 +174,15 @@ def main() -> int:
         ("decode loop, fresh thread each run", fresh_thread),
     ):
         rows[name] = [per_token(fn) for _ in range(args.repeats)]
+    for warm in (1, 8):
+        rows[f"decode loop, fresh thread, after a {warm}-token warm-up in it"] = [
+            warmed_then_timed(warm) for _ in range(args.repeats)
+        ]
+    quarters = [quarters_of_a_long_run() for _ in range(args.repeats)]
+    for i in range(4):
+        rows[f"decode loop, fresh thread, {4 * n} tokens: quarter {i + 1}"] = [
+            q[i] for q in quarters
+        ]
 
     base = statistics.median(rows["transformers generate"])
     where = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU"

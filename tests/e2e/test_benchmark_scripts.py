@@ -145,5 +145,8 @@ def test_generation_threads_measures_every_path(tmp_path: Path) -> None:
         "transformers generate",
         "decode loop, main thread",
         "decode loop, fresh thread each run",
+        "decode loop, fresh thread, after a 1-token warm-up in it",
+        "decode loop, fresh thread, after a 8-token warm-up in it",
+        *(f"decode loop, fresh thread, 16 tokens: quarter {i}" for i in range(1, 5)),
     }
     assert all(ms > 0 for ms in rows.values())

@@ -152,6 +152,11 @@ class Scheduler:
             return HeldCounts(inter, batch, self._running, len(waiting) - inter - batch)
         return HeldCounts(0, 0, self._running, len(waiting))
 
+    def interactive_waiting(self) -> int:
+        """Interactive requests waiting for a slot, queued or held by the barrier: what
+        ``max_queued`` (MAX_QUEUED_REQUESTS, contract 1) bounds. Batch chunks are not counted."""
+        return self._waiting_interactive()
+
     def _waiting_interactive(self) -> int:
         return sum(
             1 for w in self._heap if w.priority == Priority.INTERACTIVE and not w.future.done()

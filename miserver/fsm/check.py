@@ -66,6 +66,8 @@ def alphabet(triggers: Iterable[str]) -> tuple[Event, ...]:
                 Event(trigger, target="other"),
                 Event(trigger, target="other", refuse_policy=True),
             ]
+        elif trigger == "v1_confirm":
+            events += [Event(trigger, same_resident=True), Event(trigger, same_resident=False)]
         elif trigger == "model_load":
             events += [Event(trigger, target="resident"), Event(trigger, target="other")]
         elif trigger == "settings_change":

@@ -56,6 +56,16 @@ Where the weights page and the companion contract are silent, the table decides 
 - **A model load or unload while a cleared holder's commit is still writing** is 409
   `MODEL_BUSY` (reason null) until the watchdog decides.
 - **A failed model load or swap** leaves nothing resident.
+- **A `/v1` request that waited** (for its auto-load, or for its scheduler slot) is checked
+  again before it goes on (`v1_confirm`): when the model it was admitted for was unloaded or
+  replaced meanwhile it is 409 `MODEL_BUSY` (`model_transition`) with `Retry-After` (it is not
+  auto-loaded again from inside its slot; the retry is admitted anew); otherwise the checks
+  for the resident apply (503 `WEIGHTS_TORN`, 409 `MODEL_BUSY` during a transition), and a
+  pause that began while it waited lets it go on (the drain waits for a request that holds a
+  slot).
+- **The queue bound** (`MAX_QUEUED_REQUESTS`, 503 `QUEUE_FULL` for `/v1` and quiesce) counts the
+  interactive requests that wait, queued or held; Batch API rows neither count nor are refused
+  for it (contract 7: rows wait).
 - **Timers due at the same instant** fire in the order watchdog, drain, hold, heartbeat.
 """
 
@@ -146,6 +156,12 @@ def _row_cells(row: Row) -> tuple[str, str, str, str, str]:
         target = "unchanged"
         ref = row.refuse
         refusal = f"{ref.http_status} {ref.code.name}" + (f" ({ref.reason})" if ref.reason else "")
+        if ref.sends_retry_after:
+            refusal += ", Retry-After"
+        if ref.message:
+            refusal += f': "{ref.message}"'
+        if row.note:
+            target += f" — {row.note}"
     elif row.ignore:
         target, refusal = f"unchanged ({row.note})", ""
     else:

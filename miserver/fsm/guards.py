@@ -222,6 +222,15 @@ def _(s, c, e):
     return e.target == "resident"
 
 
+@_g(
+    "same_resident",
+    "event resident",
+    "a model is resident and it is the one the waiting /v1 request was admitted for",
+)
+def _(s, c, e):
+    return s.resident and e.same_resident
+
+
 @_g("refuse_policy", "event", "X-miLLM-Load-Policy: refuse")
 def _(s, c, e):
     return e.refuse_policy

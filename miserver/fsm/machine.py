@@ -129,6 +129,8 @@ class Outcome:
         pending: the answer for the call waiting on a pause, when this event settles it.
         row: the table row that decided (``trigger#n``).
         before, after: the abstract states.
+        retry_after: a refusal answered with ``Retry-After`` (the row's
+            :attr:`~miserver.fsm.table.Refusal.sends_retry_after`).
     """
 
     kind: Literal["accepted", "refused", "ignored"]
@@ -143,6 +145,7 @@ class Outcome:
     row: str
     before: LifecycleState
     after: LifecycleState
+    retry_after: bool = False
 
     @property
     def accepted(self) -> bool:
@@ -477,7 +480,7 @@ class Lifecycle:
     ) -> Outcome:
         if row.refuse is not None:
             ref = row.refuse
-            message = _REASON_MESSAGES.get(
+            message = ref.message or _REASON_MESSAGES.get(
                 (ref.code.name, ref.reason or ""), _MESSAGES.get(ref.code.name, ref.code.name)
             )
             return Outcome(
@@ -493,6 +496,7 @@ class Lifecycle:
                 row.id,
                 b,
                 a,
+                ref.sends_retry_after,
             )
         details: dict[str, Any] = {}
         if event.trigger == "attach" and row.kind == "accepted":

@@ -187,6 +187,9 @@ class Event:
         name: the served name a completion sets (checkpoint, model or adapter name).
         origin: the ``X-miLLM-Model`` origin a load completion sets (``model`` for a
             ``{"model_id": N}`` reload, ``checkpoint`` for a checkpoint); ``None``: inferred.
+        same_resident: ``v1_confirm``: the resident a waiting ``/v1`` request was admitted for
+            (the one it named, or the row its auto-load loaded) is still the resident; False
+            when it was unloaded, or replaced by another model, while the request waited.
     """
 
     trigger: str
@@ -200,6 +203,7 @@ class Event:
     applied: bool = True
     name: str | None = None
     origin: Literal["model", "checkpoint"] | None = None
+    same_resident: bool = True
 
     def short(self) -> str:
         """A compact rendering for traces: ``quiesce(trainer holder)``."""
@@ -219,6 +223,7 @@ class Event:
             "refuse_policy",
             "avail",
             "applied",
+            "same_resident",
         ):
             if getattr(self, f) != getattr(defaults, f):
                 args.append(f"{f}={getattr(self, f)}")

@@ -64,6 +64,9 @@ class Answer:
 
 OK = Answer(200)
 
+#: Codes whose refusals always carry ``Retry-After``.
+RETRY_AFTER_CODES: frozenset[ErrorCode] = frozenset({codes.WEIGHTS_TORN, codes.QUEUE_FULL})
+
 
 @dataclass(frozen=True)
 class Refusal:
@@ -71,17 +74,27 @@ class Refusal:
 
     ``details`` is one of ``holder`` (the attachment's role, label, state, attached_at),
     ``torn`` (how to recover), ``unsaved`` (served name, unsaved commits, ways forward),
-    ``pause`` (which pause holds the barrier) or ``None``.
+    ``pause`` (which pause holds the barrier) or ``None``. ``message``: this row's own message
+    (``None``: the code's and reason's usual one). ``retry_after``: the answer carries
+    ``Retry-After`` (always for :data:`RETRY_AFTER_CODES`).
     """
 
     code: ErrorCode
     reason: str | None = None
     status: int | None = None
     details: str | None = None
+    message: str | None = None
+    retry_after: bool = False
 
     @property
     def http_status(self) -> int:
         return self.status if self.status is not None else self.code.status
+
+    @property
+    def sends_retry_after(self) -> bool:
+        """Whether the refusal is answered with ``Retry-After`` (weights page: States, 503
+        WEIGHTS_TORN "with Retry-After"; contract 1, 503 QUEUE_FULL)."""
+        return self.retry_after or self.code in RETRY_AFTER_CODES
 
 
 @dataclass(frozen=True)
@@ -149,6 +162,8 @@ def _refuse(
     status: int | None = None,
     details: str | None = None,
     note: str = "",
+    message: str | None = None,
+    retry_after: bool = False,
 ) -> Row:
     return Row(
         trigger,
@@ -157,7 +172,7 @@ def _refuse(
         (),
         (),
         (),
-        Refusal(code, reason, status, details),
+        Refusal(code, reason, status, details, message, retry_after),
         False,
         None,
         note,
@@ -920,6 +935,33 @@ def build_rows() -> tuple[Row, ...]:
             transition="load",
             note="auto-load (a swap when another model is resident)",
         ),
+    ]
+
+    # --- /v1: a request that waited goes on (contract 4; weights page: States) -------------
+    # Sent when a /v1 request that was admitted (v1 above) has waited, for its auto-load or
+    # for its scheduler slot, and is about to go on; `same_resident` says whether the model it
+    # was admitted for is still the resident. Not the `v1` trigger: with nothing resident or
+    # another model resident, the `v1` rows would start an auto-load from inside a slot.
+    t = "v1_confirm"
+    r += [
+        _refuse(
+            t,
+            codes.MODEL_BUSY,
+            "model_transition",
+            unless=("same_resident",),
+            message="The model was unloaded or changed while the request waited; retry.",
+            retry_after=True,
+            note="a model transition ran while the request waited; the retry is admitted anew",
+        ),
+        _refuse(t, codes.WEIGHTS_TORN, when=("torn",), details="torn"),
+        _refuse(t, codes.MODEL_BUSY, "model_transition", when=("in_transition",)),
+        _accept(
+            t,
+            unless=("serving",),
+            note="a pause began while it waited: in its slot the drain waits for it, before "
+            "its slot the scheduler holds it",
+        ),
+        _accept(t, effects=(E.ADMIT,)),
     ]
 
     # --- a parameter's address moved (weights page: States) ------------------------------

@@ -105,20 +105,28 @@ class CompletionResult:
 
 
 # --- admission ---------------------------------------------------------------------------------
-async def admit(app: web.Application, model: str, load_policy: str | None = None) -> Resident:
+async def admit(
+    app: web.Application,
+    model: str,
+    load_policy: str | None = None,
+    priority: Priority = Priority.INTERACTIVE,
+) -> Resident:
     """The one ``/v1`` admission decision: which resident serves ``model`` (contract 4).
 
     ``model`` is the resident's served or base name (served at once) or a catalogue row's name
     (auto-loaded, a swap), honouring ``load_policy``, the ``X-miLLM-Load-Policy`` header's value
-    (``auto``, the default when None, or ``refuse``). The
-    lifecycle table decides (serve / hold / refuse / auto-load); the scheduler then holds a
-    held request until the barrier is released.
+    (``auto``, the default when None, or ``refuse``). ``priority``: the scheduler priority the
+    request will wait at (a batch row, ``Priority.BATCH``, is never refused QUEUE_FULL). The
+    lifecycle table decides (serve / hold / refuse / auto-load, and after an auto-load whether
+    the request may go on); the scheduler then holds a held request until the barrier is
+    released.
 
     Raises:
         ApiError: 404 MODEL_NOT_FOUND, 409 MODEL_NOT_LOADED (policy refuse), 409 MODEL_BUSY
-            (a load is in progress), 400 INVALID_REQUEST (an unknown policy), the lifecycle's
-            refusals (409 ALREADY_ATTACHED, 503 WEIGHTS_TORN, 409 WEIGHTS_UNSAVED), and
-            500 MODEL_LOAD_FAILED.
+            (a load is in progress, or the model was unloaded or changed while the request
+            waited for its auto-load: with ``Retry-After``), 400 INVALID_REQUEST (an unknown
+            policy), the lifecycle's refusals (409 ALREADY_ATTACHED, 503 WEIGHTS_TORN /
+            QUEUE_FULL, 409 WEIGHTS_UNSAVED), and 500 MODEL_LOAD_FAILED.
     """
     host = app[keys.HOST]
     policy = normalize_load_policy(load_policy)
@@ -135,18 +143,11 @@ async def admit(app: web.Application, model: str, load_policy: str | None = None
             )
         row_id = row.id
     try:
-        await app[keys.WEIGHTS].admit_v1(refuse_policy=policy == "refuse", row_id=row_id)
+        return await app[keys.WEIGHTS].admit_v1(
+            refuse_policy=policy == "refuse", row_id=row_id, priority=priority
+        )
     except ApiError as err:
         raise _lifecycle_refusal(err) from None
-    resident = host.resident
-    if resident is None:  # the auto-load's own error was raised above; this is a race
-        raise ApiError(
-            codes.MODEL_BUSY,
-            "the model was unloaded while the request waited; retry",
-            reason="model_transition",
-            headers={"Retry-After": "1"},
-        )
-    return resident
 
 
 def _lifecycle_refusal(err: ApiError) -> ApiError:
@@ -213,8 +214,9 @@ async def _acquire_slot(
 
     Raises:
         ApiError: 503 QUEUE_FULL with ``Retry-After`` (interactive only); the lifecycle's
-            refusals inside the slot (503 WEIGHTS_TORN, ...); 409 MODEL_BUSY when the resident
-            changed while the request waited.
+            refusals inside the slot (the table's ``v1_confirm`` rows: 409 MODEL_BUSY
+            ``model_transition`` with ``Retry-After`` when ``resident`` was unloaded or replaced
+            while the request waited, 503 WEIGHTS_TORN, 409 MODEL_BUSY).
         RequestCancelled: ``cancelled()`` became true while waiting.
     """
     scheduler = app[keys.SCHEDULER]
@@ -253,23 +255,15 @@ async def _acquire_slot(
     if held and metrics is not None and priority == Priority.INTERACTIVE:
         metrics.requests_held.inc()  # held batch chunks are counted by the scheduler
     try:
-        # Inside the slot: the table must still admit this request (the set may have torn
-        # while it waited; weights page: States).
-        await app[keys.WEIGHTS].confirm_v1()
+        # Inside the slot: the table must still let this request go on (the model may have
+        # been unloaded or swapped, or the set torn, while it waited; weights page: States).
+        await app[keys.WEIGHTS].confirm_v1(resident)
     except ApiError as err:
         scheduler.release()
         raise _lifecycle_refusal(err) from None
     except BaseException:
         scheduler.release()
         raise
-    if app[keys.HOST].resident is not resident:
-        scheduler.release()
-        raise ApiError(
-            codes.MODEL_BUSY,
-            "the resident model changed while the request waited; retry",
-            reason="model_transition",
-            headers={"Retry-After": "1"},
-        )
 
 
 def _update_queue_gauge(app: web.Application) -> None:
@@ -381,10 +375,13 @@ def _sampling(
 
 
 async def _prepare_chat(
-    app: web.Application, req: schema.ChatCompletionRequest, load_policy: str | None
+    app: web.Application,
+    req: schema.ChatCompletionRequest,
+    load_policy: str | None,
+    priority: Priority = Priority.INTERACTIVE,
 ) -> _Job:
     stops = schema.check_chat(req)
-    resident = await admit(app, req.model, load_policy)
+    resident = await admit(app, req.model, load_policy, priority)
     prompt_ids = await asyncio.to_thread(_chat_prompt, resident, req)
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -404,10 +401,13 @@ async def _prepare_chat(
 
 
 async def _prepare_completion(
-    app: web.Application, req: schema.CompletionRequest, load_policy: str | None
+    app: web.Application,
+    req: schema.CompletionRequest,
+    load_policy: str | None,
+    priority: Priority = Priority.INTERACTIVE,
 ) -> _Job:
     prompt, stops = schema.check_completion(req)
-    resident = await admit(app, req.model, load_policy)
+    resident = await admit(app, req.model, load_policy, priority)
     prompt_ids = await asyncio.to_thread(_completion_prompt, resident, prompt)
     max_tokens = _check_context(
         resident, prompt_ids, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens", "prompt"
@@ -562,10 +562,11 @@ async def _prepare(
     app: web.Application,
     req: schema.ChatCompletionRequest | schema.CompletionRequest,
     load_policy: str | None,
+    priority: Priority = Priority.INTERACTIVE,
 ) -> _Job:
     if isinstance(req, schema.ChatCompletionRequest):
-        return await _prepare_chat(app, req, load_policy)
-    return await _prepare_completion(app, req, load_policy)
+        return await _prepare_chat(app, req, load_policy, priority)
+    return await _prepare_completion(app, req, load_policy, priority)
 
 
 async def run_completion(
@@ -594,9 +595,9 @@ async def run_completion(
             request Struct of ``endpoint``. ``stream`` must be false or absent.
         priority: ``Priority.INTERACTIVE`` (``/v1``) or ``Priority.BATCH`` (Batch API rows:
             granted after every waiting interactive request, held by a quiesce as a
-            ``held_batch_chunks`` chunk; contract 7). Admission counts only interactive
-            waiters: while ``MAX_QUEUED_REQUESTS`` of them wait, either priority is refused
-            503 QUEUE_FULL (a batch row then waits, it does not fail).
+            ``held_batch_chunks`` chunk; contract 7). ``MAX_QUEUED_REQUESTS`` bounds the
+            interactive requests that wait (queued or held); a batch row is never refused
+            503 QUEUE_FULL, and batch rows do not count toward that bound.
         load_policy: the ``X-miLLM-Load-Policy`` value, ``"auto"`` (None) or ``"refuse"`` (a
             batch never loads a model, so its rows pass ``"refuse"``).
         cancelled: polled about every 50 ms while the request waits for its slot and while it
@@ -623,7 +624,7 @@ async def run_completion(
     req = _decode(endpoint, body)
     if req.stream:
         raise _bad("stream must be false or absent: this answer is not streamed", "stream")
-    job = await _prepare(app, req, load_policy)
+    job = await _prepare(app, req, load_policy, priority)
     async with _generation(app, job, priority, cancelled, check_in_slot) as (
         _,
         events,

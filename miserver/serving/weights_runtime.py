@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from miserver.fsm.machine import Lifecycle, Outcome
 from miserver.fsm.state import Caller as FsmCaller
@@ -34,14 +34,19 @@ from miserver.fsm.table import Answer, Effect
 from miserver.http.audit import AuditLog, AuditRecord
 from miserver.http.auth import Caller, attachment_ref
 from miserver.http.errors import ApiError
+from miserver.serving.scheduler import Priority
 from miserver.spec import codes
 from miserver.spec.settings import Settings
+
+if TYPE_CHECKING:
+    from miserver.serving.host import Resident
 
 log = logging.getLogger("miserver.weights")
 
 #: The triggers whose accepted call waits for the pause it started to settle.
 PAUSE_TRIGGERS = frozenset({"quiesce", "save", "weights_load", "adapter_change"})
-#: The retry hint sent with 503 WEIGHTS_TORN / QUEUE_FULL (seconds).
+#: The ``Retry-After`` value (seconds) of the refusals whose table row sends one (503
+#: WEIGHTS_TORN, 503 QUEUE_FULL, 409 MODEL_BUSY when the model changed while a /v1 request waited).
 RETRY_AFTER_S = 1
 
 
@@ -268,8 +273,6 @@ class WeightsRuntime:
         elif effect is Effect.RELEASE_HELD:
             sched.barrier_release()
         elif effect is Effect.REFUSE_HELD_TORN:
-            from miserver.serving.scheduler import Priority
-
             sched.fail_held(WeightsTornError(), priorities=(Priority.INTERACTIVE,))
         elif effect is Effect.ANSWER_PENDING:
             self._settle(out.pending or Answer(200))
@@ -493,7 +496,7 @@ class WeightsRuntime:
                         " This server has no tokens configured (WEIGHTS_TOKENS is empty), so"
                         " every gated call is refused; set it and restart the server."
                     )
-            if out.code in (codes.WEIGHTS_TORN, codes.QUEUE_FULL):
+            if out.retry_after:
                 headers["Retry-After"] = str(RETRY_AFTER_S)
             raise ApiError(
                 out.code,
@@ -529,9 +532,17 @@ class WeightsRuntime:
         self._audit(operation, out, caller, ref, before, refused=False)
         return result
 
-    def _queue_full(self) -> bool:
-        counts = self.scheduler.counts()
-        return counts.queued + counts.held_interactive >= self.scheduler.max_queued
+    def _queue_full(self, priority: Priority = Priority.INTERACTIVE) -> bool:
+        """The ``queue_full`` fact of a quiesce or a ``/v1`` request at ``priority``.
+
+        MAX_QUEUED_REQUESTS bounds the interactive requests that wait, queued for a slot or
+        held by the barrier (contract 1); batch chunks wait outside that bound (contract 7: a
+        batch row waits, it is never refused for a full queue), so they neither count toward
+        it nor are refused by it.
+        """
+        if priority != Priority.INTERACTIVE:
+            return False
+        return self.scheduler.interactive_waiting() >= self.scheduler.max_queued
 
     def _wire_details(self, details: dict[str, Any]) -> dict[str, Any] | None:
         if not details:
@@ -635,45 +646,75 @@ class WeightsRuntime:
             return await task
         return self.host.resident
 
-    async def admit_v1(self, *, refuse_policy: bool, row_id: int | None) -> Effect:
-        """Decide a ``/v1`` request: ``ADMIT``, ``HOLD_REQUEST`` (the scheduler holds it), or a
-        refusal raised as ApiError; an auto-load is started and awaited (contract 4)."""
+    async def admit_v1(
+        self,
+        *,
+        refuse_policy: bool,
+        row_id: int | None,
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> Resident:
+        """Decide a ``/v1`` request (contract 4) and return the resident it is admitted for.
+
+        ``row_id``: the catalogue row the request names, or ``None`` when it names the resident
+        (served or base name). ``priority``: the scheduler priority it will wait at
+        (``Priority.BATCH`` for Batch API rows: never refused 503 QUEUE_FULL).
+
+        The table's ``v1`` rows decide: run it, hold it (the scheduler then holds it), refuse,
+        or auto-load the named row. An auto-load is awaited; then the table's ``v1_confirm``
+        rows decide again, told whether the row it loaded is still the resident.
+
+        Raises:
+            ApiError: the table's refusal (409 MODEL_NOT_LOADED / ALREADY_ATTACHED /
+                WEIGHTS_UNSAVED / MODEL_BUSY, 503 WEIGHTS_TORN / QUEUE_FULL; 409 MODEL_BUSY
+                ``model_transition`` with ``Retry-After`` when the model changed while the
+                request waited for its auto-load), 404 MODEL_NOT_FOUND and 400
+                BACKEND_UNAVAILABLE for a row that cannot be loaded, or the auto-load's own
+                error.
+        """
         # The refuse policy refuses any swap first (weights page: Unsaved commits), before a
         # check of whether the row could be loaded at all.
         targets_resident = row_id is None or self._target(row_id, check=not refuse_policy)
         async with self.lock:
-            counts = self.scheduler.counts()
-            full = counts.queued + counts.held_interactive >= self.scheduler.max_queued
             self._transition_params = {"row_id": row_id}
             out = self.decide(
                 Event(
                     "v1",
                     target="resident" if targets_resident else "other",
                     refuse_policy=refuse_policy,
-                    queue_full=full,
+                    queue_full=self._queue_full(priority),
                 )
             )
             task = self._last_outputs.get("transition")
+            resident = self.host.resident
         if out.kind == "refused":
             raise self._refusal(out)
+        if task is None and resident is not None:
+            return resident
         if task is not None:
-            await task
-        return Effect.ADMIT if Effect.ADMIT in out.effects else Effect.HOLD_REQUEST
+            await task  # the auto-load; its own error propagates
+            resident = self.host.resident
+            if resident is not None and resident.row.id != row_id:
+                resident = None  # another model is resident now, not the row it loaded
+        await self.confirm_v1(resident)
+        assert resident is not None  # confirmed: it is the resident
+        return resident
 
-    async def confirm_v1(self) -> None:
-        """Inside the slot, just before the forward pass: the table must still accept a
-        request for the resident (the set may have torn while it waited). A pause that began
-        meanwhile waits for this request (it holds a slot), so a hold is an acceptance here.
-        Raises ApiError on a refusal."""
+    async def confirm_v1(self, resident: Resident | None) -> None:
+        """A ``/v1`` request admitted for ``resident`` has waited (for its scheduler slot, or
+        for its auto-load) and is about to go on: the table's ``v1_confirm`` rows decide, told
+        whether ``resident`` is still the resident (``None``: it is known not to be).
+
+        Inside the slot a pause that began meanwhile waits for this request (it holds a slot),
+        so a hold is an acceptance there.
+
+        Raises:
+            ApiError: 409 MODEL_BUSY ``model_transition`` with ``Retry-After`` (the model was
+                unloaded or changed while the request waited), 503 WEIGHTS_TORN (the set tore),
+                409 MODEL_BUSY ``model_transition`` (a model transition is in progress).
+        """
         async with self.lock:
-            if self.host.resident is None:
-                raise ApiError(
-                    codes.MODEL_BUSY,
-                    "the model was unloaded while the request waited; retry",
-                    reason="model_transition",
-                    headers={"Retry-After": str(RETRY_AFTER_S)},
-                )
-            out = self.decide(Event("v1", target="resident"))
+            same = resident is not None and self.host.resident is resident
+            out = self.decide(Event("v1_confirm", same_resident=same))
         if out.kind == "refused":
             raise self._refusal(out)
 
@@ -687,7 +728,7 @@ class WeightsRuntime:
 
     def _refusal(self, out: Outcome) -> ApiError:
         headers = {}
-        if out.code in (codes.WEIGHTS_TORN, codes.QUEUE_FULL):
+        if out.retry_after:
             headers["Retry-After"] = str(RETRY_AFTER_S)
         return ApiError(
             out.code,

@@ -15,15 +15,20 @@ in one run, side by side:
 - ``decode loop, fresh thread, 4n tokens: quarter q``: one long loop in a fresh thread, timed by
   quarter (does the slowness wear off with time or work?);
 - ``miserver Generation #k``: :class:`miserver.serving.generation.Generation` in an asyncio loop,
-  k-th generation in a row (the worker threads are reused, so #1 pays the new-thread cost once).
+  k-th generation in a row (the worker threads are reused, so #1 pays the new-thread cost once);
+- ``miserver Generation on a new thread``, with and without a 2-token warm-up generation on that
+  thread first (a new worker pool each time, the two interleaved).
 
 The model is SmolLM2-135M-shaped (the embedded default's architecture) with random bfloat16
 weights, so no download or import is needed; the tokenizer is a stand-in that names token ids
 (the decode loop, not text, is measured). On the H200 (2026-11-30 second run) neither a warm-up
 in the thread (1 or 8 tokens) nor 256 tokens of work made a fresh thread fast (3.0-4.1x
-``generate``), while miserver's reused worker threads ran at 0.92x. Medians of ``--repeats`` runs, ms a token::
+``generate``), while miserver's reused worker threads ran at 0.92x; a 2-token warm-up
+generation on a new worker thread did not help either (75.9 against 80.6 ms a token,
+interleaved). Medians of ``--repeats`` runs, ms a token (``--quick``: only ``generate`` and the
+miserver rows, the warm-up ones included)::
 
-    python benchmarks/generation_threads.py [--device auto] [--tokens 64] [--repeats 3]
+    python benchmarks/generation_threads.py [--device auto] [--tokens 64] [--repeats 3] [--quick]
 """
 
 from __future__ import annotations
@@ -55,11 +60,15 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64, help="tokens generated per run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, default=30, help="decoder layers (30: SmolLM2-135M)")
+    ap.add_argument(
+        "--quick", action="store_true", help="only generate and the miserver Generation rows"
+    )
     args = ap.parse_args()
 
     import torch
     import transformers
 
+    from miserver.serving import generation as generation_module
     from miserver.serving.generation import Generation, SamplingParams
 
     device = args.device
@@ -143,12 +152,12 @@ def main() -> int:
         q = len(marks) // 4
         return [(marks[(i + 1) * q - 1] - marks[i * q]) / (q - 1) * 1000.0 for i in range(4)]
 
-    async def one_generation() -> None:
+    async def one_generation(max_tokens: int = n) -> None:
         gen = Generation(
             model,
             NamingTokenizer(),
             prompt[0].tolist(),
-            SamplingParams(max_tokens=n, temperature=0),
+            SamplingParams(max_tokens=max_tokens, temperature=0),
         )
         gen.start()
         async for _ in gen.events():
@@ -168,18 +177,35 @@ def main() -> int:
     gens = [per_token(lambda: asyncio.run(one_generation())) for _ in range(args.repeats + 1)]
     rows["miserver Generation #1 (its worker thread is new)"] = gens[:1]
     rows[f"miserver Generation #2..#{len(gens)} (reused)"] = gens[1:]
-    for name, fn in (
-        ("transformers generate", generate),
-        ("decode loop, main thread", loop),
-        ("decode loop, fresh thread each run", fresh_thread),
-    ):
-        rows[name] = [per_token(fn) for _ in range(args.repeats)]
-    for warm in (1, 8):
+    if not args.quick:
+        for name, fn in (
+            ("transformers generate", generate),
+            ("decode loop, main thread", loop),
+            ("decode loop, fresh thread each run", fresh_thread),
+        ):
+            rows[name] = [per_token(fn) for _ in range(args.repeats)]
+    else:
+        rows["transformers generate"] = [per_token(generate) for _ in range(args.repeats)]
+    # A warm-up: a new worker pool (so a new thread) first runs a 2-token generation, then the
+    # timed one on the same thread. Does a short generation at load time spare the first request?
+    # Interleaved with the same thing without the warm-up, so drift hits both alike.
+    after_warm_up: list[float] = []
+    cold: list[float] = []
+    for _ in range(args.repeats):
+        generation_module._WORKERS = generation_module._WorkerThreads()
+        cold.append(per_token(lambda: asyncio.run(one_generation())))
+        generation_module._WORKERS = generation_module._WorkerThreads()
+        asyncio.run(one_generation(2))
+        time.sleep(0.05)
+        after_warm_up.append(per_token(lambda: asyncio.run(one_generation())))
+    rows["miserver Generation on a new thread, no warm-up (interleaved)"] = cold
+    rows["miserver Generation on a new thread after a 2-token warm-up generation"] = after_warm_up
+    for warm in () if args.quick else (1, 8):
         rows[f"decode loop, fresh thread, after a {warm}-token warm-up in it"] = [
             warmed_then_timed(warm) for _ in range(args.repeats)
         ]
-    quarters = [quarters_of_a_long_run() for _ in range(args.repeats)]
-    for i in range(4):
+    quarters = [] if args.quick else [quarters_of_a_long_run() for _ in range(args.repeats)]
+    for i in range(4 if quarters else 0):
         rows[f"decode loop, fresh thread, {4 * n} tokens: quarter {i + 1}"] = [
             q[i] for q in quarters
         ]

@@ -148,5 +148,7 @@ def test_generation_threads_measures_every_path(tmp_path: Path) -> None:
         "decode loop, fresh thread, after a 1-token warm-up in it",
         "decode loop, fresh thread, after a 8-token warm-up in it",
         *(f"decode loop, fresh thread, 16 tokens: quarter {i}" for i in range(1, 5)),
+        "miserver Generation on a new thread, no warm-up (interleaved)",
+        "miserver Generation on a new thread after a 2-token warm-up generation",
     }
     assert all(ms > 0 for ms in rows.values())

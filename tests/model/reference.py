@@ -16,7 +16,8 @@ PAUSES = ("save", "weights_load", "adapter")
 @dataclass
 class Reply:
     """``kind`` accepted/refused/ignored; for a refusal its status, code and reason; ``pending``
-    the answer given to a call waiting on a pause; ``admission`` serve/hold/autoload on /v1."""
+    the answer given to a call waiting on a pause; ``admission`` serve/hold/autoload on /v1,
+    serve/goes_on for a /v1 request that waited (``v1_confirm``)."""
 
     kind: str
     status: int = 200
@@ -370,6 +371,29 @@ class Reference:
             return refused(409, "MODEL_BUSY")
         self.transition = "load"
         return Reply("accepted", admission="autoload")
+
+    def v1_confirm(self, now: float, same_resident: bool) -> Reply:
+        """A /v1 request that was admitted and then waited (for its auto-load, or for its
+        scheduler slot) is about to go on. ``same_resident``: the model it was admitted for is
+        still the one resident.
+
+        - The model was unloaded or replaced while it waited: decision (docs/state-machine.md,
+          "A /v1 request that waited"): 409 MODEL_BUSY model_transition, retry; it is never
+          auto-loaded again from there.
+        - Otherwise it names the resident: weights page, States: "every /v1 call is 503
+          WEIGHTS_TORN" while torn; contract 4: "a transition in progress (409 model_busy)".
+        - Contract 4: "a request admitted before a quiesce finishes on the weights it started
+          with": a pause that began while it waited does not stop it (``goes_on``).
+        """
+        if not (self.resident and same_resident):
+            return refused(409, "MODEL_BUSY", "model_transition")
+        if self.weights == "torn":
+            return refused(503, "WEIGHTS_TORN")
+        if self.transition is not None:
+            return refused(409, "MODEL_BUSY", "model_transition")
+        if self.barrier != "serving":
+            return Reply("accepted", admission="goes_on")
+        return Reply("accepted", admission="serve")
 
     # --- completions ----------------------------------------------------------------------
     def drained(self, now: float) -> Reply:

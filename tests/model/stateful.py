@@ -50,6 +50,8 @@ TOKENS = {"t": "trainer", "t2": "trainer", "op": "operator"}
 def _admission(out: Outcome) -> str | None:
     if Effect.ADMIT in out.effects:
         return "serve"
+    if out.trigger == "v1_confirm":
+        return "goes_on"  # accepted without running it now: a pause began while it waited
     if Effect.START_MODEL_LOAD in out.effects and out.trigger == "v1":
         return "autoload"
     if Effect.HOLD_REQUEST in out.effects:
@@ -71,7 +73,7 @@ def _same(out: Outcome, ref: Reply, what: str) -> None:
     want = (want_kind, ref.status, ref.code, ref.reason)
     assert got == want, f"{what}: core {got} ({out.row}), reference {want}"
     assert _pending(out) == ref.pending, f"{what}: pending core {_pending(out)} ref {ref.pending}"
-    if out.trigger == "v1" and out.kind == "accepted":
+    if out.trigger in ("v1", "v1_confirm") and out.kind == "accepted":
         assert _admission(out) == ref.admission, (
             f"{what}: core {_admission(out)} ({out.row}) reference {ref.admission}"
         )
@@ -341,6 +343,15 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                     queue_full=full,
                 ),
                 lambda: self.ref.v1(self.now, names, refuse_policy, full),
+            )
+
+        @rule(same_resident=st.sampled_from([True, True, False]))
+        def v1_confirm(self, same_resident: bool) -> None:
+            """A /v1 request that waited goes on: the model it was admitted for is still
+            resident, or it was unloaded or replaced meanwhile."""
+            self.both(
+                Event("v1_confirm", same_resident=same_resident),
+                lambda: self.ref.v1_confirm(self.now, same_resident),
             )
 
         @rule(

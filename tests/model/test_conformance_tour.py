@@ -108,6 +108,10 @@ def step(lc: Lifecycle, action: Action, now: float) -> tuple[float, list[Outcome
         outs.append(out)
         if Effect.START_MODEL_LOAD in out.effects:
             outs.append(lc.handle(Event("transition_done"), now))
+        if Effect.START_MODEL_LOAD in out.effects or Effect.ADMIT in out.effects:
+            # the server confirms it after its auto-load and inside its slot (v1_confirm; it
+            # changes nothing, so the tour's states are the same with or without it)
+            outs.append(lc.handle(Event("v1_confirm"), now))
     else:
         what = action[1]
         if what.startswith("settings_"):

@@ -369,10 +369,11 @@ class HttpDriver:
                 )
             await asyncio.sleep(0.002)
 
-    def _confirm_answer(self) -> Answer:
-        """What a request for the resident gets inside its slot now (``confirm_v1``)."""
+    def _confirm_answer(self, same_resident: bool = True) -> Answer:
+        """What a request that waited gets when it goes on now (``confirm_v1``: the table's
+        ``v1_confirm``), told whether the model it was admitted for is still resident."""
         snap = self.shadow.snapshot()
-        out = self.shadow.handle(Event("v1", target="resident"), self.now)
+        out = self.shadow.handle(Event("v1_confirm", same_resident=same_resident), self.now)
         self.shadow.restore(snap)
         if out.kind == "refused":
             return Answer(out.status, out.code.name.lower() if out.code else None)
@@ -1025,13 +1026,62 @@ async def _save_scenario(d: HttpDriver) -> None:
         gate.set()  # never leave the work blocked
 
 
-@pytest.mark.parametrize("scenario", ["drain", "model_load", "save"])
+async def _resident_changed_scenario(d: HttpDriver) -> None:
+    """A /v1 request waits for its slot while the resident is swapped, then another while it
+    is unloaded: inside its slot the table's ``v1_confirm`` (told the model it was admitted for
+    is gone) answers 409 model_busy with ``Retry-After: 1``, and it is not auto-loaded again."""
+    from miserver.serving.scheduler import Priority
+
+    for change in ("load_other", "unload"):
+        model, target = d._v1_target("resident")
+        assert target == "resident"
+        d.note(f"/v1 {model} waits for its slot while {change}")
+        admitted = d.shadow.handle(Event("v1", target="resident"), d.now)
+        assert Effect.ADMIT in admitted.effects
+        await d.scheduler.acquire(Priority.INTERACTIVE)  # a request in its forward pass
+        try:
+            body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+            request = asyncio.ensure_future(
+                d._send("POST", "/v1/chat/completions", json={**body, "max_tokens": 1})
+            )
+            await _wait_for(lambda: d.scheduler.counts().queued == 1, "the request to queue")
+            resident = d.host.resident
+            path = f"/api/models/{resident.row.id}/unload"
+            kind = "model_unload"
+            if change == "load_other":
+                other, _ = d._v1_target("other")
+                path, kind = f"/api/models/{d.rows[other]}/load", "model_load"
+            got, _, _ = await d._send("POST", path)
+            out = d.shadow.handle(Event(kind, target="other"), d.now)
+            d._compare(change, got, _expected(out))
+            assert d.shadow.handle(Event("transition_done"), d.now).kind == "accepted"
+            assert d.host.resident is not resident  # changed while the request waited
+        finally:
+            d.scheduler.release()
+        got, err, headers = await asyncio.wait_for(request, 30)
+        want = d._confirm_answer(same_resident=False)
+        d._compare(f"/v1 after {change}", got, want)
+        assert got == Answer(409, "model_busy")
+        assert headers.get("Retry-After") == "1"
+        assert "unloaded or changed while the request waited" in err["error"]["message"]
+        assert d.host.resident is None or d.host.resident.row.name != model  # no auto-load
+        await d.quiet()
+        await d.check_status()
+
+
+@pytest.mark.parametrize("scenario", ["drain", "model_load", "save", "resident_changed"])
 def test_codes_that_need_work_in_progress(scenario: str, tiny_model_dir: str) -> None:
     """MODEL_BUSY drain_timeout, NOT_QUIESCED quiesce_in_progress, NOT_ATTACHABLE and
-    MODEL_BUSY model_transition, PAUSE_IN_PROGRESS save: each produced over HTTP with the work
-    really in progress (the test holds a real scheduler slot, or gates the real load or save
-    job until it has sent its calls), and each answer compared with the table."""
-    run = {"drain": _drain_scenario, "model_load": _load_scenario, "save": _save_scenario}
+    MODEL_BUSY model_transition, PAUSE_IN_PROGRESS save, and the /v1 refusal of a request
+    whose model changed while it waited: each produced over HTTP with the work really in
+    progress (the test holds a real scheduler slot, or gates the real load or save job until
+    it has sent its calls), and each answer compared with the table."""
+    run = {
+        "drain": _drain_scenario,
+        "model_load": _load_scenario,
+        "save": _save_scenario,
+        "resident_changed": _resident_changed_scenario,
+    }
 
     async def go() -> None:
         d = HttpDriver(tiny_model_dir, timing=TIMINGS[0], max_queued=64)

@@ -83,6 +83,22 @@ def bug_missing_hold_row() -> tuple[Row, ...]:
     return _drop(TABLE, row)
 
 
+def bug_confirm_ignores_a_changed_resident() -> tuple[Row, ...]:
+    """A /v1 request that waited goes on although the model it was admitted for was unloaded
+    meanwhile (the v1_confirm refusal is lost): a request runs with nothing resident."""
+    return _drop(TABLE, _find("v1_confirm", code="MODEL_BUSY"))
+
+
+def bug_confirm_order() -> tuple[Row, ...]:
+    """v1_confirm checks torn before "the model changed while it waited"."""
+    a = _find("v1_confirm", code="MODEL_BUSY")
+    b = _find("v1_confirm", code="WEIGHTS_TORN")
+    out = list(TABLE)
+    i, j = out.index(a), out.index(b)
+    out[i], out[j] = out[j], out[i]
+    return tuple(out)
+
+
 def bug_second_attachment() -> tuple[Row, ...]:
     """attach loses its ALREADY_ATTACHED refusal."""
     return _drop(TABLE, _find("attach", code="ALREADY_ATTACHED"))
@@ -137,6 +153,7 @@ CHECKER_BUGS = {
     bug_wrong_destination: "writing_implies_open_commit_or_weights_load",
     bug_timer_left_armed: "hold_timer_armed_exactly_when_clean_holder_quiesce_without_commit_or_takeover",
     bug_missing_hold_row: "nothing_served_unless_clean_and_not_held",
+    bug_confirm_ignores_a_changed_resident: "nothing_served_unless_clean_and_not_held",
     bug_second_attachment: "one_attachment_at_most",
     bug_load_while_attached: "while_attached_no_load_unload_or_swap",
     bug_resume_cleans_torn: "torn_left_only_by_late_commit_end_weights_load_or_unload",
@@ -185,3 +202,22 @@ def test_swapped_refusal_order_passes_the_invariants_but_fails_the_stateful_test
     with pytest.raises(AssertionError) as err:
         run_state_machine_as_test(machine, settings=profile)
     assert "WEIGHTS_NOT_CLEAN" in str(err.value) and "ALREADY_QUIESCED" in str(err.value)
+
+
+def test_v1_confirm_order_passes_the_invariants_but_fails_the_stateful_test() -> None:
+    """The reference model holds v1_confirm to its order: the changed-resident refusal comes
+    before the torn one (a request for a model that is gone is told to retry)."""
+    table = bug_confirm_order()
+    assert check(table).violations == []
+    profile = settings(
+        max_examples=300,
+        stateful_step_count=12,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=(Phase.generate, Phase.shrink),
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    with pytest.raises(AssertionError) as err:
+        run_state_machine_as_test(make_machine(table), settings=profile)
+    assert "v1_confirm" in str(err.value) and "WEIGHTS_TORN" in str(err.value)

@@ -19,6 +19,7 @@ slot).
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import time
@@ -113,8 +114,8 @@ def clear_traceback_frames(exc: BaseException | None) -> None:
         stack += (current.__cause__, current.__context__)
 
 
-async def run_without_keeping(fn: Callable[..., T], /, *args: Any) -> T:
-    """``await asyncio.to_thread(fn, *args)``, except that no future keeps the result.
+async def run_without_keeping(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``await asyncio.to_thread(fn, *args, **kwargs)``, except that no future keeps the result.
 
     ``asyncio.to_thread`` stores the result in a ``concurrent.futures.Future`` and an asyncio
     future that reference each other; the wake-up handle of the awaiting task holds the latter
@@ -122,12 +123,16 @@ async def run_without_keeping(fn: Callable[..., T], /, *args: Any) -> T:
     result is the model: an unload or a swap in the same step then freed nothing (the CUDA
     unload test kept one model, 269 MB, allocated). Here the thread hands the result over in a
     box the futures never see, and a failure's frames are cleared before it leaves the thread.
+    The thread takes ``fn`` and its arguments out of a second box: a failure's traceback keeps
+    the thread's function (a frame holds its function, whose closure clearing cannot empty), so
+    that function must not hold the arguments (a model, an adapter).
     """
     box: list[T] = []
+    work = [functools.partial(fn, *args, **kwargs)]
 
     def call() -> None:
         try:
-            box.append(fn(*args))
+            box.append(work.pop()())
         except BaseException as exc:
             clear_traceback_frames(exc)
             raise

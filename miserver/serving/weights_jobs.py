@@ -6,12 +6,20 @@ jobs when the table's ``BEGIN_SAVE`` / ``BEGIN_WEIGHTS_LOAD`` / ``BEGIN_ADAPTER_
 fires, and reports their end as ``*_done`` / ``*_failed`` events. Everything a client can get
 wrong (an unknown checkpoint, a corrupt manifest, a bad adapter folder, a name taken) is checked
 by the ``prepare_*`` functions *before* the event, so a refusal changes nothing.
+
+The blocking work runs in a worker thread through
+:func:`~miserver.serving.host.run_without_keeping`, never a bare ``asyncio.to_thread``: its
+futures would keep a result that holds the model (an applied adapter, the unwrapped model) alive
+for the rest of the awaiting step, and a failure's frames hold the model for as long as the
+runtime keeps the error (it is the answer). A job's failure leaves with its finished frames
+cleared, so an unload or swap after it frees the model at once (on a GPU: returns the memory).
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +28,7 @@ import msgspec
 
 from miserver.http.errors import ApiError
 from miserver.serving import adapters, checkpoints
+from miserver.serving.host import clear_traceback_frames, run_without_keeping
 from miserver.spec import codes
 
 
@@ -139,6 +148,24 @@ def prepare_adapter(host: Any, body: Any) -> None:
         raise exc.as_api_error() from None
 
 
+Job = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+def _keeping_no_frames(job: Job) -> Job:
+    """``job``, except that a failure leaves with the job's finished frames cleared: they hold
+    the resident (the runtime keeps the error as the job's answer, past an unload)."""
+
+    @functools.wraps(job)
+    async def run(params: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await job(params)
+        except BaseException as exc:
+            clear_traceback_frames(exc)
+            raise
+
+    return run
+
+
 class WeightsJobs:
     """Registers the save, weights-load and adapter jobs with a runtime.
 
@@ -153,9 +180,9 @@ class WeightsJobs:
         self.root = Path(home) / "checkpoints"
         self.applied: adapters.AppliedAdapter | None = None
         self.name_before_adapter: str | None = None
-        runtime.register_job("save", self.save)
-        runtime.register_job("weights_load", self.weights_load)
-        runtime.register_job("adapter", self.adapter)
+        runtime.register_job("save", _keeping_no_frames(self.save))
+        runtime.register_job("weights_load", _keeping_no_frames(self.weights_load))
+        runtime.register_job("adapter", _keeping_no_frames(self.adapter))
         self.host.drop_hooks.append(self._forget_adapter)
         if self.root.exists():
             checkpoints.remove_partial_saves(self.root)
@@ -168,7 +195,7 @@ class WeightsJobs:
         base = _base_row(self.host.catalogue, resident.row)
         parent_sha = resident.row.checkpoint_sha256 if resident.row.origin == "checkpoint" else None
         try:
-            saved = await asyncio.to_thread(
+            saved = await run_without_keeping(
                 checkpoints.save_checkpoint,
                 resident.model,
                 resident.tokenizer,
@@ -220,7 +247,7 @@ class WeightsJobs:
             resident = self.host.resident  # not before a reload: it would keep the old model
             await mark_writing()
             try:
-                await asyncio.to_thread(checkpoints.load_in_place, resident.model, plan.handle)
+                await run_without_keeping(checkpoints.load_in_place, resident.model, plan.handle)
             except checkpoints.CheckpointError as exc:
                 raise exc.as_api_error() from None
             resident.row = msgspec.structs.replace(plan.row, resident=True)
@@ -250,7 +277,7 @@ class WeightsJobs:
         if params["apply"]:
             if self.applied is None:
                 self.name_before_adapter = resident.served_name
-            self.applied = await asyncio.to_thread(
+            self.applied = await run_without_keeping(
                 adapters.apply_adapter,
                 resident.model,
                 name=body.name,
@@ -262,7 +289,7 @@ class WeightsJobs:
             return {"served_name": body.name, "applied": True}
         if self.applied is None:
             return {"served_name": resident.served_name, "applied": False}
-        resident.model = await asyncio.to_thread(
+        resident.model = await run_without_keeping(
             adapters.remove_adapter, resident.model, self.applied
         )
         self.applied = None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -30,6 +31,9 @@ SPAN_ALIGN = 256
 #: The arena's total size is rounded up to this, the CUDA caching allocator's block granule, so
 #: the storage's size equals the allocator's block size and ``pinned_bytes`` is exact.
 SIZE_GRANULE = 512
+
+#: What an arena storage is, named as attach exports it (weights page ``storages[].kind``).
+StorageKind = Literal["cuda_ipc", "cpu_shared_memory"]
 
 
 class NotArenaCompatible(ValueError):
@@ -73,7 +77,6 @@ class ParameterArena:
             ``named_parameters(remove_duplicate=False)`` order.
         addresses: name -> ``data_ptr()`` when the layout was last recorded (at placement and at
             every export); :func:`miserver.ipc.export.moved_parameters` compares against it.
-        cpu_shared: whether the storages are CPU shared memory (contract section 8).
         pools: the ``torch.cuda.MemPool`` of each CUDA storage (None on the CPU); kept alive
             with the arena so nothing else is ever placed in them.
     """
@@ -83,11 +86,24 @@ class ParameterArena:
     nbytes: list[int]
     slots: dict[str, ParameterSlot]
     addresses: dict[str, int]
-    cpu_shared: bool
     pools: list[object | None] = field(default_factory=list)
     #: ``(name, owning module's _parameters dict, leaf name)`` per parameter, recorded with the
     #: addresses, so the per-commit check reads each parameter without walking the module tree.
     watch: list[tuple[str, dict, str]] = field(default_factory=list)
+
+    @property
+    def storage_kinds(self) -> list[StorageKind]:
+        """What each storage is, as attach exports it (weights page ``storages[].kind``):
+        ``cuda_ipc`` for a storage on a CUDA device, ``cpu_shared_memory`` for one on the CPU
+        (an arena storage on the CPU is always in shared memory, contract section 8)."""
+        return ["cuda_ipc" if d.type == "cuda" else "cpu_shared_memory" for d in self.devices]
+
+    @property
+    def cpu_shared(self) -> bool:
+        """Whether the arena holds CPU shared memory (contract section 8): True exactly when a
+        storage is on the CPU. A CUDA arena is False whatever ``WEIGHTS_CPU_ATTACH`` says (the
+        setting only allows CPU placement; it does not make CUDA memory shared memory)."""
+        return "cpu_shared_memory" in self.storage_kinds
 
     @property
     def total_bytes(self) -> int:
@@ -205,8 +221,9 @@ def make_attachable(
     Args:
         model: the loaded model; its parameters must be on CUDA devices (or on the CPU when
             ``cpu_shared``). Several CUDA devices give one storage each.
-        cpu_shared: place CPU parameters in shared memory (``WEIGHTS_CPU_ATTACH=1``). Without it
-            a CPU parameter is refused.
+        cpu_shared: allow CPU placement, in shared memory (``WEIGHTS_CPU_ATTACH=1``). Without
+            it a CPU parameter is refused. It changes nothing for CUDA parameters: the arena's
+            :attr:`ParameterArena.cpu_shared` says what the storages are, not this permission.
         device: place the arena on this device instead of each parameter's own (for a model
             loaded on the CPU and served from one GPU: the GPU then never holds two copies);
             buffers are moved there too (outside the arena).
@@ -330,7 +347,6 @@ def make_attachable(
         nbytes=nbytes_list,
         slots=slots,
         addresses={},
-        cpu_shared=cpu_shared,
         pools=pools,
     )
     arena.record_addresses(model)

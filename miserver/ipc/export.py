@@ -134,8 +134,7 @@ def moved_parameters(arena: ParameterArena, model: torch.nn.Module) -> list[str]
 
 def _share(arena: ParameterArena, i: int) -> CudaIpcStorage | CpuSharedMemoryStorage:
     st = arena.storages[i]
-    dev = arena.devices[i]
-    if dev.type == "cuda":
+    if arena.storage_kinds[i] == "cuda_ipc":
         (index, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync) = st._share_cuda_()
         return CudaIpcStorage(
             device_index=int(index),

@@ -228,6 +228,19 @@ class Catalogue:
                 raise CatalogueError(f"catalogue row {row_id} is resident; unload it first")
             return db.execute("DELETE FROM models WHERE id = ?", (row_id,)).rowcount > 0
 
+    def set_path(self, row_id: int, path: str | Path) -> bool:
+        """Point the row at ``path`` (its files moved), keeping its id and everything else.
+        Returns whether a row was changed.
+
+        Raises:
+            CatalogueError: the row is resident (its files are in use).
+        """
+        with self._connect() as db:
+            if row_id == self._resident_id:
+                raise CatalogueError(f"catalogue row {row_id} is resident; unload it first")
+            cur = db.execute("UPDATE models SET path = ? WHERE id = ?", (str(path), row_id))
+            return cur.rowcount > 0
+
     def set_resident(self, row_id: int | None) -> None:
         """Record which row this process holds now (None: nothing resident)."""
         with self._lock:

@@ -66,8 +66,9 @@ async def load_default_model(app: web.Application) -> None:
     app[keys.HOST]
     catalogue = app[keys.CATALOGUE]
     try:
-        from miserver.serving.default_model import DEFAULT_NAME, import_default
+        from miserver.serving.default_model import DEFAULT_NAME, import_default, repair_gguf_row
 
+        await asyncio.to_thread(repair_gguf_row, settings.home)  # an older home's q4 row
         if catalogue.get_by_name(name) is None and name == DEFAULT_NAME:
             await asyncio.to_thread(import_default, settings.home, False)
         row = catalogue.get_by_name(name)

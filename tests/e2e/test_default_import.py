@@ -33,7 +33,9 @@ def test_two_rows_are_registered(default_home: str) -> None:
     assert Path(st.path) == dm.model_dir(default_home)
     q4 = rows["smollm2-135m-instruct-q4"]
     assert (q4.format, q4.quantization) == ("gguf", "gguf")
-    assert Path(q4.path) == dm.gguf_path() and Path(q4.path).is_file()
+    # The home's own copy (a hard link or a copy of the wheel's file), not a path into the venv.
+    assert Path(q4.path) == dm.gguf_home_path(default_home) and Path(q4.path).is_file()
+    assert Path(q4.path).stat().st_size == dm.gguf_path().stat().st_size
 
 
 def test_folder_is_bf16_safetensors_without_quantization_config(default_home: str) -> None:

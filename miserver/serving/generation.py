@@ -192,11 +192,28 @@ class IncrementalDetokenizer:
         return ""
 
     def flush(self) -> str:
-        """The text still held (an incomplete character at the very end decodes to U+FFFD)."""
+        """The text still held. An incomplete UTF-8 character at the very end (the generation
+        stopped inside it, e.g. at ``max_tokens``) is dropped, not sent as U+FFFD: a completion
+        never holds part of a character (contract 4)."""
         prefix_text = self._decode(self._ids[self._prefix : self._read])
+        held = self._ids[self._read :]
         new_text = self._decode(self._ids[self._prefix :])
         self._prefix = self._read = len(self._ids)
-        return new_text[len(prefix_text) :]
+        text = new_text[len(prefix_text) :]
+        if text.endswith("\ufffd") and _ends_inside_a_character(
+            b"".join(token_bytes(self._tok, i) for i in held)
+        ):
+            text = text[:-1]
+        return text
+
+
+def _ends_inside_a_character(raw: bytes) -> bool:
+    """Whether ``raw`` ends with the start of a UTF-8 character whose last bytes are missing."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return err.end == len(raw) and err.reason == "unexpected end of data"
+    return False
 
 
 class StopMatcher:
@@ -327,15 +344,20 @@ def pick_token(
     """Choose the next token from ``logits`` (shape ``[vocab]``, float32).
 
     Greedy (argmax) at temperature 0; otherwise softmax(logits / temperature) restricted to the
-    smallest set of tokens whose mass reaches ``top_p``, sampled with ``generator``.
+    smallest set of tokens whose mass reaches ``top_p``, sampled with ``generator``. Any value the
+    contract admits (temperature in (0, 2], top_p in (0, 1]) works, however small.
     """
     if params.temperature == 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    # In float64 after subtracting the maximum: every scaled logit is <= 0 (the best is 0), so a
+    # temperature as small as 5e-324 gives -inf for the others (a one-hot), never inf or nan.
+    scaled = (logits.double() - logits.max().double()) / params.temperature
+    probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         cumulative = torch.cumsum(sorted_probs, dim=-1)
-        drop = cumulative - sorted_probs >= params.top_p  # always keeps the best token
+        drop = cumulative - sorted_probs >= params.top_p
+        drop[0] = False  # always keeps the best token (a top_p below the float's resolution too)
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         choice = torch.multinomial(sorted_probs, 1, generator=generator)
         return int(order[choice])
@@ -521,7 +543,12 @@ class Generation:
 
         detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
         stopper = StopMatcher(params.stop)
-        pending_lp: list[TokenLogprob] = []
+        # Logprob entries wait with their token's start offset in the completion's text and go
+        # out with the first text that reaches that offset: a token held back by the stop
+        # matcher, or cut off by a stop sequence, is reported only if its text is (contract 4).
+        pending_lp: list[tuple[int, TokenLogprob]] = []
+        decoded = 0  # characters the detokenizer has produced
+        released = 0  # characters of completion text sent
         generated = 0
         finish = "length"
         matched_stop = False
@@ -536,11 +563,17 @@ class Generation:
                 finish = "stop"
                 break
             if want_logprobs:
-                pending_lp.append(self._logprob_entry(torch.log_softmax(logits, dim=-1), token))
-            text, matched_stop = stopper.feed(detok.add(token))
-            if text or matched_stop:
-                self._emit(TextDelta(text, tuple(pending_lp)))
-                pending_lp = []
+                entry = self._logprob_entry(torch.log_softmax(logits, dim=-1), token)
+                pending_lp.append((decoded, entry))
+            piece = detok.add(token)
+            decoded += len(piece)
+            text, matched_stop = stopper.feed(piece)
+            released += len(text)
+            ready = tuple(e for start, e in pending_lp if start < released)
+            if ready:
+                pending_lp = [(start, e) for start, e in pending_lp if start >= released]
+            if text or ready:
+                self._emit(TextDelta(text, ready))
             if matched_stop:
                 finish = "stop"
                 break
@@ -562,6 +595,8 @@ class Generation:
                 finish = "stop"
             else:
                 tail += stopper.flush()
-            if tail or pending_lp:
-                self._emit(TextDelta(tail, tuple(pending_lp)))
+            released += len(tail)
+            ready = tuple(e for start, e in pending_lp if not matched_stop or start < released)
+            if tail or ready:
+                self._emit(TextDelta(tail, ready))
         self._emit(Finished(finish, len(self.prompt_ids), generated))

@@ -69,12 +69,23 @@ def test_detokenizer_keeps_leading_space_with_prompt_context(tokenizer) -> None:
     assert "".join(detok.add(i) for i in ids) + detok.flush() == " world and more"
 
 
-def test_detokenizer_flush_of_an_incomplete_character(tokenizer) -> None:
-    ids = tokenizer("🦙", add_special_tokens=False)["input_ids"]
-    assert len(ids) > 1
+def test_detokenizer_flush_drops_an_incomplete_character(tokenizer) -> None:
+    # The generation stopped inside a character (max_tokens): its first bytes are dropped, not
+    # sent as U+FFFD (contract 4: never part of a character).
+    ids = tokenizer("ok 🦙", add_special_tokens=False)["input_ids"]
+    llama = tokenizer("🦙", add_special_tokens=False)["input_ids"]
+    assert len(llama) > 1
     detok = IncrementalDetokenizer(tokenizer)
-    assert detok.add(ids[0]) == ""
-    assert detok.flush() == "\ufffd"
+    cut = ids[: len(ids) - len(llama) + 1]  # "ok", " " and the llama's first token
+    text = "".join(detok.add(i) for i in cut) + detok.flush()
+    assert "\ufffd" not in text
+    assert text.rstrip() == "ok"
+
+
+def test_detokenizer_flush_keeps_a_real_replacement_character(tokenizer) -> None:
+    ids = tokenizer("a \ufffd", add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer)
+    assert "".join(detok.add(i) for i in ids) + detok.flush() == "a \ufffd"
 
 
 @pytest.mark.parametrize(
@@ -128,6 +139,17 @@ def test_pick_token_greedy_and_top_p() -> None:
     assert len({pick_token(logits, wide, g) for _ in range(200)}) >= 3
 
 
+@pytest.mark.parametrize(
+    ("temperature", "top_p"), [(1e-39, 1.0), (5e-324, 1.0), (1.0, 5e-324), (1e-300, 1e-300)]
+)
+def test_pick_token_takes_the_smallest_values_the_contract_admits(temperature, top_p) -> None:
+    # temperature in (0, 2] and top_p in (0, 1]: however small, the best token, never a failure.
+    logits = torch.tensor([0.0, 5.0, 4.9, -3.0, float("-inf")])
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p)
+    assert {pick_token(logits, params, g) for _ in range(20)} == {1}
+
+
 # --- the worker ---------------------------------------------------------------------------------
 async def test_greedy_is_deterministic_and_counts_tokens(model, tokenizer) -> None:
     d1, f1 = await run(model, tokenizer, "The weather", max_tokens=12, temperature=0)
@@ -156,6 +178,26 @@ async def test_stop_sequence_cuts_before_the_match(model, tokenizer) -> None:
     assert text_of(cut) == text[: text.index(stop)]
     assert fin.finish_reason == "stop"
     assert all(stop not in text_of(cut[: i + 1]) for i in range(len(cut)))
+
+
+async def test_logprobs_leave_out_the_tokens_of_a_stop_sequence(model, tokenizer) -> None:
+    kw = {"max_tokens": 24, "temperature": 0, "logprobs": 0}
+    full, _ = await run(model, tokenizer, "Numbers:", **kw)
+    entries = [lp for d in full for lp in d.logprobs]
+    text = text_of(full)
+    assert "".join(e.text for e in entries) == text  # no split characters in this answer
+    # A stop sequence that starts at a token boundary: the tokens from there on are not reported.
+    for k in range(2, len(entries) - 1):
+        before = "".join(e.text for e in entries[:k])
+        stop = entries[k].text + entries[k + 1].text
+        if entries[k].text.strip() and text.find(stop) == len(before):
+            break
+    else:
+        pytest.skip("no usable token boundary in this answer")
+    cut, fin = await run(model, tokenizer, "Numbers:", stop=(stop,), **kw)
+    assert fin.finish_reason == "stop"
+    assert text_of(cut) == before
+    assert [e.token_id for d in cut for e in d.logprobs] == [e.token_id for e in entries[:k]]
 
 
 async def test_logprobs_and_echo(model, tokenizer) -> None:

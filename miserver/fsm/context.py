@@ -22,6 +22,10 @@ class Context:
         attached_at, last_heartbeat_at, stale_since: attachment times (``now`` clock).
         quiesced_at: when the current hold began.
         commit_began_at: when the open (or torn) commit began.
+        commit_torn_at: when that commit tore (the watchdog, a detach while writing, a moved
+            address), or ``None`` while it has not.
+        commit_timed_out: the watchdog tore that commit (it was open longer than
+            WEIGHTS_COMMIT_WATCHDOG_MS); status ``commit.overran``.
         commit_overran: when the watchdog last tore a commit.
         last_overrun: ``(at, commit_ms)`` of the last late commit-end.
         last_hold_timeout_at: when a hold last timed out.
@@ -47,6 +51,8 @@ class Context:
     stale_since: float | None = None
     quiesced_at: float | None = None
     commit_began_at: float | None = None
+    commit_torn_at: float | None = None
+    commit_timed_out: bool = False
     commit_overran: float | None = None
     last_overrun: tuple[float, float] | None = None
     last_hold_timeout_at: float | None = None

@@ -334,14 +334,21 @@ class Lifecycle:
             }
         commit = None
         if s.commit != "none" or (s.weights == "torn" and c.commit_began_at is not None):
+            # Weights page, Status: ``commit`` while a commit is open or torn. ``overran``: the
+            # watchdog timed it out (open longer than WEIGHTS_COMMIT_WATCHDOG_MS), not merely
+            # torn (a detach while writing, a moved address). ``open_ms`` runs on while the
+            # beginner may still end it; once nobody can, it stops where the commit tore.
+            end = now
+            if s.commit != "mine" and c.commit_torn_at is not None:
+                end = c.commit_torn_at
             open_ms = None
-            if now is not None and c.commit_began_at is not None:
-                open_ms = (now - c.commit_began_at) * 1000.0
+            if end is not None and c.commit_began_at is not None:
+                open_ms = (end - c.commit_began_at) * 1000.0
             commit = {
                 "began_at": c.commit_began_at,
                 "open_ms": open_ms,
                 "watchdog_ms": self.watchdog_ms,
-                "overran": s.weights == "torn",
+                "overran": c.commit_timed_out,
             }
         last_overrun = None
         if c.last_overrun is not None:
@@ -407,7 +414,7 @@ class Lifecycle:
                 began = c.commit_began_at if c.commit_began_at is not None else now
                 ch.update(last_overrun=(now, (now - began) * 1000.0))
             elif action == "watchdog":
-                ch.update(commit_overran=now)
+                ch.update(commit_overran=now, commit_torn_at=now, commit_timed_out=True)
             elif action == "hold_timeout":
                 ch.update(last_hold_timeout_at=now)
             elif action == "save":
@@ -453,10 +460,22 @@ class Lifecycle:
                 last_heartbeat_at=None,
                 stale_since=None,
             )
+        if (
+            a.weights == "torn"
+            and b.weights != "torn"
+            and c.commit_began_at is not None
+            and "watchdog" not in row.actions
+        ):
+            # a detach while writing, or a moved address, tore the open commit: not the watchdog
+            ch.update(commit_torn_at=now, commit_timed_out=False)
         if a.commit == "none" and "end_commit" not in row.actions:
             ch.setdefault("commit_began_at", None)
         if "end_commit" in row.actions:
             ch["commit_began_at"] = None
+        if (c.commit_torn_at is not None or c.commit_timed_out) and (
+            ch.get("commit_began_at", c.commit_began_at) is None or "begin_commit" in row.actions
+        ):
+            ch.update(commit_torn_at=None, commit_timed_out=False)  # that commit is over
         if a.barrier == "serving":
             ch["quiesced_at"] = None
         elif b.barrier == "serving":

@@ -47,6 +47,7 @@ class Attachment:
 class Commit:
     by: str | None  # the attachment that began it; None once that attachment is gone
     began: float
+    timed_out: bool = False  # the watchdog tore it (status commit.overran)
 
 
 @dataclass
@@ -484,6 +485,8 @@ class Reference:
                 continue
             elif name == "watchdog":  # "A commit open longer than this becomes torn"
                 self.weights = "torn"
+                if self.commit is not None:
+                    self.commit.timed_out = True  # Status: commit.overran
                 if self.commit is not None and self.commit.by is None:
                     self._serve_again()  # nobody holds an orphaned commit's barrier
             elif name == "heartbeat":
@@ -506,4 +509,7 @@ class Reference:
             "adapter_applied": self.adapter,
             "model_transition": self.transition,
             "hold_deadline": self.deadlines.get("hold"),
+            # Status: commit "while a commit is open or torn"; overran only when the watchdog
+            # timed it out (a detach while writing or a moved address tears without one)
+            "commit_overran": None if self.commit is None else self.commit.timed_out,
         }

@@ -396,6 +396,7 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                 )
             }
             core["attachment_state"] = view["attachment"]["state"] if view["attachment"] else None
+            core["commit_overran"] = view["commit"]["overran"] if view["commit"] else None
             want = self.ref.view()
             diff = {k: (core[k], want[k]) for k in want if core[k] != want[k]}
             assert not diff, f"t={self.now:g} status differs (core, reference): {diff}"

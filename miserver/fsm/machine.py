@@ -446,7 +446,9 @@ class Lifecycle:
                 ch.update(
                     served_name=event.name or c.served_name,
                     served_origin="adapter" if event.applied else (event.origin or "model"),
-                    commits_since_name=0,
+                    commits_since_name=(
+                        event.commits if not event.applied and event.commits is not None else 0
+                    ),
                 )
             else:  # pragma: no cover - a typo in the table
                 raise TableError(f"row {row.id}: unknown action {action!r}")

@@ -186,7 +186,10 @@ class Event:
         applied: an adapter change's result: applied (``True``) or removed (``False``).
         name: the served name a completion sets (checkpoint, model or adapter name).
         origin: the ``X-miLLM-Model`` origin a load completion sets (``model`` for a
-            ``{"model_id": N}`` reload, ``checkpoint`` for a checkpoint); ``None``: inferred.
+            ``{"model_id": N}`` reload, ``checkpoint`` for a checkpoint), or an adapter
+            removal restores; ``None``: inferred.
+        commits: the commit count an adapter removal restores with the name it had before the
+            adapter (its commits, and those made while the adapter was applied); ``None``: 0.
         same_resident: ``v1_confirm``: the resident a waiting ``/v1`` request was admitted for
             (the one it named, or the row its auto-load loaded) is still the resident; False
             when it was unloaded, or replaced by another model, while the request waited.
@@ -204,6 +207,7 @@ class Event:
     name: str | None = None
     origin: Literal["model", "checkpoint"] | None = None
     same_resident: bool = True
+    commits: int | None = None
 
     def short(self) -> str:
         """A compact rendering for traces: ``quiesce(trainer holder)``."""

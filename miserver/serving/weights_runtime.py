@@ -359,6 +359,7 @@ class WeightsRuntime:
                     name=result.get("served_name"),
                     applied=result.get("applied", True),
                     origin=result.get("origin"),
+                    commits=result.get("commits"),
                 )
             )
 
@@ -609,6 +610,8 @@ class WeightsRuntime:
             return True
         if resident is not None and resident.row.id == row_id:
             return True
+        if resident is None and getattr(self.host, "replacing_row_id", None) == row_id:
+            return True  # the row a running swap or unload replaces: resident until it ends
         row = self.host.catalogue.get(row_id)
         if row is None:
             raise ApiError(

@@ -178,20 +178,18 @@ def serve(settings: Settings) -> int:
     if problem is not None:
         print(f"miserver: invalid configuration: {problem}", file=sys.stderr)
         return 2
-    from aiohttp import web
-
     from miserver.http.app import create_app
+    from miserver.http.protocol import run_app
 
     app = create_app(settings)
     try:
-        web.run_app(
+        run_app(  # aiohttp's run_app, with aiohttp's own low-level errors answered as JSON
             app,
             host=settings.host,
             port=settings.port,
-            print=lambda _banner: log.info(
+            on_listening=lambda: log.info(
                 "listening on http://%s:%s", settings.host, settings.port
             ),
-            handle_signals=True,
             shutdown_timeout=10.0,
             access_log=log.getChild("access"),
             access_log_class=AccessLogger,

@@ -1,0 +1,181 @@
+"""The HTTP connection layer: aiohttp's own low-level errors answered as JSON.
+
+A request aiohttp's parser cannot accept (a request line or header over ``max_line_size`` /
+``max_field_size``, 8190 bytes; a malformed header; a request line that is not HTTP) never
+reaches the application or its middlewares: aiohttp answers it from
+``RequestHandler.handle_error`` with a ``text/plain`` page that repeats the first ~100 bytes of
+the offending line, which is an ``Authorization: Bearer <token>`` header as often as not.
+Contract section 2 ("every error body is JSON, never aiohttp's plain-text pages"; "no error
+echoes a token or a raw request body") and the weights page ("a token is never logged, returned
+or echoed in an error") rule that out.
+
+aiohttp has no hook for these errors (aio-libs/aiohttp#3287, open), so :class:`AppRunner` serves
+the app through a :class:`~aiohttp.web_protocol.RequestHandler` whose only change is
+:meth:`JsonErrorRequestHandler.handle_error`: the management error envelope, a message that says
+what was wrong and what to do, and a log line that names the fault without the request's bytes.
+``miserver serve`` runs the app with this runner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import http_exceptions, web
+from aiohttp.web_protocol import RequestHandler
+
+from miserver.http.errors import ApiError, json_response, management_error_body
+from miserver.spec import codes
+
+_LIMIT_HINT = (
+    "Send long values in the JSON body, not in the URL or a header; an Authorization header "
+    "carries only 'Bearer <token>'."
+)
+
+
+def describe_bad_request(exc: BaseException | None) -> tuple[str, dict[str, Any] | None]:
+    """A message (and details) for a request aiohttp's parser refused, built only from the
+    exception's type and limits: never from the request's bytes (a header may hold a token).
+
+    Returns ``(message, details)``.
+    """
+    if isinstance(exc, http_exceptions.LineTooLong):
+        limit = exc.args[1] if len(exc.args) > 1 else None
+        limit_bytes = limit if isinstance(limit, int) else None
+        size = f"{limit_bytes} bytes" if limit_bytes is not None else "the server's limit"
+        return (
+            f"The request line (the URL) or a header line is longer than {size}; the request "
+            f"was not read. {_LIMIT_HINT}",
+            {"limit_bytes": limit_bytes},
+        )
+    if isinstance(exc, http_exceptions.BadStatusLine):  # BadHttpMethod included
+        return (
+            "The request line is not a valid HTTP/1.x request line (METHOD /path HTTP/1.1).",
+            None,
+        )
+    if isinstance(exc, http_exceptions.InvalidHeader):
+        return ("A header line is malformed (not 'Name: value' with a valid name).", None)
+    if isinstance(exc, http_exceptions.InvalidURLError):
+        return ("The request target is not a valid URL path.", None)
+    if isinstance(exc, http_exceptions.PayloadEncodingError):
+        return (
+            "The request body's framing is invalid (its Content-Length, Transfer-Encoding or "
+            "Content-Encoding does not match the bytes sent).",
+            None,
+        )
+    return ("The request is not valid HTTP/1.1 and was not read.", None)
+
+
+def low_level_error(status: int, exc: BaseException | None) -> web.Response:
+    """The JSON answer (management envelope) for an error aiohttp raised outside the app.
+
+    Such a request was never routed, so its path is unknown and the management shape is used.
+    ``status`` is aiohttp's: 400 for a request it could not parse, 500 for a failure outside the
+    middlewares, 504 for a handler timeout.
+    """
+    if status >= 500:
+        if status == 504:
+            message = "The request handler timed out; retry the request."
+        else:
+            message = "internal server error"
+        err = ApiError(codes.INTERNAL_ERROR, message, status=status)
+    else:
+        message, details = describe_bad_request(exc)
+        err = ApiError(codes.INVALID_REQUEST, message, details=details, status=status)
+    return json_response(management_error_body(err), err.status)
+
+
+class JsonErrorRequestHandler(RequestHandler):
+    """aiohttp's connection handler with JSON error answers (see the module docstring)."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """Answer an error raised outside the application as JSON and close the connection.
+
+        Logs the fault's kind and limits, never the request's bytes (aiohttp's own line and its
+        traceback repeat the header that was too long). A 500 keeps the traceback: it is a bug
+        of ours, and its frames hold no request data.
+
+        Raises ``ConnectionError`` when part of a response was already sent (as aiohttp does).
+        """
+        if status >= 500:
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+        elif self._request_count == 1 and isinstance(exc, http_exceptions.BadHttpMethod):
+            # Not HTTP at all (TLS to a plain port, a scanner): aiohttp logs these at debug.
+            self.logger.debug("non-HTTP bytes from %s refused", request.remote)
+        else:
+            self.logger.warning(
+                "refused an unreadable HTTP request from %s with %d: %s",
+                request.remote,
+                status,
+                describe_bad_request(exc)[0],
+            )
+        if request.writer.output_size > 0:
+            raise ConnectionError(
+                "Response is sent already, cannot send another response with the error message"
+            )
+        resp = low_level_error(status, exc)
+        resp.force_close()
+        return resp
+
+
+class JsonErrorServer(web.Server):
+    """aiohttp's low-level server, making :class:`JsonErrorRequestHandler` connections."""
+
+    def __call__(self) -> RequestHandler:
+        handler = super().__call__()  # aiohttp builds it with every configured option
+        # Same slots layout (the subclass adds none), so only the methods change.
+        handler.__class__ = JsonErrorRequestHandler
+        return handler
+
+
+class AppRunner(web.AppRunner):
+    """``web.AppRunner`` whose server answers aiohttp's own low-level errors as JSON."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = JsonErrorServer  # a plain class; the subclass only overrides __call__
+        return server
+
+
+def run_app(
+    app: web.Application,
+    *,
+    host: str,
+    port: int,
+    on_listening: Callable[[], None] | None = None,
+    shutdown_timeout: float = 10.0,
+    **server_options: Any,
+) -> None:
+    """Serve ``app`` on ``host:port`` through :class:`AppRunner` until SIGINT or SIGTERM.
+
+    What ``aiohttp.web.run_app`` does for one TCP address, with JSON low-level errors.
+    ``on_listening`` is called once the socket is bound; ``server_options`` go to the runner
+    (``access_log``, ``access_log_class``, ...). Raises ``OSError`` when the address cannot be
+    bound; returns after a clean shutdown (the app's cleanup has run).
+    """
+
+    async def serve() -> None:
+        runner = AppRunner(
+            app, handle_signals=True, shutdown_timeout=shutdown_timeout, **server_options
+        )
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+            if on_listening is not None:
+                on_listening()
+            await asyncio.Event().wait()  # until a signal raises GracefulExit
+        finally:
+            await runner.cleanup()
+
+    with contextlib.suppress(web.GracefulExit, KeyboardInterrupt):
+        asyncio.run(serve())

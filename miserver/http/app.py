@@ -37,18 +37,24 @@ def body_limit_middleware(max_bytes: int) -> Any:
     """Refuse a body declared larger than ``max_bytes`` with 413 before reading it.
 
     A chunked body without ``Content-Length`` is cut at the same limit by aiohttp's
-    ``client_max_size`` when a handler reads it (also answered as JSON 413).
+    ``client_max_size`` when a handler reads it (also answered as JSON 413). On a gated weights
+    route the refusal writes its ``weights_audit`` line (the route's ``audit_refusal``).
     """
 
     @web.middleware
     async def limit(request: web.Request, handler: Any) -> web.StreamResponse:
         length = request.content_length
         if length is not None and length > max_bytes:
-            raise ApiError(
+            err = ApiError(
                 codes.PAYLOAD_TOO_LARGE,
                 f"the request body is {length} bytes; MAX_REQUEST_BYTES is {max_bytes}",
                 details={"max_request_bytes": max_bytes, "content_length": length},
             )
+            # A gated weights route audits this refusal too (weights page: Routes).
+            audit_refusal = getattr(request.match_info.handler, "audit_refusal", None)
+            if audit_refusal is not None:
+                audit_refusal(request, err)
+            raise err
         return await handler(request)
 
     return limit

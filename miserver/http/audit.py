@@ -7,6 +7,11 @@ weights state after the call (``weights_state``) and before it (``weights_state_
 to the ``miserver.audit`` logger and, with ``WEIGHTS_AUDIT_LOG`` set, are appended to that file,
 flushed per line (contract section 1).
 
+A call refused before the lifecycle sees it (a body that does not decode, one over
+MAX_REQUEST_BYTES, a checkpoint that does not exist, a failure of ours) is audited by the route's
+wrapper (:func:`miserver.http.weights.gated_route`), which learns from :class:`AuditScope`
+whether the call already wrote its line, so each call writes exactly one.
+
 The routes use :meth:`AuditLog.write_soon`: the record is built and stamped when the call is
 decided, and written on the event loop's next turn, after the response has gone out, so a
 barrier call does not wait for its own audit line (lines keep the order of the calls).
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -62,6 +68,20 @@ class AuditRecord(msgspec.Struct, kw_only=True):
     event: str = "weights_audit"
 
 
+class AuditScope:
+    """One gated call's audit state: whether a line was written for it (see :data:`CURRENT_CALL`)."""
+
+    __slots__ = ("written",)
+
+    def __init__(self) -> None:
+        self.written = False
+
+
+#: The gated call the running task serves (aiohttp runs each request in its own task, with its
+#: own copy of the context). :class:`AuditLog` marks it when it writes that call's line.
+CURRENT_CALL: ContextVar[AuditScope | None] = ContextVar("miserver_audit_call", default=None)
+
+
 class AuditLog:
     """Writes :class:`AuditRecord` lines to the log and, optionally, to a file (thread-safe)."""
 
@@ -104,6 +124,9 @@ class AuditLog:
             raise ValueError(f"unknown audit operation {record.operation!r}")
         if not record.ts:
             record.ts = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        call = CURRENT_CALL.get()
+        if call is not None:
+            call.written = True
 
     def close(self) -> None:
         """Close the audit file (the server's shutdown)."""

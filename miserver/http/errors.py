@@ -106,6 +106,11 @@ _HTTP_CODES: dict[int, ErrorCode] = {
 }
 
 
+def code_for_status(status: int) -> ErrorCode:
+    """The error code for one of aiohttp's own HTTP errors (404, 405, 413, ...; 5xx: internal)."""
+    return _HTTP_CODES.get(status, codes.INTERNAL_ERROR if status >= 500 else codes.INVALID_REQUEST)
+
+
 @web.middleware
 async def json_errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """Turn :class:`ApiError` and aiohttp's own HTTP errors into JSON bodies; never a plain 500."""
@@ -116,9 +121,7 @@ async def json_errors_middleware(request: web.Request, handler: Any) -> web.Stre
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = _HTTP_CODES.get(
-            exc.status, codes.INTERNAL_ERROR if exc.status >= 500 else codes.INVALID_REQUEST
-        )
+        code = code_for_status(exc.status)
         message = {
             404: f"no route for {request.method} {request.path}",
             405: f"method {request.method} is not allowed on {request.path}",

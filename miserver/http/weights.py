@@ -10,20 +10,28 @@ header is never a 422: the table answers 401 or 403 in its documented order.
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from miserver.http import keys
-from miserver.http.auth import ATTACHMENT_HEADER, Caller, identify
-from miserver.http.errors import ApiError, ok
+from miserver.http.audit import CURRENT_CALL, AuditRecord, AuditScope
+from miserver.http.auth import ATTACHMENT_HEADER, Caller, attachment_ref, identify
+from miserver.http.errors import ApiError, code_for_status, ok
 from miserver.http.management import decode_body as decode_management_body
 from miserver.serving.weights_runtime import CallResult, WeightsRuntime
 from miserver.spec import codes
 from miserver.spec import weights as W
 
 RUNTIME = keys.WEIGHTS
+
+log = logging.getLogger("miserver.http.weights")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _caller(request: web.Request) -> Caller:
@@ -45,6 +53,93 @@ async def decode_body(request: web.Request, struct: type[msgspec.Struct]) -> Any
 
 
 _EMPTY = W.EmptyRequest()
+
+
+def audit_refusal(
+    request: web.Request, operation: str, exc: BaseException, before: str | None = None
+) -> None:
+    """Write the refused ``weights_audit`` line of a gated call the lifecycle never saw.
+
+    Weights page, Routes: every gated call writes one line, accepted or refused. The code and
+    reason are the answer's (an :class:`ApiError`'s; aiohttp's 413 is PAYLOAD_TOO_LARGE; any
+    other exception INTERNAL_ERROR), the role and label the caller's token's, and the state
+    fields the lifecycle's (a refusal changes nothing: ``before`` defaults to the state now).
+    A token refusal of ``save``/``load`` is named ``weights_save``/``weights_load``, as the
+    lifecycle names its own. Never raises: a failure here is logged, and the call's own answer
+    goes out unchanged.
+    """
+    try:
+        if isinstance(exc, ApiError):
+            code, reason = exc.code, exc.reason
+        elif isinstance(exc, web.HTTPException):
+            code, reason = code_for_status(exc.status), None
+        else:
+            code, reason = codes.INTERNAL_ERROR, None
+        if code in (codes.WEIGHTS_UNAUTHORIZED, codes.WEIGHTS_FORBIDDEN) and operation in (
+            "save",
+            "load",
+        ):
+            operation = f"weights_{operation}"
+        runtime = request.app[RUNTIME]
+        caller = _caller(request)
+        resident = runtime.host.resident
+        state = runtime.lifecycle.state.weights
+        runtime.audit.write_soon(
+            AuditRecord(
+                operation=operation,
+                outcome="refused",
+                code=code.name,
+                reason=reason,
+                role=caller.role,
+                label=caller.label,
+                attachment_ref=attachment_ref(runtime.lifecycle.context.attachment_id),
+                model=resident.base_name if resident is not None else None,
+                weights_state=state,
+                weights_state_before=before or state,
+            )
+        )
+    except Exception:  # noqa: BLE001 - the audit must not replace the call's own answer
+        log.exception("could not write the weights_audit line of a refused %s", operation)
+
+
+def gated_route(operation: str) -> Callable[[Handler], Handler]:
+    """Make a gated route write its ``weights_audit`` line also when it fails before (or
+    outside) the lifecycle's decision: a body that does not decode (400), a body over
+    MAX_REQUEST_BYTES (413), a checkpoint or row that does not exist (404), a taken name (409),
+    a failure of ours (500). Weights page, Routes.
+
+    The lifecycle writes the line of every call it decides; the call's
+    :class:`~miserver.http.audit.AuditScope` tells the wrapper whether it did, so a call writes
+    exactly one. The accepted path costs one context-variable set and reset. The wrapper's
+    ``audit_refusal(request, exc)`` attribute lets the body-limit middleware, which refuses
+    before the handler runs, write the same line.
+    """
+
+    def wrap(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def route(request: web.Request) -> web.StreamResponse:
+            call = AuditScope()
+            token = CURRENT_CALL.set(call)
+            before = request.app[RUNTIME].lifecycle.state.weights
+            try:
+                return await handler(request)
+            except Exception as exc:
+                if not call.written:
+                    audit_refusal(request, operation, exc, before)
+                raise
+            finally:
+                CURRENT_CALL.reset(token)
+
+        route.audit_refusal = functools.partial(  # type: ignore[attr-defined]
+            _refused_before_handler, operation=operation
+        )
+        return route
+
+    return wrap
+
+
+def _refused_before_handler(request: web.Request, exc: BaseException, *, operation: str) -> None:
+    audit_refusal(request, operation, exc)
 
 
 async def _gated(
@@ -76,6 +171,7 @@ def _state(runtime: WeightsRuntime) -> dict[str, Any]:
     return view
 
 
+@gated_route("weights_attach")
 async def attach(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     result, _ = await _gated(request, "attach", "weights_attach")
@@ -99,6 +195,7 @@ async def attach(request: web.Request) -> web.Response:
     return ok(data, headers={"Cache-Control": "no-store"})
 
 
+@gated_route("weights_detach")
 async def detach(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     await _gated(request, "detach", "weights_detach")
@@ -106,6 +203,7 @@ async def detach(request: web.Request) -> web.Response:
     return ok(W.DetachResponse(weights_state=view["weights_state"], barrier=view["barrier"]))
 
 
+@gated_route("weights_heartbeat")
 async def heartbeat(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     await _gated(request, "heartbeat", "weights_heartbeat")
@@ -121,6 +219,7 @@ async def heartbeat(request: web.Request) -> web.Response:
     )
 
 
+@gated_route("weights_quiesce")
 async def quiesce(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     await _gated(request, "quiesce", "weights_quiesce")
@@ -137,6 +236,7 @@ async def quiesce(request: web.Request) -> web.Response:
     )
 
 
+@gated_route("weights_resume")
 async def resume(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     await _gated(request, "resume", "weights_resume")
@@ -144,6 +244,7 @@ async def resume(request: web.Request) -> web.Response:
     return ok(W.ResumeResponse(barrier=view["barrier"], weights_state=view["weights_state"]))
 
 
+@gated_route("weights_commit_begin")
 async def commit_begin(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     result, _ = await _gated(request, "commit_begin", "weights_commit_begin")
@@ -157,6 +258,7 @@ async def commit_begin(request: web.Request) -> web.Response:
     )
 
 
+@gated_route("weights_commit_end")
 async def commit_end(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     result, _ = await _gated(request, "commit_end", "weights_commit_end")
@@ -171,6 +273,7 @@ async def commit_end(request: web.Request) -> web.Response:
     )
 
 
+@gated_route("weights_clear_stale")
 async def clear_stale(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     result, _ = await _gated(request, "clear_stale", "weights_clear_stale")
@@ -222,6 +325,7 @@ def setup_routes(app: web.Application, runtime: WeightsRuntime) -> None:
 
 
 # --- checkpoints (contract 5) -----------------------------------------------------------------
+@gated_route("save")
 async def save(request: web.Request) -> web.Response:
     """POST /api/weights/save: a holder call; writes a checkpoint inside the barrier."""
     from miserver.serving.weights_jobs import prepare_save
@@ -242,6 +346,7 @@ async def save(request: web.Request) -> web.Response:
     return ok(msgspec.convert(result.job["response"], W.SaveResponse))
 
 
+@gated_route("load")
 async def load(request: web.Request) -> web.Response:
     """POST /api/weights/load: a checkpoint (in place when the layout matches) or a row."""
     from miserver.serving.weights_jobs import prepare_load

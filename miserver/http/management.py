@@ -92,6 +92,11 @@ def decode_body(body: bytes, type_: type[T], *, hints: dict[str, str] | None = N
             field = unknown.group(1)
             fields = ", ".join(getattr(type_, "__struct_fields__", ()))
             hint = (hints or {}).get(field)
+            if not fields:  # the barrier calls: the token and headers say everything
+                raise _invalid(
+                    f"unknown field {field!r}: this route takes no body; send none, or {{}}",
+                    field,
+                ) from None
             raise _invalid(
                 f"unknown field {field!r}"
                 + (f" (did you mean {hint!r}?)" if hint else "")

@@ -1,0 +1,65 @@
+"""Error messages say what happened and what to do (findings 13 and 14).
+
+Each test pins the part of a message a user acts on, not its whole wording.
+"""
+
+from __future__ import annotations
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from miserver.http import keys
+from miserver.http.app import create_app
+from miserver.serving.catalogue import Catalogue
+from miserver.spec.settings import load_settings
+
+TRN = "trainer-secret-0123456789"
+
+
+async def make_client(tmp_path, default_model: str = "", model_dir: str | None = None):
+    home = tmp_path / "home"
+    if model_dir is not None:
+        Catalogue(str(home)).register(
+            name="tiny", format="safetensors", dtype="bfloat16", path=model_dir
+        )
+    settings = load_settings(
+        {
+            "MISERVER_HOME": str(home),
+            "DEFAULT_MODEL": default_model,
+            "DEVICE": "cpu",
+            "WEIGHTS_TOKENS": f"trn:trainer:{TRN}",
+            "WEIGHTS_CPU_ATTACH": "1",
+        }
+    )
+    app = create_app(settings)
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    await app[keys.STARTUP_LOAD]
+    return client
+
+
+@pytest.fixture
+async def client(tmp_path):
+    c = await make_client(tmp_path)
+    yield c
+    await c.close()
+
+
+@pytest.mark.parametrize("route", ["attach", "quiesce", "resume", "heartbeat", "commit-end"])
+async def test_an_unknown_field_on_a_route_without_a_body_says_it_takes_none(client, route) -> None:
+    resp = await client.post(
+        f"/api/weights/{route}", json={"foo": 1}, headers={"Authorization": f"Bearer {TRN}"}
+    )
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["code"] == "INVALID_REQUEST" and error["details"] == {"field": "foo"}
+    assert "this route takes no body" in error["message"]
+    assert "allowed fields" not in error["message"]
+
+
+async def test_an_unknown_field_on_a_route_with_fields_still_lists_them(client) -> None:
+    resp = await client.post(
+        "/api/weights/save", json={"nam": "x"}, headers={"Authorization": f"Bearer {TRN}"}
+    )
+    assert resp.status == 400
+    assert "allowed fields: name" in (await resp.json())["error"]["message"]

@@ -131,7 +131,7 @@ async def admit(
     host = app[keys.HOST]
     policy = normalize_load_policy(load_policy)
     row_id = None
-    if host.resident is None or not host.serves(model):
+    if not host.answers_to(model):  # the resident, or the one a running swap replaces
         row = host.resolve(model)
         if row is None:
             available = [r.name for r in host.catalogue.list()]

@@ -172,6 +172,7 @@ class ModelHost:
         self._loader = loader or loader_module.load_model
         self._lock = asyncio.Lock()
         self._busy: TransitionKind | None = None
+        self._replacing: tuple[int, tuple[str, ...]] | None = None
         self.resident: Resident | None = None
         #: Called with the resident being dropped (unload, swap, reload, shutdown) before its
         #: memory is freed: a part that keeps state about the served model (an applied adapter
@@ -197,6 +198,23 @@ class ModelHost:
     def serves(self, name: str) -> bool:
         """Whether the resident answers to ``name`` (its served name or its base name)."""
         return self.resident is not None and name in self.resident.names()
+
+    @property
+    def replacing_row_id(self) -> int | None:
+        """The catalogue row id of the model a running swap or unload is replacing (already
+        dropped from memory), or None."""
+        return self._replacing[0] if self._replacing is not None else None
+
+    def answers_to(self, name: str) -> bool:
+        """Whether ``name`` names the resident as the weights lifecycle counts it: the resident's
+        served or base name, or, while a swap or unload runs, the served or base name of the
+        model it is replacing. The host drops that model before the new one is read, but the
+        lifecycle counts it resident until the transition ends, so a ``/v1`` request naming it
+        is a request for the resident during a transition (409 MODEL_BUSY, contract 4), not an
+        auto-load of another model (weights page: Unsaved commits and the auto-load)."""
+        if self.serves(name):
+            return True
+        return self._replacing is not None and name in self._replacing[1]
 
     # --- the one refusal decision ---------------------------------------------------------------
     def _check_transition(
@@ -283,6 +301,7 @@ class ModelHost:
         try:
             async with self._lock:
                 previous = self.resident.row.name if self.resident else None
+                self._note_replacing()
                 self._drop_resident()
                 log.info(
                     "loading model %s (id %s)%s",
@@ -329,6 +348,12 @@ class ModelHost:
                 return self.resident
         finally:
             self._busy = None
+            self._replacing = None
+
+    def _note_replacing(self) -> None:
+        """Remember the resident's row id and names (not the model) for :meth:`answers_to`."""
+        if self.resident is not None:
+            self._replacing = (self.resident.row.id, self.resident.names())
 
     def _drop_resident(self) -> None:
         if self.resident is None:
@@ -385,10 +410,12 @@ class ModelHost:
             async with self._lock:
                 unloaded = resident.row
                 del resident
+                self._note_replacing()
                 self._drop_resident()
                 return unloaded
         finally:
             self._busy = None
+            self._replacing = None
 
     async def ensure_for_request(self, name: str, load_policy: str | None = None) -> Resident:
         """The resident that serves ``name``, auto-loading the catalogue row of that name.

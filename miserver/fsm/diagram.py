@@ -63,6 +63,11 @@ Where the weights page and the companion contract are silent, the table decides 
   for the resident apply (503 `WEIGHTS_TORN`, 409 `MODEL_BUSY` during a transition), and a
   pause that began while it waited lets it go on (the drain waits for a request that holds a
   slot).
+- **A `/v1` request during a model load, swap or unload** is 409 `MODEL_BUSY`
+  (`model_transition`) whichever model it names, also while the resident carries unsaved
+  commits: the running load or unload is the operator's deliberate discard of them, so 409
+  `WEIGHTS_UNSAVED` (whose way forward is a save) does not apply. A request naming the model
+  being replaced still names the resident until the transition ends.
 - **The queue bound** (`MAX_QUEUED_REQUESTS`, 503 `QUEUE_FULL` for `/v1` and quiesce) counts the
   interactive requests that wait, queued or held; Batch API rows neither count nor are refused
   for it (contract 7: rows wait).

@@ -925,8 +925,15 @@ def build_rows() -> tuple[Row, ...]:
         _refuse(t, codes.MODEL_NOT_LOADED, when=("refuse_policy",), status=409),
         _refuse(t, codes.ALREADY_ATTACHED, when=("attached",), details="holder"),
         _refuse(t, codes.WEIGHTS_TORN, when=("torn",), details="torn"),
+        _refuse(
+            t,
+            codes.MODEL_BUSY,
+            "model_transition",
+            when=("in_transition",),
+            note="before unsaved: a running load or unload is discarding the commits already "
+            "(an explicit operator load, never refused for them), so save is no way forward",
+        ),
         _refuse(t, codes.WEIGHTS_UNSAVED, when=("unsaved",), details="unsaved"),
-        _refuse(t, codes.MODEL_BUSY, "model_transition", when=("in_transition",)),
         _refuse(t, codes.MODEL_BUSY, "model_transition", when=("held_by_pause",)),
         _refuse(t, codes.MODEL_BUSY, unless=("serving",)),
         _accept(

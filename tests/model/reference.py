@@ -357,16 +357,21 @@ class Reference:
                     return refused(503, "QUEUE_FULL")
                 return Reply("accepted", admission="hold")
             return Reply("accepted", admission="serve")
-        # contract 4: refuse policy, attached, torn, unsaved, a transition in progress
+        # contract 4: refuse policy ("still refuses any swap first"), attached, torn, a
+        # transition in progress, unsaved. Decision (docs/state-machine.md): a running load or
+        # unload is discarding the commits already ("the deliberate way to discard them"), so
+        # it answers 409 MODEL_BUSY, not WEIGHTS_UNSAVED (whose way forward, a save, is gone).
         if refuse_policy:
             return refused(409, "MODEL_NOT_LOADED")
         if self.att is not None:
             return refused(409, "ALREADY_ATTACHED")
         if self.weights == "torn":
             return refused(503, "WEIGHTS_TORN")
+        if self.transition is not None:
+            return refused(409, "MODEL_BUSY", "model_transition")
         if self.resident and self.unsaved() > 0:
             return refused(409, "WEIGHTS_UNSAVED")
-        if self.transition is not None or self.pause in PAUSES:
+        if self.pause in PAUSES:
             return refused(409, "MODEL_BUSY", "model_transition")
         if self.barrier != "serving":
             return refused(409, "MODEL_BUSY")

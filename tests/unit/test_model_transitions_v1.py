@@ -1,0 +1,101 @@
+"""Model loads, swaps and unloads against ``/v1`` traffic, over HTTP on a live app serving the
+tiny real Llama attachably on the CPU (contract 3, 4; weights page: States, Unsaved commits and
+the auto-load).
+
+- During a management swap away from a resident with unsaved commits, a ``/v1`` request naming
+  the resident (served or base name) or the swap's target is 409 model_busy (a transition in
+  progress), not 409 weights_unsaved (finding 8): the resident is the lifecycle's resident
+  until the transition ends, and the running load is the operator's deliberate discard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from miserver.http import keys
+from tests.unit.test_weights_routes import TRN, auth, make_client, post
+
+CHAT = "/v1/chat/completions"
+
+
+def body(model: str = "tiny", max_tokens: int = 1) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+
+
+async def wait_until(predicate: Any, timeout_s: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+async def one_unsaved_commit(c: Any) -> None:
+    st, data, _ = await post(c, "/api/weights/attach", auth(TRN))
+    assert st == 200, data
+    h = auth(TRN, data["data"]["attachment_id"])
+    for route in ("quiesce", "commit-begin", "commit-end", "resume", "detach"):
+        st, data, _ = await post(c, f"/api/weights/{route}", h)
+        assert st == 200, (route, data)
+
+
+def gate_loads(host: Any) -> tuple[threading.Event, threading.Event]:
+    """Make the host's loads wait (in their worker thread) until ``release`` is set."""
+    started, release = threading.Event(), threading.Event()
+    real = host._loader
+
+    def gated(row: Any, settings: Any) -> Any:
+        started.set()
+        assert release.wait(30), "the test never released the load"
+        return real(row, settings)
+
+    host._loader = gated
+    return started, release
+
+
+async def test_v1_during_a_swap_from_an_unsaved_resident_is_model_busy(tmp_path, tiny_model_dir):
+    c = await make_client(tmp_path, tiny_model_dir)
+    try:
+        app = c.server.app
+        host = app[keys.HOST]
+        other = app[keys.CATALOGUE].register(
+            name="tiny-b", format="safetensors", dtype="bfloat16", path=tiny_model_dir
+        )
+        await one_unsaved_commit(c)
+        # nothing in progress: the resident is served as usual, another model is refused
+        resp = await c.post(CHAT, json=body("tiny"))
+        assert resp.status == 200, await resp.text()
+        resp = await c.post(CHAT, json=body("tiny-b"))
+        assert (resp.status, (await resp.json())["error"]["code"]) == (409, "weights_unsaved")
+
+        started, release = gate_loads(host)
+        swap = asyncio.ensure_future(c.post(f"/api/models/{other.id}/load"))
+        await wait_until(started.is_set)
+        assert host.resident is None  # dropped before the new one is read
+        try:
+            for name in ("tiny", "tiny-b"):  # the resident's name, the swap's target
+                resp = await c.post(CHAT, json=body(name))
+                err = (await resp.json())["error"]
+                assert (resp.status, err["code"]) == (409, "model_busy"), (name, err)
+                assert "unsaved" not in err["message"]
+            # X-miLLM-Load-Policy: refuse refuses a swap first, but "tiny" names the resident
+            refuse = {"X-miLLM-Load-Policy": "refuse"}
+            resp = await c.post(CHAT, json=body("tiny"), headers=refuse)
+            assert (resp.status, (await resp.json())["error"]["code"]) == (409, "model_busy")
+            resp = await c.post(CHAT, json=body("tiny-b"), headers=refuse)
+            assert (resp.status, (await resp.json())["error"]["code"]) == (409, "model_not_loaded")
+        finally:
+            release.set()
+        resp = await swap
+        assert resp.status == 200, await resp.text()
+        resp = await c.post(CHAT, json=body("tiny-b"))
+        assert resp.status == 200, await resp.text()
+    finally:
+        await c.close()

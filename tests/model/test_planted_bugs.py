@@ -192,7 +192,7 @@ def test_swapped_refusal_order_passes_the_invariants_but_fails_the_stateful_test
     machine = make_machine(table)
     profile = settings(
         max_examples=300,
-        stateful_step_count=8,
+        stateful_step_count=12,
         deadline=None,
         derandomize=True,
         database=None,

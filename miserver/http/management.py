@@ -126,9 +126,11 @@ async def read_body(request: web.Request, type_: type[T], **kw: Any) -> T:
 def _row_id(request: web.Request) -> int:
     raw = request.match_info["id"]
     if not raw.isdigit() or len(raw) > 18:
+        what = "is larger than any row id" if raw.isdigit() else "is not a row id"
         raise ApiError(
             codes.MODEL_NOT_FOUND,
-            f"no catalogue row with id {raw[:40]!r}: ids are integers (GET /api/models lists them)",
+            f"no catalogue row with id {raw[:40]!r}: it {what}; a row id is a positive "
+            "integer (GET /api/models lists the rows and their ids)",
             details={"model_id": raw[:40]},
         )
     return int(raw)
@@ -284,7 +286,8 @@ async def register_model(request: web.Request) -> web.Response:
 
 
 async def delete_model(request: web.Request) -> web.Response:
-    """``DELETE /api/models/{id}``: remove the row, not its files (409 MODEL_RESIDENT)."""
+    """``DELETE /api/models/{id}``: remove the row (409 MODEL_RESIDENT). A registered model's
+    files stay; a checkpoint miserver saved takes its folder with it (``Catalogue.delete``)."""
     row = _row_or_404(request, _row_id(request))
     host = request.app[keys.HOST]
     if host.resident is not None and host.resident.row.id == row.id:
@@ -346,6 +349,38 @@ async def get_settings(request: web.Request) -> web.Response:
     return ok(_settings_view(request.app))
 
 
+_PAUSE_OWNERS = {
+    "holder": "the attached trainer's quiesce",
+    "save": "a checkpoint save (POST /api/weights/save)",
+    "weights_load": "a weights load (POST /api/weights/load)",
+    "adapter": "an adapter change (/api/weights/adapter)",
+}
+
+
+def _settings_busy(runtime: Any, refusal: ApiError) -> ApiError:
+    """The lifecycle's 409 MODEL_BUSY for PATCH /api/settings, saying why and what to do.
+
+    Contract 1: refused while the barrier is held or weights are writing. ``details`` carries
+    the barrier, its owner and the weights state (the status route's names).
+    """
+    state = runtime.lifecycle.state
+    barrier = "serving" if state.barrier == "serving" else "quiesced"
+    owner = state.owner if state.owner != "none" else None
+    held_by = _PAUSE_OWNERS.get(owner or "", "a pause")
+    if state.weights == "writing":
+        why = "the weights are being written (a commit or a weights load is open)"
+    else:
+        why = f"the weights barrier is held by {held_by}"
+    return ApiError(
+        codes.MODEL_BUSY,
+        f"Serving settings cannot change while {why}. Retry once it is released "
+        "(GET /api/weights/status shows barrier: serving and weights_state: clean).",
+        reason=refusal.reason,
+        details={"barrier": barrier, "pause_owner": owner, "weights_state": state.weights},
+        headers=refusal.headers,
+    )
+
+
 async def patch_settings(request: web.Request) -> web.Response:
     """``PATCH /api/settings``: change any of ``max_concurrent_requests``,
     ``continuous_batching`` (only false: not implemented), ``max_queued_requests``."""
@@ -364,7 +399,13 @@ async def patch_settings(request: web.Request) -> web.Response:
     concurrency = kwargs.get("max_concurrent", request.app[keys.SCHEDULER].max_concurrent)
     # The lifecycle decides (409 MODEL_BUSY while the barrier is held or weights are writing;
     # contract 1) and records the resulting pause availability (weights page: Status).
-    await request.app[keys.WEIGHTS].settings_change("ok" if concurrency == 1 else "concurrency")
+    runtime = request.app[keys.WEIGHTS]
+    try:
+        await runtime.settings_change("ok" if concurrency == 1 else "concurrency")
+    except ApiError as exc:
+        if exc.code is codes.MODEL_BUSY:
+            raise _settings_busy(runtime, exc) from None
+        raise
     if kwargs:
         request.app[keys.SCHEDULER].set_limits(**kwargs)
     return ok(_settings_view(request.app))

@@ -63,3 +63,47 @@ async def test_an_unknown_field_on_a_route_with_fields_still_lists_them(client) 
     )
     assert resp.status == 400
     assert "allowed fields: name" in (await resp.json())["error"]["message"]
+
+
+@pytest.mark.parametrize(("raw", "what"), [("-1", "is not a row id"), ("abc", "is not a row id")])
+async def test_a_row_id_that_is_not_one_says_what_an_id_is(client, raw, what) -> None:
+    resp = await client.get(f"/api/models/{raw}")
+    assert resp.status == 404
+    error = (await resp.json())["error"]
+    assert error["code"] == "MODEL_NOT_FOUND"
+    assert what in error["message"] and "a row id is a positive integer" in error["message"]
+    assert "ids are integers" not in error["message"]  # -1 is an integer: the old wording
+
+
+async def test_a_settings_change_while_the_barrier_is_held_says_so(
+    tmp_path, tiny_model_dir
+) -> None:
+    client = await make_client(tmp_path, "tiny", tiny_model_dir)
+    try:
+        auth = {"Authorization": f"Bearer {TRN}"}
+        resp = await client.post("/api/weights/attach", headers=auth)
+        assert resp.status == 200
+        auth["X-miLLM-Attachment"] = (await resp.json())["data"]["attachment_id"]
+        assert (await client.post("/api/weights/quiesce", headers=auth)).status == 200
+        resp = await client.patch("/api/settings", json={"max_queued_requests": 8})
+        assert resp.status == 409
+        error = (await resp.json())["error"]
+        assert error["code"] == "MODEL_BUSY"
+        assert "barrier is held by the attached trainer's quiesce" in error["message"]
+        assert "barrier: serving" in error["message"]  # what to wait for
+        assert error["details"] == {
+            "barrier": "quiesced",
+            "pause_owner": "holder",
+            "weights_state": "clean",
+        }
+        assert (await client.post("/api/weights/commit-begin", headers=auth)).status == 200
+        resp = await client.patch("/api/settings", json={"max_queued_requests": 8})
+        error = (await resp.json())["error"]
+        assert resp.status == 409 and "weights are being written" in error["message"]
+        assert error["details"]["weights_state"] == "writing"
+        assert (await client.post("/api/weights/commit-end", headers=auth)).status == 200
+        assert (await client.post("/api/weights/resume", headers=auth)).status == 200
+        resp = await client.patch("/api/settings", json={"max_queued_requests": 8})
+        assert resp.status == 200 and (await resp.json())["data"]["max_queued_requests"] == 8
+    finally:
+        await client.close()

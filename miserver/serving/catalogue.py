@@ -27,6 +27,8 @@ DTYPES = ("float16", "bfloat16", "float32")
 QUANTIZATIONS = ("none", "bitsandbytes-8bit", "bitsandbytes-4bit", "gptq", "awq", "gguf")
 ORIGINS = ("model", "checkpoint")
 DB_NAME = "catalogue.sqlite3"
+#: The largest row id SQLite can store (a signed 64-bit INTEGER PRIMARY KEY); ids start at 1.
+MAX_ROW_ID = 2**63 - 1
 
 Format = Literal["safetensors", "gguf"]
 Dtype = Literal["float16", "bfloat16", "float32"]
@@ -96,6 +98,15 @@ _COLUMNS = (
 )
 
 
+def is_row_id(value: object) -> bool:
+    """Whether ``value`` can be a row id: an ``int`` (not a ``bool``) in 1..:data:`MAX_ROW_ID`.
+
+    Ids come from clients (``{"model_id": N}``, ``/api/models/{id}``); one outside SQLite's
+    64-bit range would raise ``OverflowError`` in the driver instead of finding no row.
+    """
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_ROW_ID
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
@@ -138,7 +149,10 @@ class Catalogue:
         return [self._row(r) for r in rows]
 
     def get(self, row_id: int) -> CatalogueRow | None:
-        """The row with this id, or None."""
+        """The row with this id, or None (also for an id no row can have: below 1, above
+        :data:`MAX_ROW_ID`, or not an integer, so a client's id never reaches SQLite unbounded)."""
+        if not is_row_id(row_id):
+            return None
         with self._connect() as db:
             r = db.execute(
                 f"SELECT {', '.join(_COLUMNS)} FROM models WHERE id = ?", (row_id,)
@@ -191,9 +205,9 @@ class Catalogue:
             existing = db.execute("SELECT id FROM models WHERE name = ?", (name,)).fetchone()
             if existing:
                 raise DuplicateName(name, existing[0])
-            if (
-                parent_id is not None
-                and not db.execute("SELECT 1 FROM models WHERE id = ?", (parent_id,)).fetchone()
+            if parent_id is not None and (
+                not is_row_id(parent_id)
+                or not db.execute("SELECT 1 FROM models WHERE id = ?", (parent_id,)).fetchone()
             ):
                 raise CatalogueError(f"parent_id {parent_id} names no catalogue row")
             cur = db.execute(
@@ -223,6 +237,8 @@ class Catalogue:
             CatalogueError: the row is resident (``DELETE /api/models/{id}`` answers 409
                 MODEL_RESIDENT; the route checks first, this is the backstop).
         """
+        if not is_row_id(row_id):
+            return False
         with self._connect() as db:
             if row_id == self._resident_id:
                 raise CatalogueError(f"catalogue row {row_id} is resident; unload it first")
@@ -235,6 +251,8 @@ class Catalogue:
         Raises:
             CatalogueError: the row is resident (its files are in use).
         """
+        if not is_row_id(row_id):
+            return False
         with self._connect() as db:
             if row_id == self._resident_id:
                 raise CatalogueError(f"catalogue row {row_id} is resident; unload it first")

@@ -126,3 +126,16 @@ async def test_a_well_formed_request_is_served_as_usual_on_the_same_runner(port)
         port, b"GET /api/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
     )
     assert status == 200 and body["success"] is True
+
+
+@pytest.mark.parametrize(
+    ("status", "message"),
+    [(500, "internal server error"), (504, "The request handler timed out; retry the request.")],
+)
+def test_a_server_side_low_level_error_is_a_json_internal_error(status, message) -> None:
+    from miserver.http.protocol import low_level_error
+
+    resp = low_level_error(status, RuntimeError(SECRET))
+    assert resp.status == status and resp.content_type == "application/json"
+    error = json.loads(resp.body)["error"]
+    assert error == {"code": "INTERNAL_ERROR", "message": message, "reason": None, "details": None}

@@ -181,8 +181,13 @@ class CudaMemory(_Body):
     reserved_mb: float
 
 
-class AdapterBlock(_Body):
-    """GET /api/weights/adapter (contract 6): ``{applied: false}`` or the applied adapter."""
+class AdapterBlock(_Body, omit_defaults=True):
+    """GET /api/weights/adapter (contract 6): ``{applied: false}`` or the applied adapter
+    ``{applied: true, name, path, rank, alpha, target_modules, applied_at}``.
+
+    The same object everywhere (weights page: Status, ``adapter``): the status route and the
+    adapter routes encode it alike, so ``{applied: false}`` carries no null fields.
+    """
 
     applied: bool
     name: str | None = None

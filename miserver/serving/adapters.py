@@ -90,6 +90,28 @@ class InvalidAdapterName(Exception):
         return ApiError(self.code, self.message, details=self.details, param="name")
 
 
+#: What a request can get wrong about an adapter; each has ``as_api_error()``.
+AdapterRequestError = (AdapterInvalid, InvalidAdapterName)
+
+
+def validate_adapter_name(name: Any) -> str:
+    """Return ``name`` if it can be the served name while the adapter is applied (contract 6).
+
+    The rule of a checkpoint name (:data:`miserver.serving.checkpoints.NAME_RE`): 1-128
+    characters of ``[A-Za-z0-9._-]``, starting with a letter or digit, so it is a valid
+    ``X-miLLM-Model`` sf-string.
+
+    Raises:
+        InvalidAdapterName: anything else (``400 INVALID_REQUEST``, field ``name``).
+    """
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise InvalidAdapterName(
+            "an adapter name is 1-128 characters of letters, digits, '.', '_' and '-', starting"
+            " with a letter or digit (it becomes the served name)"
+        )
+    return name
+
+
 # --- base tensors through LoRA layers -------------------------------------------------------------
 
 
@@ -225,6 +247,101 @@ def _check_shapes(model: nn.Module, folder: Path, header: dict[str, Any]) -> Non
             )
 
 
+def _lora_module_types() -> tuple[type, ...]:
+    """Module types PEFT's LoRA can wrap (``peft.tuners.lora.model.LoraModel._create_new_module``)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention, Conv1D)
+
+
+def _tensor_module(key: str) -> str:
+    """The base module name an adapter tensor belongs to (``...q_proj.lora_A.weight`` ->
+    ``...q_proj``)."""
+    parts = key.removeprefix(_PEFT_PREFIX).split(".")
+    kind = next((i for i, p in enumerate(parts) if p.startswith("lora_")), len(parts))
+    return ".".join(parts[:kind])
+
+
+def _check_targets(
+    model: nn.Module, folder: Path, config: Mapping[str, Any], header: Mapping[str, Any]
+) -> None:
+    """The modules ``target_modules`` selects, matched exactly as PEFT matches them when it
+    injects (``check_target_module_exists``: names, ``.``-suffixes or a regex, with
+    ``exclude_modules`` and ``layers_to_transform``), must exist in the served model, be layers
+    LoRA can wrap, and hold every tensor the adapter file carries (a tensor on a module that is
+    not targeted would be dropped without an error, serving another adapter than the file)."""
+    from types import SimpleNamespace
+
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    targets = config.get("target_modules")
+    if targets is None:  # PEFT fills in its default for the model type (LoraModel)
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        targets = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
+    modules = {n: m for n, m in _module_by_name(model).items() if n}
+    if isinstance(targets, str) and targets.lower() == "all-linear":
+        output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        selected = {n for n, m in modules.items() if isinstance(m, nn.Linear) and m is not output}
+    elif isinstance(targets, str) or (
+        isinstance(targets, list | tuple) and targets and all(isinstance(t, str) for t in targets)
+    ):
+        view = SimpleNamespace(
+            target_modules=targets if isinstance(targets, str) else set(targets),
+            target_parameters=config.get("target_parameters"),
+            exclude_modules=config.get("exclude_modules"),
+            modules_to_save=None,
+            layers_to_transform=config.get("layers_to_transform"),
+            layers_pattern=config.get("layers_pattern"),
+        )
+        try:
+            selected = {n for n in modules if check_target_module_exists(view, n)}
+        except Exception as e:  # noqa: BLE001 - a malformed regex or field in the config
+            raise AdapterInvalid(
+                "no_config",
+                f"{CONFIG_NAME} target_modules cannot be matched: {e}",
+                path=folder,
+                details={"target_modules": targets},
+            ) from None
+    else:
+        raise AdapterInvalid(
+            "incompatible",
+            f"{CONFIG_NAME} names no target_modules; only LoRA on modules is served",
+            path=folder,
+            details={"target_modules": targets},
+        )
+    shown = targets if isinstance(targets, str) else sorted(targets)
+    if not selected:
+        raise AdapterInvalid(
+            "incompatible",
+            f"the adapter's target_modules {shown} match no module of the served model:"
+            " the adapter was trained on another architecture",
+            path=folder,
+            details={"target_modules": shown},
+        )
+    supported = _lora_module_types()
+    wrong = sorted(n for n in selected if not isinstance(modules[n], supported))
+    if wrong:
+        raise AdapterInvalid(
+            "incompatible",
+            f"the adapter's target_modules {shown} select {wrong[0]!r}"
+            f" ({type(modules[wrong[0]]).__name__}), which LoRA cannot wrap",
+            path=folder,
+            details={"target_modules": shown, "module": wrong[0]},
+        )
+    held = {_tensor_module(k) for k in header if k != "__metadata__"}
+    dropped = sorted(held - selected)
+    if dropped:
+        raise AdapterInvalid(
+            "incompatible",
+            f"the adapter file has tensors for {dropped[0]!r}, which its target_modules"
+            f" {shown} do not select (PEFT would drop them and serve another adapter)",
+            path=folder,
+            details={"target_modules": shown, "module": dropped[0]},
+        )
+
+
 def _read_header(folder: Path) -> dict[str, Any]:
     """The safetensors header of the adapter weights, read without loading tensors."""
     import struct
@@ -252,7 +369,8 @@ def inspect_adapter(model: nn.Module, path: str | Path) -> AdapterInfo:
     weights are in ``adapter_model.safetensors`` (a pickled ``.bin`` is refused: loading it could
     run code); no ``modules_to_save`` / ``trainable_token_indices`` (they replace or add whole
     base tensors, which an unmerged adapter must not); every adapter tensor sits on a module the
-    served model has, with matching dimensions.
+    served model has, with matching dimensions; ``target_modules`` selects (as PEFT matches it)
+    at least one module LoRA can wrap, and every module the file has tensors for.
 
     Raises:
         AdapterInvalid: with reason ``not_found``, ``no_config``, ``not_lora``,
@@ -325,6 +443,7 @@ def inspect_adapter(model: nn.Module, path: str | Path) -> AdapterInfo:
         )
     header = _read_header(folder)
     _check_shapes(model, folder, header)
+    _check_targets(model, folder, config, header)
     targets = config.get("target_modules")
     if isinstance(targets, str):
         target_modules = [targets]
@@ -435,11 +554,7 @@ def apply_adapter(
     """
     from peft import PeftModel
 
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        raise InvalidAdapterName(
-            "an adapter name is 1-128 characters of letters, digits, '.', '_' and '-', starting"
-            " with a letter or digit (it becomes the served name)"
-        )
+    validate_adapter_name(name)
     info = inspect_adapter(model, path)
     if replacing is None and has_adapter(model):
         raise RuntimeError("the model already has an adapter; pass it as replacing=")

@@ -138,13 +138,25 @@ def prepare_save(host: Any, body: Any) -> None:
 
 
 def prepare_adapter(host: Any, body: Any) -> None:
-    """Validate an adapter folder against the resident before the pause (contract 6)."""
-    resident = host.resident
-    if resident is None:
-        return  # the table answers MODEL_NOT_LOADED
+    """Refuse an adapter request a client got wrong, before the pause (contract 6), as
+    :func:`prepare_save` refuses a save: the refusal changes nothing and holds nothing.
+
+    Checked in this order: the served ``name`` (the checkpoint-name rule), then, when a model is
+    resident, the folder against it (:func:`~miserver.serving.adapters.inspect_adapter`: config,
+    weights file, every tensor's module and shape, and ``target_modules`` matched as PEFT
+    matches them).
+
+    Raises:
+        ApiError: 400 INVALID_REQUEST (field ``name``), 400 ADAPTER_INVALID with reason
+            ``not_found``, ``no_config``, ``not_lora``, ``unsafe_format`` or ``incompatible``.
+    """
     try:
+        adapters.validate_adapter_name(body.name)
+        resident = host.resident
+        if resident is None:
+            return  # the table answers MODEL_NOT_LOADED
         adapters.inspect_adapter(resident.model, body.path)
-    except (adapters.AdapterInvalid, adapters.InvalidAdapterName) as exc:
+    except adapters.AdapterRequestError as exc:
         raise exc.as_api_error() from None
 
 
@@ -274,24 +286,27 @@ class WeightsJobs:
     async def adapter(self, params: dict[str, Any]) -> dict[str, Any]:
         body = params["body"]
         resident = self.host.resident
-        if params["apply"]:
+        try:
+            if params["apply"]:
+                if self.applied is None:
+                    self.name_before_adapter = resident.served_name
+                self.applied = await run_without_keeping(
+                    adapters.apply_adapter,
+                    resident.model,
+                    name=body.name,
+                    path=body.path,
+                    now=time.time(),
+                    replacing=self.applied,
+                )
+                resident.adapter_block = self.applied.block()
+                return {"served_name": body.name, "applied": True}
             if self.applied is None:
-                self.name_before_adapter = resident.served_name
-            self.applied = await run_without_keeping(
-                adapters.apply_adapter,
-                resident.model,
-                name=body.name,
-                path=body.path,
-                now=time.time(),
-                replacing=self.applied,
+                return {"served_name": resident.served_name, "applied": False}
+            resident.model = await run_without_keeping(
+                adapters.remove_adapter, resident.model, self.applied
             )
-            resident.adapter_block = self.applied.block()
-            return {"served_name": body.name, "applied": True}
-        if self.applied is None:
-            return {"served_name": resident.served_name, "applied": False}
-        resident.model = await run_without_keeping(
-            adapters.remove_adapter, resident.model, self.applied
-        )
+        except adapters.AdapterRequestError as exc:  # prepare_adapter checked; PEFT may differ
+            raise exc.as_api_error() from None
         self.applied = None
         resident.adapter_block = None
         return {"served_name": self.name_before_adapter or resident.base_name, "applied": False}

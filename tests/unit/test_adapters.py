@@ -314,13 +314,24 @@ def test_error_messages_name_the_problem(tmp_path, adapter_dir):
         ad.inspect_adapter(tiny_model(), folder)
 
 
-def test_a_replacement_peft_refuses_puts_the_current_adapter_back(tmp_path, adapter_dir):
-    folder = tmp_path / "untargeted"
+def test_a_replacement_peft_refuses_puts_the_current_adapter_back(
+    tmp_path, adapter_dir, monkeypatch
+):
+    # inspect_adapter checks what it can before anything changes; PEFT may still refuse while
+    # injecting (after the current adapter was removed): the current one goes back.
+    folder = tmp_path / "other"
     shutil.copytree(adapter_dir, folder)
-    _config_edit(lambda c: c.update(target_modules=["no_such_proj"]))(folder)
     model = tiny_model()
     current = ad.apply_adapter(model, name="a", path=adapter_dir, now=NOW)
     with_adapter = logits(model)
+    real = PeftModel.from_pretrained.__func__
+
+    def refuse_other(cls, model, model_id, *args, **kwargs):
+        if str(model_id) == str(folder):
+            raise ValueError("Target module Dropout() is not supported")
+        return real(cls, model, model_id, *args, **kwargs)
+
+    monkeypatch.setattr(PeftModel, "from_pretrained", classmethod(refuse_other))
     with pytest.raises(ad.AdapterInvalid) as err:
         ad.apply_adapter(model, name="b", path=folder, now=NOW, replacing=current)
     assert err.value.reason == "incompatible"

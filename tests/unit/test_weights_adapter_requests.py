@@ -1,6 +1,8 @@
-"""Adapter requests over HTTP: one adapter block (contract 6; weights page: Status).
+"""Adapter requests over HTTP: refusals before the pause, and one adapter block (contract 6;
+weights page: Status).
 
-Finding 11 of the adversarial trial of 2026-11-30: a test that failed on the code before its fix.
+Findings 3 and 11 of the adversarial trial of 2026-11-30, each a test that failed on the code
+before its fix.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import pytest
 
 from miserver.http import keys
 from miserver.serving import adapters
-from tests.unit.test_weights_checkpoints_routes import make_adapter
-from tests.unit.test_weights_routes import chat, make_client
+from tests.unit.test_weights_checkpoints_routes import attach, make_adapter, scores
+from tests.unit.test_weights_routes import chat, make_client, post
 
 
 @pytest.fixture
@@ -86,3 +88,75 @@ async def test_the_adapter_route_and_status_give_the_same_adapter_object(client,
     assert (await status(client))["adapter"] == block
     st, body = await remove(client)
     assert body["data"] == {"applied": False} == (await status(client))["adapter"]
+
+
+# --- finding 3: adapter name and target modules checked before the pause -------------------------
+@pytest.mark.parametrize("name", ["", 'x y/../z"', "../up", "-lead", "a" * 129])
+async def test_a_bad_adapter_name_is_400_before_anything_changes(client, lora, name):
+    before = await scores(client)
+    st, body = await apply(client, name, lora)
+    assert st == 400, body
+    assert body["error"]["code"] == "INVALID_REQUEST"
+    assert body["error"]["details"] == {"field": "name"}
+    assert_untouched(client, await status(client))
+    assert await scores(client) == before
+
+
+@pytest.mark.parametrize(
+    "config, module",
+    [
+        ({"target_modules": ["nonexistent_proj"]}, None),
+        ({"target_modules": ["q_proj"]}, "v_proj"),  # the file's v_proj tensors would be dropped
+        ({"target_modules": ["mlp"]}, "mlp"),  # a LlamaMLP block, which LoRA cannot wrap
+        ({"target_modules": ["q_proj", "v_proj"], "layers_to_transform": [7]}, None),
+    ],
+)
+async def test_target_modules_the_model_cannot_take_are_400_adapter_invalid(
+    client, lora, tmp_path, config, module
+):
+    folder = edited_adapter(lora, tmp_path / "edited", **config)
+    before = await scores(client)
+    st, body = await apply(client, "w", folder)
+    assert st == 400, body
+    error = body["error"]
+    assert (error["code"], error["reason"]) == ("ADAPTER_INVALID", "incompatible")
+    assert "target_modules" in error["message"]
+    assert error["details"]["path"] == str(folder)
+    if module is not None:
+        assert error["details"]["module"].endswith(module)
+    assert_untouched(client, await status(client))
+    assert await scores(client) == before
+
+
+async def test_adapter_input_is_refused_before_the_table_is_asked(client, lora, tmp_path):
+    # A commit is open (writing): the table would answer 409 WEIGHTS_NOT_CLEAN. A request the
+    # client got wrong is answered for what it is, first, as a save's bad name is.
+    h = await attach(client)
+    assert (await post(client, "/api/weights/quiesce", h))[0] == 200
+    assert (await post(client, "/api/weights/commit-begin", h))[0] == 200
+    st, body = await apply(client, "", lora)
+    assert (st, body["error"]["code"]) == (400, "INVALID_REQUEST")
+    folder = edited_adapter(lora, tmp_path / "edited", target_modules=["nonexistent_proj"])
+    st, body = await apply(client, "w", folder)
+    assert (st, body["error"]["code"]) == (400, "ADAPTER_INVALID")
+    st, body = await apply(client, "w", lora)  # a good request reaches the table
+    assert (st, body["error"]["code"]) == (409, "WEIGHTS_NOT_CLEAN")
+    assert (await post(client, "/api/weights/commit-end", h))[0] == 200
+
+
+async def test_an_adapter_peft_refuses_inside_the_pause_is_400_and_changes_nothing(
+    client, lora, monkeypatch
+):
+    from peft import PeftModel
+
+    def refuse(*args, **kwargs):
+        raise ValueError("Target module Dropout() is not supported")
+
+    monkeypatch.setattr(PeftModel, "from_pretrained", refuse)
+    before = await scores(client)
+    st, body = await apply(client, "w", lora)
+    assert st == 400, body
+    assert (body["error"]["code"], body["error"]["reason"]) == ("ADAPTER_INVALID", "incompatible")
+    assert "PEFT could not apply the adapter" in body["error"]["message"]
+    assert_untouched(client, await status(client))
+    assert await scores(client) == before

@@ -90,8 +90,30 @@ class InvalidAdapterName(Exception):
         return ApiError(self.code, self.message, details=self.details, param="name")
 
 
+class InvalidAdapterPath(Exception):
+    """The adapter ``path`` is not an absolute path (``400 INVALID_REQUEST``, field ``path``).
+
+    Like ``POST /api/models``: a relative path (or ``~``) would resolve against the server's
+    working directory or home, which are not the caller's.
+    """
+
+    code = codes.INVALID_REQUEST
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.reason: str | None = None
+        self.details: dict[str, Any] = {"field": "path"}
+
+    def as_api_error(self) -> ApiError:
+        """The :class:`miserver.http.errors.ApiError` a route raises for this refusal."""
+        from miserver.http.errors import ApiError
+
+        return ApiError(self.code, self.message, details=self.details, param="path")
+
+
 #: What a request can get wrong about an adapter; each has ``as_api_error()``.
-AdapterRequestError = (AdapterInvalid, InvalidAdapterName)
+AdapterRequestError = (AdapterInvalid, InvalidAdapterName, InvalidAdapterPath)
 
 
 def validate_adapter_name(name: Any) -> str:
@@ -110,6 +132,24 @@ def validate_adapter_name(name: Any) -> str:
             " with a letter or digit (it becomes the served name)"
         )
     return name
+
+
+def validate_adapter_path(path: Any) -> Path:
+    """Return ``path`` as a :class:`~pathlib.Path` if it is absolute (as ``POST /api/models``).
+
+    Raises:
+        InvalidAdapterPath: empty, holding a NUL, or not absolute (``400 INVALID_REQUEST``,
+            field ``path``); nothing on disk is looked at.
+    """
+    raw = str(path) if isinstance(path, Path) else path
+    if not isinstance(raw, str) or not raw or "\x00" in raw:
+        raise InvalidAdapterPath("path must be a non-empty absolute path")
+    folder = Path(raw)
+    if not folder.is_absolute():
+        raise InvalidAdapterPath(
+            f"path must be absolute (the server's working directory is not yours): {raw[:200]!r}"
+        )
+    return folder
 
 
 # --- base tensors through LoRA layers -------------------------------------------------------------
@@ -373,10 +413,12 @@ def inspect_adapter(model: nn.Module, path: str | Path) -> AdapterInfo:
     at least one module LoRA can wrap, and every module the file has tensors for.
 
     Raises:
+        InvalidAdapterPath: ``path`` is not absolute (``400 INVALID_REQUEST``, as
+            ``POST /api/models``).
         AdapterInvalid: with reason ``not_found``, ``no_config``, ``not_lora``,
             ``unsafe_format`` or ``incompatible``.
     """
-    folder = Path(path).expanduser().absolute()
+    folder = validate_adapter_path(path)
     if not folder.is_dir():
         raise AdapterInvalid("not_found", f"no adapter folder at {str(folder)!r}", path=folder)
     cpath = folder / CONFIG_NAME

@@ -141,17 +141,19 @@ def prepare_adapter(host: Any, body: Any) -> None:
     """Refuse an adapter request a client got wrong, before the pause (contract 6), as
     :func:`prepare_save` refuses a save: the refusal changes nothing and holds nothing.
 
-    Checked in this order: the served ``name`` (the checkpoint-name rule), then, when a model is
-    resident, the folder against it (:func:`~miserver.serving.adapters.inspect_adapter`: config,
-    weights file, every tensor's module and shape, and ``target_modules`` matched as PEFT
-    matches them).
+    Checked in this order: the served ``name`` (the checkpoint-name rule), the ``path`` (absolute,
+    as ``POST /api/models``), then, when a model is resident, the folder against it
+    (:func:`~miserver.serving.adapters.inspect_adapter`: config, weights file, every tensor's
+    module and shape, and ``target_modules`` matched as PEFT matches them).
 
     Raises:
-        ApiError: 400 INVALID_REQUEST (field ``name``), 400 ADAPTER_INVALID with reason
-            ``not_found``, ``no_config``, ``not_lora``, ``unsafe_format`` or ``incompatible``.
+        ApiError: 400 INVALID_REQUEST (field ``name`` or ``path``), 400 ADAPTER_INVALID with
+            reason ``not_found``, ``no_config``, ``not_lora``, ``unsafe_format`` or
+            ``incompatible``.
     """
     try:
         adapters.validate_adapter_name(body.name)
+        adapters.validate_adapter_path(body.path)
         resident = host.resident
         if resident is None:
             return  # the table answers MODEL_NOT_LOADED

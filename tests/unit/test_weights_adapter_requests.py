@@ -1,7 +1,7 @@
 """Adapter requests over HTTP: refusals before the pause, and one adapter block (contract 6;
 weights page: Status).
 
-Findings 3 and 11 of the adversarial trial of 2026-11-30, each a test that failed on the code
+Findings 3, 11 and 12 of the adversarial trial of 2026-11-30, each a test that failed on the code
 before its fix.
 """
 
@@ -160,3 +160,20 @@ async def test_an_adapter_peft_refuses_inside_the_pause_is_400_and_changes_nothi
     assert "PEFT could not apply the adapter" in body["error"]["message"]
     assert_untouched(client, await status(client))
     assert await scores(client) == before
+
+
+# --- finding 12: relative adapter paths --------------------------------------------------------
+@pytest.mark.parametrize("path", ["lora", "./lora", "~/lora", ""])
+async def test_a_relative_adapter_path_is_refused_as_post_models_refuses_it(client, path):
+    st, body = await apply(client, "w", path)
+    assert st == 400, body
+    error = body["error"]
+    assert error["code"] == "INVALID_REQUEST" and error["details"] == {"field": "path"}
+    assert "absolute" in error["message"]
+    if path:
+        assert "the server's working directory is not yours" in error["message"]
+        resp = await client.post("/api/models", json={"name": "m", "path": path})
+        theirs = (await resp.json())["error"]
+        assert (resp.status, theirs["code"]) == (400, "INVALID_REQUEST")
+        assert theirs["message"] == error["message"]  # one wording for one rule
+    assert_untouched(client, await status(client))

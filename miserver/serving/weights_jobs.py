@@ -180,6 +180,25 @@ def _keeping_no_frames(job: Job) -> Job:
     return run
 
 
+@dataclass(frozen=True)
+class Provenance:
+    """What ``X-miLLM-Model`` said just before the first adapter was applied (weights page:
+    Which weights answered): the served name, its origin and commit count, and
+    ``steps_since_load`` then, so that removing the adapter restores the name and origin and
+    counts the commits made while it was applied (the base tensors carry them)."""
+
+    served_name: str | None
+    origin: str | None
+    commits: int | None
+    steps_since_load: int | None
+
+    def after(self, steps_since_load: int | None) -> int | None:
+        """The commit count of the restored name once ``steps_since_load`` commits exist."""
+        if self.commits is None or self.steps_since_load is None or steps_since_load is None:
+            return None
+        return self.commits + max(0, steps_since_load - self.steps_since_load)
+
+
 class WeightsJobs:
     """Registers the save, weights-load and adapter jobs with a runtime.
 
@@ -193,7 +212,7 @@ class WeightsJobs:
         self.host = runtime.host
         self.root = Path(home) / "checkpoints"
         self.applied: adapters.AppliedAdapter | None = None
-        self.name_before_adapter: str | None = None
+        self.before_adapter: Provenance | None = None
         runtime.register_job("save", _keeping_no_frames(self.save))
         runtime.register_job("weights_load", _keeping_no_frames(self.weights_load))
         runtime.register_job("adapter", _keeping_no_frames(self.adapter))
@@ -261,7 +280,12 @@ class WeightsJobs:
             resident = self.host.resident  # not before a reload: it would keep the old model
             await mark_writing()
             try:
-                await run_without_keeping(checkpoints.load_in_place, resident.model, plan.handle)
+                await run_without_keeping(
+                    _load_in_place_without_adapter,
+                    model=resident.model,
+                    handle=plan.handle,
+                    applied=self.applied,
+                )
             except checkpoints.CheckpointError as exc:
                 raise exc.as_api_error() from None
             resident.row = msgspec.structs.replace(plan.row, resident=True)
@@ -270,8 +294,8 @@ class WeightsJobs:
             await mark_writing()
             await self.host.load(plan.row.id, reload=True)
         resident = self.host.resident
-        if self.applied is not None:
-            self.applied = None  # a load replaces the adapted model
+        self.applied = None  # a load replaces the adapted model (in place: removed first)
+        self.before_adapter = None
         resident.adapter_block = None
         return {
             "served_name": plan.row.name,
@@ -283,15 +307,33 @@ class WeightsJobs:
         """The model host dropped the resident (unload, swap): its adapter went with it, and
         the applied adapter must not keep the dropped model alive."""
         self.applied = None
-        self.name_before_adapter = None
+        self.before_adapter = None
+
+    def _provenance(self) -> Provenance:
+        """The served name, origin and commit count the lifecycle holds now."""
+        ctx = self.runtime.lifecycle.context
+        resident = self.host.resident
+        return Provenance(
+            served_name=ctx.served_name or (resident.served_name if resident else None),
+            origin=ctx.served_origin,
+            commits=ctx.commits_since_name,
+            steps_since_load=ctx.steps_since_load,
+        )
 
     async def adapter(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Apply or remove the adapter inside the pause (contract 6).
+
+        The result names what ``X-miLLM-Model`` says afterwards (weights page: Which weights
+        answered): the adapter's name with origin ``adapter`` and commits from 0 when applied;
+        after a removal, the name and origin from before the adapter, with the commits made
+        before and while it was applied (they are in the base tensors); a removal with no
+        adapter applied changes nothing.
+        """
         body = params["body"]
         resident = self.host.resident
         try:
             if params["apply"]:
-                if self.applied is None:
-                    self.name_before_adapter = resident.served_name
+                before = self._provenance() if self.applied is None else self.before_adapter
                 self.applied = await run_without_keeping(
                     adapters.apply_adapter,
                     resident.model,
@@ -300,15 +342,47 @@ class WeightsJobs:
                     now=time.time(),
                     replacing=self.applied,
                 )
+                self.before_adapter = before
                 resident.adapter_block = self.applied.block()
                 return {"served_name": body.name, "applied": True}
-            if self.applied is None:
-                return {"served_name": resident.served_name, "applied": False}
+            now = self._provenance()
+            if self.applied is None:  # a no-op: the served name, origin and count stay
+                return _served(now.served_name, now.origin, now.commits)
             resident.model = await run_without_keeping(
                 adapters.remove_adapter, resident.model, self.applied
             )
         except adapters.AdapterRequestError as exc:  # prepare_adapter checked; PEFT may differ
             raise exc.as_api_error() from None
+        before, self.before_adapter = self.before_adapter, None
         self.applied = None
         resident.adapter_block = None
-        return {"served_name": self.name_before_adapter or resident.base_name, "applied": False}
+        if before is None or now.origin != "adapter":
+            # A save while the adapter was applied renamed the served set: keep that name.
+            return _served(now.served_name or resident.base_name, now.origin, now.commits)
+        return _served(
+            before.served_name or resident.base_name,
+            before.origin,
+            before.after(now.steps_since_load),
+        )
+
+
+def _served(name: str | None, origin: str | None, commits: int | None) -> dict[str, Any]:
+    """An adapter removal's result: the served name, origin and commit count to restore."""
+    return {
+        "served_name": name,
+        "applied": False,
+        "origin": origin if origin in ("model", "checkpoint") else None,
+        "commits": commits,
+    }
+
+
+def _load_in_place_without_adapter(
+    *, model: Any, handle: checkpoints.CheckpointHandle, applied: Any
+) -> None:
+    """Write ``handle`` into ``model``'s base tensors (through any LoRA layers), then remove the
+    applied adapter (if any), so that the set served afterwards is exactly the checkpoint (a
+    load replaces the adapted model; contract 5 and 6). A corrupt checkpoint raises before the
+    first write, leaving the weights and the adapter as they were."""
+    checkpoints.load_in_place(model, handle)
+    if applied is not None:
+        adapters.remove_adapter(model, applied)

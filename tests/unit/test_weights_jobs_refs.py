@@ -92,7 +92,12 @@ async def test_an_adapter_removed_then_an_unload_in_the_same_step_frees_everythi
         refs = Refs(host.resident)
         jobs = jobs_of(client)
         answer = await jobs.adapter({"body": None, "apply": False})
-        assert answer == {"served_name": "tiny-a", "applied": False}
+        assert answer == {
+            "served_name": "tiny-a",
+            "applied": False,
+            "origin": "model",
+            "commits": 0,
+        }
         assert jobs.applied is None
         await host.unload()
         assert refs.alive() == []

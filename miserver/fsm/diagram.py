@@ -56,6 +56,13 @@ Where the weights page and the companion contract are silent, the table decides 
 - **A model load or unload while a cleared holder's commit is still writing** is 409
   `MODEL_BUSY` (reason null) until the watchdog decides.
 - **A failed model load or swap** leaves nothing resident.
+- **A model load, swap or unload drains first.** Before the host drops or reads a model, the
+  generations running on the resident finish (the scheduler takes every slot ahead of the
+  queue; requests already waiting for a slot are held, and are then told their model changed),
+  so the call answers once nothing runs on the old model and a card never holds two models.
+  The drain is bounded by `WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S`, as quiesce's is: past it
+  `transition_abandoned` answers 409 `MODEL_BUSY` (`drain_timeout`) and nothing is loaded or
+  unloaded.
 - **A `/v1` request that waited** (for its auto-load, or for its scheduler slot) is checked
   again before it goes on (`v1_confirm`): when the model it was admitted for was unloaded or
   replaced meanwhile it is 409 `MODEL_BUSY` (`model_transition`) with `Retry-After` (it is not

@@ -890,6 +890,19 @@ def build_rows() -> tuple[Row, ...]:
         ),
         _accept("transition_failed", when=("unloading",), transition="none"),
         _ignore("transition_failed", "no model transition is in progress"),
+        # A load, swap or unload first drains the generations running on the resident (the
+        # scheduler takes every slot, holding new ones), so two models are never in memory at
+        # once and no running generation loses its model; a drain longer than
+        # WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S abandons the transition with nothing changed.
+        _accept(
+            "transition_abandoned",
+            when=("in_transition",),
+            pending=Answer(409, codes.MODEL_BUSY, "drain_timeout"),
+            transition="none",
+            note="the running generations did not finish within the drain timeout: "
+            "409 MODEL_BUSY drain_timeout, nothing loaded or unloaded",
+        ),
+        _ignore("transition_abandoned", "no model transition is in progress"),
     ]
 
     # --- settings change (contract 1: PATCH /api/settings) -----------------------------------

@@ -34,7 +34,7 @@ from miserver.fsm.table import Answer, Effect
 from miserver.http.audit import AuditLog, AuditRecord
 from miserver.http.auth import Caller, attachment_ref
 from miserver.http.errors import ApiError
-from miserver.serving.scheduler import Priority
+from miserver.serving.scheduler import DrainTimeout, Priority
 from miserver.spec import codes
 from miserver.spec.settings import Settings
 
@@ -368,23 +368,56 @@ class WeightsRuntime:
         await self.event(Event("weights_load_write"))
 
     async def _run_transition(self, effect: Effect, params: dict[str, Any]) -> Any:
-        """Perform a model load or unload for the core and report its end."""
+        """Perform a model load or unload for the core and report its end.
+
+        First the generations running on the resident finish: the scheduler takes every slot
+        ahead of the queue (new ones are held) for at most WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S, the
+        drain the weights page names for quiesce and the pauses. So an unload or swap answers
+        once nothing runs on the old model, and a card never holds two models (contract 3).
+        Then the host loads or unloads, and the slots are released after the core has seen
+        the end (a request held meanwhile is then told its model changed, ``v1_confirm``).
+
+        Raises:
+            ApiError: 409 MODEL_BUSY ``drain_timeout`` when running generations did not finish
+                in time (the table's ``transition_abandoned``: nothing loaded or unloaded),
+                the host's own error (the table's ``transition_failed``).
+        """
+        timeout_s = self.settings.weights_quiesce_drain_timeout_s
         try:
-            if effect is Effect.START_MODEL_LOAD:
-                resident = await self.host.load(params["row_id"])
-                name, result = resident.served_name, resident
-            else:
-                result = await self.host.unload(params.get("row_id"))
-                name = None
+            await self.scheduler.barrier_acquire(timeout_s)
         except BaseException as exc:
             async with self.lock:
-                self.decide(Event("transition_failed"))
-            if isinstance(exc, ApiError | asyncio.CancelledError):
-                raise
-            raise ApiError(codes.INTERNAL_ERROR, f"the model transition failed: {exc}") from exc
-        async with self.lock:
-            self.decide(Event("transition_done", name=name))
-        return result
+                out = self.decide(Event("transition_abandoned"))
+            if isinstance(exc, DrainTimeout) and out.pending is not None:
+                raise ApiError(
+                    out.pending.code or codes.MODEL_BUSY,
+                    f"{exc.running} running generation(s) did not finish within "
+                    f"WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S ({timeout_s:g} s); nothing was loaded or "
+                    "unloaded. Retry when they end.",
+                    reason=out.pending.reason,
+                    status=out.pending.status,
+                    details={"running": exc.running, "drain_timeout_s": timeout_s},
+                ) from None
+            raise
+        try:
+            try:
+                if effect is Effect.START_MODEL_LOAD:
+                    resident = await self.host.load(params["row_id"])
+                    name, result = resident.served_name, resident
+                else:
+                    result = await self.host.unload(params.get("row_id"))
+                    name = None
+            except BaseException as exc:
+                async with self.lock:
+                    self.decide(Event("transition_failed"))
+                if isinstance(exc, ApiError | asyncio.CancelledError):
+                    raise
+                raise ApiError(codes.INTERNAL_ERROR, f"the model transition failed: {exc}") from exc
+            async with self.lock:
+                self.decide(Event("transition_done", name=name))
+            return result
+        finally:
+            self.scheduler.barrier_release()
 
     # --- export -----------------------------------------------------------------------------
     def _export(self) -> Any:

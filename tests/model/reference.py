@@ -458,6 +458,15 @@ class Reference:
         self.steps = 0 if self.resident else None
         return OK
 
+    def transition_abandoned(self, now: float) -> Reply:
+        """Decision (docs/state-machine.md): a load, swap or unload first drains the running
+        generations, bounded like quiesce's drain (Timers: WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S);
+        past it the transition is abandoned, 409 MODEL_BUSY drain_timeout, nothing changed."""
+        if self.transition is None:
+            return IGNORED
+        self.transition = None
+        return Reply("accepted", pending=(409, "MODEL_BUSY", "drain_timeout"))
+
     def address_moved(self, now: float) -> Reply:
         if self.att is None:
             return IGNORED

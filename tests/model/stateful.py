@@ -251,6 +251,7 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                     "adapter_failed",
                     "transition_done",
                     "transition_failed",
+                    "transition_abandoned",
                     "address_moved",
                 ]
             )
@@ -289,6 +290,10 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                 "transition_failed": (
                     Event("transition_failed"),
                     lambda: ref.transition_done(now, failed=True),
+                ),
+                "transition_abandoned": (
+                    Event("transition_abandoned"),
+                    lambda: ref.transition_abandoned(now),
                 ),
                 "address_moved": (Event("address_moved"), lambda: ref.address_moved(now)),
             }

@@ -1028,8 +1028,10 @@ async def _save_scenario(d: HttpDriver) -> None:
 
 async def _resident_changed_scenario(d: HttpDriver) -> None:
     """A /v1 request waits for its slot while the resident is swapped, then another while it
-    is unloaded: inside its slot the table's ``v1_confirm`` (told the model it was admitted for
-    is gone) answers 409 model_busy with ``Retry-After: 1``, and it is not auto-loaded again."""
+    is unloaded: the swap or unload first waits for the forward pass that holds the slot (its
+    drain), and inside its slot the request is then told by the table's ``v1_confirm`` (the
+    model it was admitted for is gone) 409 model_busy with ``Retry-After: 1``; it is not
+    auto-loaded again."""
     from miserver.serving.scheduler import Priority
 
     for change in ("load_other", "unload"):
@@ -1039,6 +1041,7 @@ async def _resident_changed_scenario(d: HttpDriver) -> None:
         admitted = d.shadow.handle(Event("v1", target="resident"), d.now)
         assert Effect.ADMIT in admitted.effects
         await d.scheduler.acquire(Priority.INTERACTIVE)  # a request in its forward pass
+        running = True
         try:
             body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
             request = asyncio.ensure_future(
@@ -1051,13 +1054,19 @@ async def _resident_changed_scenario(d: HttpDriver) -> None:
             if change == "load_other":
                 other, _ = d._v1_target("other")
                 path, kind = f"/api/models/{d.rows[other]}/load", "model_load"
-            got, _, _ = await d._send("POST", path)
+            transition = asyncio.ensure_future(d._send("POST", path))
+            await _wait_for(lambda: d.scheduler.barrier_draining, "the transition's drain")
             out = d.shadow.handle(Event(kind, target="other"), d.now)
+            assert not transition.done() and d.host.resident is resident  # drains first
+            d.scheduler.release()  # the forward pass ends
+            running = False
+            got, _, _ = await asyncio.wait_for(transition, 30)
             d._compare(change, got, _expected(out))
             assert d.shadow.handle(Event("transition_done"), d.now).kind == "accepted"
             assert d.host.resident is not resident  # changed while the request waited
         finally:
-            d.scheduler.release()
+            if running:
+                d.scheduler.release()
         got, err, headers = await asyncio.wait_for(request, 30)
         want = d._confirm_answer(same_resident=False)
         d._compare(f"/v1 after {change}", got, want)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 from miserver.http import keys
@@ -97,5 +98,101 @@ async def test_v1_during_a_swap_from_an_unsaved_resident_is_model_busy(tmp_path,
         assert resp.status == 200, await resp.text()
         resp = await c.post(CHAT, json=body("tiny-b"))
         assert resp.status == 200, await resp.text()
+    finally:
+        await c.close()
+
+
+def slow_resident(host: Any, delay: float) -> Any:
+    """Wrap the resident's model so every forward pass takes ``delay`` seconds more."""
+    from tests.unit.v1_fixtures import SlowModel
+
+    host.resident.model = SlowModel(host.resident.model, delay)
+    return host.resident.model
+
+
+def record_drops(host: Any) -> list[float]:
+    """``time.perf_counter()`` of every drop of a resident (unload, swap)."""
+    drops: list[float] = []
+    real = host._drop_resident
+
+    def drop() -> None:
+        if host.resident is not None:
+            drops.append(time.perf_counter())
+        real()
+
+    host._drop_resident = drop
+    return drops
+
+
+async def test_a_swap_waits_for_the_running_generation_then_answers(tmp_path, tiny_model_dir):
+    """Finding 7: a swap (and an unload) answered while a generation still ran on the old
+    model, so two models were in memory at once. Now the running generation finishes first
+    (new requests for the resident are 409 model_busy meanwhile), then the model is dropped."""
+    c = await make_client(tmp_path, tiny_model_dir)
+    try:
+        app = c.server.app
+        host, scheduler = app[keys.HOST], app[keys.SCHEDULER]
+        other = app[keys.CATALOGUE].register(
+            name="tiny-b", format="safetensors", dtype="bfloat16", path=tiny_model_dir
+        )
+        slow = slow_resident(host, 0.3)
+        drops = record_drops(host)
+        gen = asyncio.ensure_future(c.post(CHAT, json=body("tiny", max_tokens=4)))
+        await wait_until(lambda: slow.calls >= 1)
+        swap = asyncio.ensure_future(c.post(f"/api/models/{other.id}/load"))
+        await wait_until(lambda: scheduler.barrier_draining)
+        assert not swap.done() and host.resident is not None and not drops
+        resp = await c.post(CHAT, json=body("tiny"))
+        err = (await resp.json())["error"]
+        assert (resp.status, err["code"]) == (409, "model_busy"), err
+        resp = await gen
+        assert resp.status == 200, await resp.text()
+        resp = await swap
+        assert resp.status == 200, await resp.text()
+        assert host.resident.row.name == "tiny-b"
+        assert len(drops) == 1 and drops[0] >= slow.windows[-1][1], "dropped mid-generation"
+        # and an unload waits the same way
+        slow = slow_resident(host, 0.3)
+        gen = asyncio.ensure_future(c.post(CHAT, json=body("tiny-b", max_tokens=4)))
+        await wait_until(lambda: slow.calls >= 1)
+        resp = await c.post(f"/api/models/{other.id}/unload")
+        assert resp.status == 200, await resp.text()
+        assert (await gen).status == 200
+        assert len(drops) == 2 and drops[1] >= slow.windows[-1][1], "unloaded mid-generation"
+        assert not scheduler.barrier_held and not scheduler.barrier_draining
+    finally:
+        await c.close()
+
+
+async def test_an_unload_past_the_drain_timeout_is_refused_and_changes_nothing(
+    tmp_path, tiny_model_dir
+):
+    """A generation that outlasts WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S: the unload is 409
+    MODEL_BUSY drain_timeout, the model stays resident, the generation completes, requests
+    are admitted again, and the unload succeeds once nothing runs."""
+    c = await make_client(tmp_path, tiny_model_dir, WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S="0.2")
+    try:
+        app = c.server.app
+        host, scheduler, runtime = app[keys.HOST], app[keys.SCHEDULER], app[keys.WEIGHTS]
+        tiny = app[keys.CATALOGUE].get_by_name("tiny").id
+        slow = slow_resident(host, 1.0)
+        drops = record_drops(host)
+        gen = asyncio.ensure_future(c.post(CHAT, json=body("tiny", max_tokens=2)))
+        await wait_until(lambda: slow.calls >= 1)
+        resp = await c.post(f"/api/models/{tiny}/unload")
+        data = await resp.json()
+        assert resp.status == 409, data
+        assert (data["error"]["code"], data["error"]["reason"]) == ("MODEL_BUSY", "drain_timeout")
+        assert "WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S" in data["error"]["message"]
+        assert host.resident is not None and not drops
+        assert runtime.lifecycle.state.transition == "none"
+        assert not scheduler.barrier_held and not scheduler.barrier_draining
+        assert (await gen).status == 200
+        slow.delay = 0.0
+        resp = await c.post(CHAT, json=body("tiny"))
+        assert resp.status == 200, await resp.text()
+        resp = await c.post(f"/api/models/{tiny}/unload")
+        assert resp.status == 200, await resp.text()
+        assert host.resident is None and len(drops) == 1
     finally:
         await c.close()

@@ -12,6 +12,9 @@ be used from the event loop and from worker threads alike.
 
 from __future__ import annotations
 
+import os
+import secrets
+import shutil
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -27,6 +30,11 @@ DTYPES = ("float16", "bfloat16", "float32")
 QUANTIZATIONS = ("none", "bitsandbytes-8bit", "bitsandbytes-4bit", "gptq", "awq", "gguf")
 ORIGINS = ("model", "checkpoint")
 DB_NAME = "catalogue.sqlite3"
+#: The folder under ``MISERVER_HOME`` that holds the checkpoints miserver saves (contract 5).
+CHECKPOINTS_DIR = "checkpoints"
+#: Prefix a deleted checkpoint's folder is renamed to before it is removed (never a checkpoint;
+#: :func:`miserver.serving.checkpoints.remove_partial_saves` removes a leftover at start-up).
+DELETING_PREFIX = ".deleting-"
 #: The largest row id SQLite can store (a signed 64-bit INTEGER PRIMARY KEY); ids start at 1.
 MAX_ROW_ID = 2**63 - 1
 
@@ -231,7 +239,15 @@ class Catalogue:
         return row
 
     def delete(self, row_id: int) -> bool:
-        """Remove the row (the files it names stay). Returns whether a row was removed.
+        """Remove the row. Returns whether a row was removed.
+
+        A checkpoint row takes its folder with it when miserver wrote that folder (origin
+        ``checkpoint``, directly under ``MISERVER_HOME/checkpoints``) and no other row names
+        it: a save writes the folder and registers the row as one unit (contract 5: no
+        unregistered checkpoint is left), so the name is free to save again and the disk space
+        comes back. The folder is renamed away at once (``.deleting-*``) and then removed; a
+        leftover is removed at the next start. Every other row's files stay: they are the
+        user's (``POST /api/models`` registers a folder, it does not take it over).
 
         Raises:
             CatalogueError: the row is resident (``DELETE /api/models/{id}`` answers 409
@@ -242,7 +258,42 @@ class Catalogue:
         with self._connect() as db:
             if row_id == self._resident_id:
                 raise CatalogueError(f"catalogue row {row_id} is resident; unload it first")
-            return db.execute("DELETE FROM models WHERE id = ?", (row_id,)).rowcount > 0
+            found = db.execute("SELECT origin, path FROM models WHERE id = ?", (row_id,)).fetchone()
+            removed = db.execute("DELETE FROM models WHERE id = ?", (row_id,)).rowcount > 0
+            others = [r[0] for r in db.execute("SELECT path FROM models").fetchall()]
+        if removed and found is not None and found[0] == "checkpoint":
+            self._remove_checkpoint_folder(Path(found[1]), others)
+        return removed
+
+    def owned_checkpoint_folder(self, path: str | Path) -> Path | None:
+        """``path`` resolved, if it is a folder miserver's saves own: directly under
+        ``MISERVER_HOME/checkpoints``, not hidden; else None."""
+        try:
+            root = (self.home / CHECKPOINTS_DIR).resolve()
+            folder = Path(path).resolve()
+        except (OSError, RuntimeError):
+            return None
+        if folder.parent != root or folder.name.startswith("."):
+            return None
+        return folder
+
+    def _remove_checkpoint_folder(self, path: Path, other_paths: list[str]) -> None:
+        folder = self.owned_checkpoint_folder(path)
+        if folder is None or not folder.is_dir():
+            return
+        for other in other_paths:
+            try:
+                theirs = Path(other).resolve()
+            except (OSError, RuntimeError):
+                continue
+            if theirs == folder or folder in theirs.parents:
+                return  # another row (a registered copy) still uses these files
+        trash = folder.with_name(f"{DELETING_PREFIX}{folder.name}-{secrets.token_hex(4)}")
+        try:
+            os.rename(folder, trash)
+        except OSError:
+            return  # the name stays taken; a save names the folder in its 409
+        shutil.rmtree(trash, ignore_errors=True)
 
     def set_path(self, row_id: int, path: str | Path) -> bool:
         """Point the row at ``path`` (its files moved), keeping its id and everything else.

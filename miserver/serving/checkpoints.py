@@ -565,15 +565,20 @@ def _save_config(model: torch.nn.Module, folder: Path, dtype: str) -> None:
 
 
 def remove_partial_saves(root: Path) -> list[Path]:
-    """Delete the ``.saving-*`` folders a killed save left in ``root``; returns what it removed.
+    """Delete the ``.saving-*`` folders a killed save left in ``root``, and the ``.deleting-*``
+    folders a deleted checkpoint row left (:meth:`Catalogue.delete
+    <miserver.serving.catalogue.Catalogue.delete>`); returns what it removed.
 
     Call it at start-up (no save can be running then). Never touches a finished checkpoint.
     """
+    from miserver.serving.catalogue import DELETING_PREFIX
+
     root = Path(root)
     if not root.is_dir():
         return []
     removed = []
-    for p in sorted(root.glob(PARTIAL_PREFIX + "*")):
+    leftovers = [*root.glob(PARTIAL_PREFIX + "*"), *root.glob(DELETING_PREFIX + "*")]
+    for p in sorted(leftovers):
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)

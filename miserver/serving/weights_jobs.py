@@ -28,6 +28,7 @@ import msgspec
 
 from miserver.http.errors import ApiError
 from miserver.serving import adapters, checkpoints
+from miserver.serving.catalogue import CHECKPOINTS_DIR
 from miserver.serving.host import clear_traceback_frames, run_without_keeping
 from miserver.spec import codes
 
@@ -122,18 +123,38 @@ def prepare_load(host: Any, body: Any) -> LoadPlan:
 
 
 def prepare_save(host: Any, body: Any) -> None:
-    """Refuse a save whose name is invalid or taken, before the pause (contract 5)."""
+    """Refuse a save whose name is invalid or taken, before the pause (contract 5).
+
+    A name is taken by a catalogue row, or by a folder ``MISERVER_HOME/checkpoints/<name>``
+    that no row names (copied there by hand, or left by a miserver that kept a deleted
+    checkpoint's folder): the 409 names the folder and says what to do. Deleting a checkpoint
+    row removes its folder (:meth:`~miserver.serving.catalogue.Catalogue.delete`), so its name
+    can be saved again.
+
+    Raises:
+        ApiError: 400 INVALID_REQUEST (field ``name``), 409 CHECKPOINT_EXISTS.
+    """
     if body.name is None:
         return
     try:
         checkpoints.validate_name(body.name)
     except checkpoints.CheckpointError as exc:
         raise exc.as_api_error() from None
-    if host.catalogue.get_by_name(body.name) is not None:
+    row = host.catalogue.get_by_name(body.name)
+    if row is not None:
         raise ApiError(
             codes.CHECKPOINT_EXISTS,
-            f"a catalogue row named {body.name!r} exists",
-            details={"name": body.name},
+            f"a catalogue row named {body.name!r} exists (id {row.id}); choose another name,"
+            f" or delete that row first (DELETE /api/models/{row.id})",
+            details={"name": body.name, "model_id": row.id},
+        )
+    folder = Path(host.catalogue.home) / CHECKPOINTS_DIR / body.name
+    if folder.exists():
+        raise ApiError(
+            codes.CHECKPOINT_EXISTS,
+            f"a folder named {body.name!r} exists in {str(folder.parent)!r} but no catalogue row"
+            " names it; choose another name, or move or remove that folder",
+            details={"name": body.name, "path": str(folder)},
         )
 
 
@@ -210,7 +231,7 @@ class WeightsJobs:
     def __init__(self, runtime: Any, home: str) -> None:
         self.runtime = runtime
         self.host = runtime.host
-        self.root = Path(home) / "checkpoints"
+        self.root = Path(home) / CHECKPOINTS_DIR
         self.applied: adapters.AppliedAdapter | None = None
         self.before_adapter: Provenance | None = None
         runtime.register_job("save", _keeping_no_frames(self.save))

@@ -105,15 +105,23 @@ async def test_an_adapter_removed_then_an_unload_in_the_same_step_frees_everythi
         await client.close()
 
 
-async def test_a_failed_save_keeps_nothing_after_detach_and_unload(tmp_path, tiny_model_dir):
-    # The save fails inside its worker thread (a folder of that name exists with no catalogue
-    # row: 409 CHECKPOINT_EXISTS). The error is the answer and the runtime keeps it; its
-    # traceback must not keep the model that was then unloaded.
+async def test_a_failed_save_keeps_nothing_after_detach_and_unload(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    # The save fails inside its worker thread (the folder of that name appeared while it was
+    # writing, say another server sharing MISERVER_HOME: 409 CHECKPOINT_EXISTS). The error is
+    # the answer and the runtime keeps it; its traceback (save_checkpoint's frame holds the
+    # model) must not keep the model that was then unloaded.
+    from miserver.serving import checkpoints
+
+    def taken(tmp: Path, final: Path) -> None:
+        raise checkpoints.CheckpointExists(f"a checkpoint named {final.name!r} already exists")
+
+    monkeypatch.setattr(checkpoints, "_publish", taken)
     client = await make_client(tmp_path, tiny_model_dir, attach=True)
     try:
         host = client.app[keys.HOST]
         ids = {r.name: r.id for r in host.catalogue.list()}
-        (Path(client.app[keys.SETTINGS].home) / "checkpoints" / "taken").mkdir(parents=True)
         refs = Refs(host.resident)
         auth = {"Authorization": f"Bearer {TRN}"}
         status, body = await post(client, "/api/weights/attach", auth)

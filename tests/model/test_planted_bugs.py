@@ -221,3 +221,77 @@ def test_v1_confirm_order_passes_the_invariants_but_fails_the_stateful_test() ->
     with pytest.raises(AssertionError) as err:
         run_state_machine_as_test(make_machine(table), settings=profile)
     assert "v1_confirm" in str(err.value) and "WEIGHTS_TORN" in str(err.value)
+
+
+def bug_unsaved_before_transition() -> tuple[Row, ...]:
+    """/v1 naming another model checks unsaved commits before a transition in progress (the
+    order before finding 8: 409 WEIGHTS_UNSAVED, "save first", during the operator's swap)."""
+    a = _find("v1", code="MODEL_BUSY", when=("in_transition",))
+    b = _find("v1", code="WEIGHTS_UNSAVED")
+    out = list(TABLE)
+    i, j = out.index(a), out.index(b)
+    out[i], out[j] = out[j], out[i]
+    return tuple(out)
+
+
+def bug_abandoned_transition_keeps_running() -> tuple[Row, ...]:
+    """A transition abandoned at the drain timeout is still counted as running."""
+    row = _find("transition_abandoned", kind="accepted")
+    return _swap(TABLE, row, _unset(row, "transition"))
+
+
+def test_abandoned_transition_bug_fails_the_stateful_test() -> None:
+    """No invariant is about it; the reference model (recorded decision: an abandoned
+    transition changes nothing and ends) disagrees."""
+    table = bug_abandoned_transition_keeps_running()
+    assert check(table).violations == []
+    profile = settings(
+        max_examples=300,
+        stateful_step_count=50,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=(Phase.generate, Phase.shrink),
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    with pytest.raises(AssertionError) as err:
+        run_state_machine_as_test(make_machine(table), settings=profile)
+    assert "model_transition" in str(err.value)
+
+
+def test_unsaved_before_transition_bug_disagrees_with_the_reference() -> None:
+    """The program that shows it is too deep for the stateful test's budget (unsaved commits,
+    detach, a swap, then /v1), so it is run as a script: the production table and the
+    reference agree on every step; the planted table does not on the last."""
+    from miserver.fsm.machine import Lifecycle
+    from miserver.fsm.state import Caller, Event
+    from tests.model.reference import Reference
+    from tests.model.stateful import _same
+
+    trainer = Caller("trainer", "t")
+
+    def program(core: Lifecycle, ref: Reference) -> None:
+        holder = Caller("trainer", "t", "att-1")
+        steps = [
+            (Event("model_load", target="other"), lambda: ref.model_load(0.0, "other")),
+            (Event("transition_done"), lambda: ref.transition_done(0.0)),
+            (Event("attach", caller=trainer), lambda: ref.attach(trainer, 0.0)),
+            (Event("quiesce", caller=holder), lambda: ref.quiesce(holder, 0.0)),
+            (Event("drained"), lambda: ref.drained(0.0)),
+            (Event("commit_begin", caller=holder), lambda: ref.commit_begin(holder, 0.0)),
+            (Event("commit_end", caller=holder), lambda: ref.commit_end(holder, 0.0)),
+            (Event("detach", caller=holder), lambda: ref.detach(holder, 0.0)),
+            (Event("model_load", target="other"), lambda: ref.model_load(0.0, "other")),
+            (Event("v1", target="other"), lambda: ref.v1(0.0, "other", False, False)),
+        ]
+        for event, call in steps:
+            _same(core.handle(event, 0.0), call(), event.short())
+
+    def run(table: tuple[Row, ...]) -> None:
+        ref = Reference()
+        program(Lifecycle(table=table, id_factory=lambda: "att-1"), ref)
+
+    run(TABLE)
+    with pytest.raises(AssertionError) as err:
+        run(bug_unsaved_before_transition())
+    assert "v1" in str(err.value) and "WEIGHTS_UNSAVED" in str(err.value)

@@ -83,3 +83,16 @@ async def test_an_in_place_load_under_an_adapter_serves_exactly_the_checkpoint(c
     assert await scores(client, "ck") == saved
     assert await header(client) == '"ck";origin=checkpoint;commits=0'
     assert_untouched(client, await status(client))
+
+
+async def test_a_save_while_an_adapter_is_applied_keeps_its_name_after_the_removal(client, lora):
+    # The save stores the base tensors and renames the served set (contract 5); removing the
+    # adapter afterwards must not bring back the name from before the save.
+    assert (await apply(client, "lora", lora))[0] == 200
+    h = await attach(client)
+    st, body, _ = await post(client, "/api/weights/save", h, {"name": "ck"})
+    assert st == 200, body
+    await commit(client, h, bump)
+    assert (await post(client, "/api/weights/detach", h))[0] == 200
+    assert (await remove(client))[0] == 200
+    assert await header(client) == '"ck";origin=checkpoint;commits=1'

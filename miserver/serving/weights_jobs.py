@@ -162,10 +162,12 @@ def prepare_adapter(host: Any, body: Any) -> None:
     """Refuse an adapter request a client got wrong, before the pause (contract 6), as
     :func:`prepare_save` refuses a save: the refusal changes nothing and holds nothing.
 
-    Checked in this order: the served ``name`` (the checkpoint-name rule), the ``path`` (absolute,
-    as ``POST /api/models``), then, when a model is resident, the folder against it
-    (:func:`~miserver.serving.adapters.inspect_adapter`: config, weights file, every tensor's
-    module and shape, and ``target_modules`` matched as PEFT matches them).
+    Checked in this order: the served ``name`` (the checkpoint-name rule, and no catalogue row's
+    name: while applied it is the served name, and ``/v1`` requests naming that row would reach
+    the adapter), the ``path`` (absolute, as ``POST /api/models``), then, when a model is
+    resident, the folder against it (:func:`~miserver.serving.adapters.inspect_adapter`: config,
+    weights file, every tensor's module and shape, and ``target_modules`` matched as PEFT
+    matches them).
 
     Raises:
         ApiError: 400 INVALID_REQUEST (field ``name`` or ``path``), 400 ADAPTER_INVALID with
@@ -174,6 +176,16 @@ def prepare_adapter(host: Any, body: Any) -> None:
     """
     try:
         adapters.validate_adapter_name(body.name)
+        row = host.catalogue.get_by_name(body.name)
+        if row is not None:
+            raise ApiError(
+                codes.INVALID_REQUEST,
+                f"the adapter name {body.name!r} is the name of catalogue row {row.id}; while"
+                " the adapter is applied it is the served name, so /v1 requests for that row"
+                " would reach the adapter: choose another name",
+                param="name",
+                details={"field": "name", "model_id": row.id},
+            )
         adapters.validate_adapter_path(body.path)
         resident = host.resident
         if resident is None:

@@ -102,6 +102,20 @@ async def test_a_bad_adapter_name_is_400_before_anything_changes(client, lora, n
     assert await scores(client) == before
 
 
+@pytest.mark.parametrize("name", ["tiny", "tiny-b"])
+async def test_an_adapter_named_as_a_catalogue_row_is_400(client, lora, name):
+    client.app[keys.CATALOGUE].register(
+        name="tiny-b", format="safetensors", dtype="bfloat16", path=lora.parent
+    )
+    row = client.app[keys.CATALOGUE].get_by_name(name)
+    st, body = await apply(client, name, lora)
+    assert st == 400, body
+    assert body["error"]["code"] == "INVALID_REQUEST"
+    assert body["error"]["details"] == {"field": "name", "model_id": row.id}
+    assert "choose another name" in body["error"]["message"]
+    assert_untouched(client, await status(client))
+
+
 @pytest.mark.parametrize(
     "config, module",
     [

@@ -190,9 +190,9 @@ def test_swapped_refusal_order_passes_the_invariants_but_fails_the_stateful_test
     assert check(table).violations == []
     # ... but the reference model, written from the spec's sentences, disagrees.
     machine = make_machine(table)
-    profile = settings(
-        max_examples=300,
-        stateful_step_count=12,
+    profile = settings(  # stops at the first failure: a large budget costs only a miss
+        max_examples=1000,
+        stateful_step_count=50,
         deadline=None,
         derandomize=True,
         database=None,
@@ -209,9 +209,9 @@ def test_v1_confirm_order_passes_the_invariants_but_fails_the_stateful_test() ->
     before the torn one (a request for a model that is gone is told to retry)."""
     table = bug_confirm_order()
     assert check(table).violations == []
-    profile = settings(
-        max_examples=300,
-        stateful_step_count=12,
+    profile = settings(  # stops at the first failure: a large budget costs only a miss
+        max_examples=1000,
+        stateful_step_count=50,
         deadline=None,
         derandomize=True,
         database=None,
@@ -245,8 +245,8 @@ def test_abandoned_transition_bug_fails_the_stateful_test() -> None:
     transition changes nothing and ends) disagrees."""
     table = bug_abandoned_transition_keeps_running()
     assert check(table).violations == []
-    profile = settings(
-        max_examples=300,
+    profile = settings(  # stops at the first failure: a large budget costs only a miss
+        max_examples=1000,
         stateful_step_count=50,
         deadline=None,
         derandomize=True,

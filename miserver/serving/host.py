@@ -5,6 +5,9 @@ and its memory freed (``gc`` + ``torch.cuda.empty_cache``) before the new one is
 never needs room for two. Loads and unloads are serialised: while one runs, a second is refused
 with 409 MODEL_BUSY (reason ``model_transition``; contract 3). The blocking part of a load runs in
 a worker thread, so the event loop keeps answering (``/api/health``, ``/api/weights/status``).
+The runtime calls the host only once the generations running on the resident have finished
+(the scheduler's drain, :meth:`miserver.serving.weights_runtime.WeightsRuntime._run_transition`),
+so no generation runs on a model being dropped.
 
 The weights lifecycle's refusals of a load, unload or auto-load (attached: 409 ALREADY_ATTACHED,
 torn: 503 WEIGHTS_TORN, unsaved commits: 409 WEIGHTS_UNSAVED, a transition in progress) are

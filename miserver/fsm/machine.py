@@ -93,7 +93,10 @@ _MESSAGES: dict[str, str] = {
     "ALREADY_ATTACHED": "An attachment exists; detach it (or clear it when stale) first.",
     "MODEL_NOT_LOADED": "No model is resident, or the requested model is not loaded.",
     "MODEL_BUSY": "The model is busy; retry when the current operation ends.",
-    "QUEUE_FULL": "The request queue is full (MAX_QUEUED_REQUESTS).",
+    "QUEUE_FULL": (
+        "The request queue is full: MAX_QUEUED_REQUESTS interactive requests are already waiting;"
+        " retry after Retry-After seconds."
+    ),
     "WEIGHTS_NOT_CLEAN": "The weights are not clean.",
     "ALREADY_QUIESCED": "This attachment already holds the barrier.",
     "PAUSE_IN_PROGRESS": "Another pause holds the barrier.",

@@ -38,7 +38,10 @@ class QueueFull(Exception):
     """More interactive requests would wait than ``max_queued`` allows (503 QUEUE_FULL)."""
 
     def __init__(self, max_queued: int) -> None:
-        super().__init__(f"the request queue is full ({max_queued} waiting); retry later")
+        super().__init__(
+            f"The request queue is full: MAX_QUEUED_REQUESTS ({max_queued}) interactive requests"
+            " are already waiting; retry after Retry-After seconds."
+        )
         self.max_queued = max_queued
 
 

@@ -273,6 +273,7 @@ async def register_model(request: web.Request) -> web.Response:
             f"a catalogue row named {body.name!r} already exists (id {existing.id})",
             details={"name": body.name, "model_id": existing.id},
         )
+    _refuse_the_adapter_name(request, body.name)
     found = inspect_model_path(body)
     try:
         row = catalogue.register(name=body.name, origin="model", **found)  # type: ignore[arg-type]
@@ -283,6 +284,27 @@ async def register_model(request: web.Request) -> web.Response:
     except CatalogueError as exc:
         raise _invalid(str(exc), None) from None
     return ok(row, status=201)
+
+
+def _refuse_the_adapter_name(request: web.Request, name: str) -> None:
+    """A row may not take the applied adapter's name (contract 6: while applied it is the served
+    name, so ``/v1`` requests for the row would reach the adapter); the reverse of the adapter
+    route's refusal of a row's name.
+
+    Raises:
+        ApiError: 400 INVALID_REQUEST (field ``name``, ``details.adapter``).
+    """
+    resident = request.app[keys.HOST].resident
+    block = getattr(resident, "adapter_block", None) if resident is not None else None
+    if block and block.get("name") == name:
+        raise ApiError(
+            codes.INVALID_REQUEST,
+            f"{name!r} is the served name of the applied adapter (GET /api/weights/adapter);"
+            " /v1 requests naming it reach the adapter, not this row: choose another name, or"
+            " remove the adapter first (DELETE /api/weights/adapter)",
+            param="name",
+            details={"field": "name", "adapter": name},
+        )
 
 
 async def delete_model(request: web.Request) -> web.Response:

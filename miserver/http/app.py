@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from miserver.http import batches, keys, management, weights
-from miserver.http.errors import ApiError, json_errors_middleware
+from miserver.http.errors import SCRUB_SECRETS, ApiError, json_errors_middleware
 from miserver.serving.catalogue import Catalogue
 from miserver.serving.host import ModelHost
 from miserver.serving.metrics import Metrics
@@ -130,6 +130,7 @@ def create_app(
         client_max_size=settings.max_request_bytes,
     )
     app[keys.SETTINGS] = settings
+    app[SCRUB_SECRETS] = tuple(token.secret for token in settings.weights_tokens)
     app[keys.CATALOGUE] = catalogue
     app[keys.HOST] = host
     app[keys.SCHEDULER] = scheduler

@@ -111,13 +111,46 @@ def code_for_status(status: int) -> ErrorCode:
     return _HTTP_CODES.get(status, codes.INTERNAL_ERROR if status >= 500 else codes.INVALID_REQUEST)
 
 
+#: The secrets no error body may repeat (the configured weights tokens; set by the app factory).
+SCRUB_SECRETS: web.AppKey[tuple[str, ...]] = web.AppKey("scrub_secrets", tuple)
+#: What a secret is replaced with in an error body.
+MASK = "***"
+#: What ``request.read()`` raises when the client closed the connection mid-body.
+CLIENT_GONE = ConnectionResetError
+
+
+def scrub(text: str, secrets: tuple[str, ...]) -> str:
+    """``text`` with every occurrence of each of ``secrets`` replaced by ``***``."""
+    for secret in secrets:
+        if secret and secret in text:
+            text = text.replace(secret, MASK)
+    return text
+
+
+def client_gone_error() -> ApiError:
+    """The answer to a request whose client closed the connection before its whole body
+    arrived (400; nobody reads it, but the access and audit lines say what happened)."""
+    return ApiError(
+        codes.INVALID_REQUEST,
+        "the client closed the connection before the whole request body arrived",
+    )
+
+
 @web.middleware
 async def json_errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Turn :class:`ApiError` and aiohttp's own HTTP errors into JSON bodies; never a plain 500."""
+    """Turn :class:`ApiError` and aiohttp's own HTTP errors into JSON bodies; never a plain 500.
+
+    No error body repeats a configured weights token (weights page: a token is never returned
+    or echoed in an error): a client that put its token in a path or a field gets ``***``
+    there. A client that closed the connection mid-body is a 400, not a failure of ours.
+    """
     try:
-        return await handler(request)
+        resp = await handler(request)
     except ApiError as err:
-        return error_response(request.path, err)
+        resp = error_response(request.path, err)
+    except CLIENT_GONE:
+        log.info("%s request: the client closed the connection mid-body", request.method)
+        resp = error_response(request.path, client_gone_error())
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -128,9 +161,18 @@ async def json_errors_middleware(request: web.Request, handler: Any) -> web.Stre
             413: "the request body is larger than MAX_REQUEST_BYTES",
         }.get(exc.status, exc.reason or "request refused")
         headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
-        return error_response(
+        resp = error_response(
             request.path, ApiError(code, message, status=exc.status, headers=headers)
         )
     except Exception:  # noqa: BLE001 - the last line of defence: log it, answer JSON 500
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(request.path, ApiError(codes.INTERNAL_ERROR, "internal server error"))
+        secrets = request.app.get(SCRUB_SECRETS, ())
+        log.exception("unhandled error on %s %s", request.method, scrub(request.path, secrets))
+        resp = error_response(request.path, ApiError(codes.INTERNAL_ERROR, "internal server error"))
+    if resp.status >= 400 and isinstance(resp, web.Response) and isinstance(resp.body, bytes):
+        secrets = request.app.get(SCRUB_SECRETS, ())
+        if secrets:
+            text = resp.body.decode("utf-8", "replace")
+            clean = scrub(text, secrets)
+            if clean is not text:
+                resp.body = clean.encode("utf-8")
+    return resp

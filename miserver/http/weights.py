@@ -21,7 +21,7 @@ from aiohttp import web
 from miserver.http import keys
 from miserver.http.audit import CURRENT_CALL, AuditRecord, AuditScope
 from miserver.http.auth import ATTACHMENT_HEADER, Caller, attachment_ref, identify
-from miserver.http.errors import ApiError, code_for_status, ok
+from miserver.http.errors import CLIENT_GONE, ApiError, client_gone_error, code_for_status, ok
 from miserver.http.management import decode_body as decode_management_body
 from miserver.serving.weights_runtime import CallResult, WeightsRuntime
 from miserver.spec import codes
@@ -35,7 +35,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _caller(request: web.Request) -> Caller:
-    return identify(request.headers.get("Authorization"), request.app[keys.SETTINGS].weights_tokens)
+    values = request.headers.getall("Authorization", ())
+    if len(values) > 1:  # two tokens: which one is meant is ambiguous, so neither is taken
+        return Caller("none")
+    return identify(values[0] if values else None, request.app[keys.SETTINGS].weights_tokens)
 
 
 async def decode_body(request: web.Request, struct: type[msgspec.Struct]) -> Any:
@@ -73,6 +76,8 @@ def audit_refusal(
             code, reason = exc.code, exc.reason
         elif isinstance(exc, web.HTTPException):
             code, reason = code_for_status(exc.status), None
+        elif isinstance(exc, CLIENT_GONE):
+            code, reason = client_gone_error().code, None
         else:
             code, reason = codes.INTERNAL_ERROR, None
         if code in (codes.WEIGHTS_UNAUTHORIZED, codes.WEIGHTS_FORBIDDEN) and operation in (

@@ -404,9 +404,11 @@ class WeightsRuntime:
                 if effect is Effect.START_MODEL_LOAD:
                     resident = await self.host.load(params["row_id"])
                     name, result = resident.served_name, resident
+                    # The row's origin: a checkpoint row is origin=checkpoint (finding N4).
+                    origin = resident.origin if resident.origin == "checkpoint" else "model"
                 else:
                     result = await self.host.unload(params.get("row_id"))
-                    name = None
+                    name = origin = None
             except BaseException as exc:
                 async with self.lock:
                     self.decide(Event("transition_failed"))
@@ -414,7 +416,7 @@ class WeightsRuntime:
                     raise
                 raise ApiError(codes.INTERNAL_ERROR, f"the model transition failed: {exc}") from exc
             async with self.lock:
-                self.decide(Event("transition_done", name=name))
+                self.decide(Event("transition_done", name=name, origin=origin))
             return result
         finally:
             self.scheduler.barrier_release()

@@ -11,8 +11,8 @@ import pytest
 
 from miserver.http import keys
 from tests.unit.test_weights_adapter_requests import apply, header, remove
-from tests.unit.test_weights_checkpoints_routes import make_adapter
-from tests.unit.test_weights_routes import make_client
+from tests.unit.test_weights_checkpoints_routes import attach, make_adapter
+from tests.unit.test_weights_routes import make_client, post
 
 
 @pytest.fixture
@@ -44,3 +44,27 @@ async def test_registering_a_row_named_as_the_applied_adapter_is_400(client, lor
     assert (await remove(client))[0] == 200
     resp = await client.post("/api/models", json={"name": "tiny-lora", "path": str(tiny_model_dir)})
     assert resp.status == 201, await resp.json()
+
+
+# --- N4: a checkpoint row loaded through the catalogue is origin=checkpoint ----------------------
+async def saved_checkpoint(client, name: str = "ck") -> int:
+    """Save the resident as checkpoint ``name`` (detached afterwards); its row id."""
+    h = await attach(client)
+    st, body, _ = await post(client, "/api/weights/save", h, {"name": name})
+    assert st == 200, body
+    assert (await post(client, "/api/weights/detach", h))[0] == 200
+    return body["data"]["model_id"]
+
+
+async def test_a_checkpoint_row_loaded_through_the_catalogue_is_origin_checkpoint(client):
+    ck = await saved_checkpoint(client)
+    tiny = client.app[keys.CATALOGUE].get_by_name("tiny").id
+    assert (await post(client, f"/api/models/{tiny}/unload"))[0] == 200
+    st, body, _ = await post(client, f"/api/models/{ck}/load")
+    assert st == 200, body
+    assert await header(client, "ck") == '"ck";origin=checkpoint;commits=0'
+    assert client.app[keys.HOST].resident.origin == "checkpoint"
+    assert (await post(client, f"/api/models/{ck}/unload"))[0] == 200
+    assert await header(client, "ck") == '"ck";origin=checkpoint;commits=0'  # a /v1 auto-load
+    assert (await post(client, f"/api/models/{tiny}/load"))[0] == 200
+    assert await header(client) == '"tiny";origin=model;commits=0'

@@ -307,9 +307,38 @@ def _refuse_the_adapter_name(request: web.Request, name: str) -> None:
         )
 
 
+#: The pauses during which no catalogue row is deleted: a weights load reads its checkpoint's
+#: folder (or its row's files) inside the pause, a save registers a row whose parent is the
+#: base row. As a management load blocks a delete (contract 3: ``409 MODEL_BUSY`` while a load,
+#: unload, save or weights load runs).
+_DELETE_BLOCKING_PAUSES = ("weights_load", "save")
+
+
+def _refuse_delete_during_pause(app: web.Application, row: CatalogueRow) -> None:
+    """409 MODEL_BUSY (reason ``model_transition``) while a weights load or a save holds the
+    barrier, from the moment the lifecycle accepted it (its drain included) to its end."""
+    runtime = app.get(keys.WEIGHTS)
+    if runtime is None:
+        return
+    owner = runtime.lifecycle.state.owner
+    if owner not in _DELETE_BLOCKING_PAUSES:
+        return
+    raise ApiError(
+        codes.MODEL_BUSY,
+        f"catalogue row {row.name!r} (id {row.id}) cannot be deleted while "
+        f"{_PAUSE_OWNERS[owner]} is in progress: it reads or registers catalogue rows and their "
+        "folders. Retry when it finishes (GET /api/weights/status shows barrier: serving).",
+        reason="model_transition",
+        details={"model_id": row.id, "pause_owner": owner},
+    )
+
+
 async def delete_model(request: web.Request) -> web.Response:
-    """``DELETE /api/models/{id}``: remove the row (409 MODEL_RESIDENT). A registered model's
-    files stay; a checkpoint miserver saved takes its folder with it (``Catalogue.delete``)."""
+    """``DELETE /api/models/{id}``: remove the row. A registered model's files stay; a
+    checkpoint miserver saved takes its folder with it (``Catalogue.delete``).
+
+    Refused with 409 MODEL_RESIDENT while the row is resident, 409 MODEL_BUSY (reason
+    ``model_transition``) while a model load or unload, a weights load or a save runs."""
     row = _row_or_404(request, _row_id(request))
     host = request.app[keys.HOST]
     if host.resident is not None and host.resident.row.id == row.id:
@@ -326,6 +355,7 @@ async def delete_model(request: web.Request) -> web.Response:
             reason="model_transition",
             details={"transition": host.transition},
         )
+    _refuse_delete_during_pause(request.app, row)
     try:
         request.app[keys.CATALOGUE].delete(row.id)
     except CatalogueError as exc:

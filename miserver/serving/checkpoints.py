@@ -26,10 +26,13 @@ The routes' recipe:
   ``checkpoint_sha256``, ``dtype`` from :class:`SavedCheckpoint`); if registering fails, delete
   ``saved.path`` so no unregistered checkpoint is left.
 - load ``{checkpoint}``: :func:`resolve_checkpoint` over the catalogue rows, then
-  :func:`open_checkpoint` on the row's path, then inside the pause (state ``writing``):
-  :func:`layout_matches` true -> :func:`load_in_place` (verifies, then writes; nothing allocated);
-  false -> :func:`verify`, then the model host's normal load of the row (the folder is a plain
-  Hugging Face folder), refused while attached. A :class:`CheckpointCorrupt` changes nothing.
+  :func:`open_checkpoint` on the row's path and :func:`verify`, then inside the pause, *before*
+  the set is marked ``writing``: :func:`reopen` (still the manifest checked) and
+  :func:`layout_matches` true -> :func:`read_for_load` (every file and tensor verified, kept in
+  memory), then ``writing`` and :func:`write_in_place` (reads no file; nothing allocated);
+  false -> :func:`verify_for_reload`, then ``writing`` and the model host's normal load of the
+  row (the folder is a plain Hugging Face folder), refused while attached. A
+  :class:`CheckpointCorrupt` changes nothing and leaves the set clean.
 - start-up: :func:`remove_partial_saves` on the checkpoints folder.
 """
 
@@ -742,19 +745,19 @@ def layout_matches(model: torch.nn.Module, handle: CheckpointHandle) -> bool:
     return _model_layout(model) == _manifest_layout(handle.manifest)
 
 
-def load_in_place(model: torch.nn.Module, handle: CheckpointHandle) -> None:
-    """Write the checkpoint's tensors into the model's existing parameters and buffers.
+def read_for_load(model: torch.nn.Module, handle: CheckpointHandle) -> dict[str, torch.Tensor]:
+    """Read and check everything an in-place load of ``handle`` into ``model`` needs, writing
+    nothing (contract 5: a corrupt checkpoint is refused before anything is written).
 
-    Every tensor is read and verified first (dtype, shape, sha256), then the layout is checked,
-    all before the first write (so a damaged checkpoint is reported as corrupt, not as a layout
-    mismatch); then each tensor is ``copy_``-ed under ``torch.no_grad()`` into the existing storage: no parameter
-    storage is allocated and every ``data_ptr()`` stays the same (weights page: "Releasing the
-    handles": the in-place load writes into the exported storages). A tied group is written once.
-    Needs one host copy of the weights. Runs inside the barrier, in state ``writing``.
+    Every file the manifest lists (config, tokenizer, ...) is present and matches its sha256,
+    every tensor is read and matches its dtype, shape and sha256, and the layout matches the
+    model's (:func:`layout_matches`). Returns the verified tensors (CPU, by stored name: one host
+    copy of the weights) for :func:`write_in_place`. Call it *before* the set is marked
+    ``writing``, so a refusal leaves the weights clean.
 
     Raises:
-        CheckpointCorrupt: a tensor or file does not match the manifest (nothing written).
-        LayoutMismatch: :func:`layout_matches` is false (nothing written).
+        CheckpointCorrupt: a tensor or file does not match the manifest, or is missing.
+        LayoutMismatch: :func:`layout_matches` is false.
     """
     tensors = _read_verified(handle, keep=True)
     if not layout_matches(model, handle):
@@ -763,10 +766,73 @@ def load_in_place(model: torch.nn.Module, handle: CheckpointHandle) -> None:
             " shapes, dtypes, tied weights); it needs a full reload",
             details={"path": str(handle.path)},
         )
+    return tensors
+
+
+def write_in_place(
+    model: torch.nn.Module, handle: CheckpointHandle, tensors: Mapping[str, torch.Tensor]
+) -> None:
+    """``copy_`` the tensors :func:`read_for_load` returned into the model's existing parameters
+    and buffers under ``torch.no_grad()``: no parameter storage is allocated and every
+    ``data_ptr()`` stays the same (weights page: "Releasing the handles": the in-place load
+    writes into the exported storages). A tied group is written once. Reads no file, so it
+    cannot fail on a checkpoint folder changed or removed after :func:`read_for_load`.
+    """
     stored_name = {n: t.name for t in handle.manifest.tensors for n in (t.name, *t.aliases)}
     with torch.no_grad():
         for g in _tensor_groups(model):
             g.tensor.copy_(tensors[stored_name[g.names[0]]])
+
+
+def load_in_place(model: torch.nn.Module, handle: CheckpointHandle) -> None:
+    """Write the checkpoint's tensors into the model's existing parameters and buffers:
+    :func:`read_for_load` (every file and tensor verified, the layout checked, all before the
+    first write, so a damaged checkpoint is reported as corrupt, not as a layout mismatch), then
+    :func:`write_in_place`. Needs one host copy of the weights. Runs inside the barrier.
+
+    Raises:
+        CheckpointCorrupt: a tensor or file does not match the manifest (nothing written).
+        LayoutMismatch: :func:`layout_matches` is false (nothing written).
+    """
+    write_in_place(model, handle, read_for_load(model, handle))
+
+
+def verify_for_reload(handle: CheckpointHandle) -> None:
+    """:func:`verify`, and the ``config.json`` a full reload needs is there (the model host
+    loads the folder as a Hugging Face model folder). Call it before the set is marked
+    ``writing``.
+
+    Raises:
+        CheckpointCorrupt: as :func:`verify`, or ``config.json`` is missing.
+    """
+    verify(handle)
+    if not (handle.path / "config.json").is_file():
+        raise CheckpointCorrupt(
+            "config.json is missing (a full reload loads the folder as a Hugging Face model)",
+            path=handle.path,
+            file="config.json",
+        )
+
+
+def reopen(handle: CheckpointHandle) -> CheckpointHandle:
+    """Open ``handle``'s folder again and check it is still the checkpoint that was checked
+    (the same ``manifest.json`` bytes): a load re-reads its checkpoint inside the pause, and the
+    folder may have changed since the request was checked.
+
+    Raises:
+        CheckpointNotFound: the folder is gone.
+        CheckpointCorrupt: its manifest is missing, invalid or no longer the one checked.
+    """
+    again = open_checkpoint(handle.path)
+    if again.checkpoint_sha256 != handle.checkpoint_sha256:
+        raise CheckpointCorrupt(
+            f"manifest.json of {handle.name!r} changed after the load was checked (sha256"
+            f" {again.checkpoint_sha256[:12]}..., was {handle.checkpoint_sha256[:12]}...);"
+            " nothing was written: retry the load",
+            path=handle.path,
+            file=MANIFEST_NAME,
+        )
+    return again
 
 
 # --- references ---------------------------------------------------------------------------------

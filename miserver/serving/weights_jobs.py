@@ -307,23 +307,45 @@ class WeightsJobs:
         return {"served_name": saved.name, "response": response}
 
     async def weights_load(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Load the plan's checkpoint or row inside the pause (contract 5).
+
+        Everything is read and checked again here, *before* the set is marked ``writing``: the
+        manifest (still the one :func:`prepare_load` checked), every file it lists (config,
+        tokenizer) and every tensor; an in-place load keeps the verified tensors in memory and
+        writes from them. So a checkpoint changed or removed since the request was checked is
+        ``400 CHECKPOINT_CORRUPT`` / ``404 CHECKPOINT_NOT_FOUND`` with nothing written and the
+        weights still clean, never a torn set.
+        """
         plan: LoadPlan = params["plan"]
         mark_writing = params["mark_writing"]
         if plan.in_place:
             resident = self.host.resident  # not before a reload: it would keep the old model
+            try:
+                tensors = await run_without_keeping(_read_for_load, resident.model, plan.handle)
+            except checkpoints.CheckpointError as exc:
+                raise exc.as_api_error() from None
             await mark_writing()
             try:
                 await run_without_keeping(
-                    _load_in_place_without_adapter,
+                    _write_in_place_without_adapter,
                     model=resident.model,
                     handle=plan.handle,
+                    tensors=tensors,
                     applied=self.applied,
                 )
             except checkpoints.CheckpointError as exc:
                 raise exc.as_api_error() from None
+            finally:
+                del tensors
             resident.row = msgspec.structs.replace(plan.row, resident=True)
+            resident.loaded_at = time.time()  # a load: the weights are the checkpoint's now
             self.host.catalogue.set_resident(plan.row.id)
         else:
+            if plan.handle is not None:
+                try:
+                    await run_without_keeping(_verify_for_reload, plan.handle)
+                except checkpoints.CheckpointError as exc:
+                    raise exc.as_api_error() from None
             await mark_writing()
             await self.host.load(plan.row.id, reload=True)
         resident = self.host.resident
@@ -409,13 +431,22 @@ def _served(name: str | None, origin: str | None, commits: int | None) -> dict[s
     }
 
 
-def _load_in_place_without_adapter(
-    *, model: Any, handle: checkpoints.CheckpointHandle, applied: Any
+def _read_for_load(model: Any, handle: checkpoints.CheckpointHandle) -> dict[str, Any]:
+    """The checked checkpoint's tensors, read again and verified (nothing written)."""
+    return checkpoints.read_for_load(model, checkpoints.reopen(handle))
+
+
+def _verify_for_reload(handle: checkpoints.CheckpointHandle) -> None:
+    checkpoints.verify_for_reload(checkpoints.reopen(handle))
+
+
+def _write_in_place_without_adapter(
+    *, model: Any, handle: checkpoints.CheckpointHandle, tensors: Any, applied: Any
 ) -> None:
-    """Write ``handle`` into ``model``'s base tensors (through any LoRA layers), then remove the
-    applied adapter (if any), so that the set served afterwards is exactly the checkpoint (a
-    load replaces the adapted model; contract 5 and 6). A corrupt checkpoint raises before the
-    first write, leaving the weights and the adapter as they were."""
-    checkpoints.load_in_place(model, handle)
+    """Write the verified ``tensors`` into ``model``'s base tensors (through any LoRA layers),
+    then remove the applied adapter (if any), so that the set served afterwards is exactly the
+    checkpoint (a load replaces the adapted model; contract 5 and 6). Reads no file: the
+    checkpoint was read and verified before the set was marked ``writing``."""
+    checkpoints.write_in_place(model, handle, tensors)
     if applied is not None:
         adapters.remove_adapter(model, applied)

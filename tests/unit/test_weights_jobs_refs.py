@@ -161,13 +161,13 @@ async def test_a_failed_in_place_load_keeps_nothing_after_the_unload(
         status, body = await post(client, "/api/weights/detach", auth)
         assert status == 200, body
         refs = Refs(host.resident)
-        real = checkpoints.load_in_place
+        real = checkpoints.write_in_place
 
-        def failing(model: Any, handle: Any) -> None:
-            real(model, handle)
+        def failing(model: Any, handle: Any, tensors: Any) -> None:
+            real(model, handle, tensors)
             raise checkpoints.CheckpointError("read error while writing in place")
 
-        monkeypatch.setattr(checkpoints, "load_in_place", failing)
+        monkeypatch.setattr(checkpoints, "write_in_place", failing)
         ops = {"Authorization": f"Bearer {OPS}"}
         status, body = await post(client, "/api/weights/load", ops, {"checkpoint": "ck"})
         assert status == 400 and body["error"]["message"] == "read error while writing in place"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -333,11 +334,57 @@ def _refuse_delete_during_pause(app: web.Application, row: CatalogueRow) -> None
     )
 
 
+def _same_folder(a: str, b: str) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except (OSError, RuntimeError, ValueError):
+        return a == b
+
+
+def _refuse_delete_of_last_save(app: web.Application, row: CatalogueRow) -> None:
+    """409 MODEL_RESIDENT for the checkpoint row whose folder holds the resident weights' last
+    save (status ``last_save``, made since the resident was loaded).
+
+    Deleting the row removes its folder (``Catalogue.delete``), the only copy of the commits the
+    save recorded: "unsaved" counts only the commits after the save (weights page: Unsaved
+    commits and the auto-load), so nothing would refuse the auto-load that discards them, and
+    the served name (``"<row>";origin=checkpoint``) would name nothing. So the row stays
+    while the weights are its save, as a resident row does (contract 3): save them under
+    another name, or unload (or load other weights), then delete it.
+    """
+    runtime = app.get(keys.WEIGHTS)
+    resident = app[keys.HOST].resident
+    last_save = getattr(runtime, "last_save", None) if runtime is not None else None
+    if row.origin != "checkpoint" or resident is None or not last_save:
+        return
+    try:
+        saved_at = datetime.fromisoformat(str(last_save["at"])).timestamp()
+    except (KeyError, ValueError):
+        saved_at = float("inf")  # unknown: assume the save is of the resident weights
+    if saved_at < resident.loaded_at or not _same_folder(str(last_save["path"]), row.path):
+        return
+    rid = resident.row.id
+    raise ApiError(
+        codes.MODEL_RESIDENT,
+        f"checkpoint {row.name!r} (id {row.id}) holds the last save of the resident weights"
+        f" (served as {resident.served_name!r}); deleting it would delete its folder, the only"
+        " copy of the commits that save recorded. Save the weights under another name first"
+        f' (attach, then POST /api/weights/save {{"name": ...}}), or unload them'
+        f" (POST /api/models/{rid}/unload) or load other weights, then delete this row.",
+        details={
+            "model_id": row.id,
+            "resident_model_id": rid,
+            "last_save": {"path": str(last_save["path"]), "at": last_save.get("at")},
+        },
+    )
+
+
 async def delete_model(request: web.Request) -> web.Response:
     """``DELETE /api/models/{id}``: remove the row. A registered model's files stay; a
     checkpoint miserver saved takes its folder with it (``Catalogue.delete``).
 
-    Refused with 409 MODEL_RESIDENT while the row is resident, 409 MODEL_BUSY (reason
+    Refused with 409 MODEL_RESIDENT while the row is resident or holds the resident weights'
+    last save, 409 MODEL_BUSY (reason
     ``model_transition``) while a model load or unload, a weights load or a save runs."""
     row = _row_or_404(request, _row_id(request))
     host = request.app[keys.HOST]
@@ -356,6 +403,7 @@ async def delete_model(request: web.Request) -> web.Response:
             details={"transition": host.transition},
         )
     _refuse_delete_during_pause(request.app, row)
+    _refuse_delete_of_last_save(request.app, row)
     try:
         request.app[keys.CATALOGUE].delete(row.id)
     except CatalogueError as exc:

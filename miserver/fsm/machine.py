@@ -421,13 +421,15 @@ class Lifecycle:
             elif action == "hold_timeout":
                 ch.update(last_hold_timeout_at=now)
             elif action == "save":
-                ch.update(
-                    saved_steps=c.steps_since_load or 0,
-                    saves=c.saves + 1,
-                    served_name=event.name or c.served_name,
-                    served_origin="checkpoint",
-                    commits_since_name=0,
-                )
+                ch.update(saved_steps=c.steps_since_load or 0, saves=c.saves + 1)
+                if c.served_origin != "adapter":  # contract 5: the set is the checkpoint now
+                    ch.update(
+                        served_name=event.name or c.served_name,
+                        served_origin="checkpoint",
+                        commits_since_name=0,
+                    )
+                # else contract 6: the adapter still computes and keeps its name; the checkpoint
+                # holds the base tensors, named once the adapter is removed (the adapter job)
             elif action == "load":
                 inferred = "checkpoint" if event.trigger.startswith("weights_") else "model"
                 ch.update(

@@ -78,6 +78,10 @@ class Resident:
         base_name: the catalogue name of the base model (a checkpoint's root model row).
         served_name: the name ``X-miLLM-Model`` and ``/v1/models`` report; a save or an adapter
             changes it (weights page: Which weights answered).
+        base_served_name: while an adapter is applied, the name the base tensors are served
+            under once it is removed (the served name before it, or the checkpoint a save made
+            while it was applied); None otherwise. A ``/v1`` request naming it is served by the
+            resident (contract 5), whose header names the adapter (contract 6).
         origin: ``model``, ``checkpoint`` or ``adapter``.
         commits: commit-ends since ``served_name`` was set; None when not known.
         attachable: whether the load placed the parameters in one shared allocation.
@@ -96,10 +100,14 @@ class Resident:
     loaded_at: float = 0.0
     arena: Any = None  # the miserver.ipc ParameterArena of an attachable load
     adapter_block: dict[str, Any] | None = None  # contract 6, while an adapter is applied
+    base_served_name: str | None = None
 
     def names(self) -> tuple[str, ...]:
-        """The names a request may use for this model: served name and base name."""
-        return (self.served_name, self.base_name)
+        """The names a request may use for this model: served name and base name, and while an
+        adapter is applied the name of the base tensors (``base_served_name``)."""
+        if self.base_served_name is None:
+            return (self.served_name, self.base_name)
+        return (self.served_name, self.base_name, self.base_served_name)
 
 
 def clear_traceback_frames(exc: BaseException | None) -> None:

@@ -295,6 +295,12 @@ class WeightsJobs:
             "at": saved.saved_at,
             "path": str(saved.path),
         }
+        if self.applied is not None:
+            # Contract 6: the adapter still computes, so it keeps the served name (the lifecycle
+            # leaves it); the checkpoint holds the base tensors only, and is the name restored
+            # when the adapter is removed, its commits counted from this save (finding N1).
+            self.before_adapter = Provenance(saved.name, "checkpoint", 0, steps)
+            resident.base_served_name = saved.name
         response = {
             "checkpoint_sha256": saved.checkpoint_sha256,
             "name": saved.name,
@@ -352,6 +358,7 @@ class WeightsJobs:
         self.applied = None  # a load replaces the adapted model (in place: removed first)
         self.before_adapter = None
         resident.adapter_block = None
+        resident.base_served_name = None
         return {
             "served_name": plan.row.name,
             "origin": "checkpoint" if plan.row.origin == "checkpoint" else "model",
@@ -380,9 +387,10 @@ class WeightsJobs:
 
         The result names what ``X-miLLM-Model`` says afterwards (weights page: Which weights
         answered): the adapter's name with origin ``adapter`` and commits from 0 when applied;
-        after a removal, the name and origin from before the adapter, with the commits made
-        before and while it was applied (they are in the base tensors); a removal with no
-        adapter applied changes nothing.
+        after a removal, the name and origin from before the adapter (or the checkpoint a save
+        made while it was applied, origin ``checkpoint``), with the commits made before and
+        while it was applied (they are in the base tensors); a removal with no adapter applied
+        changes nothing.
         """
         body = params["body"]
         resident = self.host.resident
@@ -399,6 +407,7 @@ class WeightsJobs:
                 )
                 self.before_adapter = before
                 resident.adapter_block = self.applied.block()
+                resident.base_served_name = before.served_name if before else None
                 return {"served_name": body.name, "applied": True}
             now = self._provenance()
             if self.applied is None:  # a no-op: the served name, origin and count stay
@@ -411,8 +420,10 @@ class WeightsJobs:
         before, self.before_adapter = self.before_adapter, None
         self.applied = None
         resident.adapter_block = None
+        resident.base_served_name = None
         if before is None or now.origin != "adapter":
-            # A save while the adapter was applied renamed the served set: keep that name.
+            # The lifecycle no longer names the adapter (it always does while one is applied; a
+            # save under it keeps it, and records the checkpoint in before_adapter): keep it.
             return _served(now.served_name or resident.base_name, now.origin, now.commits)
         return _served(
             before.served_name or resident.base_name,

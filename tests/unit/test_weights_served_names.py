@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from miserver.http import keys
-from tests.unit.test_weights_adapter_requests import apply, header, remove
-from tests.unit.test_weights_checkpoints_routes import attach, make_adapter
-from tests.unit.test_weights_routes import make_client, post
+from miserver.serving import checkpoints
+from tests.unit.test_weights_adapter_requests import apply, header, remove, status
+from tests.unit.test_weights_checkpoints_routes import attach, bump, commit, make_adapter, scores
+from tests.unit.test_weights_routes import OPS, auth, make_client, post
 
 
 @pytest.fixture
@@ -68,3 +69,58 @@ async def test_a_checkpoint_row_loaded_through_the_catalogue_is_origin_checkpoin
     assert await header(client, "ck") == '"ck";origin=checkpoint;commits=0'  # a /v1 auto-load
     assert (await post(client, f"/api/models/{tiny}/load"))[0] == 200
     assert await header(client) == '"tiny";origin=model;commits=0'
+
+
+# --- N1: a save while an adapter is applied ------------------------------------------------------
+# Contract 6: while an adapter is applied, X-miLLM-Model says origin=adapter under the adapter's
+# name. The save stores the base tensors (never the LoRA tensors), so the checkpoint's name names
+# the set served only once the adapter is gone.
+async def test_a_save_under_an_adapter_keeps_serving_as_the_adapter(client, lora):
+    base = await scores(client)
+    assert (await apply(client, "good", lora))[0] == 200
+    adapted = await scores(client, "good")
+    assert adapted != base
+    h = await attach(client)
+    st, body, _ = await post(client, "/api/weights/save", h, {"name": "ck2"})
+    assert st == 200, body
+    assert (await post(client, "/api/weights/detach", h))[0] == 200
+
+    assert await header(client) == '"good";origin=adapter;commits=0'
+    assert (await status(client))["adapter"]["name"] == "good"
+    assert await scores(client, "good") == adapted
+    # The checkpoint's name reaches the resident (contract 5), which still computes the adapter
+    # and says so.
+    assert await header(client, "ck2") == '"good";origin=adapter;commits=0'
+    handle = checkpoints.open_checkpoint(body["data"]["path"])
+    assert not [n for n in handle.manifest.names() if "lora" in n]  # the base tensors only
+
+    st, body, _ = await post(client, "/api/weights/load", auth(OPS), {"checkpoint": "ck2"})
+    assert st == 200 and body["data"]["in_place"] is True, body
+    assert await header(client, "ck2") == '"ck2";origin=checkpoint;commits=0'
+    assert await scores(client, "ck2") == base  # exactly what the header names
+    assert (await status(client))["adapter"] == {"applied": False}
+
+
+async def test_commits_under_an_adapter_after_a_save_count_from_the_save(client, lora):
+    assert (await apply(client, "good", lora))[0] == 200
+    h = await attach(client)
+    await commit(client, h, bump)
+    assert (await post(client, "/api/weights/save", h, {"name": "ck"}))[0] == 200
+    assert await header(client, "good") == '"good";origin=adapter;commits=1'  # the name stays
+    await commit(client, h, bump)
+    assert (await post(client, "/api/weights/detach", h))[0] == 200
+    assert await header(client, "good") == '"good";origin=adapter;commits=2'
+    assert (await remove(client))[0] == 200
+    assert await header(client, "ck") == '"ck";origin=checkpoint;commits=1'  # 1 since the save
+
+
+async def test_a_checkpoint_saved_before_an_adapter_reaches_the_resident(client, lora):
+    ck = await saved_checkpoint(client, "ck")
+    assert (await apply(client, "good", lora))[0] == 200
+    resident = client.app[keys.HOST].resident
+    # No auto-load of the ck row (a swap that would drop the adapter): the resident's base
+    # tensors are that checkpoint, served through the adapter, as its base name is.
+    assert await header(client, "ck") == '"good";origin=adapter;commits=0'
+    assert client.app[keys.HOST].resident is resident and resident.row.id != ck
+    assert (await remove(client))[0] == 200
+    assert await header(client, "ck") == '"ck";origin=checkpoint;commits=0'

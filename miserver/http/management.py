@@ -25,6 +25,7 @@ from miserver.serving.catalogue import (
     CatalogueRow,
     DuplicateName,
 )
+from miserver.serving.client_paths import ClientPathError, check_client_path
 from miserver.spec import codes
 
 T = TypeVar("T")
@@ -181,18 +182,23 @@ def inspect_model_path(body: RegisterModel) -> dict[str, str]:
     a GGUF file (magic ``GGUF``). Returns the row's ``{format, dtype, quantization, path}``.
 
     Raises:
-        ApiError: 400 INVALID_REQUEST naming ``path``, ``dtype`` or ``quantization``.
+        ApiError: 400 INVALID_REQUEST naming ``path`` (also for a path too long, a symlink loop
+            or one the server may not read: :func:`~miserver.serving.client_paths.check_client_path`),
+            ``dtype`` or ``quantization``.
     """
-    raw = body.path
-    if not raw or "\x00" in raw:
-        raise _invalid("path must be a non-empty absolute path", "path")
-    path = Path(raw)
-    if not path.is_absolute():
+    try:
+        path = check_client_path(body.path).resolve()
+    except ClientPathError as exc:
+        raise _invalid(str(exc), "path") from None
+    try:
+        return _inspect_resolved(body, path)
+    except OSError as exc:  # a file inside the folder the server may not read, say
         raise _invalid(
-            f"path must be absolute (the server's working directory is not yours): {raw[:200]!r}",
-            "path",
-        )
-    path = path.resolve()
+            f"path cannot be read on the server ({exc.strerror or type(exc).__name__})", "path"
+        ) from None
+
+
+def _inspect_resolved(body: RegisterModel, path: Path) -> dict[str, str]:
     if not path.exists():
         raise _invalid(f"path does not exist on the server: {str(path)[:300]}", "path")
     if path.is_file():

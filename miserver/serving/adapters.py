@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from miserver.serving.checkpoints import NAME_RE, rfc3339
+from miserver.serving.client_paths import ClientPathError, check_client_path
 from miserver.spec import codes
 
 if TYPE_CHECKING:
@@ -138,18 +139,16 @@ def validate_adapter_path(path: Any) -> Path:
     """Return ``path`` as a :class:`~pathlib.Path` if it is absolute (as ``POST /api/models``).
 
     Raises:
-        InvalidAdapterPath: empty, holding a NUL, or not absolute (``400 INVALID_REQUEST``,
-            field ``path``); nothing on disk is looked at.
+        InvalidAdapterPath: empty, holding a NUL, not absolute, too long, a symlink loop or not
+            readable by the server (``400 INVALID_REQUEST``, field ``path``; the checks of
+            :func:`~miserver.serving.client_paths.check_client_path`); a path that does not
+            exist passes (``inspect_adapter`` answers ``not_found``).
     """
     raw = str(path) if isinstance(path, Path) else path
-    if not isinstance(raw, str) or not raw or "\x00" in raw:
-        raise InvalidAdapterPath("path must be a non-empty absolute path")
-    folder = Path(raw)
-    if not folder.is_absolute():
-        raise InvalidAdapterPath(
-            f"path must be absolute (the server's working directory is not yours): {raw[:200]!r}"
-        )
-    return folder
+    try:
+        return check_client_path(raw)
+    except ClientPathError as exc:
+        raise InvalidAdapterPath(str(exc)) from None
 
 
 # --- base tensors through LoRA layers -------------------------------------------------------------

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from miserver.http import keys
 from miserver.http.errors import ApiError, ok
+from miserver.serving import checkpoints
 from miserver.serving.catalogue import (
     DTYPES,
     CatalogueError,
@@ -349,7 +350,9 @@ def _same_folder(a: str, b: str) -> bool:
 
 def _refuse_delete_of_last_save(app: web.Application, row: CatalogueRow) -> None:
     """409 MODEL_RESIDENT for the checkpoint row whose folder holds the resident weights' last
-    save (status ``last_save``, made since the resident was loaded).
+    save (status ``last_save``, made since the resident was loaded) when that save recorded
+    commits (its manifest's ``steps_since_load`` > 0; a save of none is a copy of the loaded
+    row, which stays, and is deleted as any checkpoint row).
 
     Deleting the row removes its folder (``Catalogue.delete``), the only copy of the commits the
     save recorded: "unsaved" counts only the commits after the save (weights page: Unsaved
@@ -369,17 +372,25 @@ def _refuse_delete_of_last_save(app: web.Application, row: CatalogueRow) -> None
         saved_at = float("inf")  # unknown: assume the save is of the resident weights
     if saved_at < resident.loaded_at or not _same_folder(str(last_save["path"]), row.path):
         return
+    try:
+        recorded = checkpoints.open_checkpoint(row.path).manifest.steps_since_load
+    except (checkpoints.CheckpointError, OSError):
+        return  # no manifest miserver can open: nothing it could load back from the folder
+    if not recorded:
+        return  # a copy of the loaded row's weights, which stays: nothing is lost
     rid = resident.row.id
     raise ApiError(
         codes.MODEL_RESIDENT,
         f"checkpoint {row.name!r} (id {row.id}) holds the last save of the resident weights"
         f" (served as {resident.served_name!r}); deleting it would delete its folder, the only"
-        " copy of the commits that save recorded. Save the weights under another name first"
+        f" copy of the {recorded} commit(s) that save recorded. Save the weights under another"
+        " name first"
         f' (attach, then POST /api/weights/save {{"name": ...}}), or unload them'
         f" (POST /api/models/{rid}/unload) or load other weights, then delete this row.",
         details={
             "model_id": row.id,
             "resident_model_id": rid,
+            "commits": recorded,
             "last_save": {"path": str(last_save["path"]), "at": last_save.get("at")},
         },
     )

@@ -47,11 +47,13 @@ async def test_the_last_saves_row_is_409_until_the_weights_are_unloaded(client):
     error = body["error"]
     assert error["code"] == "MODEL_RESIDENT"
     assert "last save of the resident weights" in error["message"]
+    assert "the only copy of the 1 commit(s) that save recorded" in error["message"]
     assert "POST /api/weights/save" in error["message"]
     assert "POST /api/models/1/unload" in error["message"]
     assert error["details"] == {
         "model_id": saved["model_id"],
         "resident_model_id": 1,
+        "commits": 1,
         "last_save": {"path": saved["path"], "at": saved["at"]},
     }
     assert Path(saved["path"]).is_dir()
@@ -69,8 +71,9 @@ async def test_the_last_saves_row_is_409_until_the_weights_are_unloaded(client):
 
 async def test_a_commit_after_the_save_still_keeps_the_row(client):
     h = await attach(client)
+    await commit(client, h, bump)
     saved = await save(client, h, "ckB")
-    await commit(client, h, bump)  # unsaved 1: the commits before it exist only in ckB
+    await commit(client, h, bump)  # unsaved 1: the commit before the save exists only in ckB
     st, body = await delete(client, saved["model_id"])
     assert (st, body["error"]["code"]) == (409, "MODEL_RESIDENT")
     assert Path(saved["path"]).is_dir()
@@ -86,8 +89,21 @@ async def test_an_earlier_save_is_deleted_with_its_folder(client):
     assert not Path(first["path"]).exists()
 
 
+async def test_a_save_that_recorded_no_commit_is_deleted_with_its_folder(client):
+    # A copy of the loaded row's weights (which stays): finding 15's delete-and-save-again.
+    h = await attach(client)
+    saved = await save(client, h, "ckB")
+    assert saved["steps_since_load"] == 0
+    st, body = await delete(client, saved["model_id"])
+    assert st == 200, body
+    assert not Path(saved["path"]).exists()
+    await commit(client, h, bump)
+    assert (await save(client, h, "ckB"))["path"] == saved["path"]
+
+
 async def test_after_a_swap_the_saved_row_is_deleted_with_its_folder(client):
     h = await attach(client)
+    await commit(client, h, bump)
     saved = await save(client, h, "ckB")
     assert (await post(client, "/api/weights/detach", h))[0] == 200
     assert (await chat(client, model="tiny-b"))[0] == 200  # the auto-load: saved, so allowed

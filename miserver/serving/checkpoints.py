@@ -797,20 +797,34 @@ def load_in_place(model: torch.nn.Module, handle: CheckpointHandle) -> None:
     write_in_place(model, handle, read_for_load(model, handle))
 
 
+#: Files a full reload reads besides the weights: the config, and a tokenizer (either file).
+RELOAD_CONFIG = "config.json"
+RELOAD_TOKENIZER = ("tokenizer_config.json", "tokenizer.json")
+
+
 def verify_for_reload(handle: CheckpointHandle) -> None:
-    """:func:`verify`, and the ``config.json`` a full reload needs is there (the model host
-    loads the folder as a Hugging Face model folder). Call it before the set is marked
+    """:func:`verify`, and the files a full reload reads are there: ``config.json`` and a
+    tokenizer (``tokenizer_config.json`` or ``tokenizer.json``): the model host loads the folder
+    as a Hugging Face model folder, tokenizer first. Call it before the set is marked
     ``writing``.
 
     Raises:
-        CheckpointCorrupt: as :func:`verify`, or ``config.json`` is missing.
+        CheckpointCorrupt: as :func:`verify`, or ``config.json`` or the tokenizer is missing
+            (``.file`` names it).
     """
     verify(handle)
-    if not (handle.path / "config.json").is_file():
+    if not (handle.path / RELOAD_CONFIG).is_file():
         raise CheckpointCorrupt(
-            "config.json is missing (a full reload loads the folder as a Hugging Face model)",
+            f"{RELOAD_CONFIG} is missing (a full reload loads the folder as a Hugging Face model)",
             path=handle.path,
-            file="config.json",
+            file=RELOAD_CONFIG,
+        )
+    if not any((handle.path / name).is_file() for name in RELOAD_TOKENIZER):
+        raise CheckpointCorrupt(
+            f"{RELOAD_TOKENIZER[0]} is missing, and so is {RELOAD_TOKENIZER[1]}: a full reload"
+            " loads the checkpoint's own tokenizer",
+            path=handle.path,
+            file=RELOAD_TOKENIZER[0],
         )
 
 

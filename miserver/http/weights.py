@@ -10,6 +10,7 @@ header is never a 422: the table answers 401 or 403 in its documented order.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -362,7 +363,9 @@ async def load(request: web.Request) -> web.Response:
     fields: dict[str, Any] = {}
     if caller.role is not None:
         body = await decode_body(request, W.LoadRequest)
-        plan = prepare_load(runtime.host, body)
+        # Off the event loop: checking a checkpoint reads and hashes every file (seconds for a
+        # large model), and serving goes on meanwhile.
+        plan = await asyncio.to_thread(prepare_load, runtime.host, body)
         fields["in_place"] = plan.in_place
     await runtime.gated(
         "weights_load",

@@ -1,0 +1,50 @@
+"""POST /api/weights/load checks the checkpoint (reads and hashes every file: seconds for a large
+model) off the event loop, so serving goes on meanwhile."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from miserver.http.app import create_app
+from miserver.http.errors import ApiError
+from miserver.serving import weights_jobs
+from miserver.spec import codes
+from miserver.spec.settings import load_settings
+
+OPS = "operator-secret-0123456789"
+
+
+@pytest.fixture
+async def client(tmp_path):
+    settings = load_settings(
+        {
+            "MISERVER_HOME": str(tmp_path / "home"),
+            "DEFAULT_MODEL": "",
+            "DEVICE": "cpu",
+            "WEIGHTS_TOKENS": f"ops:operator:{OPS}",
+        }
+    )
+    c = TestClient(TestServer(create_app(settings)))
+    await c.start_server()
+    yield c
+    await c.close()
+
+
+async def test_the_checkpoint_is_checked_off_the_event_loop(client, monkeypatch) -> None:
+    seen: list[int] = []
+
+    def checking(host, body):
+        seen.append(threading.get_ident())
+        raise ApiError(codes.CHECKPOINT_NOT_FOUND, "no such checkpoint")
+
+    monkeypatch.setattr(weights_jobs, "prepare_load", checking)
+    resp = await client.post(
+        "/api/weights/load",
+        headers={"Authorization": f"Bearer {OPS}"},
+        json={"checkpoint": "nope"},
+    )
+    assert resp.status == 404
+    assert seen and seen[0] != threading.get_ident()  # not the event loop's thread

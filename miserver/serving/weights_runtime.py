@@ -389,14 +389,8 @@ class WeightsRuntime:
             async with self.lock:
                 out = self.decide(Event("transition_abandoned"))
             if isinstance(exc, DrainTimeout) and out.pending is not None:
-                raise ApiError(
-                    out.pending.code or codes.MODEL_BUSY,
-                    f"{exc.running} running generation(s) did not finish within "
-                    f"WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S ({timeout_s:g} s); nothing was loaded or "
-                    "unloaded. Retry when they end.",
-                    reason=out.pending.reason,
-                    status=out.pending.status,
-                    details={"running": exc.running, "drain_timeout_s": timeout_s},
+                raise self._drain_timeout_error(
+                    out.pending, exc.running, "nothing was loaded or unloaded"
                 ) from None
             raise
         try:
@@ -558,15 +552,27 @@ class WeightsRuntime:
             err = self._job_result.get("error") if isinstance(self._job_result, dict) else None
             if isinstance(err, ApiError):
                 raise err
-            message = out.message or answer.code.name
             if answer.code is codes.MODEL_BUSY and answer.reason == "drain_timeout":
-                message = (
-                    "Running requests did not finish within "
-                    "WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S; nothing is held."
-                )
+                running = self.scheduler.counts().running
+                raise self._drain_timeout_error(answer, running, "nothing is held")
+            message = out.message or answer.code.name
             raise ApiError(answer.code, message, reason=answer.reason, status=answer.status)
         self._audit(operation, out, caller, ref, before, refused=False)
         return result
+
+    def _drain_timeout_error(self, answer: Answer, running: int, outcome: str) -> ApiError:
+        """409 MODEL_BUSY ``drain_timeout`` of a quiesce, a pause or a model transition, worded
+        alike (weights page, The write cycle 2): how many requests still ran, the timeout, what
+        was left unchanged (``outcome``) and what to do; ``details`` carries the numbers."""
+        timeout_s = self.settings.weights_quiesce_drain_timeout_s
+        return ApiError(
+            answer.code or codes.MODEL_BUSY,
+            f"{running} running request(s) did not finish within "
+            f"WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S ({timeout_s:g} s); {outcome}. Retry when they end.",
+            reason=answer.reason,
+            status=answer.status,
+            details={"running": running, "drain_timeout_s": timeout_s},
+        )
 
     def _queue_full(self, priority: Priority = Priority.INTERACTIVE) -> bool:
         """The ``queue_full`` fact of a quiesce or a ``/v1`` request at ``priority``.

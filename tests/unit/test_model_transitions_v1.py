@@ -196,3 +196,43 @@ async def test_an_unload_past_the_drain_timeout_is_refused_and_changes_nothing(
         assert host.resident is None and len(drops) == 1
     finally:
         await c.close()
+
+
+async def test_a_quiesce_and_an_unload_past_the_drain_timeout_answer_alike(
+    tmp_path, tiny_model_dir
+):
+    """Both drain timeouts (weights page, The write cycle 2, and the drain before a model
+    transition) say how many requests still ran, the timeout and what was left unchanged, and
+    carry the numbers in ``details``."""
+    c = await make_client(tmp_path, tiny_model_dir, WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S="0.2")
+    try:
+        app = c.server.app
+        tiny = app[keys.CATALOGUE].get_by_name("tiny").id
+        st, data, _ = await post(c, "/api/weights/attach", auth(TRN))  # exports the real model
+        assert st == 200, data
+        h = auth(TRN, data["data"]["attachment_id"])
+        slow = slow_resident(app[keys.HOST], 1.0)
+        errors = []
+        for route in ("/api/weights/quiesce", f"/api/models/{tiny}/unload"):
+            gen = asyncio.ensure_future(c.post(CHAT, json=body("tiny", max_tokens=2)))
+            calls = slow.calls
+            await wait_until(lambda calls=calls: slow.calls > calls)
+            if route.startswith("/api/weights"):
+                st, data, _ = await post(c, route, h)
+            else:
+                st, data, _ = await post(c, "/api/weights/detach", h)
+                assert st == 200, data
+                resp = await c.post(route)
+                st, data = resp.status, await resp.json()
+            assert st == 409, data
+            errors.append(data["error"])
+            assert (await gen).status == 200
+        for err in errors:
+            assert (err["code"], err["reason"]) == ("MODEL_BUSY", "drain_timeout")
+            assert err["details"] == {"running": 1, "drain_timeout_s": 0.2}
+            assert "1 running request(s) did not finish within " in err["message"]
+            assert "WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S (0.2 s)" in err["message"]
+        assert "nothing is held" in errors[0]["message"]
+        assert "nothing was loaded or unloaded" in errors[1]["message"]
+    finally:
+        await c.close()

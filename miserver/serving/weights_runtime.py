@@ -619,6 +619,8 @@ class WeightsRuntime:
         elapsed = steps = None
         if operation == "weights_commit_end" and not refused:
             elapsed = out.details.get("commit_ms")
+            if elapsed is not None:
+                elapsed = round(elapsed, 3)  # as the commit-end answer rounds it
             steps = out.details.get("steps_since_load")
         resident = self.host.resident
         self.audit.write_soon(  # after the response is on its way; see AuditLog.write_soon

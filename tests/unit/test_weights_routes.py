@@ -97,6 +97,7 @@ async def test_full_write_cycle_and_the_header_counts_commits(client, tmp_path):
     st, body, _ = await post(client, "/api/weights/commit-end", h)
     assert st == 200 and body["data"]["steps_since_load"] == 1
     assert body["data"]["overran"] is False
+    commit_ms = body["data"]["commit_ms"]
     st, body, _ = await post(client, "/api/weights/resume", h)
     assert body["data"] == {"barrier": "serving", "weights_state": "clean"}
     st, _, headers = await chat(client)
@@ -117,7 +118,7 @@ async def test_full_write_cycle_and_the_header_counts_commits(client, tmp_path):
         "weights_detach",
     ]
     assert all(line["outcome"] == "accepted" for line in lines)
-    assert lines[3]["steps"] == 1 and lines[3]["elapsed_ms"] is not None
+    assert lines[3]["steps"] == 1 and lines[3]["elapsed_ms"] == commit_ms  # rounded alike
     assert all(att not in json.dumps(line) for line in lines)
     assert len({line["attachment_ref"] for line in lines}) == 1
 

@@ -127,6 +127,24 @@ def scrub(text: str, secrets: tuple[str, ...]) -> str:
     return text
 
 
+def refuse_secret_name(app: web.Application, name: str | None, field: str = "name") -> None:
+    """Refuse a public name (a served name, a catalogue row's or a checkpoint's name: it goes
+    out in ``X-miLLM-Model`` and the listings) that is one of the configured weights tokens,
+    without repeating it (weights page: a token is never returned).
+
+    Raises:
+        ApiError: 400 INVALID_REQUEST naming ``field``.
+    """
+    if name and name in app.get(SCRUB_SECRETS, ()):
+        raise ApiError(
+            codes.INVALID_REQUEST,
+            f"this {field} is one of the server's weights tokens; names are public (they are sent"
+            " in X-miLLM-Model and listed): choose another, and replace that token",
+            param=field,
+            details={"field": field},
+        )
+
+
 def client_gone_error() -> ApiError:
     """The answer to a request whose client closed the connection before its whole body
     arrived (400; nobody reads it, but the access and audit lines say what happened)."""

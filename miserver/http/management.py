@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 
 from miserver.http import keys
-from miserver.http.errors import ApiError, ok
+from miserver.http.errors import ApiError, ok, refuse_secret_name
 from miserver.serving import checkpoints
 from miserver.serving.catalogue import (
     DTYPES,
@@ -281,6 +281,7 @@ async def register_model(request: web.Request) -> web.Response:
             f"a catalogue row named {body.name!r} already exists (id {existing.id})",
             details={"name": body.name, "model_id": existing.id},
         )
+    refuse_secret_name(request.app, body.name)
     _refuse_the_adapter_name(request, body.name)
     found = inspect_model_path(body)
     try:
@@ -400,8 +401,8 @@ async def delete_model(request: web.Request) -> web.Response:
     """``DELETE /api/models/{id}``: remove the row. A registered model's files stay; a
     checkpoint miserver saved takes its folder with it (``Catalogue.delete``).
 
-    Refused with 409 MODEL_RESIDENT while the row is resident or holds the resident weights'
-    last save, 409 MODEL_BUSY (reason
+    Refused with 409 MODEL_RESIDENT while the row is resident, is DEFAULT_MODEL (the next start
+    would fail) or holds the resident weights' last save, 409 MODEL_BUSY (reason
     ``model_transition``) while a model load or unload, a weights load or a save runs."""
     row = _row_or_404(request, _row_id(request))
     host = request.app[keys.HOST]
@@ -411,6 +412,15 @@ async def delete_model(request: web.Request) -> web.Response:
             f"catalogue row {row.name!r} (id {row.id}) is resident; unload it first "
             f"(POST /api/models/{row.id}/unload)",
             details={"model_id": row.id},
+        )
+    default = request.app[keys.SETTINGS].default_model
+    if default and row.name == default:
+        raise ApiError(
+            codes.MODEL_RESIDENT,
+            f"catalogue row {row.name!r} (id {row.id}) is DEFAULT_MODEL, the model this server"
+            " loads at start: without it the next start fails. Set DEFAULT_MODEL to another row"
+            " (or to empty) and restart, then delete it",
+            details={"model_id": row.id, "setting": "DEFAULT_MODEL"},
         )
     if host.busy:
         raise ApiError(

@@ -22,7 +22,14 @@ from aiohttp import web
 from miserver.http import keys
 from miserver.http.audit import CURRENT_CALL, AuditRecord, AuditScope
 from miserver.http.auth import ATTACHMENT_HEADER, Caller, attachment_ref, identify
-from miserver.http.errors import CLIENT_GONE, ApiError, client_gone_error, code_for_status, ok
+from miserver.http.errors import (
+    CLIENT_GONE,
+    ApiError,
+    client_gone_error,
+    code_for_status,
+    ok,
+    refuse_secret_name,
+)
 from miserver.http.management import decode_body as decode_management_body
 from miserver.serving.weights_runtime import CallResult, WeightsRuntime
 from miserver.spec import codes
@@ -341,6 +348,7 @@ async def save(request: web.Request) -> web.Response:
     body = None
     if caller.role is not None:
         body = await decode_body(request, W.SaveRequest)
+        refuse_secret_name(request.app, body.name)
         prepare_save(runtime.host, body)
     result = await runtime.gated(
         "save",
@@ -418,6 +426,7 @@ async def _adapter_change(request: web.Request, apply: bool) -> web.Response:
     runtime = request.app[RUNTIME]
     body = await decode_body(request, W.AdapterRequest) if apply else None
     if apply:
+        refuse_secret_name(request.app, body.name)
         prepare_adapter(runtime.host, body)
     await runtime.gated(
         "adapter_change",

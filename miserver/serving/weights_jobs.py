@@ -131,6 +131,9 @@ def prepare_save(host: Any, body: Any) -> None:
     row removes its folder (:meth:`~miserver.serving.catalogue.Catalogue.delete`), so its name
     can be saved again.
 
+    The applied adapter's served name is refused too (400): while applied, ``/v1`` requests
+    naming it reach the adapter, not the checkpoint (the base weights; contract 6).
+
     Raises:
         ApiError: 400 INVALID_REQUEST (field ``name``), 409 CHECKPOINT_EXISTS.
     """
@@ -140,6 +143,17 @@ def prepare_save(host: Any, body: Any) -> None:
         checkpoints.validate_name(body.name)
     except checkpoints.CheckpointError as exc:
         raise exc.as_api_error() from None
+    resident = host.resident
+    block = getattr(resident, "adapter_block", None) if resident is not None else None
+    if block and block.get("name") == body.name:
+        raise ApiError(
+            codes.INVALID_REQUEST,
+            f"{body.name!r} is the served name of the applied adapter (GET /api/weights/adapter);"
+            " /v1 requests naming it would reach the adapter, not this checkpoint (which holds"
+            " the base weights): choose another name, or remove the adapter first",
+            param="name",
+            details={"field": "name", "adapter": body.name},
+        )
     row = host.catalogue.get_by_name(body.name)
     if row is not None:
         raise ApiError(

@@ -118,3 +118,23 @@ async def test_a_client_that_closes_mid_body_is_a_400_not_a_failure(tmp_path, ca
         ("save", "refused", "INVALID_REQUEST")
     ]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "secret_field"),
+    [
+        ("save", "/api/weights/save", {"name": TRN}),
+        ("adapter", "/api/weights/adapter", {"name": OPS, "path": "/nowhere"}),
+        ("register", "/api/models", {"name": TRN2, "path": "/nowhere"}),
+    ],
+)
+async def test_a_token_is_refused_as_a_public_name(client, method, path, secret_field) -> None:
+    # Names are public (X-miLLM-Model, the listings): a configured token is refused as one,
+    # without being repeated (third adversarial trial J5).
+    resp = await client.post(path, headers={"Authorization": f"Bearer {OPS}"}, json=secret_field)
+    text = await resp.text()
+    assert resp.status == 400, text
+    body = json.loads(text)
+    assert body["error"]["code"] == "INVALID_REQUEST"
+    assert body["error"]["details"] == {"field": "name"}
+    assert all(secret not in text for secret in (TRN, TRN2, OPS))

@@ -124,3 +124,25 @@ async def test_a_checkpoint_saved_before_an_adapter_reaches_the_resident(client,
     assert client.app[keys.HOST].resident is resident and resident.row.id != ck
     assert (await remove(client))[0] == 200
     assert await header(client, "ck") == '"ck";origin=checkpoint;commits=0'
+
+
+# --- third adversarial trial: J2 (a save named as the applied adapter), J1 (DEFAULT_MODEL's row)
+async def test_a_save_named_as_the_applied_adapter_is_400(client, lora):
+    assert (await apply(client, "tiny-lora", lora))[0] == 200
+    h = await attach(client)
+    st, body, _ = await post(client, "/api/weights/save", h, {"name": "tiny-lora"})
+    assert st == 400, body
+    assert body["error"]["details"] == {"field": "name", "adapter": "tiny-lora"}
+    assert client.app[keys.CATALOGUE].get_by_name("tiny-lora") is None  # nothing saved
+    assert await header(client, "tiny-lora") == '"tiny-lora";origin=adapter;commits=0'
+
+
+async def test_the_default_models_row_is_not_deleted(client):
+    tiny = client.app[keys.CATALOGUE].get_by_name("tiny")
+    assert (await client.post(f"/api/models/{tiny.id}/unload")).status == 200
+    resp = await client.delete(f"/api/models/{tiny.id}")
+    body = await resp.json()
+    assert resp.status == 409, body
+    assert body["error"]["code"] == "MODEL_RESIDENT"
+    assert body["error"]["details"] == {"model_id": tiny.id, "setting": "DEFAULT_MODEL"}
+    assert client.app[keys.CATALOGUE].get(tiny.id) is not None

@@ -325,11 +325,14 @@ _DELETE_BLOCKING_PAUSES = ("weights_load", "save")
 
 def _refuse_delete_during_pause(app: web.Application, row: CatalogueRow) -> None:
     """409 MODEL_BUSY (reason ``model_transition``) while a weights load or a save holds the
-    barrier, from the moment the lifecycle accepted it (its drain included) to its end."""
+    barrier, from the moment the lifecycle accepted it (its drain included) to its end, and
+    while a weights load's checkpoint is being checked before that."""
     runtime = app.get(keys.WEIGHTS)
     if runtime is None:
         return
     owner = runtime.lifecycle.state.owner
+    if owner not in _DELETE_BLOCKING_PAUSES and getattr(runtime, "loads_checking", 0):
+        owner = "weights_load"  # its checkpoint is being checked, before its pause
     if owner not in _DELETE_BLOCKING_PAUSES:
         return
     raise ApiError(

@@ -373,7 +373,11 @@ async def load(request: web.Request) -> web.Response:
         body = await decode_body(request, W.LoadRequest)
         # Off the event loop: checking a checkpoint reads and hashes every file (seconds for a
         # large model), and serving goes on meanwhile.
-        plan = await asyncio.to_thread(prepare_load, runtime.host, body)
+        runtime.loads_checking += 1  # a catalogue DELETE meanwhile is refused (409 MODEL_BUSY)
+        try:
+            plan = await asyncio.to_thread(prepare_load, runtime.host, body)
+        finally:
+            runtime.loads_checking -= 1
         fields["in_place"] = plan.in_place
     await runtime.gated(
         "weights_load",

@@ -126,6 +126,9 @@ class WeightsRuntime:
             served_name=resident.served_name if resident is not None else None,
         )
         self.lock = asyncio.Lock()
+        #: Weights loads whose checkpoint is being checked (off the event loop, before the
+        #: lifecycle decides): a catalogue DELETE waits for them as for the pause itself.
+        self.loads_checking = 0
         self._pending: asyncio.Future[Answer] | None = None
         self._pending_failure: Answer | None = None
         self._drain_task: asyncio.Task[None] | None = None

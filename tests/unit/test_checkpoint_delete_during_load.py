@@ -47,8 +47,8 @@ def norm_weight(client) -> torch.Tensor:
 
 
 class InJob:
-    """Patches the checkpoint reader: the first read (the request's check, on the event loop)
-    runs as is; the read inside the pause's job (a worker thread) first calls ``inside``."""
+    """Patches the checkpoint reader: the first read (the request's check, before the pause)
+    runs as is; the read inside the pause's job first calls ``inside``."""
 
     def __init__(self, monkeypatch, inside) -> None:
         self.calls = 0
@@ -166,3 +166,41 @@ async def test_a_delete_while_a_save_runs_is_409(client, monkeypatch):
     assert st == 200, body
     resp = await client.delete(f"/api/models/{first['model_id']}")  # after it: allowed
     assert resp.status == 200, await resp.text()
+
+
+async def test_a_delete_while_the_load_checks_the_checkpoint_is_409(client, monkeypatch):
+    """Before its pause a weights load checks the checkpoint off the event loop (seconds for a
+    large model): a DELETE then is refused as during the pause (third adversarial trial J4: it
+    removed the checkpoint, and the load answered 404)."""
+    saved = await saved_then_trained(client)
+    started, go = threading.Event(), threading.Event()
+    real = checkpoints._read_verified
+
+    def read(handle: Any, keep: bool) -> Any:
+        if not started.is_set():  # the request's check
+            started.set()
+            assert go.wait(30)
+        return real(handle, keep)
+
+    monkeypatch.setattr(checkpoints, "_read_verified", read)
+    load = asyncio.ensure_future(post(client, "/api/weights/load", auth(OPS), {"checkpoint": "ck"}))
+    try:
+        for _ in range(300):
+            if started.is_set():
+                break
+            await asyncio.sleep(0.01)
+        assert started.is_set()
+        assert client.app[keys.WEIGHTS].lifecycle.state.owner != "weights_load"  # not paused yet
+        resp = await client.delete(f"/api/models/{saved['model_id']}")
+        body = await resp.json()
+        assert resp.status == 409, body
+        assert body["error"]["details"] == {
+            "model_id": saved["model_id"],
+            "pause_owner": "weights_load",
+        }
+    finally:
+        go.set()
+        st, body, _ = await load
+    assert st == 200, body
+    assert Path(saved["path"]).is_dir()
+    assert client.app[keys.WEIGHTS].loads_checking == 0

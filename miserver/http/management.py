@@ -27,6 +27,7 @@ from miserver.serving.catalogue import (
     DuplicateName,
 )
 from miserver.serving.client_paths import ClientPathError, check_client_path
+from miserver.serving.weights_jobs import refuse_applied_adapter_name
 from miserver.spec import codes
 
 T = TypeVar("T")
@@ -282,7 +283,7 @@ async def register_model(request: web.Request) -> web.Response:
             details={"name": body.name, "model_id": existing.id},
         )
     refuse_secret_name(request.app, body.name)
-    _refuse_the_adapter_name(request, body.name)
+    refuse_applied_adapter_name(request.app[keys.HOST], body.name, "this row")
     found = inspect_model_path(body)
     try:
         row = catalogue.register(name=body.name, origin="model", **found)  # type: ignore[arg-type]
@@ -293,27 +294,6 @@ async def register_model(request: web.Request) -> web.Response:
     except CatalogueError as exc:
         raise _invalid(str(exc), None) from None
     return ok(row, status=201)
-
-
-def _refuse_the_adapter_name(request: web.Request, name: str) -> None:
-    """A row may not take the applied adapter's name (contract 6: while applied it is the served
-    name, so ``/v1`` requests for the row would reach the adapter); the reverse of the adapter
-    route's refusal of a row's name.
-
-    Raises:
-        ApiError: 400 INVALID_REQUEST (field ``name``, ``details.adapter``).
-    """
-    resident = request.app[keys.HOST].resident
-    block = getattr(resident, "adapter_block", None) if resident is not None else None
-    if block and block.get("name") == name:
-        raise ApiError(
-            codes.INVALID_REQUEST,
-            f"{name!r} is the served name of the applied adapter (GET /api/weights/adapter);"
-            " /v1 requests naming it reach the adapter, not this row: choose another name, or"
-            " remove the adapter first (DELETE /api/weights/adapter)",
-            param="name",
-            details={"field": "name", "adapter": name},
-        )
 
 
 #: The pauses during which no catalogue row is deleted: a weights load reads its checkpoint's
@@ -331,7 +311,7 @@ def _refuse_delete_during_pause(app: web.Application, row: CatalogueRow) -> None
     if runtime is None:
         return
     owner = runtime.lifecycle.state.owner
-    if owner not in _DELETE_BLOCKING_PAUSES and getattr(runtime, "loads_checking", 0):
+    if owner not in _DELETE_BLOCKING_PAUSES and runtime.loads_checking:
         owner = "weights_load"  # its checkpoint is being checked, before its pause
     if owner not in _DELETE_BLOCKING_PAUSES:
         return
@@ -367,7 +347,7 @@ def _refuse_delete_of_last_save(app: web.Application, row: CatalogueRow) -> None
     """
     runtime = app.get(keys.WEIGHTS)
     resident = app[keys.HOST].resident
-    last_save = getattr(runtime, "last_save", None) if runtime is not None else None
+    last_save = runtime.last_save if runtime is not None else None
     if row.origin != "checkpoint" or resident is None or not last_save:
         return
     try:

@@ -210,6 +210,11 @@ class ModelHost:
         """Whether the resident answers to ``name`` (its served name or its base name)."""
         return self.resident is not None and name in self.resident.names()
 
+    def applied_adapter_name(self) -> str | None:
+        """The served name of the adapter applied to the resident, or None (contract 6)."""
+        block = self.resident.adapter_block if self.resident is not None else None
+        return block.get("name") if block else None
+
     @property
     def replacing_row_id(self) -> int | None:
         """The catalogue row id of the model a running swap or unload is replacing (already

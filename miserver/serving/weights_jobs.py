@@ -122,6 +122,26 @@ def prepare_load(host: Any, body: Any) -> LoadPlan:
     return LoadPlan(row, handle, in_place)
 
 
+def refuse_applied_adapter_name(host: Any, name: str, taker: str) -> None:
+    """A catalogue row or a checkpoint may not take the applied adapter's served name: while
+    applied, ``/v1`` requests naming it reach the adapter, not ``taker`` (contract 6). The
+    reverse of :func:`prepare_adapter`'s refusal of a row's name.
+
+    Raises:
+        ApiError: 400 INVALID_REQUEST (field ``name``, ``details.adapter``).
+    """
+    if host.applied_adapter_name() != name:
+        return
+    raise ApiError(
+        codes.INVALID_REQUEST,
+        f"{name!r} is the served name of the applied adapter (GET /api/weights/adapter);"
+        f" /v1 requests naming it reach the adapter, not {taker}: choose another name, or"
+        " remove the adapter first (DELETE /api/weights/adapter)",
+        param="name",
+        details={"field": "name", "adapter": name},
+    )
+
+
 def prepare_save(host: Any, body: Any) -> None:
     """Refuse a save whose name is invalid or taken, before the pause (contract 5).
 
@@ -143,17 +163,7 @@ def prepare_save(host: Any, body: Any) -> None:
         checkpoints.validate_name(body.name)
     except checkpoints.CheckpointError as exc:
         raise exc.as_api_error() from None
-    resident = host.resident
-    block = getattr(resident, "adapter_block", None) if resident is not None else None
-    if block and block.get("name") == body.name:
-        raise ApiError(
-            codes.INVALID_REQUEST,
-            f"{body.name!r} is the served name of the applied adapter (GET /api/weights/adapter);"
-            " /v1 requests naming it would reach the adapter, not this checkpoint (which holds"
-            " the base weights): choose another name, or remove the adapter first",
-            param="name",
-            details={"field": "name", "adapter": body.name},
-        )
+    refuse_applied_adapter_name(host, body.name, "this checkpoint (the base weights)")
     row = host.catalogue.get_by_name(body.name)
     if row is not None:
         raise ApiError(

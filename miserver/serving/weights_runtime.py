@@ -848,7 +848,7 @@ class WeightsRuntime:
 
     def adapter_block(self) -> dict[str, Any] | None:
         resident = self.host.resident
-        block = getattr(resident, "adapter_block", None) if resident is not None else None
+        block = resident.adapter_block if resident is not None else None
         return block if block is not None else {"applied": False}
 
     def summary(self) -> dict[str, Any]:

@@ -13,12 +13,8 @@ import socket
 import struct
 
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
 
-from miserver.http.app import create_app
-from miserver.http.protocol import AppRunner
-from miserver.spec.settings import load_settings
+from tests.unit.model_free_app import model_free_client, model_free_settings, served_port
 
 TRN = "trainer-secret-0123456789"
 TRN2 = "trainer-two-secret-0123456789"
@@ -27,17 +23,13 @@ OPS = "operator-secret-0123456789"
 
 @pytest.fixture
 async def client(tmp_path):
-    settings = load_settings(
-        {
-            "MISERVER_HOME": str(tmp_path / "home"),
-            "DEFAULT_MODEL": "",
-            "DEVICE": "cpu",
-            "WEIGHTS_TOKENS": f"trn:trainer:{TRN},trn2:trainer:{TRN2},ops:operator:{OPS}",
-            "WEIGHTS_AUDIT_LOG": str(tmp_path / "audit.jsonl"),
-        }
+    c = await model_free_client(
+        model_free_settings(
+            tmp_path,
+            f"trn:trainer:{TRN},trn2:trainer:{TRN2},ops:operator:{OPS}",
+            WEIGHTS_AUDIT_LOG=str(tmp_path / "audit.jsonl"),
+        )
     )
-    c = TestClient(TestServer(create_app(settings)))
-    await c.start_server()
     yield c
     await c.close()
 
@@ -79,21 +71,10 @@ async def test_two_authorization_headers_are_refused(client) -> None:
 async def test_a_client_that_closes_mid_body_is_a_400_not_a_failure(tmp_path, caplog) -> None:
     # Through the runner `miserver serve` uses; the client resets the connection mid-body.
     caplog.set_level(logging.INFO)
-    settings = load_settings(
-        {
-            "MISERVER_HOME": str(tmp_path / "home"),
-            "DEFAULT_MODEL": "",
-            "DEVICE": "cpu",
-            "WEIGHTS_TOKENS": f"ops:operator:{OPS}",
-            "WEIGHTS_AUDIT_LOG": str(tmp_path / "audit.jsonl"),
-        }
+    settings = model_free_settings(
+        tmp_path, f"ops:operator:{OPS}", WEIGHTS_AUDIT_LOG=str(tmp_path / "audit.jsonl")
     )
-    runner = AppRunner(create_app(settings))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
+    async with served_port(settings) as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(
             (
@@ -112,8 +93,6 @@ async def test_a_client_that_closes_mid_body_is_a_400_not_a_failure(tmp_path, ca
             lines = await audit_lines(tmp_path)
             if lines:
                 break
-    finally:
-        await runner.cleanup()
     assert [(x["operation"], x["outcome"], x["code"]) for x in lines] == [
         ("save", "refused", "INVALID_REQUEST")
     ]

@@ -14,31 +14,16 @@ import logging
 import socket
 
 import pytest
-from aiohttp import web
 
-from miserver.http.app import create_app
-from miserver.http.protocol import AppRunner
-from miserver.spec.settings import load_settings
+from tests.unit.model_free_app import model_free_settings, served_port
 
 SECRET = "operatorSecret0123456789abcdef"
 
 
 @pytest.fixture
 async def port(tmp_path):
-    settings = load_settings(
-        {
-            "MISERVER_HOME": str(tmp_path / "home"),
-            "DEFAULT_MODEL": "",
-            "DEVICE": "cpu",
-            "WEIGHTS_TOKENS": f"ops:operator:{SECRET}",
-        }
-    )
-    runner = AppRunner(create_app(settings))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    yield runner.addresses[0][1]
-    await runner.cleanup()
+    async with served_port(model_free_settings(tmp_path, f"ops:operator:{SECRET}")) as p:
+        yield p
 
 
 def exchange(port: int, request: bytes) -> bytes:

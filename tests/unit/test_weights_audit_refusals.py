@@ -14,11 +14,9 @@ import asyncio
 import json
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
-from miserver.http.app import create_app
 from miserver.serving.catalogue import Catalogue
-from miserver.spec.settings import load_settings
+from tests.unit.model_free_app import model_free_client, model_free_settings
 
 TRN = "trainer-secret-0123456789"
 OPS = "operator-secret-0123456789"
@@ -27,22 +25,16 @@ MAX_BYTES = 4096
 
 @pytest.fixture
 async def client(tmp_path):
-    home = tmp_path / "home"
-    Catalogue(str(home)).register(
+    settings = model_free_settings(
+        tmp_path,
+        f"trn:trainer:{TRN},ops:operator:{OPS}",
+        WEIGHTS_AUDIT_LOG=str(tmp_path / "audit.jsonl"),
+        MAX_REQUEST_BYTES=str(MAX_BYTES),
+    )
+    Catalogue(str(settings.home)).register(
         name="taken", format="safetensors", dtype="bfloat16", path=str(tmp_path)
     )
-    settings = load_settings(
-        {
-            "MISERVER_HOME": str(home),
-            "DEFAULT_MODEL": "",
-            "DEVICE": "cpu",
-            "WEIGHTS_TOKENS": f"trn:trainer:{TRN},ops:operator:{OPS}",
-            "WEIGHTS_AUDIT_LOG": str(tmp_path / "audit.jsonl"),
-            "MAX_REQUEST_BYTES": str(MAX_BYTES),
-        }
-    )
-    c = TestClient(TestServer(create_app(settings)))
-    await c.start_server()
+    c = await model_free_client(settings)
     yield c
     await c.close()
 

@@ -6,29 +6,18 @@ from __future__ import annotations
 import threading
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 
-from miserver.http.app import create_app
 from miserver.http.errors import ApiError
 from miserver.serving import weights_jobs
 from miserver.spec import codes
-from miserver.spec.settings import load_settings
+from tests.unit.model_free_app import model_free_client, model_free_settings
 
 OPS = "operator-secret-0123456789"
 
 
 @pytest.fixture
 async def client(tmp_path):
-    settings = load_settings(
-        {
-            "MISERVER_HOME": str(tmp_path / "home"),
-            "DEFAULT_MODEL": "",
-            "DEVICE": "cpu",
-            "WEIGHTS_TOKENS": f"ops:operator:{OPS}",
-        }
-    )
-    c = TestClient(TestServer(create_app(settings)))
-    await c.start_server()
+    c = await model_free_client(model_free_settings(tmp_path, f"ops:operator:{OPS}"))
     yield c
     await c.close()
 

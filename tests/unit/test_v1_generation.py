@@ -193,7 +193,7 @@ async def test_logprobs_leave_out_the_tokens_of_a_stop_sequence(model, tokenizer
         if entries[k].text.strip() and text.find(stop) == len(before):
             break
     else:
-        pytest.skip("no usable token boundary in this answer")
+        pytest.fail("no usable token boundary in this greedy answer: the test needs another prompt")
     cut, fin = await run(model, tokenizer, "Numbers:", stop=(stop,), **kw)
     assert fin.finish_reason == "stop"
     assert text_of(cut) == before

@@ -239,7 +239,11 @@ def _records(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
     """Every timer expiry that applies and every late commit-end is recorded (Status:
     commit_overran, last_hold_timeout_at, last_overrun; the attachment's stale_since)."""
     return (
-        _iff(Effect.RECORD_WATCHDOG, row, e.trigger == "watchdog_expired" and a.weights == "torn")
+        _iff(
+            Effect.RECORD_WATCHDOG,
+            row,
+            e.trigger == "watchdog_expired" and b.weights == "writing" and a.weights == "torn",
+        )
         and _iff(
             Effect.RECORD_HOLD_TIMEOUT,
             row,
@@ -320,6 +324,21 @@ def _cache_dropped(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> 
     return not (takes or changes) or Effect.DROP_CACHE in row.effects
 
 
+_TIMER_EVENTS = {
+    "hold_expired": "hold_armed",
+    "watchdog_expired": "watchdog_armed",
+    "heartbeat_lapsed": "heartbeat_armed",
+    "drain_expired": "drain_armed",
+}
+
+
+def _late_timer_ignored(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """A timer that fires after it was cancelled (or restarted) does not apply (weights page:
+    Timers; the core fires a timer only while it is armed)."""
+    armed = _TIMER_EVENTS.get(e.trigger)
+    return armed is None or getattr(b, armed) or row.kind == "ignored"
+
+
 def _settings_applied(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
     """An accepted settings change takes effect (contract 1: PATCH /api/settings)."""
     return _iff(Effect.APPLY_SETTINGS, row, e.trigger == "settings_change")
@@ -378,6 +397,7 @@ EDGE_INVARIANTS: tuple[tuple[str, Callable[..., bool]], ...] = (
     ("a_pause_begins_its_job_once_it_holds_the_barrier", _pause_job_begins),
     ("an_accepted_model_transition_is_started", _transition_starts),
     ("cache_dropped_when_the_barrier_is_taken_or_the_served_parameters_change", _cache_dropped),
+    ("a_timer_that_is_not_armed_changes_nothing", _late_timer_ignored),
     ("an_accepted_settings_change_takes_effect", _settings_applied),
     ("every_accepted_v1_request_is_run_held_or_auto_loaded", _admission_decided),
     ("unsaved_adapter_and_resident_follow_commits_saves_and_loads", _counters_follow),

@@ -11,8 +11,9 @@ kinds is made, one at a time:
 
 Each mutant is judged by the exhaustive checker (:func:`miserver.fsm.check.check`, in-process,
 reusing the production table's steps for every trigger the mutant leaves alone) and, when it
-survives that, by the stateful test against the reference model (tests/model/stateful.py) with
-a fixed, derandomized Hypothesis budget (:data:`SWEEP_BUDGET`). A mutant neither rejects is a
+survives that, by the stateful test against the reference model (tests/model/stateful.py): its
+deterministic tour of every barrier stage, then the state machine with a fixed, derandomized
+Hypothesis budget (:data:`SWEEP_BUDGET`). A mutant neither rejects is a
 survivor, unless it is listed in ``equivalent_mutants.txt`` (one line each: the mutant's id and
 why the table still means the same thing; reviewed by hand). Nothing else counts as
 equivalent: a listed mutant that a check kills, or an id the table no longer has, is an error.
@@ -51,7 +52,7 @@ RESULT_FILE = REPO_ROOT / "docs" / "state-machine-mutants.json"
 KINDS = ("drop_when", "drop_unless", "drop_set", "drop_effect", "swap", "delete")
 
 #: The stateful test's budget per mutant: fixed and derandomized, so a sweep is repeatable.
-SWEEP_BUDGET = {"max_examples": 150, "stateful_step_count": 50}
+SWEEP_BUDGET = {"max_examples": 100, "stateful_step_count": 50}
 
 
 def sweep_profile(max_examples: int, stateful_step_count: int) -> settings:
@@ -249,12 +250,15 @@ class Judge:
         return True
 
     def stateful(self, m: Mutant, budget: dict[str, int] = SWEEP_BUDGET) -> str | None:
-        """Run the stateful test on ``m``; the first failure's first line, or ``None``."""
-        from tests.model.stateful import make_machine
+        """Run the stateful test on ``m``: its deterministic tour of every barrier stage, then
+        the Hypothesis state machine with ``budget``. The first failure's first line, or
+        ``None`` when both pass."""
+        from tests.model.stateful import make_machine, tour
 
         sink = io.StringIO()
         try:
             with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+                tour(m.table)
                 run_state_machine_as_test(make_machine(m.table), settings=sweep_profile(**budget))
         except Exception as exc:  # noqa: BLE001 - any failure kills the mutant
             text = str(exc).strip().splitlines()

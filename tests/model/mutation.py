@@ -227,12 +227,18 @@ class Judge:
         the same answer, effects, context actions, timers (re)started and state after. Then
         the mutant explores the same state space and behaves identically there (equivalent at
         the checker's abstraction)."""
+        return self.compare(m)[0]
+
+    def compare(self, m: Mutant) -> tuple[bool, list[tuple[str, str]]]:
+        """``(same behaviour everywhere, [(mutant's row, base's row)]`` where another row
+        decides, each pair once)."""
         fresh = self.cache.changed(m.table)
         mine = tuple(r for r in m.table if r.trigger in fresh)
         core = Lifecycle(table=mine, id_factory=lambda: "attachment-A")
         base_core = self.cache.core
         rows = {r.id: r for r in m.table}
         events = [e for e in alphabet(fresh) if e.trigger in fresh]
+        other: dict[tuple[str, str], None] = {}
         for state in self.reachable:
             snap = Snapshot(state, canonical_context(state))
             for event in events:
@@ -240,14 +246,40 @@ class Judge:
                     core.restore(snap)
                     got = core.handle(event, 10.0)
                 except Exception:  # noqa: BLE001 - any failure differs from the base
-                    return False
+                    return False, list(other)
                 base_core.restore(snap)
                 want = base_core.handle(event, 10.0)
                 if _behaviour(rows[got.row], got.after) != _behaviour(
                     self.cache.by_id[want.row], want.after
                 ):
-                    return False
-        return True
+                    return False, list(other)
+                if got.row != want.row:
+                    other[(got.row, want.row)] = None
+        return True, list(other)
+
+    def explain(self, m: Mutant) -> str:
+        """A one-line reason for a mutant that takes every reachable step as the base does (a
+        candidate line of the equivalents file, to review)."""
+        same, other = self.compare(m)
+        assert same, m.id
+        kind, _, rest = m.id.partition(":")
+        row_id, _, detail = rest.partition(":")
+        pairs = ", ".join(f"{a} for {b}" for a, b in other[:3]) + (" ..." if len(other) > 3 else "")
+        if kind == "drop_set":
+            k, _, v = detail.partition("=")
+            return f"{k} is already {v} wherever {row_id} fires"
+        if kind == "swap":
+            if not other:
+                return f"{row_id} and {detail} never both apply in a reachable state"
+            return f"where both apply they answer and change alike ({pairs})"
+        if kind in ("drop_when", "drop_unless"):
+            holds = "holding" if kind == "drop_when" else "false"
+            if not other:
+                return f"{row_id} is never reached without `{detail}` {holds}"
+            return f"where {row_id} now fires without `{detail}` it does what the row it displaces does ({pairs})"
+        if kind == "delete":
+            return f"where {row_id} fired, the next alternative does the same ({pairs})"
+        return "every reachable step is the production table's (same answer, effects and state)"
 
     def stateful(self, m: Mutant, budget: dict[str, int] = SWEEP_BUDGET) -> str | None:
         """Run the stateful test on ``m``: its deterministic tour of every barrier stage, then
@@ -379,25 +411,66 @@ def sample(all_mutants: list[Mutant], every: int = 10, offset: int = 0) -> list[
 
 
 def write_result(sweep: Sweep, path: Path = RESULT_FILE) -> None:
+    """Write the sweep's raw verdicts (killed or survived, before the equivalents file is
+    applied) and its summary with the equivalents file applied."""
+    raw = []
+    for v in sweep.verdicts:
+        verdict = "survived" if v.verdict == "equivalent" else v.verdict
+        raw.append(
+            {
+                "id": v.id,
+                "kind": v.kind,
+                "verdict": verdict,
+                "by": v.by,
+                "same_steps": v.same_steps,
+                "detail": "" if verdict == "survived" else v.detail,
+            }
+        )
     data = {
         "table": fingerprint(),
         "rows": len(TABLE),
-        "budget": SWEEP_BUDGET,
+        "budget": {**SWEEP_BUDGET, "tour": True},
         "seconds": round(sweep.seconds),
-        "summary": sweep.summary(),
-        "survivors": [
-            {"id": v.id, "same_steps": v.same_steps}
-            for v in sweep.verdicts
-            if v.verdict == "survived"
-        ],
-        "killed": {v.id: f"{v.by}: {v.detail}" for v in sweep.verdicts if v.verdict == "killed"},
+        "summary": {},
+        "verdicts": raw,
     }
-    path.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(retally(data), indent=1) + "\n", encoding="utf-8")
 
 
-def _propose(verdicts: Iterator[Verdict] | list[Verdict]) -> list[str]:
+def retally(data: dict, equivalents: dict[str, str] | None = None) -> dict:
+    """``data`` (a result file's content) with its summary and survivors recomputed from its
+    raw verdicts and the equivalents file: a survivor listed there is equivalent. Raises
+    ``ValueError`` when a listed mutant was killed or is no mutant of the table."""
+    equivalents = read_equivalents() if equivalents is None else equivalents
+    verdicts = []
+    known = set()
+    for raw in data["verdicts"]:
+        known.add(raw["id"])
+        v = Verdict(raw["id"], raw["kind"], raw["verdict"], raw["by"], raw["detail"])
+        v.same_steps = raw["same_steps"]
+        if raw["id"] in equivalents:
+            if v.verdict == "killed":
+                raise ValueError(f"{v.id} is listed as equivalent but {v.by} killed it: {v.detail}")
+            v.verdict, v.detail = "equivalent", equivalents[v.id]
+        verdicts.append(v)
+    unknown = sorted(set(equivalents) - known)
+    if unknown:
+        raise ValueError(f"listed as equivalent but no mutant of the table: {unknown}")
+    sweep = Sweep(verdicts, [], data.get("seconds", 0))
+    out = dict(data)
+    out["summary"] = sweep.summary()
+    out["survivors"] = [v.id for v in verdicts if v.verdict == "survived"]
+    out = {
+        k: out[k]
+        for k in ("table", "rows", "budget", "seconds", "summary", "survivors", "verdicts")
+    }
+    return out
+
+
+def _propose(judge: Judge, verdicts: Iterator[Verdict] | list[Verdict]) -> list[str]:
+    by_id = {m.id: m for m in mutants(judge.base)}
     return [
-        f"{v.id}  every reachable step is the production table's (same row, same state)"
+        f"{v.id}  {judge.explain(by_id[v.id])}"
         for v in verdicts
         if v.verdict == "survived" and v.same_steps
     ]
@@ -412,7 +485,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="do not write the result file")
     parser.add_argument("--propose", action="store_true", help="print candidate equivalents")
     parser.add_argument("--checker-only", action="store_true", help="skip the stateful test")
+    parser.add_argument(
+        "--retally",
+        action="store_true",
+        help="apply the equivalents file to the last sweep's verdicts (no mutant is run again)",
+    )
     args = parser.parse_args(argv)
+    if args.retally:
+        data = retally(json.loads(RESULT_FILE.read_text(encoding="utf-8")))
+        RESULT_FILE.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+        print(json.dumps(data["summary"], indent=1))
+        return 0
     everything = mutants()
     selected = everything
     if args.sample:
@@ -442,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     for e in sweep.errors:
         print(f"ERROR {e}")
     if args.propose:
-        print("\n".join(_propose(sweep.verdicts)))
+        print("\n".join(_propose(judge, sweep.verdicts)))
     full = selected is everything and not args.checker_only
     if full and not args.no_write:
         write_result(sweep)

@@ -331,7 +331,16 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
         @rule(
             kind=st.sampled_from(["quiesce", "save", "weights_load", "adapter_change"]),
             stage=st.sampled_from(
-                ["draining", "quiesced", "writing", "torn", "takeover", "takeover_torn", "stale"]
+                [
+                    "draining",
+                    "quiesced",
+                    "writing",
+                    "torn",
+                    "takeover",
+                    "takeover_torn",
+                    "stale",
+                    "draining_stale",
+                ]
             ),
             route=st.sampled_from(
                 (*GATED, "attach", "adapter_change", "model_load", "model_unload", "v1")
@@ -367,7 +376,7 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                 self.start_pause(kind)
                 if stage in ("quiesced", "stale"):
                     self.both(Event("drained"), lambda: self.ref.drained(self.now))
-                if stage == "stale" and self.ref.att is not None:
+                if stage in ("stale", "draining_stale") and self.ref.att is not None:
                     self.now = self.ref.deadlines.get("heartbeat", self.now)
                     self.advance("small", 0.0)
             if route in GATED:
@@ -644,7 +653,16 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
 #: The tour's stages, routes and callers (``interleave``'s arguments); who: the holder, no
 #: token, a trainer that is not the holder, an operator that is not the holder.
 TOUR_KINDS = ("quiesce", "save", "weights_load", "adapter_change")
-TOUR_STAGES = ("draining", "quiesced", "writing", "torn", "takeover", "takeover_torn", "stale")
+TOUR_STAGES = (
+    "draining",
+    "quiesced",
+    "writing",
+    "torn",
+    "takeover",
+    "takeover_torn",
+    "stale",
+    "draining_stale",
+)
 TOUR_ROUTES = (*GATED, "attach", "adapter_change", "model_load", "model_unload", "v1")
 TOUR_WHO = ("holder", "none", "wrong_id", "operator")
 _FLAGGED = ("weights_load", "model_load", "v1", "quiesce")

@@ -14,10 +14,18 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+#: The last mutation sweep of the table (``python -m tests.model.mutation`` writes it).
+MUTATION_RESULT = "docs/state-machine-mutants.json"
+
+
 def _state_machine() -> str:
+    import json
+
     from miserver.fsm.diagram import render
 
-    return render()
+    path = REPO_ROOT / MUTATION_RESULT
+    result = json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+    return render(mutants=result)
 
 
 def _weights_schema() -> str:

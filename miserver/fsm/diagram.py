@@ -16,7 +16,7 @@ from miserver.fsm.compiled import compile_table
 from miserver.fsm.guards import GUARDS
 from miserver.fsm.invariants import EDGE_INVARIANTS, STATE_INVARIANTS
 from miserver.fsm.state import DOMAINS, NAMED
-from miserver.fsm.table import ROUTE_AUTH, TABLE, Row, check_order
+from miserver.fsm.table import ROUTE_AUTH, TABLE, Row, check_order, fingerprint
 
 #: The component views drawn as diagrams: (title, components). Edges are the reachable steps
 #: (breadth-first, as ``miserver check`` explores) that change the view's value.
@@ -194,8 +194,72 @@ def _row_cells(row: Row) -> tuple[str, str, str, str, str]:
     return state, row.trigger, dynamic or "—", target, refusal
 
 
-def render(table: tuple[Row, ...] = TABLE) -> str:
-    """The whole of docs/state-machine.md."""
+MUTATION_KINDS = (
+    ("drop_when", "a `when` guard dropped"),
+    ("drop_unless", "an `unless` guard dropped"),
+    ("drop_set", "one `set` change dropped"),
+    ("drop_effect", "one effect dropped"),
+    ("swap", "two consecutive alternatives of one trigger swapped"),
+    ("delete", "the row deleted"),
+)
+
+
+def mutation_section(result: dict | None, table: tuple[Row, ...] = TABLE) -> list[str]:
+    """The page's account of the last mutation sweep (``docs/state-machine-mutants.json``,
+    written by ``python -m tests.model.mutation``)."""
+    out = ["## Do the checks catch a wrong table? (mutation testing)", ""]
+    out.append(
+        "Every one-row mutant of the table is judged: first by `miserver check` (in-process), "
+        "then, if it survives, by the stateful test against the independent reference model "
+        "(tests/model/stateful.py: its deterministic tour of every barrier stage, then the "
+        "Hypothesis state machine with a fixed, derandomized budget). A mutant neither rejects "
+        "is a survivor unless tests/model/equivalent_mutants.txt lists it with the reason the "
+        "table still means the same thing (reviewed by hand); nothing else counts as "
+        "equivalent. The full sweep: `python -m tests.model.mutation` (it rewrites the result "
+        "file; then `miserver docs`). CI judges a fixed sample (tests/model/test_mutation.py)."
+    )
+    out.append("")
+    if result is None:
+        return [*out, "No sweep has been recorded.", ""]
+    if result.get("table") != fingerprint(table):
+        out += [
+            "**The recorded sweep is stale**: the table changed since it ran. Run "
+            "`python -m tests.model.mutation`, then `miserver docs`.",
+            "",
+        ]
+    s = result["summary"]
+    budget = result.get("budget", {})
+    out += [
+        f"Last sweep: {s['mutants']} mutants of the {result['rows']}-row table; stateful budget "
+        f"{budget.get('max_examples')} programs of up to {budget.get('stateful_step_count')} "
+        f"steps after the tour; {result.get('seconds', 0) // 60} min on two shared cores.",
+        "",
+        "| Mutation | Mutants | Killed | Equivalent | Survived |",
+        "|---|---|---|---|---|",
+    ]
+    for kind, text in MUTATION_KINDS:
+        k = s["by_kind"].get(kind)
+        if k:
+            out.append(
+                f"| {text} | {k['mutants']} | {k['killed']} | {k['equivalent']} | {k['survived']} |"
+            )
+    out += [
+        f"| **all** | {s['mutants']} | {s['killed']} | {s['equivalent']} | {s['survived']} |",
+        "",
+        f"Killed by the checker: {s['killed_by_checker']}; by the stateful test: "
+        f"{s['killed_by_stateful']}. Non-equivalent mutants killed: "
+        f"{s['killed']} of {s['mutants'] - s['equivalent']} ({100 * s['kill_rate']:.1f}%).",
+        "",
+    ]
+    if result.get("survivors"):
+        out += ["Survivors (neither check rejects them; not shown equivalent):", ""]
+        out += [f"- `{mid}`" for mid in result["survivors"]]
+        out.append("")
+    return out
+
+
+def render(table: tuple[Row, ...] = TABLE, mutants: dict | None = None) -> str:
+    """The whole of docs/state-machine.md; ``mutants``: the last mutation sweep's result."""
     compiled = compile_table(table)
     steps = reachable_steps(table)
     out: list[str] = [
@@ -259,5 +323,6 @@ def render(table: tuple[Row, ...] = TABLE) -> str:
         "of the weights page is reached",
         "",
     ]
+    out += mutation_section(mutants, table)
     out += ["## Decisions where the spec is silent", "", DECISIONS]
     return "\n".join(out)

@@ -1018,6 +1018,15 @@ TABLE: tuple[Row, ...] = build_rows()
 TRIGGERS: tuple[str, ...] = tuple(dict.fromkeys(row.trigger for row in TABLE))
 
 
+def fingerprint(table: tuple[Row, ...] = TABLE) -> str:
+    """A short hash of ``table`` (every row with its id), so that a result computed for one
+    table (the mutation sweep in docs/state-machine-mutants.json) can tell it is stale."""
+    import hashlib
+
+    text = "\n".join(repr((row.id, row)) for row in table)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def rows_for(trigger: str, table: tuple[Row, ...] = TABLE) -> tuple[Row, ...]:
     """The ordered alternatives of ``trigger``."""
     return tuple(row for row in table if row.trigger == trigger)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import io
 import json
 import sys
@@ -42,7 +41,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from miserver.fsm.check import Report, StepCache, alphabet, canonical_context, check
 from miserver.fsm.machine import Lifecycle, Snapshot
-from miserver.fsm.table import TABLE, Row
+from miserver.fsm.table import TABLE, Row, fingerprint
 
 HERE = Path(__file__).resolve().parent
 EQUIVALENTS_FILE = HERE / "equivalent_mutants.txt"
@@ -52,7 +51,7 @@ RESULT_FILE = REPO_ROOT / "docs" / "state-machine-mutants.json"
 KINDS = ("drop_when", "drop_unless", "drop_set", "drop_effect", "swap", "delete")
 
 #: The stateful test's budget per mutant: fixed and derandomized, so a sweep is repeatable.
-SWEEP_BUDGET = {"max_examples": 100, "stateful_step_count": 50}
+SWEEP_BUDGET = {"max_examples": 50, "stateful_step_count": 50}
 
 
 def sweep_profile(max_examples: int, stateful_step_count: int) -> settings:
@@ -133,12 +132,6 @@ def mutants(table: tuple[Row, ...] = TABLE) -> list[Mutant]:
         last_of[row.trigger] = i
         out.append(Mutant(f"delete:{row.id}", "delete", row.id, _replace_row(table, i, None)))
     return out
-
-
-def fingerprint(table: tuple[Row, ...] = TABLE) -> str:
-    """A hash of the table (every row with its id): a sweep result is for this table only."""
-    text = "\n".join(repr((row.id, row)) for row in table)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -404,6 +397,53 @@ def run_sweep(
     return Sweep(verdicts, errors, time.perf_counter() - t0)
 
 
+_WORKER: dict[str, object] = {}
+
+
+def _work(chunk: list[int]) -> list[Verdict]:
+    """A worker process: judge the mutants at these indices (one Judge per process)."""
+    if "judge" not in _WORKER:
+        _WORKER["judge"] = Judge()
+        _WORKER["mutants"] = mutants()
+        _WORKER["equivalents"] = read_equivalents()
+    judge: Judge = _WORKER["judge"]  # type: ignore[assignment]
+    everything: list[Mutant] = _WORKER["mutants"]  # type: ignore[assignment]
+    out = []
+    for i in chunk:
+        v = judge.judge(everything[i], _WORKER["equivalents"])  # type: ignore[arg-type]
+        print(f"[{i}] {v.verdict:10s} {v.by or '':8s} {v.id}  {v.detail[:100]}", flush=True)
+        out.append(v)
+    return out
+
+
+def parallel_sweep(jobs: int, judge: Judge | None = None) -> Sweep:
+    """The full sweep over ``jobs`` processes (every mutant, judged as by :func:`run_sweep`;
+    the workers are forked from this process, so they share ``judge``'s memoised steps)."""
+    import multiprocessing
+
+    t0 = time.perf_counter()
+    everything = mutants()
+    equivalents = read_equivalents()
+    _WORKER.update(judge=judge or Judge(), mutants=everything, equivalents=equivalents)
+    chunks = [list(range(j, len(everything), jobs)) for j in range(jobs)]
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        parts = pool.map(_work, chunks)
+    by_id = {v.id: v for part in parts for v in part}
+    verdicts = [by_id[m.id] for m in everything]
+    errors = [
+        f"{v.id} is listed as equivalent but {v.by} killed it: {v.detail}"
+        for v in verdicts
+        if v.verdict == "killed" and v.id in equivalents
+    ]
+    ids = {m.id for m in everything}
+    errors += [
+        f"{mid} is listed as equivalent but is no mutant of the table"
+        for mid in equivalents
+        if mid not in ids
+    ]
+    return Sweep(verdicts, errors, time.perf_counter() - t0)
+
+
 def sample(all_mutants: list[Mutant], every: int = 10, offset: int = 0) -> list[Mutant]:
     """A fixed sample: every ``every``-th mutant from ``offset`` (spreads over kinds and
     triggers, in table order)."""
@@ -485,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="do not write the result file")
     parser.add_argument("--propose", action="store_true", help="print candidate equivalents")
     parser.add_argument("--checker-only", action="store_true", help="skip the stateful test")
+    parser.add_argument("--jobs", type=int, default=1, help="processes for the full sweep")
     parser.add_argument(
         "--retally",
         action="store_true",
@@ -505,7 +546,9 @@ def main(argv: list[str] | None = None) -> int:
     budget = SWEEP_BUDGET
     judge = Judge()
     equivalents = read_equivalents()
-    if args.checker_only:
+    if args.jobs > 1 and not (args.sample or args.only or args.checker_only):
+        sweep = parallel_sweep(args.jobs, judge)
+    elif args.checker_only:
         t0 = time.perf_counter()
         verdicts = [judge.judge(m, equivalents, run_stateful=False) for m in selected]
         sweep = Sweep(verdicts, [], time.perf_counter() - t0)

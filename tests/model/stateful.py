@@ -379,11 +379,19 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                 if stage in ("stale", "draining_stale") and self.ref.att is not None:
                     self.now = self.ref.deadlines.get("heartbeat", self.now)
                     self.advance("small", 0.0)
+            self.call(route, who, flag)
+
+        def call(self, route: str, who: str, flag: bool, reason: str | None = None) -> None:
+            """One call of ``route`` by ``who`` (``flag``: in place, resident target;
+            ``reason``: why the resident is not attachable, for an attach)."""
             if route in GATED:
                 self.gated(route, who, flag)
             elif route == "attach":
                 caller = self.caller(who)
-                self.both(Event("attach", caller=caller), lambda: self.ref.attach(caller, self.now))
+                self.both(
+                    Event("attach", caller=caller, not_attachable=reason),
+                    lambda: self.ref.attach(caller, self.now, reason),
+                )
             elif route == "adapter_change":
                 self.both(Event(route), lambda: self.ref.adapter_change(self.now))
             elif route == "model_load":
@@ -674,6 +682,10 @@ def tour(table: tuple[Row, ...] = TABLE) -> int:
     event compared with the reference model as in the stateful test. Returns how many programs
     ran; raises ``AssertionError`` naming the program at the first disagreement."""
     machine_cls = make_machine(table)
+    return _tour_preludes(machine_cls) + _tour_stages(machine_cls)
+
+
+def _tour_stages(machine_cls) -> int:
     n = 0
     for kind in TOUR_KINDS:
         for stage in TOUR_STAGES:
@@ -695,3 +707,67 @@ def tour(table: tuple[Row, ...] = TABLE) -> int:
                             ) from None
                         n += 1
     return n
+
+
+def _tour_preludes(machine_cls) -> int:
+    n = 0
+    reasons = (None, "gguf", "quantized", "dtype", "not_on_gpu", "allocator")
+    for prelude in TOUR_PRELUDES:
+        for route in TOUR_ROUTES:
+            for who in TOUR_WHO:
+                for flag, reason in (
+                    ((True, r) for r in reasons)
+                    if route == "attach"
+                    else ((f, None) for f in ((True, False) if route in _FLAGGED else (True,)))
+                ):
+                    m = machine_cls()
+                    try:
+                        _prelude(m, prelude)
+                        m.status_agrees()
+                        m.call(route, who, flag, reason)
+                        m.status_agrees()
+                        m.deadlines_agree()
+                        m.expire()
+                        m.status_agrees()
+                        m.deadlines_agree()
+                    except AssertionError as exc:
+                        raise AssertionError(
+                            f"tour {prelude}/{route}/{who}/flag={flag}/{reason}: {exc}"
+                        ) from None
+                    n += 1
+    return n
+
+
+#: Situations outside a pause the tour also calls every route in.
+TOUR_PRELUDES = (
+    "empty",
+    "loading",
+    "unloading",
+    "unsaved_detached",
+    "torn_detached",
+    "cbm",
+    "concurrency",
+)
+
+
+def _prelude(m, prelude: str) -> None:
+    m.start(prelude != "empty", TIMINGS[0])
+    ref = m.ref
+    if prelude == "loading":
+        m.both(Event("model_load", target="other"), lambda: ref.model_load(m.now, "other"))
+    elif prelude == "unloading":
+        m.both(Event("model_unload"), lambda: ref.model_unload(m.now))
+    elif prelude in ("cbm", "concurrency"):
+        m.both(
+            Event("settings_change", avail=prelude),  # type: ignore[arg-type]
+            lambda: ref.settings_change(m.now, prelude),
+        )
+    elif prelude in ("unsaved_detached", "torn_detached"):
+        # a commit (ended, or torn by the watchdog), then the holder detaches
+        m.interleave(
+            "quiesce", "torn" if prelude == "torn_detached" else "writing", "resume", "holder", True
+        )
+        holder = m.caller("holder")
+        if prelude == "unsaved_detached":
+            m.both(Event("commit_end", caller=holder), lambda: ref.commit_end(holder, m.now))
+        m.both(Event("detach", caller=holder), lambda: ref.detach(holder, m.now))

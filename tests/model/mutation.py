@@ -18,7 +18,7 @@ survivor, unless it is listed in ``equivalent_mutants.txt`` (one line each: the 
 why the table still means the same thing; reviewed by hand). Nothing else counts as
 equivalent: a listed mutant that a check kills, or an id the table no longer has, is an error.
 
-The full sweep is ``python -m tests.model.mutation`` (about 25 minutes on two shared cores): it
+The full sweep is ``python -m tests.model.mutation --jobs 2`` (about 16 minutes on two cores): it
 writes ``docs/state-machine-mutants.json``, whose summary ``miserver docs`` renders into
 docs/state-machine.md. ``--propose`` prints a candidate line for every survivor whose every
 reachable step is the production table's (to review before adding it to the file).

@@ -22,8 +22,8 @@ from tests.model.mutation import (
     sample,
 )
 
-#: The CI sample: every 25th mutant in table order (all kinds, most triggers).
-CI_EVERY = 25
+#: The CI sample: every 25th mutant in table order from the second (all kinds, most triggers).
+CI_EVERY, CI_OFFSET = 25, 1
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_equivalents_file_lists_mutants_of_the_table_each_with_a_reason(everythi
 
 
 def test_ci_sample_kills_every_non_equivalent_mutant(everything) -> None:
-    chosen = sample(everything, CI_EVERY)
+    chosen = sample(everything, CI_EVERY, CI_OFFSET)
     assert {m.kind for m in chosen} == set(KINDS)
     sweep = run_sweep(chosen, judge=Judge())
     survivors = [v.id for v in sweep.verdicts if v.verdict == "survived"]

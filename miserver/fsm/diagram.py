@@ -232,7 +232,7 @@ def mutation_section(result: dict | None, table: tuple[Row, ...] = TABLE) -> lis
     out += [
         f"Last sweep: {s['mutants']} mutants of the {result['rows']}-row table; stateful budget "
         f"{budget.get('max_examples')} programs of up to {budget.get('stateful_step_count')} "
-        f"steps after the tour; {result.get("seconds", 0) // 60} min wall-clock.",
+        f"steps after the tour; {result.get('seconds', 0) // 60} min wall-clock.",
         "",
         "| Mutation | Mutants | Killed | Equivalent | Survived |",
         "|---|---|---|---|---|",

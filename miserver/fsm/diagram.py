@@ -234,17 +234,20 @@ def mutation_section(result: dict | None, table: tuple[Row, ...] = TABLE) -> lis
         f"{budget.get('max_examples')} programs of up to {budget.get('stateful_step_count')} "
         f"steps after the tour; {result.get('seconds', 0) // 60} min wall-clock.",
         "",
-        "| Mutation | Mutants | Killed | Equivalent | Survived |",
-        "|---|---|---|---|---|",
+        "| Mutation | Mutants | Killed by the checker | Killed by the stateful test | "
+        "Equivalent | Survived |",
+        "|---|---|---|---|---|---|",
     ]
     for kind, text in MUTATION_KINDS:
         k = s["by_kind"].get(kind)
         if k:
             out.append(
-                f"| {text} | {k['mutants']} | {k['killed']} | {k['equivalent']} | {k['survived']} |"
+                f"| {text} | {k['mutants']} | {k.get('killed_by_checker', '')} | "
+                f"{k.get('killed_by_stateful', '')} | {k['equivalent']} | {k['survived']} |"
             )
     out += [
-        f"| **all** | {s['mutants']} | {s['killed']} | {s['equivalent']} | {s['survived']} |",
+        f"| **all** | {s['mutants']} | {s['killed_by_checker']} | {s['killed_by_stateful']} | "
+        f"{s['equivalent']} | {s['survived']} |",
         "",
         f"Killed by the checker: {s['killed_by_checker']}; by the stateful test: "
         f"{s['killed_by_stateful']}. Non-equivalent mutants killed: "

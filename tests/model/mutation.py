@@ -344,10 +344,20 @@ class Sweep:
         by_kind: dict[str, dict[str, int]] = {}
         for v in self.verdicts:
             k = by_kind.setdefault(
-                v.kind, {"mutants": 0, "killed": 0, "survived": 0, "equivalent": 0}
+                v.kind,
+                {
+                    "mutants": 0,
+                    "killed": 0,
+                    "killed_by_checker": 0,
+                    "killed_by_stateful": 0,
+                    "survived": 0,
+                    "equivalent": 0,
+                },
             )
             k["mutants"] += 1
             k[v.verdict] += 1
+            if v.by:
+                k[f"killed_by_{v.by}"] += 1
         return {
             "mutants": len(self.verdicts),
             "killed": self.count("killed"),

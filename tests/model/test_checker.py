@@ -68,3 +68,18 @@ def test_cli_check_json(
     assert data["ok"] is True and data["violations"] == []
     assert data["states"] > 100 and data["edges"] > 10_000
     assert "totality" in data["invariants"] and "determinism" in data["invariants"]
+
+
+def test_check_reusing_memoised_steps_reports_exactly_what_a_plain_check_does(
+    report: Report,
+) -> None:
+    """The mutation tester's fast path (check(reuse=StepCache)) is the same checker."""
+    from miserver.fsm.check import StepCache
+    from tests.model.test_planted_bugs import bug_missing_guard
+
+    cache = StepCache()
+    assert check(reuse=cache).as_dict() | {"seconds": 0} == report.as_dict() | {"seconds": 0}
+    table = bug_missing_guard()
+    plain, fast = check(table).as_dict(), check(table, reuse=cache).as_dict()
+    assert not plain["ok"]
+    assert fast | {"seconds": 0} == plain | {"seconds": 0}

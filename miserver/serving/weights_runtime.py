@@ -303,9 +303,48 @@ class WeightsRuntime:
             Effect.RECORD_HOLD_TIMEOUT,
             Effect.RECORD_STALE,
         ):
-            log.warning("weights: %s", effect.value.lower().replace("_", " "))
+            log.warning("weights: %s", self._record_message(effect))
         else:  # pragma: no cover - a new effect the runtime does not know
             raise RuntimeError(f"unknown effect {effect}")
+
+    def _record_message(self, effect: Effect) -> str:
+        """The log line of a timer's or a late commit's record effect: what happened, and what
+        to do (the on-call runbook, docs/operations.md, has the same advice)."""
+        c = self.lifecycle.context
+        who = f"attachment {c.attachment_label or '?'} (role {c.attachment_role or '?'})"
+        st = self.settings
+        if effect is Effect.RECORD_WATCHDOG:
+            return (
+                f"the commit of {who} stayed open longer than WEIGHTS_COMMIT_WATCHDOG_MS "
+                f"({st.weights_commit_watchdog_ms:g} ms): the weights are torn, and every /v1 "
+                "request is 503 weights_torn until recovered: by the trainer's late commit-end "
+                "(recorded as an overrun) or by POST /api/weights/load with a checkpoint or "
+                '{"model_id": N}. If the trainer\'s steps take this long, raise '
+                "WEIGHTS_COMMIT_WATCHDOG_MS (on a CPU, 30000), and create the optimizer state "
+                "before the first commit"
+            )
+        if effect is Effect.RECORD_HOLD_TIMEOUT:
+            return (
+                f"{who} quiesced but sent neither commit-begin nor resume within "
+                f"WEIGHTS_HOLD_TIMEOUT_S ({st.weights_hold_timeout_s:g} s): serving resumed on "
+                "its own, held requests were let through, and nothing was written. If the "
+                "trainer needs longer between quiesce and commit-begin, raise "
+                "WEIGHTS_HOLD_TIMEOUT_S"
+            )
+        if effect is Effect.RECORD_STALE:
+            return (
+                f"{who} sent no heartbeat for WEIGHTS_HEARTBEAT_TIMEOUT_S "
+                f"({st.weights_heartbeat_timeout_s:g} s) and is stale. Serving continues; a new "
+                "attach and every model load are refused until it heartbeats again or an "
+                "operator clears it (POST /api/weights/clear-stale, operator token). Check "
+                "whether the trainer process is still alive"
+            )
+        return (
+            f"a commit-end from {who} came after the watchdog "
+            f"(WEIGHTS_COMMIT_WATCHDOG_MS, {st.weights_commit_watchdog_ms:g} ms) had torn the "
+            "set: the weights are clean again (GET /api/weights/status: last_overrun). If "
+            "steps take this long, raise WEIGHTS_COMMIT_WATCHDOG_MS"
+        )
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]

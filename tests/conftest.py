@@ -133,3 +133,33 @@ def tiny_model_dir(default_home: str, tmp_path_factory: pytest.TempPathFactory) 
         if (source / name).exists():
             shutil.copy(source / name, folder / name)
     return str(folder)
+
+
+#: Fixtures that load a real model (the embedded default, or the tiny Llama built from it):
+#: tests using them are left out of ``--quick``.
+#: (``cache_dir``, ``folder``: the tiny model folder of the /v1 tests, tests/unit/v1_fixtures.py.)
+MODEL_FIXTURES = frozenset(
+    {"default_home", "home_with_default", "tiny_model_dir", "cache_dir", "folder"}
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--quick",
+        action="store_true",
+        help="the quick suite (make quick): leave out the tests that load a model "
+        f"({', '.join(sorted(MODEL_FIXTURES))}) or are marked slow, full or gpu",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--quick"):
+        return
+    keep, drop = [], []
+    for item in items:
+        heavy = MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        marked = any(item.get_closest_marker(m) for m in ("slow", "full", "gpu"))
+        (drop if heavy or marked else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

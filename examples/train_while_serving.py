@@ -589,13 +589,11 @@ class Demo:
     def example(self, question: str, answer: str) -> tuple[list[int], list[int]]:
         """(prompt ids, target ids): the chat-templated question exactly as ``/v1`` builds it,
         and the answer followed by the end-of-turn token the served model stops on."""
-        tok = self.tokenizer
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
-        )
-        prompt = list(tok(text, add_special_tokens=False)["input_ids"])
-        target = list(tok(answer + tok.eos_token, add_special_tokens=False)["input_ids"])
-        return prompt, target
+        from miserver.trainer import IGNORE_INDEX, chat_example
+
+        ids, labels = chat_example(self.tokenizer, [{"role": "user", "content": question}], answer)
+        n = labels.count(IGNORE_INDEX)  # the prompt, masked
+        return ids[:n], ids[n:]
 
     # --- evaluation -------------------------------------------------------------------------
     def evaluate(self, step: int) -> EvalRecord:
@@ -683,6 +681,10 @@ class Demo:
                 opt = torch.optim.AdamW(
                     model.parameters(), lr=s.lr, weight_decay=0.0, **_fused_if_supported(device)
                 )
+                # its state now: allocated inside the first commit it would overrun the watchdog
+                from miserver.trainer import init_optimizer_state
+
+                init_optimizer_state(opt)
                 self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(
                     opt, lambda i: 1.0 - 0.9 * min(i, s.max_steps) / s.max_steps if s.decay else 1.0
                 )

@@ -40,6 +40,7 @@ import time
 import urllib.parse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -594,6 +595,30 @@ class WeightsClient:
         )
         self.steps_since_load = data.get("steps_since_load", self.steps_since_load)
         return data
+
+    def tokenizer(self) -> Any:
+        """The served model's tokenizer (transformers ``AutoTokenizer``), read from the folder of
+        its catalogue row (``GET /api/models/{id}``; the trainer runs on the server's machine, so
+        the path is readable here). Use it with :func:`miserver.trainer.chat_batch`.
+
+        Raises:
+            NotAttachedHere: call :meth:`attach` first (it says which model is served).
+            TrainerError: the row's folder has no tokenizer (a GGUF row) or cannot be read.
+        """
+        held = self.attachment is not None and self._attachment_id is not None
+        model_id = self.attachment.model_ref.get("model_id") if held else None
+        if model_id is None:
+            raise NotAttachedHere("tokenizer(): attach() first (it says which model is served)")
+        row = self._request("GET", f"/api/models/{int(model_id)}", token=False)
+        path = row.get("path") or ""
+        if not (Path(path) / "tokenizer_config.json").is_file():
+            raise TrainerError(
+                f"the served row {row.get('name')!r} has no tokenizer in {path!r} "
+                "(a GGUF row, or a folder this machine cannot read)"
+            )
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
 
     def clear_stale(self) -> dict[str, Any]:
         """POST /clear-stale (operator token only; weights page, Timers)."""

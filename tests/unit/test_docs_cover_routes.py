@@ -27,8 +27,8 @@ def test_every_batch_api_route_is_in_the_openai_compatibility_page():
     routes = _routes(lambda app: batches.setup_routes(app, home="/nonexistent"))
     assert len(routes) == 9
     for method, path in sorted(routes):
-        documented = re.escape(path).replace(r"\{file_id\}", r"\{id\}").replace(
-            r"\{batch_id\}", r"\{id\}"
+        documented = (
+            re.escape(path).replace(r"\{file_id\}", r"\{id\}").replace(r"\{batch_id\}", r"\{id\}")
         )
         assert re.search(rf"`{method} {documented}`", section), f"{method} {path} undocumented"
     for reason in ("quiesced", "weights_torn", "model_not_resident"):

@@ -517,3 +517,18 @@ def test_a_connection_the_server_closed_is_reopened_and_a_post_is_never_resent()
         ]
     finally:
         srv.shutdown()
+
+
+def test_the_served_tokenizer_makes_a_batch_the_attached_model_trains_on(client):
+    att = client.attach()
+    tok = client.tokenizer()
+    batch = trainer.chat_batch(
+        tok,
+        [([{"role": "user", "content": "hi"}], "hello")],
+        device=next(att.model.parameters()).device,
+    )
+    loss = att.model(**batch).loss
+    assert torch.isfinite(loss) and batch["labels"][0, -1] == tok.eos_token_id
+    client.detach()
+    with pytest.raises(trainer.NotAttachedHere):
+        client.tokenizer()

@@ -32,10 +32,17 @@ def _settings_reference() -> str:
     return render()
 
 
+def _reference() -> str:
+    from miserver.spec.reference import render
+
+    return render()
+
+
 #: path relative to the repository root -> generator
 GENERATORS: dict[str, Callable[[], str]] = {
     "docs/state-machine.md": _state_machine,
     "docs/settings.md": _settings_reference,
+    "docs/reference.md": _reference,
     "docs/schemas/millm-weights-api-v1.json": _weights_schema,
 }
 

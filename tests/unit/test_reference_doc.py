@@ -1,0 +1,39 @@
+"""docs/reference.md, the product's own reference, is generated from the code: fresh, every
+registered route in it with who may call it, every error code with its statuses and reasons."""
+
+from __future__ import annotations
+
+from miserver import docs_gen
+from miserver.fsm.table import ROUTE_AUTH
+from miserver.spec import codes, reference
+
+DOC = "docs/reference.md"
+
+
+def test_the_committed_reference_is_fresh():
+    committed = (docs_gen.REPO_ROOT / DOC).read_text(encoding="utf-8")
+    assert committed == docs_gen.render_all()[DOC], f"{DOC} is stale: run `miserver docs`"
+
+
+def test_every_route_code_and_timer_is_in_it():
+    text = reference.render()
+    routes = reference.routes()
+    assert len(routes) >= 40
+    for method, path, _doc in routes:
+        assert f"| `{method} {path}` |" in text
+    for trigger in ROUTE_AUTH:
+        path = "/api/weights/" + (
+            "load" if trigger == "weights_load" else trigger.replace("_", "-")
+        )
+        row = next(ln for ln in text.splitlines() if ln.startswith(f"| `POST {path}` |"))
+        assert "401 WEIGHTS_UNAUTHORIZED" in row
+    clear = next(ln for ln in text.splitlines() if "`POST /api/weights/clear-stale`" in ln)
+    assert "role operator" in clear
+    for name, code in codes.ALL.items():
+        row = next(ln for ln in text.splitlines() if ln.startswith(f"| `{name}` |"))
+        assert f"| {code.status}" in row and f"`{code.wire}`" in row
+        for r in code.reasons:
+            assert f"`{r}`" in row
+    for timer in reference.TIMERS:
+        assert f"| `{timer}` |" in text
+    assert "`NOT_ATTACHABLE` `not_on_gpu`" in text and "WEIGHTS_CPU_ATTACH=1" in text

@@ -37,3 +37,13 @@ def test_every_route_code_and_timer_is_in_it():
     for timer in reference.TIMERS:
         assert f"| `{timer}` |" in text
     assert "`NOT_ATTACHABLE` `not_on_gpu`" in text and "WEIGHTS_CPU_ATTACH=1" in text
+
+
+def test_no_doc_points_outside_the_repository_and_the_readme_links_the_reference():
+    root = docs_gen.REPO_ROOT
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = path.read_text(encoding="utf-8")
+        for outside in ("/work/", "shared/spec/"):
+            assert outside not in text, f"{path.name} points at {outside}, outside the repository"
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    assert "docs/reference.md" in readme and "docs/settings.md" in readme

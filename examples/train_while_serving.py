@@ -461,7 +461,7 @@ class CommitRecord:
     hold_end: float
     commit_ms: float | None
     overran: bool
-    held_requests: int | None
+    held_requests: int | None  # the quiesce answer's: held at that instant (usually 0)
     steps_since_load: int | None
 
 
@@ -496,15 +496,16 @@ def served_during_writes(
     return bad
 
 
+def held_through(rec: ChatRecord, commit: CommitRecord) -> bool:
+    """Whether ``rec`` waited through ``commit``'s write: sent before the write ended, its first
+    token after it (the barrier held it, then served it on the new weights)."""
+    first = rec.t_first if rec.t_first is not None else math.inf
+    return rec.t_sent < commit.write_end < first
+
+
 def held_by_commits(records: Sequence[ChatRecord], commits: Sequence[CommitRecord]) -> int:
-    """How many chat requests waited through a write: sent before a write window ended, their
-    first token arriving after it (the barrier held them, then served them)."""
-    n = 0
-    for rec in records:
-        first = rec.t_first if rec.t_first is not None else math.inf
-        if any(rec.t_sent < c.write_end < first for c in commits):
-            n += 1
-    return n
+    """How many chat requests waited through a write (:func:`held_through` some commit)."""
+    return sum(any(held_through(rec, c) for c in commits) for rec in records)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -864,6 +865,10 @@ class Demo:
                         k: getattr(c, k) - t0
                         for k in ("hold_start", "write_start", "write_end", "hold_end")
                     },
+                    # the quiesce answer's count is of that instant (usually 0: requests
+                    # arrive later); this is the count the summary adds up
+                    "held_at_quiesce": c.held_requests,
+                    "held_requests": sum(held_through(r, c) for r in chats),
                 }
                 for c in self.commits
             ],
@@ -874,6 +879,7 @@ class Demo:
                     "t_first": None if c.t_first is None else c.t_first - t0,
                     "t_done": None if c.t_done is None else c.t_done - t0,
                     "latency_s": c.latency_s,
+                    "held_through_a_write": any(held_through(c, w) for w in self.commits),
                     "status": c.status,
                     "error": c.error,
                     "model": c.model,
@@ -972,7 +978,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     top.plot(
         steps,
         [e["lines"] for e in results["evals"]],
-        "o-",
+        "o",
+        markersize=8,
         color="tab:blue",
         label="Zen lines the server recites exactly",
     )
@@ -988,7 +995,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     loss_ax.plot(
         steps,
         [e["nll"] for e in results["evals"]],
-        "s--",
+        "s",
+        markersize=7,
         color="tab:orange",
         label="reference loss under the served weights",
     )
@@ -999,7 +1007,15 @@ def plot(results: dict[str, Any], path: Path) -> None:
     )
     lines = top.get_legend_handles_labels()
     extra = loss_ax.get_legend_handles_labels()
-    top.legend(lines[0] + extra[0], lines[1] + extra[1], loc="center right")
+    # below the axes: inside, it covered points
+    top.legend(
+        lines[0] + extra[0],
+        lines[1] + extra[1],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.18),
+        ncol=2,
+        fontsize="small",
+    )
 
     for i, c in enumerate(results["commits"]):
         bottom.axvspan(
@@ -1020,13 +1036,23 @@ def plot(results: dict[str, Any], path: Path) -> None:
         )
     ok = [c for c in results["chats"] if c["error"] is None and c["t_done"] is not None]
     bad = [c for c in results["chats"] if c["error"] is not None]
+    held = [c for c in ok if c.get("held_through_a_write")]
     bottom.plot(
-        [c["t_done"] for c in ok],
-        [c["latency_s"] for c in ok],
+        [c["t_done"] for c in ok if not c.get("held_through_a_write")],
+        [c["latency_s"] for c in ok if not c.get("held_through_a_write")],
         ".",
         color="tab:green",
         label="chat request (latency, at completion)",
     )
+    if held:
+        bottom.plot(
+            [c["t_done"] for c in held],
+            [c["latency_s"] for c in held],
+            "D",
+            color="tab:red",
+            markersize=5,
+            label=f"held through a write ({len(held)}), then served",
+        )
     if bad:
         bottom.plot(
             [c["t_done"] for c in bad],
@@ -1055,7 +1081,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
         f"{s['chat_requests']} chat requests, {s['chat_failed']} failed, "
         f"{s['chat_served_during_commit']} served during a commit"
     )
-    bottom.legend(loc="upper right", fontsize="small", framealpha=0.9)
+    bottom.legend(
+        loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, fontsize="small", framealpha=0.9
+    )
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

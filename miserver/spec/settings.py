@@ -61,6 +61,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     continuous_batching: bool = False
     max_queued_requests: int = 64
     max_request_bytes: int = 8 * 1024 * 1024
+    header_read_timeout_s: float = 20.0
+    shutdown_grace_s: float = 10.0
+    management_auth: str = "none"
     log_level: str = "info"
     log_format: str = "json"
 
@@ -102,6 +105,9 @@ VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("CONTINUOUS_BATCHING", "continuous_batching", "bool"),
     ("MAX_QUEUED_REQUESTS", "max_queued_requests", "pos_int"),
     ("MAX_REQUEST_BYTES", "max_request_bytes", "pos_int"),
+    ("HEADER_READ_TIMEOUT_S", "header_read_timeout_s", "pos_float"),
+    ("SHUTDOWN_GRACE_S", "shutdown_grace_s", "nonneg_float"),
+    ("MANAGEMENT_AUTH", "management_auth", "management_auth"),
     ("LOG_LEVEL", "log_level", "log_level"),
     ("LOG_FORMAT", "log_format", "log_format"),
 )
@@ -150,6 +156,19 @@ def _convert(variable: str, kind: str, raw: str) -> object:
         if not value > 0 or value != value or value == float("inf"):
             raise ConfigError(variable, f"must be a positive finite number, got {raw}")
         return value
+    if kind == "nonneg_float":
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(variable, f"expected a number, got {raw!r}") from None
+        if not value >= 0 or value == float("inf"):
+            raise ConfigError(variable, f"must be a finite number of seconds >= 0, got {raw}")
+        return value
+    if kind == "management_auth":
+        low = raw.lower()
+        if low in ("none", "operator"):
+            return low
+        raise ConfigError(variable, f"expected none or operator, got {raw!r}")
     if kind == "device":
         if raw == "auto" or raw == "cpu" or re.fullmatch(r"cuda(:\d+)?", raw):
             return raw

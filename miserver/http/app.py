@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from miserver.http import batches, keys, management, weights
+from miserver.http import batches, keys, management, shutdown, weights
 from miserver.http.errors import SCRUB_SECRETS, ApiError, json_errors_middleware
 from miserver.serving.catalogue import Catalogue
 from miserver.serving.host import ModelHost
@@ -126,9 +126,14 @@ def create_app(
         max_concurrent=settings.max_concurrent_requests, max_queued=settings.max_queued_requests
     )
     app = web.Application(
-        middlewares=[json_errors_middleware, body_limit_middleware(settings.max_request_bytes)],
+        middlewares=[
+            json_errors_middleware,
+            shutdown.shutdown_middleware,  # 503 SHUTTING_DOWN while draining (SIGTERM)
+            body_limit_middleware(settings.max_request_bytes),
+        ],
         client_max_size=settings.max_request_bytes,
     )
+    shutdown.install(app, settings.shutdown_grace_s)
     app[keys.SETTINGS] = settings
     app[SCRUB_SECRETS] = tuple(token.secret for token in settings.weights_tokens)
     app[keys.CATALOGUE] = catalogue

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ from aiohttp.web_protocol import RequestHandler
 
 from miserver.http.errors import ApiError, json_response, management_error_body
 from miserver.http.keys import SETTINGS
+from miserver.http.shutdown import SHUTDOWN, drain
 from miserver.spec import codes
 
 _LIMIT_HINT = (
@@ -253,16 +255,28 @@ def run_app(
 
     async def serve() -> None:
         runner = AppRunner(
-            app, handle_signals=True, shutdown_timeout=shutdown_timeout, **server_options
+            app, handle_signals=False, shutdown_timeout=shutdown_timeout, **server_options
         )
+        loop = asyncio.get_running_loop()
+        stop, force = asyncio.Event(), asyncio.Event()
+
+        def on_signal() -> None:  # the first stops, a second ends the grace at once
+            (force if stop.is_set() else stop).set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
         await runner.setup()
         try:
             await web.TCPSite(runner, host, port).start()
             if on_listening is not None:
                 on_listening()
-            await asyncio.Event().wait()  # until a signal raises GracefulExit
+            await stop.wait()
+            if SHUTDOWN in app:  # 503 to new requests, running ones finish within the grace
+                await drain(app, force=force)
         finally:
             await runner.cleanup()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
 
     with contextlib.suppress(web.GracefulExit, KeyboardInterrupt):
         asyncio.run(serve())

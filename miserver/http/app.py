@@ -22,6 +22,7 @@ from aiohttp import web
 
 from miserver.http import batches, keys, management, shutdown, weights
 from miserver.http.errors import SCRUB_SECRETS, ApiError, json_errors_middleware
+from miserver.http.management_auth import management_auth_middleware
 from miserver.serving.catalogue import Catalogue
 from miserver.serving.host import ModelHost
 from miserver.serving.metrics import Metrics
@@ -129,6 +130,7 @@ def create_app(
         middlewares=[
             json_errors_middleware,
             shutdown.shutdown_middleware,  # 503 SHUTTING_DOWN while draining (SIGTERM)
+            management_auth_middleware,  # MANAGEMENT_AUTH=operator
             body_limit_middleware(settings.max_request_bytes),
         ],
         client_max_size=settings.max_request_bytes,

@@ -256,6 +256,14 @@ def load_settings(
             "WEIGHTS_HEARTBEAT_INTERVAL_HINT_S",
             f"must be below WEIGHTS_HEARTBEAT_TIMEOUT_S ({settings.weights_heartbeat_timeout_s:g})",
         )
+    if settings.management_auth == "operator" and not any(
+        t.role == "operator" for t in settings.weights_tokens
+    ):
+        raise ConfigError(
+            "MANAGEMENT_AUTH",
+            "operator needs at least one operator token in WEIGHTS_TOKENS (label:operator:secret);"
+            " without one every guarded management call would be refused",
+        )
     if settings.continuous_batching:
         raise ConfigError(
             "CONTINUOUS_BATCHING",

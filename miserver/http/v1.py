@@ -518,7 +518,13 @@ async def _generation(
         if check_in_slot is not None:
             check_in_slot(job.resident)
         header = model_header(job.resident)
-        gen = Generation(job.resident.model, job.resident.tokenizer, job.prompt_ids, job.params)
+        gen = Generation(
+            job.resident.model,
+            job.resident.tokenizer,
+            job.prompt_ids,
+            job.params,
+            engine=job.resident.engine,
+        )
         gen.start()
     except BaseException:
         release()

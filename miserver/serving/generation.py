@@ -384,6 +384,9 @@ class Generation:
         tokenizer: its transformers tokenizer.
         prompt_ids: the prompt's token ids (at least one).
         params: :class:`SamplingParams`.
+        engine: the resident's :class:`~miserver.serving.decode_graphs.DecodeEngine` (CUDA
+            graphs over a static KV cache), or None to decode eagerly. A busy or closed engine
+            is not waited for: the generation decodes eagerly (the tokens are the same).
 
     Call :meth:`start` on the event loop, then iterate :meth:`events`. The caller must keep
     holding its scheduler slot until :meth:`wait` returns (a generation binds to one parameter
@@ -392,11 +395,17 @@ class Generation:
     """
 
     def __init__(
-        self, model: Any, tokenizer: Any, prompt_ids: Sequence[int], params: SamplingParams
+        self,
+        model: Any,
+        tokenizer: Any,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        engine: Any = None,
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
         self.model = model
+        self.engine = engine
         self.tokenizer = tokenizer
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.params = params
@@ -528,17 +537,33 @@ class Generation:
         want_logprobs = params.logprobs is not None
         score_prompt = params.echo and want_logprobs
         ends = end_token_ids(model, self.tokenizer)
-        cache_name = cache_kwarg(model)
+        with self._decoder(model, device) as decoder:
+            self.timing.extra["decoder"] = decoder.kind
+            self._decode(decoder, generator, ends, score_prompt, want_logprobs)
 
-        input_ids = torch.tensor([self.prompt_ids], dtype=torch.long, device=device)
-        kwargs: dict[str, Any] = {"use_cache": True}
-        if not score_prompt:
-            kwargs["logits_to_keep"] = 1
-        out = model(input_ids=input_ids, **kwargs)
-        past = _cache_of(out)
-        prompt_lp = self._prompt_logprobs(out.logits[0, :-1]) if score_prompt else None
-        logits = out.logits[0, -1].float()
-        del out
+    @contextlib.contextmanager
+    def _decoder(self, model: Any, device: torch.device) -> Any:
+        """The resident's decode engine if it is free, else an eager decoder."""
+        if self.engine is not None:
+            with self.engine.session(model) as session:
+                if session is not None:
+                    yield _GraphDecoder(session)
+                    return
+        yield _EagerDecoder(model, device)
+
+    def _decode(
+        self,
+        decoder: Any,
+        generator: torch.Generator | None,
+        ends: frozenset[int],
+        score_prompt: bool,
+        want_logprobs: bool,
+    ) -> None:
+        params = self.params
+        prompt_logits = decoder.prefill(self.prompt_ids, all_logits=score_prompt)
+        prompt_lp = self._prompt_logprobs(prompt_logits[:-1]) if score_prompt else None
+        logits = prompt_logits[-1].float()
+        del prompt_logits
         self._emit(Started(len(self.prompt_ids), prompt_lp))
 
         detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
@@ -577,16 +602,9 @@ class Generation:
             if matched_stop:
                 finish = "stop"
                 break
-            if generated >= params.max_tokens:
+            if generated >= params.max_tokens or decoder.full:
                 break
-            step = model(
-                input_ids=torch.tensor([[token]], dtype=torch.long, device=device),
-                use_cache=True,
-                **{cache_name: past},
-            )
-            past = _cache_of(step)
-            logits = step.logits[0, -1].float()
-            del step
+            logits = decoder.step(token)
         if not matched_stop:
             # Text still held: an incomplete character, or a tail that could have begun a stop
             # sequence. The stream ended, so it is ordinary text unless a stop matches in it.
@@ -600,3 +618,56 @@ class Generation:
             if tail or ready:
                 self._emit(TextDelta(tail, ready))
         self._emit(Finished(finish, len(self.prompt_ids), generated))
+
+
+# --- decoders ---------------------------------------------------------------------------------
+class _EagerDecoder:
+    """Today's path: one eager forward per token with the model's dynamic KV cache."""
+
+    kind = "eager"
+    full = False
+
+    def __init__(self, model: Any, device: torch.device) -> None:
+        self._model = model
+        self._device = device
+        self._cache_name = cache_kwarg(model)
+        self._past: Any = None
+
+    def prefill(self, prompt_ids: Sequence[int], *, all_logits: bool) -> torch.Tensor:
+        """Logits ``[n, vocab]`` (``all_logits``) or ``[1, vocab]`` of the prompt."""
+        input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self._device)
+        kwargs: dict[str, Any] = {"use_cache": True}
+        if not all_logits:
+            kwargs["logits_to_keep"] = 1
+        out = self._model(input_ids=input_ids, **kwargs)
+        self._past = _cache_of(out)
+        return out.logits[0]
+
+    def step(self, token: int) -> torch.Tensor:
+        """The next position's logits, float32 ``[vocab]``."""
+        out = self._model(
+            input_ids=torch.tensor([[token]], dtype=torch.long, device=self._device),
+            use_cache=True,
+            **{self._cache_name: self._past},
+        )
+        self._past = _cache_of(out)
+        return out.logits[0, -1].float()
+
+
+class _GraphDecoder:
+    """The decode engine's session: eager prefill into the static cache, replayed steps."""
+
+    def __init__(self, session: Any) -> None:
+        self._s = session
+        self.kind = f"graphs:{session._e.mode}"
+
+    @property
+    def full(self) -> bool:
+        """The static cache holds the whole context: no further position fits."""
+        return self._s.position >= self._s.capacity
+
+    def prefill(self, prompt_ids: Sequence[int], *, all_logits: bool) -> torch.Tensor:
+        return self._s.prefill(prompt_ids, all_logits=all_logits)
+
+    def step(self, token: int) -> torch.Tensor:
+        return self._s.step(token)

@@ -130,6 +130,38 @@ class Metrics:
             "GPU/shared memory the last export pinned (release.pinned_bytes)",
             registry=r,
         )
+        # The decode engine (issue 13): CUDA graphs over a static KV cache.
+        self.decode_graph_fallbacks = Counter(
+            "miserver_decode_graph_fallbacks",
+            "Decode-graph builds or captures that fell back to eager decoding, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self._engine: Any = None
+        self.decode_cache_bytes = Gauge(
+            "miserver_decode_cache_bytes",
+            "Bytes of the decode engine's static KV cache (0: no engine)",
+            registry=r,
+        )
+        self.decode_cache_bytes.set_function(lambda: self._engine_stat("cache_bytes"))
+        self.decode_graph_pool_bytes = Gauge(
+            "miserver_decode_graph_pool_bytes",
+            "Bytes the decode graphs' private memory pool took when they were captured",
+            registry=r,
+        )
+        self.decode_graph_pool_bytes.set_function(lambda: self._engine_stat("graph_pool_bytes"))
+        self.decode_graphs_captured = Gauge(
+            "miserver_decode_graphs_captured",
+            "Length buckets whose decode step is a captured CUDA graph now",
+            registry=r,
+        )
+        self.decode_graphs_captured.set_function(lambda: self._engine_stat("captured"))
+        self.decode_graph_replays = Gauge(
+            "miserver_decode_graph_replays",
+            "Decode steps run as a replayed CUDA graph since the resident's engine was built",
+            registry=r,
+        )
+        self.decode_graph_replays.set_function(lambda: self._engine_stat("replays"))
         self._hold_started: float | None = None
         self._call_counters: dict[tuple[str, str, str], Any] = {}  # labels() once per series
 
@@ -159,6 +191,22 @@ class Metrics:
             self.hold_timeouts.inc()
         elif out.trigger in ("attach", "detach", "clear_stale"):
             self.attachments.labels(event=out.trigger).inc()
+
+    def decode_graph_fallback(self, reason: str) -> None:
+        """Count one fallback of the decode engine to eager decoding (``reason``: cpu, off,
+        memory, layout, build, capture)."""
+        self.decode_graph_fallbacks.labels(reason=reason).inc()
+
+    def set_decode_engine(self, engine: Any) -> None:
+        """The resident's decode engine, read by the decode gauges (None: no engine)."""
+        self._engine = engine
+
+    def _engine_stat(self, name: str) -> float:
+        engine = self._engine
+        if engine is None or engine.closed:
+            return 0.0
+        value = getattr(engine.stats, name)
+        return float(len(value) if isinstance(value, dict) else value)
 
     def set_resident(self, name: str | None) -> None:
         """Record the resident row's name (None: nothing resident)."""

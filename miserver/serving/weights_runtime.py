@@ -273,6 +273,7 @@ class WeightsRuntime:
             sched.barrier_abandon()
         elif effect is Effect.DROP_CACHE:
             sched.drop_caches()
+            self._decode_engine_effect(effect)
         elif effect is Effect.RELEASE_HELD:
             sched.barrier_release()
         elif effect is Effect.REFUSE_HELD_TORN:
@@ -282,6 +283,7 @@ class WeightsRuntime:
         elif effect is Effect.FAIL_PENDING:
             self._settle(self._pending_failure or Answer(500, codes.INTERNAL_ERROR))
         elif effect in (Effect.BEGIN_SAVE, Effect.BEGIN_WEIGHTS_LOAD, Effect.BEGIN_ADAPTER_CHANGE):
+            self._decode_engine_effect(effect)
             owner = {
                 Effect.BEGIN_SAVE: "save",
                 Effect.BEGIN_WEIGHTS_LOAD: "weights_load",
@@ -289,6 +291,7 @@ class WeightsRuntime:
             }[effect]
             self._spawn(self._run_job(owner))
         elif effect in (Effect.START_MODEL_LOAD, Effect.START_MODEL_UNLOAD):
+            self._decode_engine_effect(effect)
             # The row is bound now: a later event may set other parameters before the task runs.
             outputs["transition"] = self._spawn(
                 self._run_transition(effect, dict(self._transition_params))
@@ -306,6 +309,30 @@ class WeightsRuntime:
             log.warning("weights: %s", effect.value.lower().replace("_", " "))
         else:  # pragma: no cover - a new effect the runtime does not know
             raise RuntimeError(f"unknown effect {effect}")
+
+    def _decode_engine_effect(self, effect: Effect) -> None:
+        """What a lifecycle effect means for the resident's decode graphs (issue 13).
+
+        The graphs replay kernels over the served storages, which never move: a commit, a save
+        and an in-place weights load keep them (``BEGIN_SAVE``, ``BEGIN_WEIGHTS_LOAD``; a full
+        reload makes a new resident, whose engine is new, and the old one is closed by the
+        host). ``DROP_CACHE`` empties the static KV cache, the engine's only state between
+        requests. An adapter change (``BEGIN_ADAPTER_CHANGE``) changes which modules compute,
+        and a model transition (``START_MODEL_LOAD``, ``START_MODEL_UNLOAD``) the storages:
+        their graphs are dropped, captured again at next use over the model of that time.
+        """
+        resident = self.host.resident
+        engine = getattr(resident, "engine", None) if resident is not None else None
+        if engine is None:
+            return
+        if effect is Effect.DROP_CACHE:
+            engine.reset()
+        elif effect in (
+            Effect.BEGIN_ADAPTER_CHANGE,
+            Effect.START_MODEL_LOAD,
+            Effect.START_MODEL_UNLOAD,
+        ):
+            engine.invalidate()
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]

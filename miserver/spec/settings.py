@@ -58,6 +58,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     weights_cpu_attach: bool = False
     weights_audit_log: str | None = None
     max_concurrent_requests: int = 1
+    decode_graphs: str = "captured"
     continuous_batching: bool = False
     max_queued_requests: int = 64
     max_request_bytes: int = 8 * 1024 * 1024
@@ -99,6 +100,7 @@ VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("WEIGHTS_CPU_ATTACH", "weights_cpu_attach", "bool"),
     ("WEIGHTS_AUDIT_LOG", "weights_audit_log", "opt_path"),
     ("MAX_CONCURRENT_REQUESTS", "max_concurrent_requests", "pos_int"),
+    ("DECODE_GRAPHS", "decode_graphs", "decode_graphs"),
     ("CONTINUOUS_BATCHING", "continuous_batching", "bool"),
     ("MAX_QUEUED_REQUESTS", "max_queued_requests", "pos_int"),
     ("MAX_REQUEST_BYTES", "max_request_bytes", "pos_int"),
@@ -161,6 +163,11 @@ def _convert(variable: str, kind: str, raw: str) -> object:
         raise ConfigError(
             variable, f"expected debug, info, warning, error or critical, got {raw!r}"
         )
+    if kind == "decode_graphs":
+        low = raw.lower()
+        if low in ("captured", "compiled", "off"):
+            return low
+        raise ConfigError(variable, f"expected captured, compiled or off, got {raw!r}")
     if kind == "log_format":
         low = raw.lower()
         if low in ("json", "text"):

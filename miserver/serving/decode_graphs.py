@@ -291,6 +291,9 @@ class DecodeEngine:
             layer.cumulative_length = self._positions[i]
             layer.is_initialized = True
             if self.mode == "compiled":
+                # One compile per bucket: the mask's length is the cache's Python-int length, so a
+                # symbolic length (mark_dynamic) is refused (ConstraintViolationError, H200 run
+                # of 2026-12-01). Static addresses let inductor treat the cache as fixed.
                 for t in (keys, values, layer.cumulative_length):
                     torch._dynamo.mark_static_address(t)
         return cache

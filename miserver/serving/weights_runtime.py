@@ -857,7 +857,7 @@ class WeightsRuntime:
             "last_overrun": overrun,
             "pause_unavailable": view["pause_unavailable"],
             "adapter": self.adapter_block(),
-            "cuda_memory": cuda_memory(),
+            "cuda_memory": _with_decode_memory(cuda_memory(), resident),
             "exports_since_start": exports_since_start(),
         }
 
@@ -888,3 +888,19 @@ class WeightsRuntime:
             "attached": view["attached"],
             "attachment_state": att["state"] if att is not None else None,
         }
+
+
+def _with_decode_memory(
+    cards: list[dict[str, Any]] | None, resident: Any
+) -> list[dict[str, Any]] | None:
+    """``cuda_memory`` with the resident's decode engine on its card: the static KV cache and
+    the graphs' private pool, MiB with 3 decimals (issue 13: memory is visible)."""
+    engine = getattr(resident, "engine", None) if resident is not None else None
+    if cards is None or engine is None or engine.closed:
+        return cards
+    index = engine.device.index or 0
+    for card in cards:
+        if card["device_index"] == index:
+            card["decode_cache_mb"] = round(engine.stats.cache_bytes / 2**20, 3)
+            card["decode_graphs_mb"] = round(engine.stats.graph_pool_bytes / 2**20, 3)
+    return cards

@@ -46,6 +46,16 @@ OPERATIONS = (
     "save",
     "load",
     "adapter",
+    # MANAGEMENT_AUTH=operator (miserver.http.management_auth): the guarded management routes
+    "model_register",
+    "model_delete",
+    "model_load",
+    "model_unload",
+    "settings_change",
+    "file_upload",
+    "file_delete",
+    "batch_create",
+    "batch_cancel",
 )
 
 

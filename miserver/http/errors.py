@@ -127,19 +127,34 @@ def scrub(text: str, secrets: tuple[str, ...]) -> str:
     return text
 
 
-def refuse_secret_name(app: web.Application, name: str | None, field: str = "name") -> None:
-    """Refuse a public name (a served name, a catalogue row's or a checkpoint's name: it goes
-    out in ``X-miLLM-Model`` and the listings) that is one of the configured weights tokens,
-    without repeating it (weights page: a token is never returned).
+def contains_secret(value: Any, secrets: tuple[str, ...]) -> bool:
+    """Whether any string in ``value`` (a string, or the keys and values of nested dicts and
+    lists) contains one of ``secrets``."""
+    if isinstance(value, str):
+        return any(secret and secret in value for secret in secrets)
+    if isinstance(value, dict):
+        return any(
+            contains_secret(k, secrets) or contains_secret(v, secrets) for k, v in value.items()
+        )
+    if isinstance(value, (list, tuple)):
+        return any(contains_secret(v, secrets) for v in value)
+    return False
+
+
+def refuse_secret_name(app: web.Application, name: Any, field: str = "name") -> None:
+    """Refuse a public name or listed field (a served name, a catalogue row's name or path, a
+    checkpoint's or adapter's name, a batch's metadata, an uploaded file's name: they go out in
+    ``X-miLLM-Model`` and in listings, some unauthenticated) that contains one of the configured
+    weights tokens, without repeating it (weights page: a token is never returned).
 
     Raises:
         ApiError: 400 INVALID_REQUEST naming ``field``.
     """
-    if name and name in app.get(SCRUB_SECRETS, ()):
+    if name and contains_secret(name, app.get(SCRUB_SECRETS, ())):
         raise ApiError(
             codes.INVALID_REQUEST,
-            f"this {field} is one of the server's weights tokens; names are public (they are sent"
-            " in X-miLLM-Model and listed): choose another, and replace that token",
+            f"this {field} contains one of the server's weights tokens; {field} is public (it is"
+            " sent in X-miLLM-Model or listed): choose another, and replace that token",
             param=field,
             details={"field": field},
         )

@@ -431,6 +431,7 @@ async def _adapter_change(request: web.Request, apply: bool) -> web.Response:
     body = await decode_body(request, W.AdapterRequest) if apply else None
     if apply:
         refuse_secret_name(request.app, body.name)
+        refuse_secret_name(request.app, body.path, "path")  # GET /api/weights/adapter lists it
         prepare_adapter(runtime.host, body)
     await runtime.gated(
         "adapter_change",

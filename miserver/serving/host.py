@@ -440,6 +440,11 @@ class ModelHost:
                 hook(dropped)
             except Exception:  # a hook's bug must not keep the model resident
                 log.exception("a drop hook failed for model %s", name)
+        if dropped.arena is not None:
+            try:  # the server no longer serves it: its shared-memory files go (issue 16, 4)
+                dropped.arena.release_shared_memory()
+            except OSError as exc:
+                log.warning("could not remove the shared memory of model %s: %s", name, exc)
         del dropped
         free_memory()
         log.info("model %s unloaded", name)

@@ -706,11 +706,26 @@ class WeightsRuntime:
             targets_resident = self._target(row_id)
         else:
             targets_resident = True
-            if row_id is not None and self.host.catalogue.get(row_id) is None:
+            row = self.host.catalogue.get(row_id) if row_id is not None else None
+            if row_id is not None and row is None:
                 raise ApiError(
                     codes.MODEL_NOT_FOUND,
                     f"no catalogue row with id {row_id}",
                     details={"model_id": row_id},
+                )
+            resident = self.host.resident
+            idle = not self.host.busy and self.lifecycle.state.transition == "none"
+            if row is not None and idle and (resident is not None and resident.row.id != row.id):
+                # Refused before any drain: an unload of a row that is not resident cannot
+                # succeed, and draining for it would stall /v1 for nothing (issue 16, item 6).
+                # Nothing resident at all is the table's refusal (MODEL_NOT_LOADED), also
+                # before any drain.
+                raise ApiError(
+                    codes.MODEL_NOT_LOADED,
+                    f"catalogue row {row.name!r} is not resident; the resident model is "
+                    f"{resident.row.name!r} (id {resident.row.id})",
+                    status=409,
+                    details={"resident_id": resident.row.id},
                 )
         async with self.lock:
             self._transition_params = {"row_id": row_id}

@@ -148,6 +148,8 @@ PAYLOAD_TOO_LARGE = _c("PAYLOAD_TOO_LARGE", 413, src=C + " 1, 2")
 UNSUPPORTED_MEDIA_TYPE = _c("UNSUPPORTED_MEDIA_TYPE", 415, src=C + " 2")
 GENERATION_FAILED = _c("GENERATION_FAILED", 500, t="server_error", src=C + " 4")
 INTERNAL_ERROR = _c("INTERNAL_ERROR", 500, t="server_error", src=C + " 2")
+#: miserver's own: the process is draining after SIGTERM (issue 16; docs/operations.md).
+SHUTTING_DOWN = _c("SHUTTING_DOWN", 503, t="server_error", src="miserver: graceful shutdown")
 
 ALL: dict[str, ErrorCode] = {
     v.name: v for v in list(globals().values()) if isinstance(v, ErrorCode)

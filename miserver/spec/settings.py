@@ -62,6 +62,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     continuous_batching: bool = False
     max_queued_requests: int = 64
     max_request_bytes: int = 8 * 1024 * 1024
+    header_read_timeout_s: float = 20.0
+    shutdown_grace_s: float = 10.0
+    management_auth: str = "none"
     log_level: str = "info"
     log_format: str = "json"
 
@@ -104,6 +107,9 @@ VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("CONTINUOUS_BATCHING", "continuous_batching", "bool"),
     ("MAX_QUEUED_REQUESTS", "max_queued_requests", "pos_int"),
     ("MAX_REQUEST_BYTES", "max_request_bytes", "pos_int"),
+    ("HEADER_READ_TIMEOUT_S", "header_read_timeout_s", "pos_float"),
+    ("SHUTDOWN_GRACE_S", "shutdown_grace_s", "nonneg_float"),
+    ("MANAGEMENT_AUTH", "management_auth", "management_auth"),
     ("LOG_LEVEL", "log_level", "log_level"),
     ("LOG_FORMAT", "log_format", "log_format"),
 )
@@ -152,6 +158,19 @@ def _convert(variable: str, kind: str, raw: str) -> object:
         if not value > 0 or value != value or value == float("inf"):
             raise ConfigError(variable, f"must be a positive finite number, got {raw}")
         return value
+    if kind == "nonneg_float":
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(variable, f"expected a number, got {raw!r}") from None
+        if not value >= 0 or value == float("inf"):
+            raise ConfigError(variable, f"must be a finite number of seconds >= 0, got {raw}")
+        return value
+    if kind == "management_auth":
+        low = raw.lower()
+        if low in ("none", "operator"):
+            return low
+        raise ConfigError(variable, f"expected none or operator, got {raw!r}")
     if kind == "device":
         if raw == "auto" or raw == "cpu" or re.fullmatch(r"cuda(:\d+)?", raw):
             return raw
@@ -243,6 +262,14 @@ def load_settings(
         raise ConfigError(
             "WEIGHTS_HEARTBEAT_INTERVAL_HINT_S",
             f"must be below WEIGHTS_HEARTBEAT_TIMEOUT_S ({settings.weights_heartbeat_timeout_s:g})",
+        )
+    if settings.management_auth == "operator" and not any(
+        t.role == "operator" for t in settings.weights_tokens
+    ):
+        raise ConfigError(
+            "MANAGEMENT_AUTH",
+            "operator needs at least one operator token in WEIGHTS_TOKENS (label:operator:secret);"
+            " without one every guarded management call would be refused",
         )
     if settings.continuous_batching:
         raise ConfigError(

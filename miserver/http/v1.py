@@ -209,8 +209,13 @@ async def _acquire_slot(
     resident: Resident,
     priority: Priority,
     cancelled: Callable[[], bool] | None,
+    adapter: dict[str, Any] | None = None,
 ) -> None:
     """Wait for a slot at ``priority``, giving up (and leaving no trace) once ``cancelled()``.
+
+    ``adapter``: the adapter block of the applied adapter the request named (see
+    :class:`_Job`); a request for an adapter removed or replaced while it waited is refused as
+    one for a model that went away (409 MODEL_BUSY ``model_transition``, issue 16 item 8).
 
     Raises:
         ApiError: 503 QUEUE_FULL with ``Retry-After`` (interactive only); the lifecycle's
@@ -257,7 +262,7 @@ async def _acquire_slot(
     try:
         # Inside the slot: the table must still let this request go on (the model may have
         # been unloaded or swapped, or the set torn, while it waited; weights page: States).
-        await app[keys.WEIGHTS].confirm_v1(resident)
+        await app[keys.WEIGHTS].confirm_v1(resident, adapter=adapter)
     except ApiError as err:
         scheduler.release()
         raise _lifecycle_refusal(err) from None
@@ -290,6 +295,15 @@ class _Job:
     include_usage: bool
     echo_text: str | None  # completions with echo: the prompt text returned before the output
     want_logprobs: bool
+    #: The adapter block of the applied adapter the request named (by its served name), or
+    #: None: the request is for that application of the adapter, not for the base tensors.
+    adapter: dict[str, Any] | None = None
+
+
+def _named_adapter(resident: Resident, model: str) -> dict[str, Any] | None:
+    """The resident's adapter block when ``model`` names its applied adapter, else None."""
+    block = resident.adapter_block
+    return block if block and block.get("name") == model else None
 
 
 def _check_context(
@@ -382,6 +396,7 @@ async def _prepare_chat(
 ) -> _Job:
     stops = schema.check_chat(req)
     resident = await admit(app, req.model, load_policy, priority)
+    adapter = _named_adapter(resident, req.model)
     prompt_ids = await asyncio.to_thread(_chat_prompt, resident, req)
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -397,6 +412,7 @@ async def _prepare_chat(
         bool(req.stream_options and req.stream_options.include_usage),
         None,
         want,
+        adapter,
     )
 
 
@@ -408,6 +424,7 @@ async def _prepare_completion(
 ) -> _Job:
     prompt, stops = schema.check_completion(req)
     resident = await admit(app, req.model, load_policy, priority)
+    adapter = _named_adapter(resident, req.model)
     prompt_ids = await asyncio.to_thread(_completion_prompt, resident, prompt)
     max_tokens = _check_context(
         resident, prompt_ids, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens", "prompt"
@@ -426,6 +443,7 @@ async def _prepare_completion(
         bool(req.stream_options and req.stream_options.include_usage),
         echo_text,
         want,
+        adapter,
     )
 
 
@@ -507,7 +525,7 @@ async def _generation(
             the first token.
         RequestCancelled: ``cancelled()`` became true while waiting for the slot.
     """
-    await _acquire_slot(app, job.resident, priority, cancelled)
+    await _acquire_slot(app, job.resident, priority, cancelled, job.adapter)
     scheduler = app[keys.SCHEDULER]
 
     def release() -> None:

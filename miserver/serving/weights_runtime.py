@@ -775,10 +775,16 @@ class WeightsRuntime:
         assert resident is not None  # confirmed: it is the resident
         return resident
 
-    async def confirm_v1(self, resident: Resident | None) -> None:
+    async def confirm_v1(
+        self, resident: Resident | None, *, adapter: dict[str, Any] | None = None
+    ) -> None:
         """A ``/v1`` request admitted for ``resident`` has waited (for its scheduler slot, or
         for its auto-load) and is about to go on: the table's ``v1_confirm`` rows decide, told
         whether ``resident`` is still the resident (``None``: it is known not to be).
+
+        ``adapter``: the adapter block the request was admitted for when it named the applied
+        adapter; the resident is then the same only while that application is still applied
+        (the adapter removed or replaced meanwhile is a model that went away, issue 16 item 8).
 
         Inside the slot a pause that began meanwhile waits for this request (it holds a slot),
         so a hold is an acceptance there.
@@ -790,6 +796,8 @@ class WeightsRuntime:
         """
         async with self.lock:
             same = resident is not None and self.host.resident is resident
+            if same and adapter is not None:
+                same = resident.adapter_block is adapter
             out = self.decide(Event("v1_confirm", same_resident=same))
         if out.kind == "refused":
             raise self._refusal(out)

@@ -49,6 +49,7 @@ from miserver.serving.generation import (
     Finished,
     Generation,
     GenerationError,
+    NonFiniteLogits,
     SamplingParams,
     Started,
     TextDelta,
@@ -556,7 +557,7 @@ async def _generation(
         try:
             first = await events.__anext__()
         except GenerationError as exc:
-            raise ApiError(codes.GENERATION_FAILED, str(exc)) from exc
+            raise _generation_failed(app, job, exc) from exc
         assert isinstance(first, Started)
         yield gen, events, first, header
     finally:
@@ -655,11 +656,32 @@ async def run_completion(
         first,
         header,
     ):
-        answer = await _collect(job, events, first)
+        answer = await _collect(app, job, events, first)
     return CompletionResult(answer, header)
 
 
-async def _collect(job: _Job, events: Any, first: Started) -> dict[str, Any]:
+def _generation_failed(app: web.Application, job: _Job, exc: GenerationError) -> ApiError:
+    """The 500 GENERATION_FAILED of a generation that failed, counted in
+    ``miserver_generation_failures_total{reason}`` and logged once. Non-finite logits (the
+    weights hold NaN or infinity: issue 16 item 10) are reason ``non_finite_logits``, logged
+    as an error naming the served parameter set and what to do; any other failure ``error``."""
+    non_finite = isinstance(exc.__cause__, NonFiniteLogits)
+    reason = "non_finite_logits" if non_finite else "error"
+    metrics = app.get(keys.METRICS)
+    if metrics is not None:
+        metrics.generation_failures.labels(reason=reason).inc()
+    if non_finite:
+        log.error(
+            "generation failed: non-finite logits (NaN or infinity) from %s; the served weights "
+            "hold non-finite values: load finite weights (POST /api/weights/load)",
+            model_header(job.resident),
+        )
+        message = f"{job.resident.served_name}: {exc.__cause__}"
+        return ApiError(codes.GENERATION_FAILED, message, reason=reason)
+    return ApiError(codes.GENERATION_FAILED, str(exc), reason=reason)
+
+
+async def _collect(app: web.Application, job: _Job, events: Any, first: Started) -> dict[str, Any]:
     text_parts: list[str] = []
     lps: list[TokenLogprob] = []
     fin: Finished | None = None
@@ -671,7 +693,7 @@ async def _collect(job: _Job, events: Any, first: Started) -> dict[str, Any]:
             elif isinstance(ev, Finished):
                 fin = ev
     except GenerationError as exc:
-        raise ApiError(codes.GENERATION_FAILED, str(exc)) from exc
+        raise _generation_failed(app, job, exc) from exc
     assert fin is not None
     if fin.finish_reason == "cancelled":
         raise RequestCancelled
@@ -793,7 +815,7 @@ async def _stream(
                 elif isinstance(ev, Finished):
                     fin = ev
         except GenerationError as exc:
-            err = ApiError(codes.GENERATION_FAILED, str(exc))
+            err = _generation_failed(request.app, job, exc)
             log.warning("stream ended by a generation error: %s", exc)
             request[_OUTCOME] = codes.GENERATION_FAILED.name
             await gen.wait()  # the slot is free before the client sees the end

@@ -146,7 +146,9 @@ NOT_FOUND = _c("NOT_FOUND", 404, t="not_found_error", src=C + " 2")
 METHOD_NOT_ALLOWED = _c("METHOD_NOT_ALLOWED", 405, src=C + " 2")
 PAYLOAD_TOO_LARGE = _c("PAYLOAD_TOO_LARGE", 413, src=C + " 1, 2")
 UNSUPPORTED_MEDIA_TYPE = _c("UNSUPPORTED_MEDIA_TYPE", 415, src=C + " 2")
-GENERATION_FAILED = _c("GENERATION_FAILED", 500, t="server_error", src=C + " 4")
+GENERATION_FAILED = _c(
+    "GENERATION_FAILED", 500, "non_finite_logits", "error", t="server_error", src=C + " 4"
+)
 INTERNAL_ERROR = _c("INTERNAL_ERROR", 500, t="server_error", src=C + " 2")
 
 ALL: dict[str, ErrorCode] = {

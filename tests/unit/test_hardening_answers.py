@@ -6,8 +6,10 @@ Each test failed on the code before its fix (checked by reverting the fix; see t
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
+import torch
 
 from miserver.http import keys
 from miserver.serving.scheduler import Priority
@@ -61,3 +63,129 @@ async def test_a_queued_request_for_a_removed_adapter_is_refused_not_served_by_t
     # The retry is admitted anew: the adapter's name is no model now.
     resp = await client.post("/v1/chat/completions", json={**body, "stream": False})
     assert resp.status == 404, await resp.json()
+
+
+# --- item 9: every accepted seed is honoured -----------------------------------------------------
+SEEDS = [0, 1, 2**32, 2**32 + 1, 2**63, -1, 2**64 - 1, -(2**63), 2**64 - 2**32]
+
+
+def draws(seed: int, n: int = 12, vocab: int = 1000) -> list[int]:
+    from miserver.serving.generation import SamplingParams, SeedStream, pick_token
+
+    stream = SeedStream(seed)
+    params = SamplingParams(max_tokens=n, temperature=1.0, seed=seed)
+    return [pick_token(torch.zeros(vocab), params, stream) for _ in range(n)]
+
+
+def test_seeds_differing_only_above_32_bits_or_in_sign_sample_differently():
+    samples = {seed: draws(seed) for seed in SEEDS}
+    assert len({tuple(s) for s in samples.values()}) == len(SEEDS), samples
+    assert all(draws(seed) == samples[seed] for seed in SEEDS)  # and each is reproducible
+
+
+def test_a_seeded_draw_follows_the_distribution_and_never_picks_a_zero_probability_token():
+    from miserver.serving.generation import SamplingParams, SeedStream, pick_token
+
+    logits = torch.full((50,), -float("inf"))
+    logits[[3, 7]] = torch.tensor([0.0, float(torch.log(torch.tensor(3.0)))])  # p = 1/4, 3/4
+    stream = SeedStream(2**63 + 5)
+    params = SamplingParams(max_tokens=1, temperature=1.0, top_p=1.0)
+    picks = [pick_token(logits, params, stream) for _ in range(4000)]
+    assert set(picks) == {3, 7}
+    assert 0.70 < picks.count(7) / len(picks) < 0.80
+    nucleus = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.5)  # keeps token 7 only
+    assert {pick_token(logits, nucleus, stream) for _ in range(200)} == {7}
+
+
+async def test_v1_seeds_0_2_32_and_2_63_give_different_samples_and_each_repeats(client):
+    async def sample(seed: int) -> str:
+        resp = await client.post(
+            "/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": "a",
+                "max_tokens": 8,
+                "temperature": 1.0,
+                "seed": seed,
+            },
+        )
+        body = await resp.json()
+        assert resp.status == 200, body
+        return body["choices"][0]["text"]
+
+    texts = {seed: await sample(seed) for seed in (0, 2**32, 2**63)}
+    assert len(set(texts.values())) == 3, texts
+    assert await sample(2**63) == texts[2**63]
+
+
+# --- item 10: non-finite logits fail the request, with a log line and a metric -------------------
+def poison(client) -> None:
+    model = client.app[keys.HOST].resident.model
+    with torch.no_grad():
+        model.get_output_embeddings().weight[5].fill_(float("nan"))
+
+
+def failures(text: str, reason: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(f'miserver_generation_failures_total{{reason="{reason}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+async def test_non_finite_logits_are_a_500_naming_the_cause_logged_and_counted(
+    client, caplog, temperature
+):
+    poison(client)
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "temperature": temperature,
+        "seed": 3,
+    }
+    with caplog.at_level(logging.ERROR, logger="miserver.v1"):
+        resp = await client.post("/v1/chat/completions", json=body)
+    answer = await resp.json()
+    assert resp.status == 500, answer
+    assert answer["error"]["code"] == "generation_failed"
+    assert "non-finite logits" in answer["error"]["message"]
+    assert "POST /api/weights/load" in answer["error"]["message"]
+    assert any("non-finite logits" in r.getMessage() for r in caplog.records)
+    metrics = await (await client.get("/metrics")).text()
+    assert failures(metrics, "non_finite_logits") == 1
+
+
+async def test_non_finite_logits_end_a_stream_with_an_error_event(client):
+    poison(client)
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+    }
+    resp = await client.post("/v1/chat/completions", json=body)
+    text = await resp.text()
+    if resp.status == 200:  # the first token failed after the stream opened
+        assert "non-finite logits" in text and "[DONE]" not in text
+    else:
+        assert resp.status == 500 and "non-finite logits" in text
+    metrics = await (await client.get("/metrics")).text()
+    assert failures(metrics, "non_finite_logits") == 1
+
+
+def test_pick_token_refuses_nan_inf_and_all_minus_inf_logits():
+    from miserver.serving.generation import NonFiniteLogits, SamplingParams, pick_token
+
+    for bad in (float("nan"), float("inf")):
+        logits = torch.zeros(10)
+        logits[4] = bad
+        for t in (0.0, 0.7):
+            with pytest.raises(NonFiniteLogits):
+                pick_token(logits, SamplingParams(max_tokens=1, temperature=t), None)
+    with pytest.raises(NonFiniteLogits):
+        pick_token(torch.full((10,), -float("inf")), SamplingParams(max_tokens=1), None)
+    logits = torch.zeros(10)
+    logits[:9] = -float("inf")  # a masked vocabulary is fine
+    assert pick_token(logits, SamplingParams(max_tokens=1, temperature=0.5), None) == 9

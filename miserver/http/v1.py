@@ -65,6 +65,9 @@ log = logging.getLogger("miserver.v1")
 LOAD_POLICY_HEADER = "X-miLLM-Load-Policy"
 #: How often a waiting or generating request checks that its client is still connected (s).
 DISCONNECT_POLL_S = 0.05
+#: The longest a ``/v1`` request waits for the start-up load of ``DEFAULT_MODEL`` before it is
+#: admitted as usual (then 409 model_busy with ``Retry-After`` while that load still runs), s.
+STARTUP_LOAD_WAIT_S = 300.0
 #: Default ``max_tokens`` of ``/v1/completions`` (OpenAI's).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _encoder = msgspec.json.Encoder()
@@ -583,12 +586,43 @@ def _decode(
     return schema.decode(raw, kind)
 
 
+async def wait_for_startup_load(
+    app: web.Application,
+    cancelled: Callable[[], bool] | None = None,
+    timeout_s: float | None = None,
+) -> None:
+    """Wait, at most ``timeout_s`` (default :data:`STARTUP_LOAD_WAIT_S`), for the start-up load
+    of ``DEFAULT_MODEL`` while it runs, as a request behind an auto-load waits for it (issue 16
+    item 11: ``make serve`` then an immediate request was refused 409 model_busy). Returns at
+    once when no start-up load runs; returns after the bound with the load still running (the
+    request is then admitted as usual). Its outcome is not this request's: a failed load is
+    logged by the start-up, and the request is admitted against what is resident then.
+
+    Raises:
+        RequestCancelled: ``cancelled()`` became true while waiting (polled every 200 ms).
+    """
+    task = app.get(keys.STARTUP_LOAD)
+    if task is None or task.done():
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (STARTUP_LOAD_WAIT_S if timeout_s is None else timeout_s)
+    while not task.done():
+        left = deadline - loop.time()
+        if left <= 0:
+            return
+        await asyncio.wait({task}, timeout=min(left, DISCONNECT_POLL_S * 4))
+        if not task.done() and cancelled is not None and cancelled():
+            raise RequestCancelled
+
+
 async def _prepare(
     app: web.Application,
     req: schema.ChatCompletionRequest | schema.CompletionRequest,
     load_policy: str | None,
     priority: Priority = Priority.INTERACTIVE,
+    cancelled: Callable[[], bool] | None = None,
 ) -> _Job:
+    await wait_for_startup_load(app, cancelled)
     if isinstance(req, schema.ChatCompletionRequest):
         return await _prepare_chat(app, req, load_policy, priority)
     return await _prepare_completion(app, req, load_policy, priority)
@@ -649,7 +683,7 @@ async def run_completion(
     req = _decode(endpoint, body)
     if req.stream:
         raise _bad("stream must be false or absent: this answer is not streamed", "stream")
-    job = await _prepare(app, req, load_policy, priority)
+    job = await _prepare(app, req, load_policy, priority, cancelled)
     async with _generation(app, job, priority, cancelled, check_in_slot) as (
         _,
         events,
@@ -924,7 +958,7 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
             request.app, endpoint, req, load_policy=load_policy, cancelled=client_gone
         )
         return json_response(result.body, headers=result.headers)
-    job = await _prepare(request.app, req, load_policy)
+    job = await _prepare(request.app, req, load_policy, cancelled=client_gone)
     async with _generation(request.app, job, Priority.INTERACTIVE, client_gone, None) as (
         gen,
         events,

@@ -558,11 +558,12 @@ class WeightsRuntime:
                     )
             if out.retry_after:
                 headers["Retry-After"] = str(RETRY_AFTER_S)
+            message, details = self._with_numbers(out, message)
             raise ApiError(
                 out.code,
                 message,
                 reason=out.reason,  # type: ignore[arg-type]
-                details=self._wire_details(out.details),
+                details=details,
                 status=out.status,
                 headers=headers,
             )
@@ -602,7 +603,23 @@ class WeightsRuntime:
             reason=answer.reason,
             status=answer.status,
             details={"running": running, "drain_timeout_s": timeout_s},
+            headers={"Retry-After": str(RETRY_AFTER_S)},
         )
+
+    def _with_numbers(self, out: Outcome, message: str) -> tuple[str, dict[str, Any] | None]:
+        """A refusal's message and wire details, with the numbers a reader needs: for 503
+        QUEUE_FULL (a quiesce or a held ``/v1`` request) the bound and how many wait, worded
+        as the scheduler's own ``/v1`` refusal (issue 16 item 12)."""
+        details = self._wire_details(out.details)
+        if out.code is codes.QUEUE_FULL:
+            bound = self.scheduler.max_queued
+            waiting = self.scheduler.interactive_waiting()
+            message = (
+                f"The request queue is full: MAX_QUEUED_REQUESTS ({bound}) interactive requests"
+                f" are already waiting ({waiting} now); retry after Retry-After seconds."
+            )
+            details = {**(details or {}), "max_queued_requests": bound, "waiting": waiting}
+        return message, details
 
     def _queue_full(self, priority: Priority = Priority.INTERACTIVE) -> bool:
         """The ``queue_full`` fact of a quiesce or a ``/v1`` request at ``priority``.
@@ -814,11 +831,12 @@ class WeightsRuntime:
         headers = {}
         if out.retry_after:
             headers["Retry-After"] = str(RETRY_AFTER_S)
+        message, details = self._with_numbers(out, out.message)
         return ApiError(
             out.code,
-            out.message,
+            message,
             reason=out.reason,  # type: ignore[arg-type]
-            details=self._wire_details(out.details),
+            details=details,
             status=out.status,
             headers=headers,
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 import pytest
 import torch
@@ -189,3 +190,130 @@ def test_pick_token_refuses_nan_inf_and_all_minus_inf_logits():
     logits = torch.zeros(10)
     logits[:9] = -float("inf")  # a masked vocabulary is fine
     assert pick_token(logits, SamplingParams(max_tokens=1, temperature=0.5), None) == 9
+
+
+# --- item 12: Retry-After on 409 model_busy during a drain; numbers in the quiesce QUEUE_FULL -----
+async def test_v1_refused_model_busy_while_an_unload_drains_carries_retry_after(client):
+    scheduler = client.app[keys.SCHEDULER]
+    row = client.app[keys.HOST].resident.row
+    await scheduler.acquire(Priority.INTERACTIVE)  # a running generation the unload waits for
+    unload = asyncio.ensure_future(client.post(f"/api/models/{row.id}/unload"))
+    try:
+        await wait_until(
+            lambda: client.app[keys.HOST].resident is not None and (scheduler.barrier_draining)
+        )
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        resp = await client.post("/v1/chat/completions", json=body)
+        answer = await resp.json()
+        assert resp.status == 409, answer
+        assert answer["error"]["code"] == "model_busy"
+        assert resp.headers.get("Retry-After") == "1"
+        resp = await client.post(f"/api/models/{row.id}/load")  # a management load likewise
+        assert resp.status == 409 and resp.headers.get("Retry-After") == "1"
+    finally:
+        scheduler.release()
+    assert (await unload).status == 200
+
+
+async def test_a_quiesce_refused_queue_full_gives_the_numbers_the_v1_refusal_gives(
+    tmp_path, tiny_model_dir
+):
+    from tests.unit.test_weights_checkpoints_routes import attach
+    from tests.unit.test_weights_routes import post
+
+    client = await make_client(tmp_path, tiny_model_dir, MAX_QUEUED_REQUESTS="2")
+    try:
+        scheduler = client.app[keys.SCHEDULER]
+        await scheduler.acquire(Priority.INTERACTIVE)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        waiting = [
+            asyncio.ensure_future(client.post("/v1/chat/completions", json=body)) for _ in range(2)
+        ]
+        await wait_until(lambda: scheduler.counts().queued == 2)
+        resp = await client.post("/v1/chat/completions", json=body)
+        v1_message = (await resp.json())["error"]["message"]
+        assert resp.status == 503 and "MAX_QUEUED_REQUESTS (2)" in v1_message
+        h = await attach(client)
+        st, answer, headers = await post(client, "/api/weights/quiesce", h)
+        assert st == 503, answer
+        assert answer["error"]["code"] == "QUEUE_FULL"
+        assert "MAX_QUEUED_REQUESTS (2)" in answer["error"]["message"]
+        assert answer["error"]["details"]["max_queued_requests"] == 2
+        assert answer["error"]["details"]["waiting"] == 2
+        assert headers["Retry-After"] == "1"
+        scheduler.release()
+        assert [(await w).status for w in waiting] == [200, 200]
+    finally:
+        await client.close()
+
+
+# --- item 11: /v1 requests during the start-up load of DEFAULT_MODEL wait for it, bounded --------
+async def slow_start_client(tmp_path, model_dir, gate: threading.Event):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from miserver.http.app import create_app
+    from miserver.serving import loader as loader_module
+    from miserver.serving.catalogue import Catalogue
+    from miserver.serving.host import ModelHost
+    from miserver.spec.settings import load_settings
+
+    home = tmp_path / "home"
+    Catalogue(str(home)).register(
+        name="tiny", format="safetensors", dtype="bfloat16", path=model_dir
+    )
+    settings = load_settings({"MISERVER_HOME": str(home), "DEFAULT_MODEL": "tiny", "DEVICE": "cpu"})
+
+    def slow_loader(row, settings):
+        assert gate.wait(60), "the test never opened the gate"
+        return loader_module.load_model(row, settings)
+
+    host = ModelHost(settings, Catalogue(str(home)), loader=slow_loader)
+    client = TestClient(TestServer(create_app(settings, host=host)))
+    await client.start_server()
+    return client
+
+
+async def test_a_request_during_the_startup_load_waits_for_it_and_is_served(
+    tmp_path, tiny_model_dir
+):
+    gate = threading.Event()
+    client = await slow_start_client(tmp_path, tiny_model_dir, gate)
+    try:
+        await wait_until(lambda: client.app[keys.HOST].busy)  # the start-up load runs
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        plain = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
+        stream = asyncio.ensure_future(
+            client.post("/v1/chat/completions", json={**body, "stream": True})
+        )
+        await asyncio.sleep(0.5)
+        assert not plain.done() and not stream.done()  # waiting, not refused
+        health = await client.get("/api/health")  # the loop still answers meanwhile
+        assert health.status == 200
+        gate.set()
+        resp = await plain
+        assert resp.status == 200, await resp.json()
+        assert resp.headers["X-miLLM-Model"].startswith('"tiny"')
+        resp = await stream
+        assert resp.status == 200 and (await resp.text()).rstrip().endswith("data: [DONE]")
+    finally:
+        gate.set()
+        await client.close()
+
+
+async def test_the_wait_for_the_startup_load_is_bounded(tmp_path, tiny_model_dir, monkeypatch):
+    from miserver.http import v1
+
+    monkeypatch.setattr(v1, "STARTUP_LOAD_WAIT_S", 0.3)
+    gate = threading.Event()
+    client = await slow_start_client(tmp_path, tiny_model_dir, gate)
+    try:
+        await wait_until(lambda: client.app[keys.HOST].busy)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        resp = await asyncio.wait_for(client.post("/v1/chat/completions", json=body), 10)
+        answer = await resp.json()
+        assert resp.status == 409, answer
+        assert answer["error"]["code"] == "model_busy"
+        assert resp.headers["Retry-After"] == "1"
+    finally:
+        gate.set()
+        await client.close()

@@ -317,3 +317,27 @@ async def test_the_wait_for_the_startup_load_is_bounded(tmp_path, tiny_model_dir
     finally:
         gate.set()
         await client.close()
+
+
+# --- item 13: lineage after a save starts at what is served ---------------------------------------
+async def test_lineage_after_a_save_starts_at_the_checkpoint_served(client):
+    from tests.unit.test_weights_checkpoints_routes import attach, bump, commit
+    from tests.unit.test_weights_routes import post
+
+    async def chain() -> list[str]:
+        resp = await client.get("/api/weights/lineage")
+        return [e["name"] for e in (await resp.json())["data"]["chain"]]
+
+    assert await chain() == ["tiny"]
+    h = await attach(client)
+    await commit(client, h, bump)
+    st, body, _ = await post(client, "/api/weights/save", h, {"name": "tiny-s1"})
+    assert st == 200, body
+    assert await chain() == ["tiny-s1", "tiny"]
+    await commit(client, h, bump)
+    st, body, _ = await post(client, "/api/weights/save", h, {"name": "tiny-s2"})
+    assert st == 200, body
+    entries = (await (await client.get("/api/weights/lineage")).json())["data"]["chain"]
+    assert [e["name"] for e in entries] == ["tiny-s2", "tiny"]
+    assert entries[0]["checkpoint_sha256"] == body["data"]["checkpoint_sha256"]
+    assert entries[0]["steps_since_load"] == 2

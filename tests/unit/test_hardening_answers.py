@@ -6,7 +6,9 @@ Each test failed on the code before its fix (checked by reverting the fix; see t
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import socket
 import threading
 
 import pytest
@@ -341,3 +343,45 @@ async def test_lineage_after_a_save_starts_at_the_checkpoint_served(client):
     assert [e["name"] for e in entries] == ["tiny-s2", "tiny"]
     assert entries[0]["checkpoint_sha256"] == body["data"]["checkpoint_sha256"]
     assert entries[0]["steps_since_load"] == 2
+
+
+# --- item 14: a client that half-closes after a complete request gets its response ---------------
+def half_closed_exchange(port: int, request: bytes) -> bytes:
+    """Send ``request``, shut the write side (``shutdown(SHUT_WR)``), read until closed."""
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as conn:
+        conn.sendall(request)
+        conn.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := conn.recv(65536):
+            data += chunk
+    return data
+
+
+@pytest.mark.parametrize(
+    "request_bytes, status",
+    [
+        (b"GET /api/health HTTP/1.1\r\nHost: x\r\n\r\n", 200),
+        (
+            b"POST /api/models HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 12\r\n\r\n{"name": 12}',
+            400,
+        ),
+        (b"GET /api/health HTTP/1.0\r\n\r\n", 200),
+    ],
+    ids=["get", "post-with-body", "http-1.0"],
+)
+async def test_a_half_closed_client_gets_its_response(tmp_path, request_bytes, status):
+    from tests.unit.model_free_app import model_free_settings, served_port
+
+    async with served_port(model_free_settings(tmp_path, "")) as port:
+        raw = await asyncio.to_thread(half_closed_exchange, port, request_bytes)
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert raw.split(b" ")[1] == b"%d" % status, raw[:200]
+        assert json.loads(body)  # a JSON body, whole
+        # An incomplete body cannot be answered: the connection is closed, nothing hangs.
+        raw = await asyncio.to_thread(
+            half_closed_exchange,
+            port,
+            b'POST /api/models HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{"na',
+        )
+        assert raw == b"" or raw.startswith(b"HTTP/1.1 4"), raw[:200]

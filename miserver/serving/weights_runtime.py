@@ -33,7 +33,7 @@ from miserver.fsm.state import Event
 from miserver.fsm.table import Answer, Effect
 from miserver.http.audit import AuditLog, AuditRecord
 from miserver.http.auth import Caller, attachment_ref
-from miserver.http.errors import ApiError
+from miserver.http.errors import ApiError, disk_full_error, is_disk_full
 from miserver.serving.scheduler import DrainTimeout, Priority
 from miserver.spec import codes
 from miserver.spec.settings import Settings
@@ -374,10 +374,14 @@ class WeightsRuntime:
                 self.decide(Event(failed))
             return
         except Exception as exc:  # noqa: BLE001 - any failure of the job is reported, not lost
-            log.exception("weights: the %s failed", owner)
-            async with self.lock:
+            if is_disk_full(exc):  # one line, no traceback: 507 saying what to do (item 16)
+                log.error("weights: the %s failed: the disk is full (%s)", owner, exc)
+                err = disk_full_error(f"the {owner}", self.settings.home)
+            else:
+                log.exception("weights: the %s failed", owner)
                 err = ApiError(codes.INTERNAL_ERROR, f"the {owner} failed: {exc}")
-                self._pending_failure = Answer(500, codes.INTERNAL_ERROR)
+            async with self.lock:
+                self._pending_failure = Answer(err.status, err.code, err.reason)
                 self._job_result = {"error": err}
                 self.decide(Event(failed))
             return

@@ -150,6 +150,8 @@ GENERATION_FAILED = _c(
     "GENERATION_FAILED", 500, "non_finite_logits", "error", t="server_error", src=C + " 4"
 )
 INTERNAL_ERROR = _c("INTERNAL_ERROR", 500, t="server_error", src=C + " 2")
+# The disk under MISERVER_HOME (or the audit log) is full: nothing was written (WebDAV's 507).
+INSUFFICIENT_STORAGE = _c("INSUFFICIENT_STORAGE", 507, "disk_full", t="server_error", src=C + " 2")
 
 ALL: dict[str, ErrorCode] = {
     v.name: v for v in list(globals().values()) if isinstance(v, ErrorCode)

@@ -6,10 +6,14 @@ Each test failed on the code before its fix (checked by reverting the fix; see t
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
+import os
 import socket
+import sqlite3
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -385,3 +389,178 @@ async def test_a_half_closed_client_gets_its_response(tmp_path, request_bytes, s
             b'POST /api/models HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{"na',
         )
         assert raw == b"" or raw.startswith(b"HTTP/1.1 4"), raw[:200]
+
+
+# --- item 16: a full disk is a 507 naming the cause, nothing half-written, one log line -----------
+def enospc() -> OSError:
+    return OSError(errno.ENOSPC, "No space left on device")
+
+
+def disk_full_records(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if "disk is full" in r.getMessage()]
+
+
+async def test_a_save_on_a_full_disk_is_507_and_leaves_no_partial_checkpoint(
+    client, tmp_path, monkeypatch, caplog
+):
+    from miserver.serving import checkpoints
+    from tests.unit.test_weights_checkpoints_routes import attach
+    from tests.unit.test_weights_routes import post
+
+    def full_disk_save_file(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 1000)  # part of the file made it to disk
+        raise enospc()
+
+    monkeypatch.setattr(checkpoints, "save_file", full_disk_save_file)
+    root = Path(client.app[keys.SETTINGS].home) / "checkpoints"
+    before = sorted(p.name for p in root.iterdir()) if root.exists() else []
+    rows = [r.name for r in client.app[keys.CATALOGUE].list()]
+    h = await attach(client)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        st, body, _ = await post(client, "/api/weights/save", h, {"name": "tiny-full"})
+    assert st == 507, body
+    error = body["error"]
+    assert error["code"] == "INSUFFICIENT_STORAGE" and error["reason"] == "disk_full"
+    assert "disk" in error["message"] and "full" in error["message"]
+    assert "Free space" in error["message"]
+    assert sorted(p.name for p in root.iterdir()) == before  # no partial folder
+    assert [r.name for r in client.app[keys.CATALOGUE].list()] == rows
+    records = disk_full_records(caplog)
+    assert len(records) == 1 and records[0].exc_info is None, [r.getMessage() for r in records]
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    status = (await (await client.get("/api/weights/status")).json())["data"]
+    assert status["weights_state"] == "clean" and status["barrier"] == "serving"
+    assert status["last_save"] is None
+
+
+async def test_a_save_whose_catalogue_row_hits_a_full_database_is_507_and_keeps_no_folder(
+    client, monkeypatch, caplog
+):
+    from miserver.serving.catalogue import Catalogue
+    from tests.unit.test_weights_checkpoints_routes import attach
+    from tests.unit.test_weights_routes import post
+
+    def full(*args, **kwargs):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(Catalogue, "register", full)
+    h = await attach(client)
+    caplog.clear()
+    st, body, _ = await post(client, "/api/weights/save", h, {"name": "tiny-full"})
+    assert st == 507, body
+    assert body["error"]["code"] == "INSUFFICIENT_STORAGE"
+    root = Path(client.app[keys.SETTINGS].home) / "checkpoints"
+    assert not (root / "tiny-full").exists()
+    assert [p.name for p in root.iterdir()] == []
+    assert len(disk_full_records(caplog)) == 1
+
+
+async def test_an_upload_into_a_full_batch_database_is_a_507_openai_error_with_no_blob(
+    tmp_path, caplog
+):
+    import aiohttp
+
+    from miserver.http.batches import BATCH_STORE
+    from tests.unit.model_free_app import model_free_client, model_free_settings
+
+    client = await model_free_client(model_free_settings(tmp_path, ""))
+    try:
+        store = client.app[BATCH_STORE]
+        db = store._db
+        pages = db.execute("PRAGMA page_count").fetchone()[0]
+        db.execute(f"PRAGMA max_page_count = {pages + 2}")  # SQLite: "database or disk is full"
+        n = 0
+        for size in (200, 40, 8, 1, 0):  # fill every free page and gap: no row fits after
+            with pytest.raises(sqlite3.OperationalError, match="full"):
+                for _ in range(100000):
+                    n += 1
+                    db.execute(
+                        "INSERT INTO files (id, filename, purpose, bytes, created_at) "
+                        "VALUES (?, ?, 'filler', 0, 0)",
+                        (f"{n}", "f" * size),
+                    )
+        row = {
+            "custom_id": "a",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "tiny", "messages": [{"role": "user", "content": "x" * 20000}]},
+        }
+        form = aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", (json.dumps(row) + "\n").encode(), filename="in.jsonl")
+        caplog.clear()
+        resp = await client.post("/v1/files", data=form)
+        body = await resp.json()
+        assert resp.status == 507, body
+        assert body["error"]["code"] == "insufficient_storage"
+        assert body["error"]["type"] == "server_error"
+        assert "full" in body["error"]["message"]
+        assert list(store.files_dir.iterdir()) == []  # no blob without its row
+        assert len(disk_full_records(caplog)) == 1
+        assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+        db.execute("DELETE FROM files WHERE purpose = 'filler'")  # space again: still works
+        db.execute("PRAGMA max_page_count = 1073741823")
+        form = aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", (json.dumps(row) + "\n").encode(), filename="in.jsonl")
+        resp = await client.post("/v1/files", data=form)
+        assert resp.status == 200, await resp.json()
+    finally:
+        await client.close()
+
+
+def test_an_audit_log_on_a_full_disk_warns_once_and_never_raises(tmp_path, caplog):
+    from miserver.http.audit import AuditLog, AuditRecord
+
+    def record() -> AuditRecord:
+        return AuditRecord(
+            operation="weights_attach",
+            outcome="accepted",
+            code=None,
+            reason=None,
+            role="trainer",
+            label="t",
+            attachment_ref=None,
+            model=None,
+            weights_state="clean",
+            weights_state_before="clean",
+        )
+
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this machine")
+    audit = AuditLog("/dev/full")  # every write: ENOSPC
+    try:
+        with caplog.at_level(logging.INFO, logger="miserver.audit"):
+            for _ in range(3):
+                audit.write(record())
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and "cannot be written" in warnings[0].getMessage()
+        assert warnings[0].exc_info is None
+        assert audit.file_failures == 3
+        assert sum('"weights_audit"' in r.getMessage() for r in caplog.records) == 3
+    finally:
+        audit.close()
+
+
+def test_a_half_written_audit_line_is_cut_back(tmp_path, monkeypatch):
+    from miserver.http import audit as audit_module
+    from miserver.http.audit import AuditLog
+
+    path = tmp_path / "audit.jsonl"
+    audit = AuditLog(str(path))
+    try:
+        os.write(audit._fd, b'{"whole": 1}\n')
+        real_write = os.write
+
+        def short_write(fd, data):
+            return real_write(fd, data[:5])  # the disk filled mid-line
+
+        monkeypatch.setattr(audit_module.os, "write", short_write)
+        audit._append(b'{"half": 2}\n')
+        monkeypatch.setattr(audit_module.os, "write", real_write)
+        assert path.read_bytes() == b'{"whole": 1}\n'
+        audit._append(b'{"next": 3}\n')
+        assert path.read_bytes() == b'{"whole": 1}\n{"next": 3}\n'
+    finally:
+        audit.close()

@@ -36,6 +36,8 @@ class Metrics:
         requests_held: ``miserver_requests_held_total``: requests that waited behind a barrier.
         queue_depth: ``miserver_queue_depth``: interactive requests waiting or held now.
         request_latency: ``miserver_request_latency_seconds{route}``: admission to last byte.
+        generation_failures: ``miserver_generation_failures_total{reason}``: 500
+            GENERATION_FAILED answers, reason ``non_finite_logits`` or ``error``.
         model_loads: ``miserver_model_loads_total{outcome}``: loads that ended ``ok`` or
             ``failed``.
         model_unloads: ``miserver_model_unloads_total``.
@@ -66,6 +68,13 @@ class Metrics:
             "Request latency from admission to last byte",
             ["route"],
             buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.generation_failures = Counter(
+            "miserver_generation_failures",
+            "Generations that failed (500 GENERATION_FAILED), by reason: non_finite_logits"
+            " (the weights hold NaN or infinity) or error",
+            ["reason"],
             registry=r,
         )
         self.model_loads = Counter(

@@ -33,7 +33,7 @@ from miserver.fsm.state import Event
 from miserver.fsm.table import Answer, Effect
 from miserver.http.audit import AuditLog, AuditRecord
 from miserver.http.auth import Caller, attachment_ref
-from miserver.http.errors import ApiError
+from miserver.http.errors import ApiError, disk_full_error, is_disk_full
 from miserver.serving.scheduler import DrainTimeout, Priority
 from miserver.spec import codes
 from miserver.spec.settings import Settings
@@ -374,10 +374,14 @@ class WeightsRuntime:
                 self.decide(Event(failed))
             return
         except Exception as exc:  # noqa: BLE001 - any failure of the job is reported, not lost
-            log.exception("weights: the %s failed", owner)
-            async with self.lock:
+            if is_disk_full(exc):  # one line, no traceback: 507 saying what to do (item 16)
+                log.error("weights: the %s failed: the disk is full (%s)", owner, exc)
+                err = disk_full_error(f"the {owner}", self.settings.home)
+            else:
+                log.exception("weights: the %s failed", owner)
                 err = ApiError(codes.INTERNAL_ERROR, f"the {owner} failed: {exc}")
-                self._pending_failure = Answer(500, codes.INTERNAL_ERROR)
+            async with self.lock:
+                self._pending_failure = Answer(err.status, err.code, err.reason)
                 self._job_result = {"error": err}
                 self.decide(Event(failed))
             return
@@ -558,11 +562,12 @@ class WeightsRuntime:
                     )
             if out.retry_after:
                 headers["Retry-After"] = str(RETRY_AFTER_S)
+            message, details = self._with_numbers(out, message)
             raise ApiError(
                 out.code,
                 message,
                 reason=out.reason,  # type: ignore[arg-type]
-                details=self._wire_details(out.details),
+                details=details,
                 status=out.status,
                 headers=headers,
             )
@@ -602,7 +607,23 @@ class WeightsRuntime:
             reason=answer.reason,
             status=answer.status,
             details={"running": running, "drain_timeout_s": timeout_s},
+            headers={"Retry-After": str(RETRY_AFTER_S)},
         )
+
+    def _with_numbers(self, out: Outcome, message: str) -> tuple[str, dict[str, Any] | None]:
+        """A refusal's message and wire details, with the numbers a reader needs: for 503
+        QUEUE_FULL (a quiesce or a held ``/v1`` request) the bound and how many wait, worded
+        as the scheduler's own ``/v1`` refusal (issue 16 item 12)."""
+        details = self._wire_details(out.details)
+        if out.code is codes.QUEUE_FULL:
+            bound = self.scheduler.max_queued
+            waiting = self.scheduler.interactive_waiting()
+            message = (
+                f"The request queue is full: MAX_QUEUED_REQUESTS ({bound}) interactive requests"
+                f" are already waiting ({waiting} now); retry after Retry-After seconds."
+            )
+            details = {**(details or {}), "max_queued_requests": bound, "waiting": waiting}
+        return message, details
 
     def _queue_full(self, priority: Priority = Priority.INTERACTIVE) -> bool:
         """The ``queue_full`` fact of a quiesce or a ``/v1`` request at ``priority``.
@@ -790,10 +811,16 @@ class WeightsRuntime:
         assert resident is not None  # confirmed: it is the resident
         return resident
 
-    async def confirm_v1(self, resident: Resident | None) -> None:
+    async def confirm_v1(
+        self, resident: Resident | None, *, adapter: dict[str, Any] | None = None
+    ) -> None:
         """A ``/v1`` request admitted for ``resident`` has waited (for its scheduler slot, or
         for its auto-load) and is about to go on: the table's ``v1_confirm`` rows decide, told
         whether ``resident`` is still the resident (``None``: it is known not to be).
+
+        ``adapter``: the adapter block the request was admitted for when it named the applied
+        adapter; the resident is then the same only while that application is still applied
+        (the adapter removed or replaced meanwhile is a model that went away, issue 16 item 8).
 
         Inside the slot a pause that began meanwhile waits for this request (it holds a slot),
         so a hold is an acceptance there.
@@ -805,6 +832,8 @@ class WeightsRuntime:
         """
         async with self.lock:
             same = resident is not None and self.host.resident is resident
+            if same and adapter is not None:
+                same = resident.adapter_block is adapter
             out = self.decide(Event("v1_confirm", same_resident=same))
         if out.kind == "refused":
             raise self._refusal(out)
@@ -821,11 +850,12 @@ class WeightsRuntime:
         headers = {}
         if out.retry_after:
             headers["Retry-After"] = str(RETRY_AFTER_S)
+        message, details = self._with_numbers(out, out.message)
         return ApiError(
             out.code,
-            out.message,
+            message,
             reason=out.reason,  # type: ignore[arg-type]
-            details=self._wire_details(out.details),
+            details=details,
             status=out.status,
             headers=headers,
         )

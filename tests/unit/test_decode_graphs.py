@@ -287,7 +287,10 @@ def test_the_host_closes_a_dropped_residents_engine(tmp_path) -> None:
     closed: list[bool] = []
     engine = SimpleNamespace(close=lambda: closed.append(True))
     host.resident = SimpleNamespace(
-        engine=engine, row=SimpleNamespace(name="m", id=1), names=lambda: ("m",)
+        engine=engine,
+        arena=None,
+        row=SimpleNamespace(name="m", id=1),
+        names=lambda: ("m",),
     )
     host._drop_resident()
     assert closed == [True]

@@ -128,6 +128,9 @@ KIND_FORMATS: dict[str, str] = {
     "opt_path": "a path; empty or unset for none",
     "log_level": "`debug`, `info`, `warning`, `error` or `critical`",
     "log_format": "`json` or `text`",
+    "decode_graphs": "`captured`, `compiled` or `off` (case-insensitive)",
+    "nonneg_float": "a number, at least 0",
+    "management_auth": "`none` or `operator`",
 }
 
 #: What each variable of :data:`VARIABLES` does, for the settings reference (docs/settings.md,
@@ -168,6 +171,22 @@ DESCRIPTIONS: dict[str, str] = {
     "MAX_CONCURRENT_REQUESTS": "Forward passes that may run at once. The step barrier needs 1 "
     "(otherwise quiesce is 409 BARRIER_UNAVAILABLE, reason `concurrency`). Also changeable at "
     "run time with `PATCH /api/settings`.",
+    "DECODE_GRAPHS": "How a CUDA resident runs its decode step: `captured` (the default: one "
+    "CUDA graph per KV-cache length bucket, replayed over the served storages, captured at load), "
+    "`compiled` (the same through `torch.compile`: faster steps, a compile per bucket at load, "
+    "cached under `MISERVER_HOME/compile-cache`), or `off` (one eager forward pass a token). On "
+    "the CPU decoding is always eager, said once in the log. A build or capture that fails "
+    "falls back to eager with one warning and `miserver_decode_graph_fallbacks_total`.",
+    "HEADER_READ_TIMEOUT_S": "A connection whose request head (request line and headers) has not "
+    "arrived this many seconds after it opened, or after the first byte of a later request's "
+    "head, is answered 408 (JSON) and closed. Idle keep-alive connections are not affected.",
+    "SHUTDOWN_GRACE_S": "After SIGTERM, how long running and queued requests may take to finish "
+    "before they are ended with 503 SHUTTING_DOWN (0: end them at once). Keep it below "
+    "Kubernetes' `terminationGracePeriodSeconds`.",
+    "MANAGEMENT_AUTH": "`none` (the default: management routes are open, as the weights page "
+    "says) or `operator`: every mutating management and batch route needs an operator token "
+    "(401/403 as the weights routes, one audit line per call); needs an operator token in "
+    "`WEIGHTS_TOKENS` (else exit 2).",
     "CONTINUOUS_BATCHING": "Serve through a continuous-batching engine. Not implemented in this "
     "version: only `0` is accepted.",
     "MAX_QUEUED_REQUESTS": "Interactive requests that may wait (queued plus held by the "

@@ -13,7 +13,9 @@ aiohttp has no hook for these errors (aio-libs/aiohttp#3287, open), so :class:`A
 the app through a :class:`~aiohttp.web_protocol.RequestHandler` whose only change is
 :meth:`JsonErrorRequestHandler.handle_error`: the management error envelope, a message that says
 what was wrong and what to do, and a log line that names the fault without the request's bytes.
-``miserver serve`` runs the app with this runner.
+The same handler keeps a half-closed connection open until the requests it already carried
+are answered (:meth:`JsonErrorRequestHandler.eof_received`). ``miserver serve`` runs the app
+with this runner.
 """
 
 from __future__ import annotations
@@ -212,6 +214,27 @@ class JsonErrorRequestHandler(RequestHandler):
         resp = low_level_error(status, exc)
         resp.force_close()
         return resp
+
+    def eof_received(self) -> bool | None:
+        """The client half-closed its side (``shutdown(SHUT_WR)``) after sending a request:
+        keep the socket open for writing, answer the request in hand, then close (no further
+        request can come).
+
+        aiohttp's ``eof_received`` returns None, so asyncio closed the transport at the EOF and
+        a complete request got no response at all (issue 16 item 14). An idle connection (no
+        request received, or only part of a request head) and a request whose body is still
+        incomplete (the parser's EOF raises) close as before: nothing can be answered, and the
+        handler of an incomplete body sees the connection lost instead of waiting forever.
+        """
+        idle = self._waiter is not None and not self._waiter.done() and not self._messages
+        if idle or self._parser is None:
+            return None
+        try:
+            self._parser.feed_eof()
+        except Exception:  # noqa: BLE001 - an incomplete body (ContentLengthError, ...)
+            return None
+        self.close()  # once the request in hand is answered
+        return True
 
 
 class JsonErrorServer(web.Server):

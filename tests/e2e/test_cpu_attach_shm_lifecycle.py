@@ -5,6 +5,7 @@ and no file of the server is left in /dev/shm."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -52,8 +53,20 @@ def trainer(body: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def ours() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith(("miserver-", "torch_"))}
+def server_id(pid: int) -> str:
+    """The miserver.ipc.shm id of process ``pid``: the lock file it holds open."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            name = os.path.basename(target)
+            if target.startswith("/dev/shm/miserver-") and name.endswith(".lock"):
+                return name.removeprefix("miserver-").removesuffix(".lock")
+    raise AssertionError("the server holds no miserver lock file")
+
+
+def files_of(pid: int, sid: str) -> set[str]:
+    """The server's files in /dev/shm (other processes on this machine have their own)."""
+    return {f for f in os.listdir("/dev/shm") if sid in f or f.startswith(f"torch_{pid}_")}
 
 
 def test_two_rebuilds_a_stale_body_unload_and_sigterm(tmp_path: Path, tiny_model_dir: str):
@@ -62,7 +75,6 @@ def test_two_rebuilds_a_stale_body_unload_and_sigterm(tmp_path: Path, tiny_model
         name="tiny", format="safetensors", dtype="bfloat16", path=tiny_model_dir
     )
     port = free_port()
-    before = ours()
     log = tmp_path / "server.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "miserver.cli", "serve"],
@@ -107,11 +119,12 @@ def test_two_rebuilds_a_stale_body_unload_and_sigterm(tmp_path: Path, tiny_model
         st, data = call(port, "POST", f"/api/models/{row.id}/unload")
         assert st == 200, data
         assert proc.poll() is None, log.read_text()[-3000:]
-        left = ours() - before
-        assert all(name.endswith(".lock") for name in left), left  # no arena after unload
+        sid = server_id(proc.pid)
+        left = files_of(proc.pid, sid)
+        assert left == {f"miserver-{sid}.lock"}, left  # no arena or attach name after unload
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
-        assert ours() - before == set()
+        assert files_of(proc.pid, sid) == set()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import sqlite3
+import stat
 import threading
 from pathlib import Path
 
@@ -564,3 +565,95 @@ def test_a_half_written_audit_line_is_cut_back(tmp_path, monkeypatch):
         assert path.read_bytes() == b'{"whole": 1}\n{"next": 3}\n'
     finally:
         audit.close()
+
+
+# --- item 17: no progress bar in a JSON log; model.safetensors as readable as its folder ---------
+@pytest.fixture
+def bars_restored():
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    hf_was, hub_was = hf_logging.is_progress_bar_enabled(), not are_progress_bars_disabled()
+    hf_logging.enable_progress_bar()
+    enable_progress_bars()
+    yield
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+    hf_logging.enable_progress_bar() if hf_was else hf_logging.disable_progress_bar()
+    if hub_was:
+        enable_progress_bars()
+
+
+@pytest.mark.parametrize("log_format", ["json", "text"])
+def test_a_json_log_turns_off_the_progress_bars_a_text_log_keeps_them(
+    tmp_path, bars_restored, log_format
+):
+    from huggingface_hub.utils import are_progress_bars_disabled
+    from transformers.utils import logging as hf_logging
+
+    from miserver.serving.server import configure_logging
+    from miserver.spec.settings import Settings
+
+    configure_logging(Settings(home=str(tmp_path), log_format=log_format))
+    assert hf_logging.is_progress_bar_enabled() is (log_format == "text")
+    assert are_progress_bars_disabled() is (log_format == "json")
+
+
+def test_the_gguf_dequantization_bar_is_silent_when_progress_is_off():
+    import io
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from miserver.serving.default_model import _no_gguf_bar
+
+    shown = io.StringIO()
+    list(gguf_utils.tqdm(range(3), desc="Converting", file=shown))
+    assert "Converting" in shown.getvalue()  # the bar this is about draws to its file
+    quiet = io.StringIO()
+    with _no_gguf_bar():
+        assert list(gguf_utils.tqdm(range(3), desc="Converting", file=quiet)) == [0, 1, 2]
+    assert quiet.getvalue() == ""
+    assert "partial" not in repr(gguf_utils.tqdm)  # put back
+
+
+@pytest.mark.parametrize("log_format, progress", [("json", False), ("text", True)])
+def test_the_first_start_imports_the_default_without_bars_under_a_json_log(
+    tmp_path, monkeypatch, log_format, progress
+):
+    from miserver.serving import default_model
+    from miserver.serving.server import prepare_home
+    from miserver.spec.settings import Settings
+
+    calls = []
+
+    def fake_import(home, progress=True):
+        calls.append(progress)
+        raise default_model.DefaultModelError("stopped by the test")
+
+    monkeypatch.setattr(default_model, "import_default", fake_import)
+    problem = prepare_home(Settings(home=str(tmp_path / "home"), log_format=log_format))
+    assert "stopped by the test" in problem
+    assert calls == [progress]
+
+
+async def test_a_checkpoints_model_safetensors_is_as_readable_as_its_other_files(client):
+    from tests.unit.test_weights_checkpoints_routes import attach
+    from tests.unit.test_weights_routes import post
+
+    h = await attach(client)
+    st, body, _ = await post(client, "/api/weights/save", h, {"name": "tiny-perm"})
+    assert st == 200, body
+    folder = Path(body["data"]["path"])
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir() if p.is_file()}
+    assert modes["model.safetensors"] == modes["manifest.json"], modes
+    assert len(set(modes.values())) == 1, modes
+
+
+def test_the_imported_defaults_model_safetensors_is_as_readable_as_its_config(default_home):
+    from miserver.serving.default_model import model_dir
+
+    folder = model_dir(default_home)
+    weights = stat.S_IMODE((folder / "model.safetensors").stat().st_mode)
+    assert weights == stat.S_IMODE((folder / "config.json").stat().st_mode)

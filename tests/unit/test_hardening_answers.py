@@ -14,6 +14,7 @@ import socket
 import sqlite3
 import stat
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -657,3 +658,53 @@ def test_the_imported_defaults_model_safetensors_is_as_readable_as_its_config(de
     folder = model_dir(default_home)
     weights = stat.S_IMODE((folder / "model.safetensors").stat().st_mode)
     assert weights == stat.S_IMODE((folder / "config.json").stat().st_mode)
+
+
+# --- item 18: the trainer guide's torn-recovery code, run as written -----------------------------
+def guide_block(marker: str) -> str:
+    """The python block that follows ``<!-- torn-recovery: marker -->`` in the trainer guide."""
+    text = (Path(__file__).parents[2] / "docs" / "trainer-guide.md").read_text()
+    after = text.split(f"<!-- torn-recovery: {marker} -->", 1)[1]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def tear_by_the_watchdog(client) -> None:
+    client.attach()
+    client.quiesce()
+    client.commit_begin()  # ... and the step never ends: the watchdog tears the set
+    deadline = time.monotonic() + 10
+    while client.status()["weights_state"] != "torn":
+        assert time.monotonic() < deadline, "the watchdog never tore the set"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("way", ["checkpoint", "model_id"])
+def test_the_trainer_guides_torn_recovery_code_recovers(tmp_path, tiny_model_dir, way):
+    from miserver.trainer import WeightsClient
+    from tests.unit.test_trainer_client import TRN, ThreadServer
+
+    server = ThreadServer(tmp_path, tiny_model_dir, WEIGHTS_COMMIT_WATCHDOG_MS="200")
+    try:
+        with WeightsClient(server.url, TRN, timeout=30) as client:
+            client.attach()
+            saved = client.save("tiny-good")
+            client.detach()
+            tear_by_the_watchdog(client)
+            assert server.chat()[1]["error"]["code"] == "weights_torn"
+            namespace = {
+                "client": client,
+                "checkpoint": saved["name"],
+                "model_id": server.app[keys.HOST].resident.row.id,
+            }
+            exec(compile(guide_block(way), f"trainer-guide.md ({way})", "exec"), namespace)
+            status = client.status()
+            assert status["weights_state"] == "clean" and status["barrier"] == "serving"
+            assert status["steps_since_load"] == 0
+            assert server.chat()[0] == 200
+            if way == "model_id":  # attached again, to the reloaded tensors
+                assert status["attached"] and namespace["model"] is not None
+            with client.commit():  # and training goes on
+                pass
+            assert client.status()["steps_since_load"] == 1
+    finally:
+        server.stop()

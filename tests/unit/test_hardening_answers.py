@@ -708,3 +708,18 @@ def test_the_trainer_guides_torn_recovery_code_recovers(tmp_path, tiny_model_dir
             assert client.status()["steps_since_load"] == 1
     finally:
         server.stop()
+
+
+async def test_a_routes_own_409_model_busy_carries_retry_after_too(client, tiny_model_dir):
+    other = client.app[keys.CATALOGUE].register(
+        name="tiny-other", format="safetensors", dtype="bfloat16", path=tiny_model_dir
+    )
+    host = client.app[keys.HOST]
+    host._busy = "load"  # a model load runs (the catalogue DELETE's own refusal)
+    try:
+        resp = await client.delete(f"/api/models/{other.id}")
+        body = await resp.json()
+    finally:
+        host._busy = None
+    assert resp.status == 409 and body["error"]["code"] == "MODEL_BUSY", body
+    assert resp.headers.get("Retry-After") == "1"

@@ -93,10 +93,25 @@ def is_openai_path(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/")
 
 
+#: Codes answered with ``Retry-After`` wherever they are raised (the table's
+#: ``RETRY_AFTER_CODES`` for lifecycle refusals; a route's own 409 MODEL_BUSY too: it lasts only
+#: as long as the operation in progress; issue 16 item 12).
+RETRY_AFTER_S = "1"
+_ALWAYS_RETRY_AFTER = frozenset(
+    {codes.MODEL_BUSY.name, codes.QUEUE_FULL.name, codes.WEIGHTS_TORN.name}
+)
+
+
 def error_response(request_path: str, err: ApiError) -> web.Response:
-    """The error in the shape of the route family of ``request_path``."""
+    """The error in the shape of the route family of ``request_path``; a 409 MODEL_BUSY, 503
+    QUEUE_FULL or 503 WEIGHTS_TORN always with ``Retry-After``."""
     body = openai_error_body(err) if is_openai_path(request_path) else management_error_body(err)
-    return json_response(body, err.status, err.headers)
+    headers = err.headers
+    if err.code.name in _ALWAYS_RETRY_AFTER and not any(
+        k.lower() == "retry-after" for k in headers
+    ):
+        headers = {**headers, "Retry-After": RETRY_AFTER_S}
+    return json_response(body, err.status, headers)
 
 
 _HTTP_CODES: dict[int, ErrorCode] = {

@@ -130,12 +130,32 @@ def configure_logging(settings: Settings) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(settings.log_level.upper())
+    if settings.log_format == "json":
+        quiet_progress_bars()
     # Third-party chatter stays at warning unless debugging.
     if settings.log_level != "debug":
         # ``transitions`` logs every state change at INFO: the audit log already records each
         # weights call, and those lines cost the barrier time on every call.
         for noisy in ("urllib3", "filelock", "httpx", "asyncio", "transitions"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def quiet_progress_bars() -> None:
+    """Turn off the tqdm progress bars of transformers and huggingface_hub for this process:
+    with ``LOG_FORMAT=json`` stderr carries one JSON object a line, and a bar is not one (issue
+    16 item 17). The import of the default reports its phases as log lines instead."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+    else:
+        hf_logging.disable_progress_bar()
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+    except ImportError:  # pragma: no cover
+        pass
+    else:
+        disable_progress_bars()
 
 
 def prepare_home(settings: Settings) -> str | None:
@@ -153,7 +173,8 @@ def prepare_home(settings: Settings) -> str | None:
     if catalogue.is_empty() or missing_default:
         log.info("importing the embedded default model into %s (once)", settings.home)
         try:
-            import_default(settings.home, progress=True)
+            # Bars only for a human's log: a JSON log gets the phases as log lines.
+            import_default(settings.home, progress=settings.log_format != "json")
         except DefaultModelError as exc:
             return f"the embedded default model could not be imported: {exc}"
     if name and catalogue.get_by_name(name) is None:

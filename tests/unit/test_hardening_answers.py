@@ -12,7 +12,9 @@ import logging
 import os
 import socket
 import sqlite3
+import stat
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -564,3 +566,160 @@ def test_a_half_written_audit_line_is_cut_back(tmp_path, monkeypatch):
         assert path.read_bytes() == b'{"whole": 1}\n{"next": 3}\n'
     finally:
         audit.close()
+
+
+# --- item 17: no progress bar in a JSON log; model.safetensors as readable as its folder ---------
+@pytest.fixture
+def bars_restored():
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    hf_was, hub_was = hf_logging.is_progress_bar_enabled(), not are_progress_bars_disabled()
+    hf_logging.enable_progress_bar()
+    enable_progress_bars()
+    yield
+    root.handlers[:] = saved[0]
+    root.setLevel(saved[1])
+    hf_logging.enable_progress_bar() if hf_was else hf_logging.disable_progress_bar()
+    if hub_was:
+        enable_progress_bars()
+
+
+@pytest.mark.parametrize("log_format", ["json", "text"])
+def test_a_json_log_turns_off_the_progress_bars_a_text_log_keeps_them(
+    tmp_path, bars_restored, log_format
+):
+    from huggingface_hub.utils import are_progress_bars_disabled
+    from transformers.utils import logging as hf_logging
+
+    from miserver.serving.server import configure_logging
+    from miserver.spec.settings import Settings
+
+    configure_logging(Settings(home=str(tmp_path), log_format=log_format))
+    assert hf_logging.is_progress_bar_enabled() is (log_format == "text")
+    assert are_progress_bars_disabled() is (log_format == "json")
+
+
+def test_the_gguf_dequantization_bar_is_silent_when_progress_is_off():
+    import io
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    from miserver.serving.default_model import _no_gguf_bar
+
+    shown = io.StringIO()
+    list(gguf_utils.tqdm(range(3), desc="Converting", file=shown))
+    assert "Converting" in shown.getvalue()  # the bar this is about draws to its file
+    quiet = io.StringIO()
+    with _no_gguf_bar():
+        assert list(gguf_utils.tqdm(range(3), desc="Converting", file=quiet)) == [0, 1, 2]
+    assert quiet.getvalue() == ""
+    assert "partial" not in repr(gguf_utils.tqdm)  # put back
+
+
+@pytest.mark.parametrize("log_format, progress", [("json", False), ("text", True)])
+def test_the_first_start_imports_the_default_without_bars_under_a_json_log(
+    tmp_path, monkeypatch, log_format, progress
+):
+    from miserver.serving import default_model
+    from miserver.serving.server import prepare_home
+    from miserver.spec.settings import Settings
+
+    calls = []
+
+    def fake_import(home, progress=True):
+        calls.append(progress)
+        raise default_model.DefaultModelError("stopped by the test")
+
+    monkeypatch.setattr(default_model, "import_default", fake_import)
+    problem = prepare_home(Settings(home=str(tmp_path / "home"), log_format=log_format))
+    assert "stopped by the test" in problem
+    assert calls == [progress]
+
+
+async def test_a_checkpoints_model_safetensors_is_as_readable_as_its_other_files(client):
+    from tests.unit.test_weights_checkpoints_routes import attach
+    from tests.unit.test_weights_routes import post
+
+    h = await attach(client)
+    st, body, _ = await post(client, "/api/weights/save", h, {"name": "tiny-perm"})
+    assert st == 200, body
+    folder = Path(body["data"]["path"])
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir() if p.is_file()}
+    assert modes["model.safetensors"] == modes["manifest.json"], modes
+    assert len(set(modes.values())) == 1, modes
+
+
+def test_the_imported_defaults_model_safetensors_is_as_readable_as_its_config(default_home):
+    from miserver.serving.default_model import model_dir
+
+    folder = model_dir(default_home)
+    weights = stat.S_IMODE((folder / "model.safetensors").stat().st_mode)
+    assert weights == stat.S_IMODE((folder / "config.json").stat().st_mode)
+
+
+# --- item 18: the trainer guide's torn-recovery code, run as written -----------------------------
+def guide_block(marker: str) -> str:
+    """The python block that follows ``<!-- torn-recovery: marker -->`` in the trainer guide."""
+    text = (Path(__file__).parents[2] / "docs" / "trainer-guide.md").read_text()
+    after = text.split(f"<!-- torn-recovery: {marker} -->", 1)[1]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def tear_by_the_watchdog(client) -> None:
+    client.attach()
+    client.quiesce()
+    client.commit_begin()  # ... and the step never ends: the watchdog tears the set
+    deadline = time.monotonic() + 10
+    while client.status()["weights_state"] != "torn":
+        assert time.monotonic() < deadline, "the watchdog never tore the set"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("way", ["checkpoint", "model_id"])
+def test_the_trainer_guides_torn_recovery_code_recovers(tmp_path, tiny_model_dir, way):
+    from miserver.trainer import WeightsClient
+    from tests.unit.test_trainer_client import TRN, ThreadServer
+
+    server = ThreadServer(tmp_path, tiny_model_dir, WEIGHTS_COMMIT_WATCHDOG_MS="200")
+    try:
+        with WeightsClient(server.url, TRN, timeout=30) as client:
+            client.attach()
+            saved = client.save("tiny-good")
+            client.detach()
+            tear_by_the_watchdog(client)
+            assert server.chat()[1]["error"]["code"] == "weights_torn"
+            namespace = {
+                "client": client,
+                "checkpoint": saved["name"],
+                "model_id": server.app[keys.HOST].resident.row.id,
+            }
+            exec(compile(guide_block(way), f"trainer-guide.md ({way})", "exec"), namespace)
+            status = client.status()
+            assert status["weights_state"] == "clean" and status["barrier"] == "serving"
+            assert status["steps_since_load"] == 0
+            assert server.chat()[0] == 200
+            if way == "model_id":  # attached again, to the reloaded tensors
+                assert status["attached"] and namespace["model"] is not None
+            with client.commit():  # and training goes on
+                pass
+            assert client.status()["steps_since_load"] == 1
+    finally:
+        server.stop()
+
+
+async def test_a_routes_own_409_model_busy_carries_retry_after_too(client, tiny_model_dir):
+    other = client.app[keys.CATALOGUE].register(
+        name="tiny-other", format="safetensors", dtype="bfloat16", path=tiny_model_dir
+    )
+    host = client.app[keys.HOST]
+    host._busy = "load"  # a model load runs (the catalogue DELETE's own refusal)
+    try:
+        resp = await client.delete(f"/api/models/{other.id}")
+        body = await resp.json()
+    finally:
+        host._busy = None
+    assert resp.status == 409 and body["error"]["code"] == "MODEL_BUSY", body
+    assert resp.headers.get("Retry-After") == "1"

@@ -6,7 +6,9 @@ each kind of caller, every internal completion and timer expiry, every parameter
 changes a decision) is offered in every reachable state. Checked:
 
 - totality and determinism: each ``(state, event)`` has exactly one outcome (one row fires,
-  and firing it again from the same snapshot gives the same row and state);
+  firing it again from the same snapshot gives the same row and state, and the decision lookup
+  the server decides through, :meth:`~miserver.fsm.compiled.Compiled.decide`, gives that row
+  and state too);
 - the named invariants of :mod:`miserver.fsm.invariants`, in every state and on every edge;
 - non-vacuity: every machine state, every component value, every row of the table, and every
   code and reason the table can produce is reached, including every code and reason of the
@@ -225,7 +227,9 @@ def check(
     """
     t0 = time.perf_counter()
     compiled = compile_table(table)
-    core = Lifecycle(table=table, id_factory=lambda: HOLDER_ID)
+    core = Lifecycle(table=table, id_factory=lambda: HOLDER_ID, via_machine=True)
+    # The server decides through the lookup read out of the same machine: it must agree.
+    fast = Lifecycle(table=table, id_factory=lambda: HOLDER_ID)
     triggers = list(dict.fromkeys(row.trigger for row in table))
     events = alphabet(triggers)
     report = Report(
@@ -304,6 +308,25 @@ def check(
                     f"{event.short()} gave {row_id} then {again.row}",
                     (event, row_id, after),
                 )
+            fast.restore(snap)
+            try:
+                looked_up = fast.handle(event, 10.0)
+            except TableError as exc:
+                violate(
+                    "determinism",
+                    state,
+                    f"{event.short()}: the machine fired {row_id}, the decision lookup: {exc}",
+                    (event, row_id, after),
+                )
+            else:
+                if (looked_up.row, looked_up.after) != (row_id, after):
+                    violate(
+                        "determinism",
+                        state,
+                        f"{event.short()}: the machine fired {row_id}, the decision lookup "
+                        f"{looked_up.row}",
+                        (event, row_id, after),
+                    )
             row = by_id[row_id]
             for name, inv in EDGE_INVARIANTS:
                 if not inv(state, event, row, after):

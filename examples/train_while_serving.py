@@ -22,8 +22,8 @@ Run it::
     python examples/train_while_serving.py --schedule full --device cuda
     python examples/train_while_serving.py --server http://127.0.0.1:8000 --token-file secret
 
-Without ``--server`` the demo starts ``miserver serve`` itself on a free port: a generated trainer
-token, ``WEIGHTS_CPU_ATTACH=1`` on the CPU (contract 8), ``WEIGHTS_COMMIT_WATCHDOG_MS`` raised to
+Without ``--server`` the demo starts ``miserver serve`` itself on ``--port`` (default: a free
+one, printed): a generated trainer token, ``WEIGHTS_CPU_ATTACH=1`` on the CPU (contract 8), ``WEIGHTS_COMMIT_WATCHDOG_MS`` raised to
 30 s on the CPU (an AdamW step over 135M parameters on two cores takes far longer than the 800 ms
 GPU default), and ``MISERVER_HOME`` from the environment (default: miserver's own). With
 ``--server`` it attaches to that server with the secret in ``--token-file``.
@@ -163,6 +163,7 @@ class LocalServer:
         log_path: where the server's output goes.
         watchdog_ms: ``WEIGHTS_COMMIT_WATCHDOG_MS``, or None for the server's default.
         audit_path: ``WEIGHTS_AUDIT_LOG``.
+        port: the port on 127.0.0.1 to serve on; None or 0 for a free one.
     """
 
     def __init__(
@@ -173,9 +174,10 @@ class LocalServer:
         log_path: Path,
         watchdog_ms: int | None,
         audit_path: Path,
+        port: int | None = None,
     ) -> None:
         self.token = secrets.token_urlsafe(32)
-        self.port = free_port()
+        self.port = port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
@@ -1065,6 +1067,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--server", help="attach to this miserver (http://host:port) instead of starting one"
     )
     p.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="the port on 127.0.0.1 of the server the demo starts (default: a free one, "
+        "printed at the start; while it runs, curl or an OpenAI client can use it too)",
+    )
+    p.add_argument(
         "--token-file",
         help="with --server: a file holding the trainer token's "
         "secret (the secret alone, not label:role:secret)",
@@ -1107,6 +1116,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--server needs --token-file")
     if args.token_file and not args.server:
         p.error("--token-file goes with --server")
+    if args.port and args.server:
+        p.error("--port is for the server the demo starts; --server names its own")
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port {args.port}: not a port (1 to 65535, or 0 for a free one)")
     return args
 
 
@@ -1157,6 +1170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         log_path=out / "server.log",
                         watchdog_ms=30_000 if device == "cpu" else None,
                         audit_path=out / "audit.jsonl",
+                        port=args.port,
                     )
                 )
                 base, token = server.base, server.token

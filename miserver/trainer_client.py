@@ -476,6 +476,9 @@ class WeightsClient:
         self._hb_stop = threading.Event()
         self._hb_session: _Connection | None = None
         self.heartbeat_interval_s: float | None = None
+        #: The server's staleness window (``heartbeat.timeout_s``, seconds): how long one
+        #: heartbeat may take and still count.
+        self.heartbeat_window_s: float | None = None
         self.heartbeat_error: BaseException | None = None
         self.heartbeats_sent = 0
         self._detach_answer: dict[str, Any] | None = None
@@ -602,9 +605,9 @@ class WeightsClient:
                     "attached to weights that are %s; recover with POST /api/weights/load",
                     self.attachment.weights_state,
                 )
-            self.heartbeat_interval_s = float(
-                (data.get("heartbeat") or {}).get("interval_hint_s") or 5.0
-            )
+            hb = data.get("heartbeat") or {}
+            self.heartbeat_interval_s = float(hb.get("interval_hint_s") or 5.0)
+            self.heartbeat_window_s = float(hb.get("timeout_s") or 0.0) or None
             self.heartbeat_error = None
             if self._heartbeat_enabled:
                 self.start_heartbeat()
@@ -891,6 +894,13 @@ class WeightsClient:
         if self._hb_session is not None and thread is not None:
             self._hb_session.close()
 
+    def _heartbeat_timeout(self) -> float:
+        """Seconds one heartbeat may wait for its answer: the server's staleness window (an
+        answer within it still keeps the attachment active; a busy server is slow, not gone),
+        at least two intervals, at most ``timeout``."""
+        interval = self.heartbeat_interval_s or 5.0
+        return min(self.timeout, max(2 * interval, self.heartbeat_window_s or 0.0))
+
     def _heartbeat_loop(self, stop: threading.Event) -> None:
         session = self._hb_session
         last_ok = time.monotonic()
@@ -901,7 +911,7 @@ class WeightsClient:
                     "/api/weights/heartbeat",
                     holder=True,
                     session=session,
-                    timeout=min(self.timeout, 2 * (self.heartbeat_interval_s or 5.0)),
+                    timeout=self._heartbeat_timeout(),
                 )
             except NotAttachedHere:
                 return
@@ -927,6 +937,9 @@ class WeightsClient:
             hint = data.get("interval_hint_s")
             if isinstance(hint, int | float) and hint > 0:
                 self.heartbeat_interval_s = float(hint)
+            window = data.get("timeout_s")
+            if isinstance(window, int | float) and window > 0:
+                self.heartbeat_window_s = float(window)
             gap = time.monotonic() - last_ok
             last_ok = time.monotonic()
             if gap > float(data.get("timeout_s") or float("inf")):

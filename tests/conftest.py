@@ -15,9 +15,34 @@ import hashlib
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _no_heartbeat_thread_left_behind():
+    """Fail a test that leaves a trainer client's heartbeat thread running (a client never
+    detached: it would go on posting to a server that is gone, and log after pytest's summary),
+    and stop that thread so it cannot disturb the tests after it."""
+    before = set(threading.enumerate())
+    yield
+    left = [
+        t
+        for t in threading.enumerate()
+        if t not in before and t.name == "miserver-heartbeat" and t.is_alive()
+    ]
+    for t in left:
+        stop = getattr(t, "_args", (None,))[0]  # WeightsClient.start_heartbeat's stop event
+        if isinstance(stop, threading.Event):
+            stop.set()
+        t.join(10)
+    if left:
+        pytest.fail(
+            f"{len(left)} heartbeat thread(s) still running after the test: detach the client "
+            "(WeightsClient.detach/close, or use it as a context manager)"
+        )
 
 
 def _cache_key() -> str:

@@ -370,11 +370,12 @@ class Lifecycle:
         if s.commit != "none" or (s.weights == "torn" and c.commit_began_at is not None):
             # Weights page, Status: ``commit`` while a commit is open or torn. ``overran``: the
             # watchdog timed it out (open longer than WEIGHTS_COMMIT_WATCHDOG_MS), not merely
-            # torn (a detach while writing, a moved address). ``open_ms`` runs on while the
-            # beginner may still end it; once nobody can, it stops where the commit tore.
-            end = now
-            if s.commit != "mine" and c.commit_torn_at is not None:
-                end = c.commit_torn_at
+            # torn (a detach while writing, a moved address). ``open_ms`` runs while the commit
+            # is open and stops where it tore (the watchdog, a detach, a moved address), also
+            # while its beginner may still end it late: the value never changes after the tear,
+            # a clear-stale included (issue 16 item 15). A late commit-end reports its own
+            # length (``last_overrun.commit_ms``).
+            end = now if c.commit_torn_at is None else c.commit_torn_at
             open_ms = None
             if end is not None and c.commit_began_at is not None:
                 open_ms = (end - c.commit_began_at) * 1000.0

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 import torch
 
+from miserver.ipc import shm
 from miserver.ipc.arena import ParameterArena, base_parameter_slots
 from miserver.ipc.devices import device_uuid, producer_info
 
@@ -171,9 +172,11 @@ def _share(arena: ParameterArena, i: int) -> CudaIpcStorage | CpuSharedMemorySto
             event_sync_required=bool(ev_sync),
         )
     manager, handle, size = st._share_filename_cpu_()
-    # As reduce_storage does: one reference for the receiver, which rebuild_storage_filename
-    # takes over (it opens the file, then drops this reference).
-    st._shared_incref()
+    # The server owns the file (miserver.ipc.shm): its header count is pinned, so no reference
+    # is added for the receiver, and each attach gets its own name, removed at detach.
+    names = arena.shm_names
+    if i < len(names) and names[i] is not None:
+        handle = shm.export_name(names[i]).encode()
     return CpuSharedMemoryStorage(
         manager_handle=_b64(manager), storage_handle=_b64(handle), storage_size_bytes=int(size)
     )
@@ -239,8 +242,11 @@ def cuda_memory() -> list[dict[str, Any]] | None:
 
 
 def reclaim() -> None:
-    """Free the shared blocks trainers have released (``torch.cuda.ipc_collect()``); the detach
-    handler calls it (weights page "Rebuilding the tensors": miserver reclaims the shared blocks
-    you released). A no-op without an initialised CUDA context."""
+    """Free the shared blocks trainers have released (``torch.cuda.ipc_collect()``) and remove
+    every attach name of a CPU shared-memory arena (a kept body is then refused when rebuilt;
+    :func:`miserver.ipc.shm.revoke_exports`); the detach handler calls it (weights page
+    "Rebuilding the tensors": miserver reclaims the shared blocks you released). The CUDA part
+    is a no-op without an initialised CUDA context."""
+    shm.revoke_exports()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.ipc_collect()

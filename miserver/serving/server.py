@@ -180,6 +180,9 @@ def serve(settings: Settings) -> int:
         return 2
     from miserver.http.app import create_app
     from miserver.http.protocol import run_app
+    from miserver.ipc import shm
+
+    shm.sweep_dead()  # CPU shared memory a dead miserver left in /dev/shm (issue 16, 4)
 
     app = create_app(settings)
     try:

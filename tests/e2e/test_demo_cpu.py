@@ -116,6 +116,24 @@ def test_usage_errors_exit_before_anything_starts(tmp_path: Path) -> None:
         demo.parse_args(["--token-file", str(tmp_path / "t")])
 
 
+def test_the_self_started_server_serves_on_the_port_asked_for(tmp_path: Path) -> None:
+    assert demo.parse_args([]).port == 0  # a free one
+    args = demo.parse_args(["--port", "18123"])
+    server = demo.LocalServer(
+        device="cpu",
+        home=str(tmp_path),
+        log_path=tmp_path / "log",
+        watchdog_ms=None,
+        audit_path=tmp_path / "audit.jsonl",
+        port=args.port,
+    )
+    assert server.base == "http://127.0.0.1:18123" and server._env["PORT"] == "18123"
+    for bad in (["--port", "70000"], ["--port", "1", "--server", "http://x:1", "--token-file", "t"]):
+        with pytest.raises(SystemExit) as exc:
+            demo.parse_args(bad)
+        assert exc.value.code == 2
+
+
 # --- the run -----------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(2400)

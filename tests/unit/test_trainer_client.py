@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miserver import trainer
+from miserver import trainer, trainer_client
 from miserver.spec import codes
 from miserver.trainer import (
     AlreadyAttached,
@@ -34,6 +34,7 @@ from miserver.trainer import (
     WeightsForbidden,
     WeightsUnauthorized,
 )
+from tests.waiting import wait_until
 
 TRN = "trainer-secret-0123456789"
 TRN2 = "trainer2-secret-0123456789"
@@ -243,8 +244,10 @@ def test_a_dying_process_leaves_the_commit_open_for_the_watchdog(tmp_path, tiny_
             with pytest.raises(KeyboardInterrupt), client.commit():
                 raise KeyboardInterrupt
             assert client.status()["weights_state"] in ("writing", "torn")
-            time.sleep(0.4)
-            status = client.status()
+            status = wait_until(
+                lambda: (st := client.status())["weights_state"] == "torn" and st,
+                "the watchdog tore the open commit",
+            )
             assert status["weights_state"] == "torn" and status["barrier"] == "quiesced"
             st, body, headers = server.chat()
             assert st == 503 and body["error"]["code"] == "weights_torn"
@@ -480,28 +483,37 @@ def test_commit_sends_each_pair_of_calls_in_one_write_before_reading_an_answer()
 
 
 def test_heartbeat_thread_runs_at_the_hint_and_stops_on_detach(tmp_path, tiny_model_dir):
+    # The staleness window is 30 hints long, and the test waits for heartbeats rather than for
+    # a time: a loaded machine delays them, and nothing here depends on how much.
     server = ThreadServer(
         tmp_path,
         tiny_model_dir,
         WEIGHTS_HEARTBEAT_INTERVAL_HINT_S="0.1",
-        WEIGHTS_HEARTBEAT_TIMEOUT_S="0.6",
+        WEIGHTS_HEARTBEAT_TIMEOUT_S="3",
     )
     try:
-        client = WeightsClient(server.url, TRN, timeout=30)
-        client.attach()
-        assert client.heartbeat_interval_s == 0.1
-        time.sleep(1.0)  # longer than the staleness window: only the heartbeat keeps it active
-        status = client.status()
-        assert status["attachment"]["state"] == "active"
-        assert status["attachment"]["last_heartbeat_at"] is not None
-        assert client.heartbeats_sent >= 3 and client.heartbeat_error is None
-        thread = client._hb_thread
-        client.detach()
-        assert thread is not None and not thread.is_alive()
-        sent = client.heartbeats_sent
-        time.sleep(0.3)
-        assert client.heartbeats_sent == sent
-        assert not any(t.name == "miserver-heartbeat" for t in threading.enumerate())
+        with WeightsClient(server.url, TRN, timeout=30) as client:
+            attached_at = time.monotonic()
+            client.attach()
+            assert client.heartbeat_interval_s == 0.1
+            wait_until(lambda: client.heartbeats_sent >= 3, "three heartbeats answered")
+            # At the hint, not faster: three waits of 0.1 s came before the third heartbeat.
+            assert time.monotonic() - attached_at >= 0.3
+            seen = client.status()["attachment"]["last_heartbeat_at"]
+            assert seen is not None
+            # Past the staleness window: only the heartbeat keeps the attachment active.
+            wait_until(lambda: time.monotonic() - attached_at > 3.5, "the staleness window passed")
+            status = client.status()
+            assert status["attachment"]["state"] == "active"
+            assert status["attachment"]["last_heartbeat_at"] != seen
+            assert client.heartbeat_error is None
+            thread = client._hb_thread
+            client.detach()
+            assert thread is not None and not thread.is_alive()
+            sent = client.heartbeats_sent
+            time.sleep(0.3)  # a stopped thread sends nothing more, however long this is
+            assert client.heartbeats_sent == sent
+            assert not any(t.name == "miserver-heartbeat" for t in threading.enumerate())
     finally:
         server.stop()
 
@@ -518,16 +530,15 @@ def test_a_cleared_attachment_stops_the_heartbeat_and_the_next_commit_raises(
     try:
         client = WeightsClient(server.url, TRN, timeout=30, heartbeat=False)
         client.attach()
-        time.sleep(0.5)
-        assert client.status()["attachment"]["state"] == "stale"
+        wait_until(
+            lambda: client.status()["attachment"]["state"] == "stale",
+            "the attachment without heartbeats went stale",
+        )
         ops = WeightsClient(server.url, OPS, timeout=30)
         assert ops.clear_stale()["cleared"]["label"] == "trn"
         with caplog.at_level(logging.WARNING, logger="miserver.trainer"):
             client.start_heartbeat()
-            deadline = time.monotonic() + 5
-            while client._hb_thread.is_alive() and time.monotonic() < deadline:
-                time.sleep(0.05)
-        assert not client._hb_thread.is_alive()
+            wait_until(lambda: not client._hb_thread.is_alive(), "the refused heartbeat stopped")
         assert isinstance(client.heartbeat_error, NotAttached)
         assert any("heartbeat refused" in r.getMessage() for r in caplog.records)
         with pytest.raises(NotAttached), client.commit():
@@ -687,6 +698,11 @@ class _Counting(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def closed_by_server(client: WeightsClient) -> bool:
+    conn = client._session._conn
+    return conn is None or conn.sock is None or trainer_client._dropped(conn.sock)
+
+
 def test_a_connection_the_server_closed_is_reopened_and_a_post_is_never_resent():
     _Counting.seen = []
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Counting)
@@ -694,12 +710,12 @@ def test_a_connection_the_server_closed_is_reopened_and_a_post_is_never_resent()
     try:
         client = WeightsClient(f"http://127.0.0.1:{srv.server_address[1]}", TRN, timeout=5)
         assert client.status() == {"attached": False}
-        time.sleep(0.1)  # the server has closed the idle connection by now
+        wait_until(lambda: closed_by_server(client), "the server closed the idle connection")
         assert client.status() == {"attached": False}  # a new connection, not an error
         # Let the server close that one too, so the POST goes out on a fresh connection and
         # reaches the handler (sent into a closing socket, it would never be seen: also no
         # resend, but then the test could not tell).
-        time.sleep(0.1)
+        wait_until(lambda: closed_by_server(client), "the server closed the idle connection")
         client._attachment_id = "x" * 32  # pretend to hold one, to send a holder call
         with pytest.raises(TransportError):
             client.commit_end()

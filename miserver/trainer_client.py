@@ -690,7 +690,10 @@ class WeightsClient:
             if isinstance(begun, BaseException):
                 quiesced.add_note(f"the pipelined commit-begin was not accepted either: {begun}")
             else:  # this attachment already held the barrier: end the commit it just opened
-                end, resumed = self._pipelined("commit-end", "resume")
+                try:
+                    end, resumed = self._pipelined("commit-end", "resume")
+                except Exception as pair_exc:  # noqa: BLE001 - the quiesce error is raised
+                    end = resumed = pair_exc
                 failed = [x for x in (end, resumed) if isinstance(x, BaseException)]
                 quiesced.add_note(
                     "the pipelined commit-begin was accepted (this attachment already held "

@@ -71,7 +71,16 @@ def info_line(logger: logging.Logger, msg: str, *args: object) -> None:
     handlers apply as for ``info``."""
     if logger.isEnabledFor(logging.INFO):
         logger.handle(
-            logger.makeRecord(logger.name, logging.INFO, "(unknown file)", 0, msg, args, None)
+            logger.makeRecord(
+                logger.name,
+                logging.INFO,
+                "(unknown file)",
+                0,
+                msg,
+                args,
+                None,
+                "(unknown function)",
+            )
         )
 
 

@@ -180,8 +180,9 @@ async def _gated(
 
 
 def _state(runtime: WeightsRuntime) -> dict[str, Any]:
-    view = runtime.lifecycle.status_view(runtime.now())
-    return view
+    """The lifecycle fields an answer reports (``Lifecycle.answer_view``: not the whole status
+    view, which costs several times as much, on every barrier call)."""
+    return runtime.lifecycle.answer_view()
 
 
 @gated_route("weights_attach")
@@ -224,7 +225,7 @@ async def heartbeat(request: web.Request) -> web.Response:
     s = runtime.settings
     return ok(
         W.HeartbeatResponse(
-            attachment_state=view["attachment"]["state"],
+            attachment_state=view["attachment_state"],
             timeout_s=s.weights_heartbeat_timeout_s,
             interval_hint_s=s.weights_heartbeat_interval_hint_s,
             weights_state=view["weights_state"],

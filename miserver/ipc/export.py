@@ -95,12 +95,35 @@ def model_config(model: torch.nn.Module) -> dict[str, Any] | None:
     return json.loads(config.to_json_string(use_diff=False))
 
 
+_data_ptr = torch.Tensor.data_ptr
+
+
 def moved_parameters_fast(arena: ParameterArena) -> list[str]:
     """The recorded parameters whose address changed since the arena recorded them, reading
     each through its owning module (no walk of the module tree): a parameter replaced in its
     module, or whose ``.data`` was rebound, is listed. New modules are not seen here; the full
-    :func:`moved_parameters` covers them. Sorted. About 40 us for 300 parameters on a CPU core
-    (it runs at every commit-end, inside the barrier)."""
+    :func:`moved_parameters` covers them. Sorted. It runs at every commit-end, inside the
+    barrier: the common case (nothing moved) is one pass in C over every parameter's
+    ``data_ptr()`` compared with the recorded list (about a third less than a Python loop)."""
+    # The probe ``(watch, addresses, owners, leaves, expected)`` lives on the arena (so it goes
+    # with it), valid while ``watch`` and ``addresses`` are those objects (``record_addresses``
+    # replaces both).
+    probe = getattr(arena, "_moved_probe", None)
+    if probe is None or probe[0] is not arena.watch or probe[1] is not arena.addresses:
+        watch, addresses = arena.watch, arena.addresses
+        probe = (
+            watch,
+            addresses,
+            [params for _, params, _ in watch],
+            [leaf for _, _, leaf in watch],
+            [addresses[name] for name, _, _ in watch],
+        )
+        arena._moved_probe = probe  # type: ignore[attr-defined]
+    try:
+        if list(map(_data_ptr, map(dict.get, probe[2], probe[3]))) == probe[4]:
+            return []
+    except TypeError:  # a parameter is gone from its module (dict.get gave None)
+        pass
     addresses = arena.addresses
     moved = [
         name

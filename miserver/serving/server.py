@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 from aiohttp.abc import AbstractAccessLogger
 
+from miserver.http.audit import info_line  # a log line without the caller's stack walk
 from miserver.spec.settings import Settings
 
 log = logging.getLogger("miserver.server")
@@ -99,7 +100,8 @@ class AccessLogger(AbstractAccessLogger):
 
     def log(self, request: Any, response: Any, time: float) -> None:
         version = request.version
-        self.logger.info(
+        info_line(
+            self.logger,
             '%s "%s %s HTTP/%d.%d" %d %d %.3fms "%s"',
             request.remote or "-",
             request.method,

@@ -128,7 +128,10 @@ def test_the_self_started_server_serves_on_the_port_asked_for(tmp_path: Path) ->
         port=args.port,
     )
     assert server.base == "http://127.0.0.1:18123" and server._env["PORT"] == "18123"
-    for bad in (["--port", "70000"], ["--port", "1", "--server", "http://x:1", "--token-file", "t"]):
+    for bad in (
+        ["--port", "70000"],
+        ["--port", "1", "--server", "http://x:1", "--token-file", "t"],
+    ):
         with pytest.raises(SystemExit) as exc:
             demo.parse_args(bad)
         assert exc.value.code == 2

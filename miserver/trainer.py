@@ -36,6 +36,7 @@ import atexit
 import base64
 import contextlib
 import gc
+import os
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -52,6 +53,7 @@ __all__ = [
     "InvalidExport",
     "LayoutMismatch",
     "ProducerMismatch",
+    "StaleExport",
     "TrainerError",
     "bind_into",
     "build_model",
@@ -100,6 +102,26 @@ class LayoutMismatch(TrainerError):
 
 class Released(TrainerError):
     """The weights were already released."""
+
+
+class StaleExport(TrainerError):
+    """The export body names a storage the server no longer serves (a body kept from an earlier
+    attach, rebuilt after detach, reload, unload or a server restart): attach again."""
+
+
+def _shm_identity(handle: bytes) -> bytes:
+    """What identifies a shared-memory file across its names (each attach exports its own hard
+    link of one file): its device and inode, or the handle where /dev/shm is not its home."""
+    try:
+        st = os.stat(os.path.join("/dev/shm", handle.decode(errors="replace").lstrip("/")))
+    except OSError:
+        return handle
+    return f"inode:{st.st_dev}:{st.st_ino}".encode()
+
+
+def _os_reason(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return "no such file" if "No such file" in text else text[:200]
 
 
 # (kind, handle bytes, offset) -> True for every storage this process holds rebuilt.
@@ -188,17 +210,25 @@ def _rebuild_storage(
             raise
         return whole.untyped_storage(), key
     if kind == "cpu_shared_memory":
-        from torch.multiprocessing.reductions import rebuild_storage_filename
-
         manager = _b64(entry, "manager_handle")
         handle = _b64(entry, "storage_handle")
         size = _field(entry, "storage_size_bytes", int, where)
         if manager is None or handle is None:
             raise InvalidExport(f"{where}: missing manager_handle or storage_handle")
-        key = ("cpu_shared_memory", handle, 0)
+        key = ("cpu_shared_memory", _shm_identity(handle), 0)
         _claim(key, where)
         try:
-            st = rebuild_storage_filename(torch.UntypedStorage, manager, handle, size)
+            # Open the file and hold one reference of our own, released when the storage is
+            # freed; unlike torch's rebuild_storage_filename, no reference of the server's is
+            # taken over, so no number of rebuilds, in any processes, can free the server's file.
+            st = torch.UntypedStorage._new_shared_filename_cpu(manager, handle, size)
+        except RuntimeError as exc:
+            _unclaim(key)
+            raise StaleExport(
+                f"{where} cannot be opened ({_os_reason(exc)}): this attach body is no longer "
+                "served (detached, reloaded or unloaded since, or the server restarted); "
+                "POST /api/weights/attach again and rebuild the body it returns"
+            ) from None
         except BaseException:
             _unclaim(key)
             raise
@@ -405,6 +435,7 @@ def rebuild(
         ProducerMismatch: the server's torch or CUDA build differs from this process's.
         DeviceNotVisible: a CUDA storage's device UUID is not visible here.
         AlreadyRebuilt: a storage is already rebuilt and not released in this process.
+        StaleExport: a CPU shared-memory storage is no longer served (attach again).
         InvalidExport: the body is malformed or a view falls outside its storage.
     """
     if not isinstance(body, Mapping):

@@ -192,6 +192,194 @@ def _no_admit_on_writing(b: LifecycleState, e: Event, row: Row, a: LifecycleStat
     return not (Effect.RELEASE_HELD in row.effects and a.weights == "writing")
 
 
+# --- effects that must accompany changes ------------------------------------------------------
+# Each rule ties an effect to the change of state it performs, so that a row that changes the
+# state without its effect (or performs an effect without the change) is caught.
+
+
+def _iff(effect: Effect, row: Row, change: bool) -> bool:
+    return row.kind != "accepted" or (effect in row.effects) == change
+
+
+def _exports_follow_attachment(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """Handles are exported by the attach and released by what ends the attachment (detach,
+    clear-stale): weights page, The write cycle 1; Timers."""
+    gained = b.attachment == "none" and a.attachment != "none"
+    lost = b.attachment != "none" and a.attachment == "none"
+    return _iff(Effect.EXPORT_HANDLES, row, gained) and _iff(Effect.RELEASE_EXPORTS, row, lost)
+
+
+def _held_follow_barrier(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """New requests are held from the moment the barrier leaves serving and released when it
+    serves again (weights page: The write cycle 2, 5; contract 4)."""
+    holds = b.barrier == "serving" and a.barrier != "serving"
+    releases = b.barrier != "serving" and a.barrier == "serving"
+    return _iff(Effect.HOLD_ADMISSIONS, row, holds) and _iff(Effect.RELEASE_HELD, row, releases)
+
+
+def _drain_follows_barrier(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """A drain starts when the barrier starts draining and is cancelled when it is given up
+    before it completes (The write cycle 2)."""
+    starts = b.barrier != "draining" and a.barrier == "draining"
+    cancels = b.barrier == "draining" and a.barrier == "serving"
+    return _iff(Effect.START_DRAIN, row, starts) and _iff(Effect.CANCEL_DRAIN, row, cancels)
+
+
+def _tear_refuses_held(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """The row that tears the set answers every held request 503 WEIGHTS_TORN (weights page:
+    States, every /v1 call is 503 while torn); only a torn set refuses them."""
+    if row.kind != "accepted":
+        return True
+    tears = b.weights != "torn" and a.weights == "torn"
+    refuses = Effect.REFUSE_HELD_TORN in row.effects
+    return (not tears or refuses) and (not refuses or a.weights == "torn")
+
+
+def _records(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """Every timer expiry that applies and every late commit-end is recorded (Status:
+    commit_overran, last_hold_timeout_at, last_overrun; the attachment's stale_since)."""
+    return (
+        _iff(
+            Effect.RECORD_WATCHDOG,
+            row,
+            e.trigger == "watchdog_expired" and b.weights == "writing" and a.weights == "torn",
+        )
+        and _iff(
+            Effect.RECORD_HOLD_TIMEOUT,
+            row,
+            e.trigger == "hold_expired" and b.barrier != "serving" and a.barrier == "serving",
+        )
+        and _iff(Effect.RECORD_STALE, row, b.attachment == "active" and a.attachment == "stale")
+        and _iff(
+            Effect.RECORD_OVERRUN,
+            row,
+            e.trigger == "commit_end" and b.weights == "torn" and a.weights == "clean",
+        )
+    )
+
+
+def _waits(s: LifecycleState) -> bool:
+    """A call waits on the barrier: a quiesce (or pause) still draining, or a pause's job."""
+    return s.barrier == "draining" or s.owner in PAUSE_OWNERS
+
+
+def _waiting_call_answered(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """The call waiting on a drain or a pause is answered exactly once, by the row that ends
+    its wait (The write cycle 2; contract 5, 6)."""
+    if row.kind != "accepted":
+        return True
+    answers = sum(1 for x in row.effects if x in (Effect.ANSWER_PENDING, Effect.FAIL_PENDING))
+    return answers == (1 if _waits(b) and not _waits(a) else 0)
+
+
+_BEGIN = {
+    "save": Effect.BEGIN_SAVE,
+    "weights_load": Effect.BEGIN_WEIGHTS_LOAD,
+    "adapter": Effect.BEGIN_ADAPTER_CHANGE,
+}
+
+
+def _pause_job_begins(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """A save, weights load or adapter change does its work once it holds the barrier (drained,
+    or taking over the holder's hold): contract 5, 6."""
+    for owner, begin in _BEGIN.items():
+        held_before = b.barrier == "quiesced" and b.owner == owner
+        held_after = a.barrier == "quiesced" and a.owner == owner
+        if not _iff(begin, row, held_after and not held_before):
+            return False
+    return True
+
+
+def _transition_starts(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """A model load (or swap) or unload that is accepted is started (contract 3, 4)."""
+    return _iff(
+        Effect.START_MODEL_LOAD, row, b.transition != "load" and a.transition == "load"
+    ) and _iff(
+        Effect.START_MODEL_UNLOAD, row, b.transition != "unload" and a.transition == "unload"
+    )
+
+
+def _cache_dropped(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """The cross-request cache is dropped when the barrier is taken for what may change the
+    weights (a holder's quiesce, a weights load, an adapter change: weights page, The write
+    cycle 2; contract 5, 6) and when the served parameters change (a weights load or adapter
+    change completes, a model load or swap completes), so nothing computed on other weights is
+    reused. A save changes no weight."""
+    if row.kind != "accepted":
+        return True
+    changers = ("holder", "weights_load", "adapter")
+    takes = (b.barrier == "draining" and a.barrier == "quiesced" and a.owner in changers) or (
+        b.owner == "holder" and a.owner in ("weights_load", "adapter")
+    )
+    changes = (
+        (e.trigger == "weights_load_done" and b.weights == "writing" and a.weights == "clean")
+        or (
+            e.trigger == "adapter_done"
+            and b.owner == "adapter"
+            and b.barrier == "quiesced"
+            and b.weights != "torn"
+        )
+        or (e.trigger == "transition_done" and b.transition == "load" and a.resident)
+    )
+    return not (takes or changes) or Effect.DROP_CACHE in row.effects
+
+
+_TIMER_EVENTS = {
+    "hold_expired": "hold_armed",
+    "watchdog_expired": "watchdog_armed",
+    "heartbeat_lapsed": "heartbeat_armed",
+    "drain_expired": "drain_armed",
+}
+
+
+def _late_timer_ignored(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """A timer that fires after it was cancelled (or restarted) does not apply (weights page:
+    Timers; the core fires a timer only while it is armed)."""
+    armed = _TIMER_EVENTS.get(e.trigger)
+    return armed is None or getattr(b, armed) or row.kind == "ignored"
+
+
+def _settings_applied(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """An accepted settings change takes effect (contract 1: PATCH /api/settings)."""
+    return _iff(Effect.APPLY_SETTINGS, row, e.trigger == "settings_change")
+
+
+def _admission_decided(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """An accepted /v1 request is run now, held, or held for its auto-load; a request that
+    waited runs now when serving and otherwise goes on in its slot (contract 4)."""
+    if row.kind != "accepted":
+        return True
+    admit, hold = Effect.ADMIT in row.effects, Effect.HOLD_REQUEST in row.effects
+    if e.trigger == "v1":
+        if Effect.START_MODEL_LOAD in row.effects:
+            return hold and not admit
+        return admit != hold and admit == (b.barrier == "serving")
+    if e.trigger == "v1_confirm":
+        return not hold and admit == (b.barrier == "serving")
+    return not (admit or hold)
+
+
+def _counters_follow(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """The abstract unsaved and adapter flags follow the context's counters: a counted commit
+    is unsaved, a save saves it, a load or unload starts afresh, an adapter change applies or
+    removes the adapter; nothing else changes them (weights page: Unsaved commits; contract
+    5, 6)."""
+    acts = set(row.actions)
+    if "end_commit" in acts and not a.unsaved:
+        return False
+    if acts & {"save", "load", "unload"} and a.unsaved:
+        return False
+    if acts & {"load", "unload"} and a.adapter:
+        return False
+    if "adapter" in acts and a.adapter != e.applied:
+        return False
+    if a.unsaved != b.unsaved and not acts & {"end_commit", "save", "load", "unload"}:
+        return False
+    if a.adapter != b.adapter and not acts & {"adapter", "load", "unload"}:
+        return False
+    return a.resident == b.resident or bool(acts & {"load", "unload"})
+
+
 EDGE_INVARIANTS: tuple[tuple[str, Callable[..., bool]], ...] = (
     ("nothing_served_unless_clean_and_not_held", _served_clean_unheld),
     ("torn_left_only_by_late_commit_end_weights_load_or_unload", _torn_exits),
@@ -200,4 +388,17 @@ EDGE_INVARIANTS: tuple[tuple[str, Callable[..., bool]], ...] = (
     ("refusal_changes_nothing", _refusal_changes_nothing),
     ("refusal_code_and_reason_legal", _refusal_code_legal),
     ("held_requests_never_released_onto_writing_weights", _no_admit_on_writing),
+    ("exports_made_by_attach_and_released_when_the_attachment_ends", _exports_follow_attachment),
+    ("requests_held_exactly_while_the_barrier_is_not_serving", _held_follow_barrier),
+    ("drain_started_and_cancelled_with_the_barrier", _drain_follows_barrier),
+    ("the_row_that_tears_refuses_the_held_requests", _tear_refuses_held),
+    ("timer_expiries_and_late_commit_ends_are_recorded", _records),
+    ("the_waiting_call_is_answered_exactly_once_when_its_wait_ends", _waiting_call_answered),
+    ("a_pause_begins_its_job_once_it_holds_the_barrier", _pause_job_begins),
+    ("an_accepted_model_transition_is_started", _transition_starts),
+    ("cache_dropped_when_the_barrier_is_taken_or_the_served_parameters_change", _cache_dropped),
+    ("a_timer_that_is_not_armed_changes_nothing", _late_timer_ignored),
+    ("an_accepted_settings_change_takes_effect", _settings_applied),
+    ("every_accepted_v1_request_is_run_held_or_auto_loaded", _admission_decided),
+    ("unsaved_adapter_and_resident_follow_commits_saves_and_loads", _counters_follow),
 )

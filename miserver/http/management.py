@@ -274,6 +274,8 @@ async def register_model(request: web.Request) -> web.Response:
             "starting with a letter or digit",
             "name",
         )
+    refuse_secret_name(request.app, body.name)  # before any answer repeats the name
+    refuse_secret_name(request.app, body.path, "path")  # listed by GET /api/models
     catalogue = request.app[keys.CATALOGUE]
     existing = catalogue.get_by_name(body.name)
     if existing is not None:
@@ -282,7 +284,6 @@ async def register_model(request: web.Request) -> web.Response:
             f"a catalogue row named {body.name!r} already exists (id {existing.id})",
             details={"name": body.name, "model_id": existing.id},
         )
-    refuse_secret_name(request.app, body.name)
     refuse_applied_adapter_name(request.app[keys.HOST], body.name, "this row")
     found = inspect_model_path(body)
     try:

@@ -68,6 +68,10 @@ def who(method: str, path: str) -> str:
         return "; ".join(AUTH_WORDS[c] for c in ROUTE_AUTH[trigger])
     if path == "/api/weights/status":
         return "anyone (no token)"
+    from miserver.http.management_auth import GUARDED
+
+    if (method, path) in GUARDED:
+        return "anyone; with MANAGEMENT_AUTH=operator, an operator token"
     return "anyone (no token checked)"
 
 

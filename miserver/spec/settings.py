@@ -58,9 +58,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     weights_cpu_attach: bool = False
     weights_audit_log: str | None = None
     max_concurrent_requests: int = 1
+    decode_graphs: str = "captured"
     continuous_batching: bool = False
     max_queued_requests: int = 64
     max_request_bytes: int = 8 * 1024 * 1024
+    header_read_timeout_s: float = 20.0
+    shutdown_grace_s: float = 10.0
+    management_auth: str = "none"
     log_level: str = "info"
     log_format: str = "json"
 
@@ -99,9 +103,13 @@ VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("WEIGHTS_CPU_ATTACH", "weights_cpu_attach", "bool"),
     ("WEIGHTS_AUDIT_LOG", "weights_audit_log", "opt_path"),
     ("MAX_CONCURRENT_REQUESTS", "max_concurrent_requests", "pos_int"),
+    ("DECODE_GRAPHS", "decode_graphs", "decode_graphs"),
     ("CONTINUOUS_BATCHING", "continuous_batching", "bool"),
     ("MAX_QUEUED_REQUESTS", "max_queued_requests", "pos_int"),
     ("MAX_REQUEST_BYTES", "max_request_bytes", "pos_int"),
+    ("HEADER_READ_TIMEOUT_S", "header_read_timeout_s", "pos_float"),
+    ("SHUTDOWN_GRACE_S", "shutdown_grace_s", "nonneg_float"),
+    ("MANAGEMENT_AUTH", "management_auth", "management_auth"),
     ("LOG_LEVEL", "log_level", "log_level"),
     ("LOG_FORMAT", "log_format", "log_format"),
 )
@@ -120,6 +128,9 @@ KIND_FORMATS: dict[str, str] = {
     "opt_path": "a path; empty or unset for none",
     "log_level": "`debug`, `info`, `warning`, `error` or `critical`",
     "log_format": "`json` or `text`",
+    "decode_graphs": "`captured`, `compiled` or `off` (case-insensitive)",
+    "nonneg_float": "a number, at least 0",
+    "management_auth": "`none` or `operator`",
 }
 
 #: What each variable of :data:`VARIABLES` does, for the settings reference (docs/settings.md,
@@ -160,6 +171,22 @@ DESCRIPTIONS: dict[str, str] = {
     "MAX_CONCURRENT_REQUESTS": "Forward passes that may run at once. The step barrier needs 1 "
     "(otherwise quiesce is 409 BARRIER_UNAVAILABLE, reason `concurrency`). Also changeable at "
     "run time with `PATCH /api/settings`.",
+    "DECODE_GRAPHS": "How a CUDA resident runs its decode step: `captured` (the default: one "
+    "CUDA graph per KV-cache length bucket, replayed over the served storages, captured at load), "
+    "`compiled` (the same through `torch.compile`: faster steps, a compile per bucket at load, "
+    "cached under `MISERVER_HOME/compile-cache`), or `off` (one eager forward pass a token). On "
+    "the CPU decoding is always eager, said once in the log. A build or capture that fails "
+    "falls back to eager with one warning and `miserver_decode_graph_fallbacks_total`.",
+    "HEADER_READ_TIMEOUT_S": "A connection whose request head (request line and headers) has not "
+    "arrived this many seconds after it opened, or after the first byte of a later request's "
+    "head, is answered 408 (JSON) and closed. Idle keep-alive connections are not affected.",
+    "SHUTDOWN_GRACE_S": "After SIGTERM, how long running and queued requests may take to finish "
+    "before they are ended with 503 SHUTTING_DOWN (0: end them at once). Keep it below "
+    "Kubernetes' `terminationGracePeriodSeconds`.",
+    "MANAGEMENT_AUTH": "`none` (the default: management routes are open, as the weights page "
+    "says) or `operator`: every mutating management and batch route needs an operator token "
+    "(401/403 as the weights routes, one audit line per call); needs an operator token in "
+    "`WEIGHTS_TOKENS` (else exit 2).",
     "CONTINUOUS_BATCHING": "Serve through a continuous-batching engine. Not implemented in this "
     "version: only `0` is accepted.",
     "MAX_QUEUED_REQUESTS": "Interactive requests that may wait (queued plus held by the "
@@ -267,6 +294,19 @@ def _convert(variable: str, kind: str, raw: str) -> object:
         if not value > 0 or value != value or value == float("inf"):
             raise ConfigError(variable, f"must be a positive finite number, got {raw}")
         return value
+    if kind == "nonneg_float":
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(variable, f"expected a number, got {raw!r}") from None
+        if not value >= 0 or value == float("inf"):
+            raise ConfigError(variable, f"must be a finite number of seconds >= 0, got {raw}")
+        return value
+    if kind == "management_auth":
+        low = raw.lower()
+        if low in ("none", "operator"):
+            return low
+        raise ConfigError(variable, f"expected none or operator, got {raw!r}")
     if kind == "device":
         if raw == "auto" or raw == "cpu" or re.fullmatch(r"cuda(:\d+)?", raw):
             return raw
@@ -278,6 +318,11 @@ def _convert(variable: str, kind: str, raw: str) -> object:
         raise ConfigError(
             variable, f"expected debug, info, warning, error or critical, got {raw!r}"
         )
+    if kind == "decode_graphs":
+        low = raw.lower()
+        if low in ("captured", "compiled", "off"):
+            return low
+        raise ConfigError(variable, f"expected captured, compiled or off, got {raw!r}")
     if kind == "log_format":
         low = raw.lower()
         if low in ("json", "text"):
@@ -355,6 +400,14 @@ def load_settings(
         raise ConfigError(
             "WEIGHTS_HEARTBEAT_INTERVAL_HINT_S",
             f"must be below WEIGHTS_HEARTBEAT_TIMEOUT_S ({settings.weights_heartbeat_timeout_s:g})",
+        )
+    if settings.management_auth == "operator" and not any(
+        t.role == "operator" for t in settings.weights_tokens
+    ):
+        raise ConfigError(
+            "MANAGEMENT_AUTH",
+            "operator needs at least one operator token in WEIGHTS_TOKENS (label:operator:secret);"
+            " without one every guarded management call would be refused",
         )
     if settings.continuous_batching:
         raise ConfigError(

@@ -70,6 +70,16 @@ class Reference:
     avail: str = "ok"
     deadlines: dict[str, float] = field(default_factory=dict)
     ids: int = 0
+    # What the serving layer is told to do, as far as the spec says (compared with the core's
+    # effects by tests/model/stateful.py): ``version`` counts changes of the weights a request
+    # would be computed on (a commit begins, a weights load writes, an adapter change applies,
+    # a model load completes); ``records`` the status records made (``watchdog``,
+    # ``hold_timeout``, ``stale``, ``overrun``); ``answered`` / ``failed`` how many waiting
+    # calls (a quiesce's drain, a pause) were answered, successfully or with a failure.
+    version: int = 0
+    records: list[str] = field(default_factory=list)
+    answered: int = 0
+    failed: int = 0
 
     # --- helpers ----------------------------------------------------------------------
     def unsaved(self) -> int:
@@ -150,6 +160,7 @@ class Reference:
         mine = self.commit is not None and self.commit.by == att.id
         if self.barrier == "draining" and self.pause == "holder":
             self._serve_again()
+            self.answered += 1  # the waiting quiesce is answered 409 NOT_ATTACHED
             reply = Reply("accepted", pending=(409, "NOT_ATTACHED", None))
         elif self.weights == "writing" and mine:
             if tears:  # States: torn is entered by "detach while writing"
@@ -244,6 +255,7 @@ class Reference:
             return refused(409, "PAUSE_IN_PROGRESS", self.pause)
         assert self.att is not None
         self.weights = "writing"
+        self.version += 1
         self.commit = Commit(self.att.id, now)
         self._arm("watchdog", now, self.watchdog_s)
         self._disarm("hold")  # "Suspended while a commit is open"
@@ -257,6 +269,8 @@ class Reference:
             return refused(409, "NO_OPEN_COMMIT")
         if self.commit.by != self.att.id:
             return refused(403, "NOT_ATTACHMENT_HOLDER")
+        if self.weights == "torn":
+            self.records.append("overrun")  # Timers: "recorded in last_overrun"
         # writing: clean again; torn: "a late commit-end ... (recorded as an overrun)"
         self.weights = "clean"
         self.commit = None
@@ -410,6 +424,7 @@ class Reference:
         if self.pause == "holder":
             if self.weights == "clean":
                 self._arm("hold", now, self.hold_s)
+            self.answered += 1
             return Reply("accepted", pending=(200, None, None))
         return OK
 
@@ -423,13 +438,19 @@ class Reference:
             self.saved = self.steps or 0
         if ok and owner == "adapter":
             self.adapter = applied
+            self.version += 1
         self._give_back(now)
+        if ok:
+            self.answered += 1
+        else:
+            self.failed += 1
         return Reply("accepted", pending=(200, None, None)) if ok else OK
 
     def weights_load_write(self, now: float) -> Reply:
         if self.pause != "weights_load" or self.barrier != "quiesced" or self.weights == "writing":
             return IGNORED
         self.weights = "writing"
+        self.version += 1
         return OK
 
     def weights_load_done(self, now: float) -> Reply:
@@ -437,6 +458,7 @@ class Reference:
             return IGNORED
         self.weights, self.steps, self.saved, self.adapter = "clean", 0, 0, False
         self._give_back(now)
+        self.answered += 1
         return Reply("accepted", pending=(200, None, None))
 
     def weights_load_failed(self, now: float) -> Reply:
@@ -445,6 +467,7 @@ class Reference:
         if self.weights == "writing":
             self.weights = "torn"
         self._give_back(now)
+        self.failed += 1
         return OK
 
     def transition_done(self, now: float, failed: bool = False) -> Reply:
@@ -454,6 +477,8 @@ class Reference:
         if kind == "unload" and failed:
             return OK
         self.resident = kind == "load" and not failed
+        if self.resident:
+            self.version += 1
         self.weights, self.commit, self.adapter, self.saved = "clean", None, False, 0
         self.steps = 0 if self.resident else None
         return OK
@@ -491,14 +516,17 @@ class Reference:
                 return replies
             name = due[0][2]
             self._disarm(name)
-            if name == "hold":  # "resumes on its own"
+            if name == "hold":  # "resumes on its own"; "status records last_hold_timeout_at"
                 self._serve_again()
+                self.records.append("hold_timeout")
             elif name == "drain":  # "409 MODEL_BUSY (reason: drain_timeout) and holds nothing"
                 self._serve_again()
+                self.answered += 1
                 replies.append(Reply("accepted", pending=(409, "MODEL_BUSY", "drain_timeout")))
                 continue
             elif name == "watchdog":  # "A commit open longer than this becomes torn"
                 self.weights = "torn"
+                self.records.append("watchdog")  # Status: commit_overran
                 if self.commit is not None:
                     self.commit.timed_out = True  # Status: commit.overran
                 if self.commit is not None and self.commit.by is None:
@@ -506,6 +534,7 @@ class Reference:
             elif name == "heartbeat":
                 assert self.att is not None
                 self.att.state = "stale"
+                self.records.append("stale")  # attachment.stale_since
             replies.append(OK)
 
     # --- the status fields compared with the core ---------------------------------------

@@ -79,6 +79,96 @@ def _same(out: Outcome, ref: Reply, what: str) -> None:
         )
 
 
+_RECORDS = {
+    Effect.RECORD_WATCHDOG: "watchdog",
+    Effect.RECORD_HOLD_TIMEOUT: "hold_timeout",
+    Effect.RECORD_STALE: "stale",
+    Effect.RECORD_OVERRUN: "overrun",
+}
+
+
+class World:
+    """What the serving layer would do with the core's effects, kept small: whether handles
+    are exported, whether new requests are held and how many /v1 requests wait in the hold,
+    which weight versions the cross-request cache holds entries for, the records made and the
+    waiting calls answered. :meth:`agrees` holds it to the reference model."""
+
+    def __init__(self) -> None:
+        self.exported = False
+        self.holding = False
+        self.held = 0
+        self.cache: set[int] = set()
+        self.records: list[str] = []
+        self.answered = 0
+        self.failed = 0
+
+    def perform(self, out: Outcome, ref: Reference, what: str) -> None:
+        """Apply ``out``'s effects in order; ``ref`` is the reference after the event."""
+        if out.kind != "accepted":
+            return
+        for effect in out.effects:
+            if effect is Effect.EXPORT_HANDLES:
+                assert not self.exported, f"{what}: handles exported twice ({out.row})"
+                self.exported = True
+            elif effect is Effect.RELEASE_EXPORTS:
+                self.exported = False
+            elif effect is Effect.HOLD_ADMISSIONS:
+                self.holding = True
+            elif effect is Effect.RELEASE_HELD:
+                self.holding = False
+                if self.held:
+                    self._run(ref, what, out, "a released request")
+                self.held = 0
+            elif effect is Effect.REFUSE_HELD_TORN:
+                self.held = 0
+            elif effect is Effect.HOLD_REQUEST:
+                if Effect.START_MODEL_LOAD not in out.effects:
+                    self.held += 1  # an auto-load's request waits for the load, not the hold
+            elif effect is Effect.ADMIT:
+                self._run(ref, what, out, "an admitted request")
+            elif effect is Effect.DROP_CACHE:
+                self.cache.clear()
+            elif effect in _RECORDS:
+                self.records.append(_RECORDS[effect])
+            elif effect is Effect.ANSWER_PENDING:
+                self.answered += 1
+            elif effect is Effect.FAIL_PENDING:
+                self.failed += 1
+
+    def _run(self, ref: Reference, what: str, out: Outcome, who: str) -> None:
+        """A request runs on the reference's current weights: the cache must hold nothing
+        computed on other weights (weights page: The write cycle 2, "nothing computed on the old
+        weights is reused")."""
+        stale = self.cache - {ref.version}
+        assert not stale, (
+            f"{what}: {who} would reuse the cross-request cache of weights version(s) "
+            f"{sorted(stale)} on version {ref.version} ({out.row})"
+        )
+        self.cache.add(ref.version)
+
+    def agrees(self, ref: Reference, what: str) -> None:
+        want = {
+            "exported": ref.att is not None,
+            "holding": ref.barrier != "serving",
+            "records": ref.records,
+            "answered": ref.answered,
+            "failed": ref.failed,
+        }
+        got = {
+            "exported": self.exported,
+            "holding": self.holding,
+            "records": self.records,
+            "answered": self.answered,
+            "failed": self.failed,
+        }
+        diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
+        assert not diff, f"{what}: effects differ (core, reference): {diff}"
+        if ref.weights == "torn" or ref.barrier == "serving":
+            assert self.held == 0, (
+                f"{what}: {self.held} request(s) still held (weights {ref.weights})"
+            )
+
+
 def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
     class LifecycleVersusReference(RuleBasedStateMachine):
         """Rules are the events; after each, outcomes and status fields must agree."""
@@ -102,6 +192,7 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
             self.ref = Reference(
                 hold_s=hold, watchdog_s=watchdog_ms / 1000.0, heartbeat_s=heartbeat, drain_s=drain
             )
+            self.world = World()
 
         # --- helpers ----------------------------------------------------------------
         def caller(self, who: str) -> Caller:
@@ -122,7 +213,10 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
         def both(self, event: Event, ref_call) -> None:
             out = self.core.handle(event, self.now)
             ref = ref_call()
-            _same(out, ref, f"t={self.now:g} {event.short()}")
+            what = f"t={self.now:g} {event.short()}"
+            _same(out, ref, what)
+            self.world.perform(out, self.ref, what)
+            self.world.agrees(self.ref, what)
 
         # --- rules --------------------------------------------------------------------
         @initialize(
@@ -167,6 +261,144 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
             else:
                 self.both(
                     Event(route, caller=caller), lambda: getattr(self.ref, route)(caller, self.now)
+                )
+
+        @rule(route=st.sampled_from(GATED), flag=st.booleans())
+        def holder_call(self, route: str, flag: bool) -> None:
+            """A gated call by the holder (or, with nothing attached, a trainer token): the
+            state checks after auth, reached far more often than through ``gated``."""
+            self.gated(route, "holder", flag)
+
+        @rule(
+            route=st.sampled_from((*GATED, "attach")),
+            who=st.sampled_from(
+                ["none", "invalid", "wrong_id", "other_label", "operator_header", "operator"]
+            ),
+            flag=st.booleans(),
+        )
+        def stranger(self, route: str, who: str, flag: bool) -> None:
+            """A gated call by someone who is not the holder: each auth check in its order."""
+            if route == "attach":
+                caller = self.caller(who)
+                self.both(Event("attach", caller=caller), lambda: self.ref.attach(caller, self.now))
+            else:
+                self.gated(route, who, flag)
+
+        @rule()
+        def expire(self) -> None:
+            """Jump the clock to the next deadline exactly: the next timer fires."""
+            self.advance("at", 0.0)
+
+        @rule(
+            avail=st.sampled_from(["cbm", "concurrency", "ok"]),
+            reason=st.sampled_from([None, "gguf", "quantized", "dtype", "not_on_gpu", "allocator"]),
+            then=st.sampled_from(["attach", "quiesce", "save", "adapter_change", "weights_load"]),
+        )
+        def unavailable(self, avail: str, reason: str | None, then: str) -> None:
+            """A settings change that makes pauses unavailable (or available again), then a
+            call that checks it: the order of the availability checks among the others."""
+            self.both(
+                Event("settings_change", avail=avail),  # type: ignore[arg-type]
+                lambda: self.ref.settings_change(self.now, avail),
+            )
+            if then == "attach":
+                if self.ref.att is not None:
+                    holder = self.caller("holder")
+                    self.both(
+                        Event("detach", caller=holder), lambda: self.ref.detach(holder, self.now)
+                    )
+                trainer = Caller("trainer", "t")
+                self.both(
+                    Event("attach", caller=trainer, not_attachable=reason),
+                    lambda: self.ref.attach(trainer, self.now, reason),
+                )
+            elif then == "adapter_change":
+                self.both(Event(then), lambda: self.ref.adapter_change(self.now))
+            else:
+                self.gated(then, "holder", reason is None)
+
+        def start_pause(self, kind: str) -> None:
+            holder = self.caller("holder")
+            if kind == "adapter_change":
+                self.both(Event(kind), lambda: self.ref.adapter_change(self.now))
+            elif kind == "quiesce":
+                self.both(Event(kind, caller=holder), lambda: self.ref.quiesce(holder, self.now))
+            else:
+                self.both(
+                    Event(kind, caller=holder), lambda: getattr(self.ref, kind)(holder, self.now)
+                )
+
+        @rule(
+            kind=st.sampled_from(["quiesce", "save", "weights_load", "adapter_change"]),
+            stage=st.sampled_from(
+                [
+                    "draining",
+                    "quiesced",
+                    "writing",
+                    "torn",
+                    "takeover",
+                    "takeover_torn",
+                    "stale",
+                    "draining_stale",
+                ]
+            ),
+            route=st.sampled_from(
+                (*GATED, "attach", "adapter_change", "model_load", "model_unload", "v1")
+            ),
+            who=st.sampled_from(WHO),
+            flag=st.booleans(),
+        )
+        def interleave(self, kind: str, stage: str, route: str, who: str, flag: bool) -> None:
+            """Bring the barrier to a stage (a pause draining or holding; the holder writing,
+            torn, or taken over by a pause; the attachment stale), then make one call there: each
+            route's checks in each stage of the barrier, in one step (each event compared)."""
+            if self.ref.att is None:
+                trainer = Caller("trainer", "t")
+                self.both(
+                    Event("attach", caller=trainer), lambda: self.ref.attach(trainer, self.now)
+                )
+            holder = self.caller("holder")
+            if stage in ("writing", "torn", "takeover", "takeover_torn"):
+                self.start_pause("quiesce")
+                self.both(Event("drained"), lambda: self.ref.drained(self.now))
+                if stage in ("writing", "torn"):
+                    self.both(
+                        Event("commit_begin", caller=holder),
+                        lambda: self.ref.commit_begin(holder, self.now),
+                    )
+                    if stage == "torn":
+                        self.advance("at", 0.0)
+                elif kind != "quiesce":
+                    self.start_pause(kind)  # takes over the holder's hold
+                    if stage == "takeover_torn":
+                        self.both(Event("address_moved"), lambda: self.ref.address_moved(self.now))
+            else:
+                self.start_pause(kind)
+                if stage in ("quiesced", "stale"):
+                    self.both(Event("drained"), lambda: self.ref.drained(self.now))
+                if stage in ("stale", "draining_stale") and self.ref.att is not None:
+                    self.now = self.ref.deadlines.get("heartbeat", self.now)
+                    self.advance("small", 0.0)
+            if route in GATED:
+                self.gated(route, who, flag)
+            elif route == "attach":
+                caller = self.caller(who)
+                self.both(Event("attach", caller=caller), lambda: self.ref.attach(caller, self.now))
+            elif route == "adapter_change":
+                self.both(Event(route), lambda: self.ref.adapter_change(self.now))
+            elif route == "model_load":
+                target = "resident" if flag else "other"
+                self.both(
+                    Event(route, target=target),  # type: ignore[arg-type]
+                    lambda: self.ref.model_load(self.now, target),
+                )
+            elif route == "model_unload":
+                self.both(Event(route), lambda: self.ref.model_unload(self.now))
+            else:
+                names = "resident" if flag else "other"
+                self.both(
+                    Event("v1", target=names),  # type: ignore[arg-type]
+                    lambda: self.ref.v1(self.now, names, False, False),
                 )
 
         @rule(
@@ -377,9 +609,11 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
             ref_outs = self.ref.fire_due(self.now)
             got = [(o.kind == "refused", _pending(o)) for o in core_outs if o.kind != "ignored"]
             want = [(r.kind == "refused", r.pending) for r in ref_outs]
-            assert got == want, (
-                f"t={self.now:g} timers: core {[o.row for o in core_outs]} {got}, reference {want}"
-            )
+            what = f"t={self.now:g} timers"
+            assert got == want, f"{what}: core {[o.row for o in core_outs]} {got}, reference {want}"
+            for out in core_outs:
+                self.world.perform(out, self.ref, what)
+            self.world.agrees(self.ref, what)
 
         @invariant()
         def status_agrees(self) -> None:
@@ -414,3 +648,50 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
             )
 
     return LifecycleVersusReference
+
+
+#: The tour's stages, routes and callers (``interleave``'s arguments); who: the holder, no
+#: token, a trainer that is not the holder, an operator that is not the holder.
+TOUR_KINDS = ("quiesce", "save", "weights_load", "adapter_change")
+TOUR_STAGES = (
+    "draining",
+    "quiesced",
+    "writing",
+    "torn",
+    "takeover",
+    "takeover_torn",
+    "stale",
+    "draining_stale",
+)
+TOUR_ROUTES = (*GATED, "attach", "adapter_change", "model_load", "model_unload", "v1")
+TOUR_WHO = ("holder", "none", "wrong_id", "operator")
+_FLAGGED = ("weights_load", "model_load", "v1", "quiesce")
+
+
+def tour(table: tuple[Row, ...] = TABLE) -> int:
+    """Run every ``interleave`` program once, deterministically: each pause kind brought to each
+    stage, then each route called by each kind of caller, then the next timer fired; each
+    event compared with the reference model as in the stateful test. Returns how many programs
+    ran; raises ``AssertionError`` naming the program at the first disagreement."""
+    machine_cls = make_machine(table)
+    n = 0
+    for kind in TOUR_KINDS:
+        for stage in TOUR_STAGES:
+            for route in TOUR_ROUTES:
+                for who in TOUR_WHO:
+                    for flag in (True, False) if route in _FLAGGED else (True,):
+                        m = machine_cls()
+                        try:
+                            m.start(True, TIMINGS[0])
+                            m.interleave(kind, stage, route, who, flag)
+                            m.status_agrees()
+                            m.deadlines_agree()
+                            m.expire()
+                            m.status_agrees()
+                            m.deadlines_agree()
+                        except AssertionError as exc:
+                            raise AssertionError(
+                                f"tour {kind}/{stage}/{route}/{who}/flag={flag}: {exc}"
+                            ) from None
+                        n += 1
+    return n

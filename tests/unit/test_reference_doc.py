@@ -27,6 +27,11 @@ def test_every_route_code_and_timer_is_in_it():
         )
         row = next(ln for ln in text.splitlines() if ln.startswith(f"| `POST {path}` |"))
         assert "401 WEIGHTS_UNAUTHORIZED" in row
+    from miserver.http.management_auth import GUARDED
+
+    for method, path in GUARDED:
+        row = next(ln for ln in text.splitlines() if ln.startswith(f"| `{method} {path}` |"))
+        assert "MANAGEMENT_AUTH=operator" in row
     clear = next(ln for ln in text.splitlines() if "`POST /api/weights/clear-stale`" in ln)
     assert "role operator" in clear
     for name, code in codes.ALL.items():

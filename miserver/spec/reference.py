@@ -44,7 +44,12 @@ def routes() -> list[tuple[str, str, str]]:
                 continue
             handler = inspect.unwrap(r.handler)
             doc = (inspect.getdoc(handler) or "").split("\n\n")[0].replace("\n", " ")
-            doc = doc.replace("``", "`") or "(see the schema and the state machine)"
+            doc = doc.replace("``", "`") or (
+                "OpenAI-compatible: [openai-compatibility.md](openai-compatibility.md)"
+                if r.resource.canonical.startswith("/v1/")
+                else "body and answer: [the JSON schema](schemas/millm-weights-api-v1.json); "
+                "refusals in order: [state-machine.md](state-machine.md)"
+            )
             out.append((r.method, r.resource.canonical, doc))
         return out
 

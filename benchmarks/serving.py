@@ -96,7 +96,9 @@ def _post(url: str, body: dict, stream: bool) -> tuple[float, float, int, str]:
         return ttft or total, total, tokens, "".join(text)
 
 
-def _start_server(home: str, device: str) -> tuple[subprocess.Popen[bytes], str]:
+def _start_server(
+    home: str, device: str, decode_graphs: str = "captured"
+) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
     env.update(
@@ -106,6 +108,7 @@ def _start_server(home: str, device: str) -> tuple[subprocess.Popen[bytes], str]
         DEVICE=device,
         LOG_LEVEL="warning",
         LOG_FORMAT="text",
+        DECODE_GRAPHS=decode_graphs,
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "miserver.cli", "serve"],
@@ -139,6 +142,11 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32, help="tokens to generate")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--decode-graphs",
+        default="off,captured",
+        help="DECODE_GRAPHS modes to serve, one server each (CUDA only; the CPU is always off)",
+    )
+    parser.add_argument(
         "--device", default="cpu", help="cpu, or cuda / cuda:N: the model on that card, both sides"
     )
     parser.add_argument(
@@ -168,17 +176,22 @@ def main() -> int:
     text = tok.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
     ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
 
-    proc, base = _start_server(home, device)
-    url = f"{base}/v1/chat/completions"
+    modes = [m for m in args.decode_graphs.split(",") if m]
+    if not device.startswith("cuda"):
+        modes = ["off"]  # the CPU is always eager
+    servers = {mode: _start_server(home, device, mode) for mode in modes}
+    url_of = {mode: f"{base}/v1/chat/completions" for mode, (_p, base) in servers.items()}
     body = {
         "model": "smollm2-135m-instruct",
         "messages": PROMPT,
         "temperature": 0,
         "max_tokens": args.tokens,
     }
+    engine = None
     try:
-        _post(url, body, stream=False)  # warm-up; fixes the token count
-        _, _, n_tokens, server_text = _post(url, body, stream=False)
+        for mode in modes:
+            _post(url_of[mode], body, stream=False)  # warm-up
+        _, _, n_tokens, server_text = _post(url_of[modes[0]], body, stream=False)
 
         def generate() -> tuple[float, float, str]:
             streamer = TextIteratorStreamer(tok, skip_prompt=True, skip_special_tokens=True)
@@ -209,10 +222,14 @@ def main() -> int:
                 tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True),
             )
 
-        def in_process() -> tuple[float, float, str]:
+        def in_process(eng: object = None) -> tuple[float, float, str]:
             async def go() -> tuple[float, float, str]:
                 gen = Generation(
-                    model, tok, ids[0].tolist(), SamplingParams(max_tokens=n_tokens, temperature=0)
+                    model,
+                    tok,
+                    ids[0].tolist(),
+                    SamplingParams(max_tokens=n_tokens, temperature=0),
+                    engine=eng,
                 )
                 t0 = time.perf_counter()
                 gen.start()
@@ -227,28 +244,61 @@ def main() -> int:
 
             return asyncio.run(go())
 
+        graph_modes = [m for m in modes if m != "off"]
+        if graph_modes:
+            from miserver.serving.decode_graphs import DecodeEngine
+            from miserver.serving.generation import context_length
+
+            engine = DecodeEngine(model, graph_modes[0], context_length(model))
+            engine.warm()
+
+        def bare() -> tuple[float, float, str]:
+            """The captured graph replayed n_tokens times, the argmax read back each step:
+            the floor of token-by-token decoding (prefill included, as in the other rows)."""
+            with torch.inference_mode(), engine.session(model) as s:
+                t0 = time.perf_counter()
+                logits = s.prefill(ids[0].tolist(), all_logits=False)[-1]
+                token = int(torch.argmax(logits))
+                ttft = time.perf_counter() - t0
+                for _ in range(n_tokens - 1):
+                    token = int(torch.argmax(s.step(token)))
+                return ttft, time.perf_counter() - t0, ""
+
         generate()  # warm-up
-        rows: dict[str, list[tuple[float, float, float]]] = {
-            "transformers generate": [],
-            "miserver Generation": [],
-            "miserver HTTP stream": [],
-            "miserver HTTP": [],
-        }
+        rows: dict[str, list[tuple[float, float, float]]] = {"transformers generate": []}
+        rows["miserver Generation (eager)"] = []
+        if engine is not None:
+            rows[f"miserver Generation ({graph_modes[0]})"] = []
+            rows["bare replay (floor)"] = []
+        for mode in modes:
+            rows[f"HTTP stream ({mode})"] = []
+            rows[f"HTTP ({mode})"] = []
         texts: dict[str, str] = {}
         for _ in range(args.repeats):
             c0 = time.process_time()
             ttft, total, texts["transformers generate"] = generate()
             rows["transformers generate"].append((ttft, total, time.process_time() - c0))
             c0 = time.process_time()
-            ttft, total, texts["miserver Generation"] = in_process()
-            rows["miserver Generation"].append((ttft, total, time.process_time() - c0))
-            for name, stream in (("miserver HTTP stream", True), ("miserver HTTP", False)):
-                c0 = _cpu_s(proc.pid)
-                ttft, total, _, texts[name] = _post(url, body, stream=stream)
-                rows[name].append((ttft, total, _cpu_s(proc.pid) - c0))
+            ttft, total, texts["miserver Generation (eager)"] = in_process()
+            rows["miserver Generation (eager)"].append((ttft, total, time.process_time() - c0))
+            if engine is not None:
+                name = f"miserver Generation ({graph_modes[0]})"
+                c0 = time.process_time()
+                ttft, total, texts[name] = in_process(engine)
+                rows[name].append((ttft, total, time.process_time() - c0))
+                c0 = time.process_time()
+                ttft, total, _ = bare()
+                rows["bare replay (floor)"].append((ttft, total, time.process_time() - c0))
+            for mode in modes:
+                proc = servers[mode][0]
+                for name, stream in ((f"HTTP stream ({mode})", True), (f"HTTP ({mode})", False)):
+                    c0 = _cpu_s(proc.pid)
+                    ttft, total, _, texts[name] = _post(url_of[mode], body, stream=stream)
+                    rows[name].append((ttft, total, _cpu_s(proc.pid) - c0))
     finally:
-        proc.terminate()
-        proc.wait(30)
+        for proc, _base in servers.values():
+            proc.terminate()
+            proc.wait(30)
 
     def med(samples: list[tuple[float, float, float]], i: int) -> float:
         return statistics.median(s[i] for s in samples)
@@ -268,14 +318,14 @@ def main() -> int:
     )
     base_best = min(t for _, t, _ in base)
     print(
-        f"{'path':<24}{'TTFT ms':>9}{'wall s':>9}{'tok/s':>8}{'wall ovh':>10}{'best ovh':>10}"
+        f"{'path':<30}{'TTFT ms':>9}{'wall s':>9}{'tok/s':>8}{'wall ovh':>10}{'best ovh':>10}"
         f"{'CPU s':>8}{'CPU ovh':>9}{'TTFT x':>8}"
     )
     for name, samples in rows.items():
         ttft, total, cpu = med(samples, 0), med(samples, 1), med(samples, 2)
         best = min(t for _, t, _ in samples)
         print(
-            f"{name:<24}{ttft * 1000:>9.0f}{total:>9.2f}{n_tokens / total:>8.1f}"
+            f"{name:<30}{ttft * 1000:>9.0f}{total:>9.2f}{n_tokens / total:>8.1f}"
             f"{(total - base_total) / base_total:>+10.1%}"
             f"{(best - base_best) / base_best:>+10.1%}{cpu:>8.2f}"
             f"{(cpu - base_cpu) / base_cpu:>+9.1%}{ttft / base_ttft:>8.2f}"
@@ -284,6 +334,12 @@ def main() -> int:
         "wall/CPU ovh: medians against generate's; best ovh: fastest run against generate's "
         "fastest (the least disturbed by other processes)"
     )
+    if "bare replay (floor)" in rows:
+        floor = med(rows["bare replay (floor)"], 1)
+        for name in rows:
+            if name.startswith("HTTP") and "off" not in name:
+                print(f"{name}: {med(rows[name], 1) / floor:.2f}x the in-process replay's time")
+    texts.pop("bare replay (floor)", None)
     same = len({texts[k] for k in texts} | {server_text}) == 1
     print(f"identical greedy text on every path: {same}")
     return 0

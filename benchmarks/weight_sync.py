@@ -5,26 +5,40 @@ The wall time an update adds beyond the trainer's own optimizer step, with the s
 "Weight-sync overhead per training step")::
 
     python benchmarks/weight_sync.py [--sizes 0.5b,8b] [--steps 500] [--baseline-steps 100]
-                                     [--bucket-mib 512] [--out DIR]
+                                     [--bucket-mib 512] [--block 10] [--profile]
+                                     [--no-baseline] [--out DIR]    # DIR defaults to $OUT
 
-Rows:
+Rows (each size in one run; the two modes of a server alternate in blocks of ``--block`` steps,
+so a drift of the machine falls on both alike):
 
-- **miserver**: a server process runs the real application (``miserver.http.app.create_app``,
-  the real lifecycle, scheduler, audit and access logs, ``web.run_app`` on loopback) whose model
-  host loads a random model of the size through the real attachable hook
-  (``miserver.serving.loader.make_attachable``: one parameter arena). This process (the trainer)
-  attaches over HTTP, rebuilds the weights with :func:`miserver.trainer.rebuild` and, per step,
-  calls quiesce and commit-begin, writes every parameter in place (the optimizer step, a
-  ``torch._foreach_mul_``), synchronizes, then calls commit-end and resume. The overhead is the
-  time of the four HTTP calls; the write is timed apart (both approaches pay it).
+- **miserver, pipelined**: a server process runs the real application
+  (``miserver.http.app.create_app``: the real lifecycle, scheduler, audit and access logs,
+  served as ``miserver serve`` serves it) whose model host loads a random model of the size
+  through the real attachable hook (``miserver.serving.loader.make_attachable``: one parameter
+  arena). This process (the trainer) attaches with :class:`miserver.trainer.WeightsClient` and,
+  per step, runs ``with client.commit(): write()``: quiesce + commit-begin pipelined on the
+  keep-alive connection, the in-place write of every parameter (a ``torch._foreach_mul_``, then
+  a synchronize), commit-end + resume pipelined. The overhead is the two pairs; the write is
+  timed apart (both approaches pay it).
+- **miserver, sequential**: the same server, the same attachment and write, four calls each
+  sent after the previous answer (``http.client`` keep-alive, ``TCP_NODELAY``).
 - **baseline** (what other servers do): the trainer holds its own copy of the weights; after its
   optimizer step it flattens the parameters into buckets (``--bucket-mib``), shares each bucket
   with ``torch.multiprocessing.reductions.reduce_tensor`` (a CUDA IPC handle), sends it over a
   pipe to the server process, which rebuilds it, copies it into its own parameters,
   synchronizes and acknowledges; the next bucket follows. The overhead is the whole transfer.
   (A pipe, not HTTP: that favours the baseline.)
-- **bare aiohttp**: four sequential POSTs to an aiohttp app whose handlers only return a small
-  JSON body, with the same client: the floor any HTTP barrier pays.
+- **bare aiohttp** (the machine's floor): the same two modes with the same clients against an
+  aiohttp app whose four POST routes only answer a small JSON envelope: back to back, and per
+  size around the same write (on a virtual machine a call after an idle gap is slower).
+
+**The server's own cost per call**, three ways: end to end (miserver minus bare, same mode,
+same write, over 4 calls), in the server (each barrier call's handler time as aiohttp's access
+logger sees it, miserver minus bare), and the server's CPU (its event loop thread's CPU time per
+call, ``/proc/<pid>/schedstat``, miserver minus bare: the measure that holds on a shared
+machine, where wall times include time spent descheduled). ``--profile`` adds a cProfile of the
+miserver server's event loop (CPU time) over more steps after the timed ones, written to
+``<out>/profile/``.
 
 Without CUDA (``--sizes tiny`` for a quick check) the same runs use CPU shared memory: miserver
 with ``WEIGHTS_CPU_ATTACH=1``, the baseline through PyTorch's file-system sharing strategy.
@@ -35,7 +49,8 @@ each process's maximum resident set size. A second copy of the weights shows as 
 holding about one model's size.
 
 Exit status 0 when every run completed and its check passed (miserver: ``steps_since_load``
-counted every commit; baseline: the server's parameters equal the trainer's after the last step).
+counted every commit of both modes; baseline: the server's parameters equal the trainer's after
+the last step).
 """
 
 from __future__ import annotations
@@ -45,6 +60,7 @@ import contextlib
 import functools
 import http.client
 import json
+import logging
 import multiprocessing
 import os
 import pickle
@@ -297,13 +313,68 @@ def in_place_write(params: list[Any], device: str) -> None:
 
 
 # --- server roles (child processes) -------------------------------------------------------------
+#: Handler times (seconds) of the barrier calls this server answered, recorded by its access
+#: logger (aiohttp times a request from its parsed message to its response written: the
+#: server's Python work for the call, HTTP parsing and the socket aside).
+HANDLER_TIMES: list[float] = []
+
+
+def _recording(logger_class: type) -> type:
+    """``logger_class`` (an aiohttp access logger) that also records each barrier call's time."""
+
+    class Recording(logger_class):  # type: ignore[misc, valid-type]
+        def log(self, request: Any, response: Any, time: float) -> None:
+            if request.path.rsplit("/", 1)[-1] in BARRIER:
+                HANDLER_TIMES.append(time)
+            super().log(request, response, time)
+
+        @property
+        def enabled(self) -> bool:
+            return True  # record also when the access log itself is off (the bare server)
+
+    return Recording
+
+
+def _bench_routes(app: Any, device: str | None) -> None:
+    """``/bench/*`` routes of a benchmark server: its memory, the recorded handler times, and a
+    cProfile of its event loop (``POST /bench/profile?start``, ``?stop=<path>``: pstats file)."""
+    import cProfile
+
+    from aiohttp import web
+
+    prof: dict[str, Any] = {}
+
+    async def bench_memory(request: web.Request) -> web.Response:
+        return web.json_response(memory(device or "cpu", reset="reset" in request.query))
+
+    async def handler_times(request: web.Request) -> web.Response:
+        out = list(HANDLER_TIMES)
+        HANDLER_TIMES.clear()
+        return web.json_response(out)
+
+    async def profile(request: web.Request) -> web.Response:
+        if "start" in request.query:
+            # CPU time of the event loop's thread: on a shared machine, wall time would also
+            # count the time the server sat descheduled
+            prof["p"] = cProfile.Profile(time.thread_time)
+            prof["p"].enable()
+        else:
+            p = prof.pop("p")
+            p.disable()
+            p.dump_stats(request.query["stop"])
+        return web.json_response({"ok": True})
+
+    app.router.add_get("/bench/memory", bench_memory)
+    app.router.add_get("/bench/handler-times", handler_times)
+    app.router.add_post("/bench/profile", profile)
+
+
 def serve_miserver(size: str) -> None:
     """The miserver server process: the real app (``create_app``, ``web.run_app``, logging as
     ``miserver serve`` sets it up) with a model host whose loader builds a random model and makes
     it attachable through the loader's own hook. Settings come from the environment."""
-    from aiohttp import web
-
     from miserver.http.app import create_app
+    from miserver.http.protocol import run_app
     from miserver.serving import loader as loader_module
     from miserver.serving.catalogue import Catalogue
     from miserver.serving.host import ModelHost
@@ -338,26 +409,21 @@ def serve_miserver(size: str) -> None:
 
     host = ModelHost(settings, catalogue, loader=load_random)
     app = create_app(settings, host=host)
-
-    async def bench_memory(request: web.Request) -> web.Response:
-        return web.json_response(memory(device, reset="reset" in request.query))
-
-    app.router.add_get("/bench/memory", bench_memory)
-    web.run_app(
+    _bench_routes(app, device)
+    run_app(  # as `miserver serve` runs it, its access logger recording the barrier calls
         app,
         host=settings.host,
         port=settings.port,
-        print=None,
-        handle_signals=True,
         shutdown_timeout=10.0,
-        access_log=__import__("logging").getLogger("miserver.server.access"),
-        access_log_class=AccessLogger,  # as `miserver serve` runs it
+        access_log=logging.getLogger("miserver.server.access"),
+        access_log_class=_recording(AccessLogger),
     )
 
 
 def serve_bare() -> None:
     """The floor: an aiohttp app whose four POST routes only answer a small JSON envelope."""
     from aiohttp import web
+    from aiohttp.abc import AbstractAccessLogger
 
     async def handler(request: web.Request) -> web.Response:
         await request.read()
@@ -365,11 +431,25 @@ def serve_bare() -> None:
             {"success": True, "data": {"weights_state": "clean"}, "error": None}
         )
 
+    class NoAccessLog(AbstractAccessLogger):
+        """Logs nothing (the recording subclass records the times)."""
+
+        def log(self, request: Any, response: Any, time: float) -> None:
+            pass
+
     app = web.Application()
     for name in BARRIER:
         app.router.add_post(f"/api/weights/{name}", handler)
     app.router.add_get("/ready", handler)
-    web.run_app(app, host="127.0.0.1", port=int(os.environ["PORT"]), print=None, access_log=None)
+    _bench_routes(app, None)
+    web.run_app(
+        app,
+        host="127.0.0.1",
+        port=int(os.environ["PORT"]),
+        print=None,
+        access_log=logging.getLogger("bare.access"),
+        access_log_class=_recording(NoAccessLog),  # times recorded as miserver's, not logged
+    )
 
 
 def bucket_plan(params: list[Any], bucket_bytes: int) -> list[list[int]]:
@@ -474,9 +554,9 @@ def start_miserver(size: str, device: str, workdir: Path) -> tuple[subprocess.Po
 def timed_barrier(
     client: KeepAliveClient, write: Callable[[], None]
 ) -> tuple[list[float], float, dict]:
-    """One step: quiesce, commit-begin, ``write()``, commit-end, resume. Returns the four calls'
-    seconds, the write's seconds and the commit-end answer."""
-    times = []
+    """One step, four sequential calls: quiesce, commit-begin, ``write()``, commit-end, resume,
+    each sent once the previous one has answered. Returns the four calls' seconds, the write's
+    seconds and the commit-end answer."""
     t = time.perf_counter()
     client.post("/api/weights/quiesce")
     t1 = time.perf_counter()
@@ -488,12 +568,33 @@ def timed_barrier(
     t4 = time.perf_counter()
     client.post("/api/weights/resume")
     t5 = time.perf_counter()
-    times = [t1 - t, t2 - t1, t4 - t3, t5 - t4]
-    return times, t3 - t2, end
+    return [t1 - t, t2 - t1, t4 - t3, t5 - t4], t3 - t2, end
+
+
+def timed_commit(client: Any, write: Callable[[], None]) -> tuple[list[float], float, dict]:
+    """One step through ``WeightsClient.commit()``: two pipelined pairs (quiesce + commit-begin,
+    the block's ``write()``, commit-end + resume). Returns the two pairs' seconds, the write's
+    seconds and the commit-end answer."""
+    t = time.perf_counter()
+    with client.commit() as cycle:
+        t1 = time.perf_counter()
+        write()
+        t2 = time.perf_counter()
+    t3 = time.perf_counter()
+    return [t1 - t, t3 - t2], t2 - t1, cycle.end or {}
+
+
+#: The modes of a step, and the phases each one times.
+MODES = {"sequential": BARRIER, "pipelined": ("quiesce+commit-begin", "commit-end+resume")}
 
 
 def summarize(
-    overhead_s: list[float], write_s: list[float], calls: list[list[float]] | None
+    overhead_s: list[float],
+    write_s: list[float],
+    calls: list[list[float]] | None,
+    phases: tuple[str, ...] = BARRIER,
+    handler_s: list[float] | None = None,
+    cpu: tuple[float, int] | None = None,
 ) -> dict[str, Any]:
     ms = [x * 1e3 for x in overhead_s]
     out: dict[str, Any] = {
@@ -504,79 +605,213 @@ def summarize(
         "mean_ms": statistics.fmean(ms),
         "samples_ms": ms,
         "write_p50_ms": percentile([x * 1e3 for x in write_s], 50) if write_s else None,
+        "phases": list(phases),
     }
     if calls:
-        for i, name in enumerate(BARRIER):
-            out[f"{name}_p50_ms"] = percentile([c[i] * 1e3 for c in calls], 50)
+        out["phase_p50_ms"] = {
+            name: percentile([c[i] * 1e3 for c in calls], 50) for i, name in enumerate(phases)
+        }
+    if handler_s:
+        hs = [x * 1e3 for x in handler_s]
+        out.update(handler_calls=len(hs), handler_p50_ms=percentile(hs, 50))
+        out["handler_p99_ms"] = percentile(hs, 99)
+    if cpu is not None and cpu[1]:
+        out["server_cpu_ms_per_call"] = cpu[0] * 1e3 / cpu[1]
     return out
 
 
-def run_miserver(size: str, device: str, steps: int, warmup: int, workdir: Path) -> dict[str, Any]:
+def alternate(
+    steps: int,
+    warmup: int,
+    block: int,
+    run_step: dict[str, Callable[[], tuple[list[float], float, dict]]],
+    between: Callable[[], None],
+    handler_times: Callable[[], list[float]],
+    server_cpu: Callable[[], float],
+) -> tuple[dict[str, dict[str, Any]], dict]:
+    """Run ``warmup`` + ``steps`` steps of each mode, alternating in blocks of ``block`` steps
+    (so a drift of the machine falls on every mode alike). ``between`` runs outside the timed
+    part after each block; the server's recorded handler times and its process's CPU seconds
+    (``server_cpu``) are collected per block. Returns per mode ``{overhead, writes, calls,
+    handler, cpu_s, cpu_calls}`` and the last commit-end answer."""
+    out: dict[str, dict[str, Any]] = {
+        m: {"overhead": [], "writes": [], "calls": [], "handler": [], "cpu_s": 0.0, "cpu_calls": 0}
+        for m in run_step
+    }
+    done = dict.fromkeys(run_step, 0)
+    end: dict = {}
+    handler_times()  # drop what set-up recorded
+    while any(n < warmup + steps for n in done.values()):
+        for mode, step in run_step.items():
+            n0 = done[mode]
+            cpu0 = server_cpu()
+            for _ in range(min(block, warmup + steps - n0)):
+                times, w, end = step()
+                if done[mode] >= warmup:
+                    out[mode]["overhead"].append(sum(times))
+                    out[mode]["writes"].append(w)
+                    out[mode]["calls"].append(times)
+                done[mode] += 1
+            cpu1 = server_cpu()
+            recorded = handler_times()
+            if n0 >= warmup:  # a block that straddles the warm-up is left out of the times
+                out[mode]["handler"].extend(recorded)
+                out[mode]["cpu_s"] += cpu1 - cpu0
+                out[mode]["cpu_calls"] += len(BARRIER) * (done[mode] - n0)
+            between()
+    return out, end
+
+
+def process_cpu(pid: int) -> Callable[[], float]:
+    """A function returning the CPU seconds process ``pid``'s main thread (the server's event
+    loop, where every barrier call runs) has used so far: ``/proc/<pid>/schedstat``, in
+    nanoseconds (Linux); without it the whole process's user + system time in clock ticks."""
+    sched = Path(f"/proc/{pid}/schedstat")
+    if sched.exists():
+        return lambda: int(sched.read_text().split()[0]) / 1e9
+    tick = os.sysconf("SC_CLK_TCK")
+    stat = Path(f"/proc/{pid}/stat")
+
+    def cpu() -> float:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+
+    return cpu
+
+
+def profile_server(
+    port: int, step: Callable[[], Any], steps: int, path: Path, top: int = 30
+) -> str:
+    """cProfile the server's event loop over ``steps`` more steps (after the timed ones, so the
+    profiler's own cost is in no timed row); the top functions by own time, as text."""
+    import io
+    import pstats
+    import urllib.request
+
+    def post(query: str) -> None:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/bench/profile?{query}", b"")
+        urllib.request.urlopen(req, timeout=30).read()
+
+    post("start")
+    for _ in range(steps):
+        step()
+    post(f"stop={path}")
+    buf = io.StringIO()
+    stats = pstats.Stats(str(path), stream=buf)
+    buf.write(f"{steps} steps ({steps * len(BARRIER)} barrier calls) profiled\n")
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return buf.getvalue()
+
+
+def run_miserver(
+    size: str,
+    device: str,
+    steps: int,
+    warmup: int,
+    workdir: Path,
+    block: int = 10,
+    profile_dir: Path | None = None,
+) -> list[dict[str, Any]]:
+    """The miserver rows of ``size``: through ``WeightsClient.commit()`` (pipelined pairs) and
+    four sequential calls on a bare keep-alive connection, alternating, on one server."""
     import torch
 
-    from miserver import trainer
+    from miserver.trainer import WeightsClient
 
     before = card_used(device)
     proc, port, log_path = start_miserver(size, device, workdir)
+    profile_text = None
     try:
-        client = KeepAliveClient(port, TOKEN_SECRET)
-        body = client.post("/api/weights/attach")
-        client.attachment = body["attachment_id"]
-        with trainer.rebuild(body) as weights:
-            params = weights.unique_tensors()
-            n_params = sum(p.numel() for p in params)
-            weight_bytes = sum(p.numel() * p.element_size() for p in params)
-            start_steps = body["steps_since_load"]
-            if device.startswith("cuda"):
-                torch.cuda.reset_peak_memory_stats(device)
-            get_json(port, "/bench/memory?reset=1")
-            overhead, writes, calls = [], [], []
-            last_beat = time.monotonic()
-            end: dict = {}
-            write = functools.partial(in_place_write, params, device)
-            for i in range(warmup + steps):
-                if time.monotonic() - last_beat > 2.0:  # outside the timed part
-                    client.post("/api/weights/heartbeat")
-                    last_beat = time.monotonic()
-                times, w, end = timed_barrier(client, write)
-                if i >= warmup:
-                    overhead.append(sum(times))
-                    writes.append(w)
-                    calls.append(times)
-            card = card_used(device)
-            trainer_mem = memory(device)
-            server_mem = get_json(port, "/bench/memory")
-            del params, write
-        client.attachment = body["attachment_id"]
-        client.post("/api/weights/detach")
-        client.close()
-        counted = end.get("steps_since_load") == start_steps + warmup + steps
+        wc = WeightsClient(f"http://127.0.0.1:{port}", TOKEN_SECRET, heartbeat=False)
+        att = wc.attach()
+        seq = KeepAliveClient(port, TOKEN_SECRET)
+        seq.attachment = wc._attachment_id  # the same attachment, for the sequential calls
+        params = att.weights.unique_tensors()
+        n_params = sum(p.numel() for p in params)
+        weight_bytes = sum(p.numel() * p.element_size() for p in params)
+        start_steps = att.steps_since_load
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats(device)
+        get_json(port, "/bench/memory?reset=1")
+        write = functools.partial(in_place_write, params, device)
+        results, end = alternate(
+            steps,
+            warmup,
+            block,
+            {
+                "pipelined": functools.partial(timed_commit, wc, write),
+                "sequential": functools.partial(timed_barrier, seq, write),
+            },
+            between=wc.heartbeat,
+            handler_times=lambda: get_json(port, "/bench/handler-times"),
+            server_cpu=process_cpu(proc.pid),
+        )
+        counted = end.get("steps_since_load") == start_steps + 2 * (warmup + steps)
+        card = card_used(device)
+        trainer_mem = memory(device)
+        server_mem = get_json(port, "/bench/memory")
+        if profile_dir is not None:
+            profile_dir.mkdir(parents=True, exist_ok=True)
+            profile_text = profile_server(
+                port,
+                functools.partial(timed_commit, wc, write),
+                max(steps, 200),
+                profile_dir / f"miserver-{size}.pstats",
+            )
+            (profile_dir / f"miserver-{size}.txt").write_text(profile_text)
+        del params, write
+        seq.close()
+        wc.close()  # detaches
     finally:
         stop_process(proc)
-    out = summarize(overhead, writes, calls)
-    out.update(
-        approach="miserver",
-        size=size,
-        params=n_params,
-        weight_bytes=weight_bytes,
-        trainer_mem=trainer_mem,
-        server_mem=server_mem,
-        card_delta=None if card is None else card - before,
-        check=bool(counted),
-        check_what="steps_since_load counted every commit",
-        server_log=str(log_path),
-    )
-    return out
+    rows = []
+    for mode in ("pipelined", "sequential"):
+        r = results[mode]
+        out = summarize(
+            r["overhead"],
+            r["writes"],
+            r["calls"],
+            MODES[mode],
+            r["handler"],
+            (r["cpu_s"], r["cpu_calls"]),
+        )
+        out.update(
+            approach=f"miserver, {mode}",
+            mode=mode,
+            size=size,
+            params=n_params,
+            weight_bytes=weight_bytes,
+            trainer_mem=trainer_mem,
+            server_mem=server_mem,
+            card_delta=None if card is None else card - before,
+            check=bool(counted),
+            check_what="steps_since_load counted every commit",
+            server_log=str(log_path),
+        )
+        rows.append(out)
+    if profile_text is not None:
+        rows[0]["profile"] = str(profile_dir / f"miserver-{size}.txt")
+    return rows
 
 
 def run_bare(
-    device: str, steps: int, warmup: int, workdir: Path, size: str | None = None
-) -> dict[str, Any]:
-    """Four POSTs per step to the bare aiohttp server. With ``size``, the step has the same
-    shape as miserver's: the same in-place write of a ``size``-shaped model (the trainer's own
-    tensors here) between commit-begin and commit-end. On a virtual machine a call that follows an
-    idle gap (the write) is slower than one sent back to back, whatever the server does, so this
-    is the fair floor for each size; without ``size`` the calls go back to back."""
+    device: str,
+    steps: int,
+    warmup: int,
+    workdir: Path,
+    size: str | None = None,
+    block: int = 10,
+) -> list[dict[str, Any]]:
+    """The bare aiohttp rows: the same two step shapes (``WeightsClient.commit()``'s pipelined
+    pairs, four sequential calls) against a server whose handlers only answer a small JSON
+    envelope. With ``size``, the same in-place write of a ``size``-shaped model (the trainer's
+    own tensors here) sits between commit-begin and commit-end: on a virtual machine a call
+    that follows an idle gap (the write) is slower than one sent back to back, whatever the
+    server does, so this is the fair floor for each size; without ``size`` the calls go back to
+    back."""
+    from miserver.trainer import WeightsClient
+
     write: Callable[[], None] = lambda: None  # noqa: E731
     params = None
     if size is not None:
@@ -594,15 +829,23 @@ def run_bare(
     )
     try:
         wait_until(lambda: get_json(port, "/ready")["success"], proc, "bare aiohttp server")
-        client = KeepAliveClient(port)
-        overhead, writes, calls = [], [], []
-        for i in range(warmup + steps):
-            times, w, _ = timed_barrier(client, write)
-            if i >= warmup:
-                overhead.append(sum(times))
-                writes.append(w)
-                calls.append(times)
-        client.close()
+        wc = WeightsClient(f"http://127.0.0.1:{port}", TOKEN_SECRET, heartbeat=False)
+        wc._attachment_id = "bench"  # no attach on the bare server: the holder header only
+        seq = KeepAliveClient(port)
+        results, _ = alternate(
+            steps,
+            warmup,
+            block,
+            {
+                "pipelined": functools.partial(timed_commit, wc, write),
+                "sequential": functools.partial(timed_barrier, seq, write),
+            },
+            between=lambda: None,
+            handler_times=lambda: get_json(port, "/bench/handler-times"),
+            server_cpu=process_cpu(proc.pid),
+        )
+        wc._attachment_id = None
+        seq.close()
     finally:
         stop_process(proc)
         del write, params
@@ -610,14 +853,28 @@ def run_bare(
             import torch
 
             torch.cuda.empty_cache()
-    out = summarize(overhead, writes if size else [], calls)
-    out.update(
-        approach="bare aiohttp, same write" if size else "bare aiohttp, back to back",
-        size=size or "-",
-        check=True,
-        check_what="four 200s per step",
-    )
-    return out
+    rows = []
+    for mode in ("pipelined", "sequential"):
+        r = results[mode]
+        out = summarize(
+            r["overhead"],
+            r["writes"] if size else [],
+            r["calls"],
+            MODES[mode],
+            r["handler"],
+            (r["cpu_s"], r["cpu_calls"]),
+        )
+        where = "same write" if size else "back to back"
+        out.update(
+            approach=f"bare aiohttp, {where}, {mode}",
+            mode=mode,
+            floor=where,
+            size=size or "-",
+            check=True,
+            check_what="four 200s per step",
+        )
+        rows.append(out)
+    return rows
 
 
 def run_baseline(
@@ -713,20 +970,26 @@ def _mem(m: dict[str, float] | None, device: str) -> str:
     return f"{m['maxrss'] / GIB:.2f} (RSS)"
 
 
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
 def render(rows: list[dict[str, Any]], device: str, head: str) -> str:
+    """The run's tables (markdown): every row; the phases per step; the server's own cost per
+    call; the targets of issue 15."""
     lines = [
         head,
         "",
         "| approach | size | params (B) | weights GiB | p50 ms | p99 ms | max ms | "
-        "baseline / miserver p50 (p99) | optimizer step p50 ms (both pay) | "
+        "baseline / miserver pipelined p50 (p99) | optimizer step p50 ms (both pay) | "
         "server peak GiB | trainer peak GiB | card used GiB | check |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    ms = {r["size"]: r for r in rows if r["approach"] == "miserver"}
+    pipe = {r["size"]: r for r in rows if r["approach"] == "miserver, pipelined"}
     for r in rows:
         ratio = "-"
-        if r["approach"].startswith("baseline") and r["size"] in ms:
-            m = ms[r["size"]]
+        if r["approach"].startswith("baseline") and r["size"] in pipe:
+            m = pipe[r["size"]]
             ratio = f"{r['p50_ms'] / m['p50_ms']:.1f}x ({r['p99_ms'] / m['p99_ms']:.1f}x)"
         params = f"{r['params'] / 1e9:.3f}" if "params" in r else "-"
         wgib = f"{r['weight_bytes'] / GIB:.2f}" if "weight_bytes" in r else "-"
@@ -738,36 +1001,100 @@ def render(rows: list[dict[str, Any]], device: str, head: str) -> str:
             f"{_mem(r.get('server_mem'), device)} | {_mem(r.get('trainer_mem'), device)} | "
             f"{card} | {'pass' if r['check'] else 'FAIL'} |"
         )
-    lines += [
-        "",
-        "Per call, p50 ms:",
-        "",
-        "| approach | size | " + " | ".join(BARRIER) + " |",
-        "|---|---|" + "---|" * len(BARRIER),
-    ]
-    for r in rows:
-        if f"{BARRIER[0]}_p50_ms" in r:
-            lines.append(
-                f"| {r['approach']} | {r['size']} | "
-                + " | ".join(f"{r[f'{n}_p50_ms']:.3f}" for n in BARRIER)
-                + " |"
-            )
-    floors = {r["size"]: r for r in rows if r["approach"] == "bare aiohttp, same write"}
-    if floors:
+    for mode, phases in MODES.items():
+        these = [r for r in rows if r.get("mode") == mode and "phase_p50_ms" in r]
+        if not these:
+            continue
         lines += [
             "",
-            "The server's own cost: miserver minus four bare calls around the same write, p50 ms:",
+            f"Per {'call' if mode == 'sequential' else 'pipelined pair'} ({mode}), p50 ms:",
             "",
-            "| size | miserver | bare, same write | miserver - bare | per call |",
-            "|---|---|---|---|---|",
+            "| approach | size | " + " | ".join(phases) + " |",
+            "|---|---|" + "---|" * len(phases),
         ]
-        for size, m in ms.items():
-            if size in floors:
-                d = m["p50_ms"] - floors[size]["p50_ms"]
-                lines.append(
-                    f"| {size} | {m['p50_ms']:.3f} | {floors[size]['p50_ms']:.3f} | {d:.3f} | "
-                    f"{d / len(BARRIER):.3f} |"
+        for r in these:
+            lines.append(
+                f"| {r['approach']} | {r['size']} | "
+                + " | ".join(f"{r['phase_p50_ms'][n]:.3f}" for n in phases)
+                + " |"
+            )
+    by = {(r["approach"], r["size"]): r for r in rows}
+    cost: dict[str, float] = {}
+    sizes = [r["size"] for r in rows if r["approach"] == "miserver, pipelined"]
+    if sizes:
+        lines += [
+            "",
+            "The server's own cost per call, p50 ms: end to end (miserver minus bare aiohttp, "
+            "same client, same write, divided by 4 calls), and in the server (each barrier "
+            "call's handler time, the access logger's: miserver minus bare):",
+            "",
+            "| size | mode | miserver step | bare step | per call, end to end | "
+            "handler miserver | handler bare | per call, in the server | "
+            "server CPU ms a call, miserver / bare | per call, CPU |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+    for size in sizes:
+        for mode in MODES:
+            m = by.get((f"miserver, {mode}", size))
+            f = by.get((f"bare aiohttp, same write, {mode}", size))
+            if m is None or f is None:
+                continue
+            e2e = (m["p50_ms"] - f["p50_ms"]) / len(BARRIER)
+            hm, hf = m.get("handler_p50_ms"), f.get("handler_p50_ms")
+            inside = hm - hf if hm is not None and hf is not None else None
+            if mode == "pipelined":
+                cost[size] = e2e
+            cm, cf = m.get("server_cpu_ms_per_call"), f.get("server_cpu_ms_per_call")
+            lines.append(
+                f"| {size} | {mode} | {m['p50_ms']:.3f} | {f['p50_ms']:.3f} | {e2e:.3f} | "
+                + (
+                    f"{hm:.3f} | {hf:.3f} | {inside:.3f} | "
+                    if inside is not None
+                    else "- | - | - | "
                 )
+                + (f"{cm:.3f} / {cf:.3f} | {cm - cf:.3f} |" if cm and cf else "- | - |")
+            )
+    if sizes:
+        lines += [
+            "",
+            "Targets (issue 15):",
+            "",
+            "| target | size | measured | |",
+            "|---|---|---|---|",
+        ]
+    for size in sizes:
+        m = by[("miserver, pipelined", size)]
+        seq_floor = by.get(("bare aiohttp, same write, sequential", size))
+        if seq_floor is not None:
+            x = m["p50_ms"] / seq_floor["p50_ms"]
+            lines.append(
+                f"| a cycle through WeightsClient.commit() at most 1.2x four sequential bare "
+                f"calls (p50) | {size} | {m['p50_ms']:.3f} / {seq_floor['p50_ms']:.3f} ms = "
+                f"{x:.2f}x | {_verdict(x <= 1.2)} |"
+            )
+        lines.append(
+            f"| miserver p50 at most 1.5 ms, p99 at most 3 ms | {size} | {m['p50_ms']:.3f} / "
+            f"{m['p99_ms']:.3f} ms | {_verdict(m['p50_ms'] <= 1.5 and m['p99_ms'] <= 3.0)} |"
+        )
+        if size in cost:
+            lines.append(
+                f"| the server's own cost at most 0.1 ms a call (p50, end to end) | {size} | "
+                f"{cost[size]:.3f} ms | {_verdict(cost[size] <= 0.1)} |"
+            )
+        base = next(
+            (r for r in rows if r["approach"].startswith("baseline") and r["size"] == size), None
+        )
+        if base is not None and size == "8b":
+            x = base["p50_ms"] / m["p50_ms"]
+            lines.append(
+                f"| at least 30x below the baseline (p50) | {size} | {x:.1f}x | {_verdict(x >= 30)} |"
+            )
+        floor = by.get(("bare aiohttp, same write, pipelined", size))
+        if floor is not None:
+            lines.append(
+                f"| (the machine's floor: bare aiohttp, same client, same write) | {size} | "
+                f"{floor['p50_ms']:.3f} / {floor['p99_ms']:.3f} ms (p50 / p99) | |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -799,7 +1126,19 @@ def main() -> int:
     ap.add_argument("--baseline-steps", type=int, default=100, help="timed baseline steps")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--bucket-mib", type=float, default=512.0)
-    ap.add_argument("--out", default=None, help="folder for weight_sync.md/.json/.png")
+    ap.add_argument(
+        "--out",
+        default=os.environ.get("OUT"),
+        help="folder for weight_sync.md/.json/.png (default: $OUT when set)",
+    )
+    ap.add_argument("--block", type=int, default=10, help="steps per block when alternating modes")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed steps, cProfile the miserver server over more steps; the top "
+        "functions go to <out>/profile-<size>.txt",
+    )
+    ap.add_argument("--no-baseline", action="store_true", help="skip the bucketed-copy rows")
     ap.add_argument("--role", choices=("miserver", "bare"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "miserver":
@@ -817,36 +1156,52 @@ def main() -> int:
 
     device = pick_device()
     workdir = Path(tempfile.mkdtemp(prefix="miserver-weight-sync-"))
+    profile_dir = Path(args.out or workdir) / "profile" if args.profile else None
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
     try:
-        rows.append(run_bare(device, args.steps, args.warmup, workdir))
+        rows += run_bare(device, args.steps, args.warmup, workdir, block=args.block)
         for size in sizes:
-            rows.append(run_bare(device, args.steps, args.warmup, workdir, size))
-            rows.append(run_miserver(size, device, args.steps, args.warmup, workdir))
-            rows.append(
-                run_baseline(
+            floor = run_bare(device, args.steps, args.warmup, workdir, size, block=args.block)
+            ours = run_miserver(
+                size,
+                device,
+                args.steps,
+                args.warmup,
+                workdir,
+                block=args.block,
+                profile_dir=profile_dir,
+            )
+            rows += floor + ours
+            base = None
+            if not args.no_baseline:
+                base = run_baseline(
                     size, device, args.baseline_steps, args.warmup, int(args.bucket_mib * 2**20)
                 )
-            )
+                rows.append(base)
             print(
-                f"[{time.perf_counter() - started:.0f} s] {size}: miserver p50 "
-                f"{rows[-2]['p50_ms']:.3f} ms, bare with the same write "
-                f"{rows[-3]['p50_ms']:.3f} ms, baseline p50 {rows[-1]['p50_ms']:.3f} ms",
+                f"[{time.perf_counter() - started:.0f} s] {size}: miserver pipelined p50 "
+                f"{ours[0]['p50_ms']:.3f} ms (sequential {ours[1]['p50_ms']:.3f}), bare with the "
+                f"same write {floor[0]['p50_ms']:.3f} ms (sequential {floor[1]['p50_ms']:.3f})"
+                + (f", baseline p50 {base['p50_ms']:.3f} ms" if base else ""),
                 file=sys.stderr,
                 flush=True,
             )
+            if profile_dir is not None and ours[0].get("profile"):
+                print(Path(ours[0]["profile"]).read_text()[:6000], file=sys.stderr)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if profile_dir is None or args.out:
+            shutil.rmtree(workdir, ignore_errors=True)
     if device.startswith("cuda"):
         props = torch.cuda.get_device_properties(0)
         where = f"{props.name}, torch {torch.__version__}, CUDA {torch.version.cuda}"
     else:
         where = f"CPU ({os.cpu_count()} cores), torch {torch.__version__}, CPU shared memory"
     head = (
-        f"{where}; one run; miserver and bare: {args.steps} timed steps, baseline: "
-        f"{args.baseline_steps}, each after {args.warmup} warm-ups; buckets of "
-        f"{args.bucket_mib:g} MiB; {time.perf_counter() - started:.0f} s in all."
+        f"{where}; one run; miserver and bare: {args.steps} timed steps of each mode "
+        f"(alternating in blocks of {args.block}), baseline: {args.baseline_steps}, each after "
+        f"{args.warmup} warm-ups; buckets of {args.bucket_mib:g} MiB; "
+        f"{time.perf_counter() - started:.0f} s in all."
     )
     table = render(rows, device, head)
     print(table)

@@ -22,8 +22,8 @@ Run it::
     python examples/train_while_serving.py --schedule full --device cuda
     python examples/train_while_serving.py --server http://127.0.0.1:8000 --token-file secret
 
-Without ``--server`` the demo starts ``miserver serve`` itself on a free port: a generated trainer
-token, ``WEIGHTS_CPU_ATTACH=1`` on the CPU (contract 8), ``WEIGHTS_COMMIT_WATCHDOG_MS`` raised to
+Without ``--server`` the demo starts ``miserver serve`` itself on ``--port`` (default: a free
+one, printed): a generated trainer token, ``WEIGHTS_CPU_ATTACH=1`` on the CPU (contract 8), ``WEIGHTS_COMMIT_WATCHDOG_MS`` raised to
 30 s on the CPU (an AdamW step over 135M parameters on two cores takes far longer than the 800 ms
 GPU default), and ``MISERVER_HOME`` from the environment (default: miserver's own). With
 ``--server`` it attaches to that server with the secret in ``--token-file``.
@@ -163,6 +163,7 @@ class LocalServer:
         log_path: where the server's output goes.
         watchdog_ms: ``WEIGHTS_COMMIT_WATCHDOG_MS``, or None for the server's default.
         audit_path: ``WEIGHTS_AUDIT_LOG``.
+        port: the port on 127.0.0.1 to serve on; None or 0 for a free one.
     """
 
     def __init__(
@@ -173,9 +174,10 @@ class LocalServer:
         log_path: Path,
         watchdog_ms: int | None,
         audit_path: Path,
+        port: int | None = None,
     ) -> None:
         self.token = secrets.token_urlsafe(32)
-        self.port = free_port()
+        self.port = port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
@@ -459,7 +461,7 @@ class CommitRecord:
     hold_end: float
     commit_ms: float | None
     overran: bool
-    held_requests: int | None
+    held_requests: int | None  # the quiesce answer's: held at that instant (usually 0)
     steps_since_load: int | None
 
 
@@ -494,15 +496,16 @@ def served_during_writes(
     return bad
 
 
+def held_through(rec: ChatRecord, commit: CommitRecord) -> bool:
+    """Whether ``rec`` waited through ``commit``'s write: sent before the write ended, its first
+    token after it (the barrier held it, then served it on the new weights)."""
+    first = rec.t_first if rec.t_first is not None else math.inf
+    return rec.t_sent < commit.write_end < first
+
+
 def held_by_commits(records: Sequence[ChatRecord], commits: Sequence[CommitRecord]) -> int:
-    """How many chat requests waited through a write: sent before a write window ended, their
-    first token arriving after it (the barrier held them, then served them)."""
-    n = 0
-    for rec in records:
-        first = rec.t_first if rec.t_first is not None else math.inf
-        if any(rec.t_sent < c.write_end < first for c in commits):
-            n += 1
-    return n
+    """How many chat requests waited through a write (:func:`held_through` some commit)."""
+    return sum(any(held_through(rec, c) for c in commits) for rec in records)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -587,13 +590,11 @@ class Demo:
     def example(self, question: str, answer: str) -> tuple[list[int], list[int]]:
         """(prompt ids, target ids): the chat-templated question exactly as ``/v1`` builds it,
         and the answer followed by the end-of-turn token the served model stops on."""
-        tok = self.tokenizer
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
-        )
-        prompt = list(tok(text, add_special_tokens=False)["input_ids"])
-        target = list(tok(answer + tok.eos_token, add_special_tokens=False)["input_ids"])
-        return prompt, target
+        from miserver.trainer import IGNORE_INDEX, chat_example
+
+        ids, labels = chat_example(self.tokenizer, [{"role": "user", "content": question}], answer)
+        n = labels.count(IGNORE_INDEX)  # the prompt, masked
+        return ids[:n], ids[n:]
 
     # --- evaluation -------------------------------------------------------------------------
     def evaluate(self, step: int) -> EvalRecord:
@@ -681,6 +682,10 @@ class Demo:
                 opt = torch.optim.AdamW(
                     model.parameters(), lr=s.lr, weight_decay=0.0, **_fused_if_supported(device)
                 )
+                # its state now: allocated inside the first commit it would overrun the watchdog
+                from miserver.trainer import init_optimizer_state
+
+                init_optimizer_state(opt)
                 self.lr_schedule = torch.optim.lr_scheduler.LambdaLR(
                     opt, lambda i: 1.0 - 0.9 * min(i, s.max_steps) / s.max_steps if s.decay else 1.0
                 )
@@ -860,6 +865,10 @@ class Demo:
                         k: getattr(c, k) - t0
                         for k in ("hold_start", "write_start", "write_end", "hold_end")
                     },
+                    # the quiesce answer's count is of that instant (usually 0: requests
+                    # arrive later); this is the count the summary adds up
+                    "held_at_quiesce": c.held_requests,
+                    "held_requests": sum(held_through(r, c) for r in chats),
                 }
                 for c in self.commits
             ],
@@ -870,6 +879,7 @@ class Demo:
                     "t_first": None if c.t_first is None else c.t_first - t0,
                     "t_done": None if c.t_done is None else c.t_done - t0,
                     "latency_s": c.latency_s,
+                    "held_through_a_write": any(held_through(c, w) for w in self.commits),
                     "status": c.status,
                     "error": c.error,
                     "model": c.model,
@@ -968,7 +978,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     top.plot(
         steps,
         [e["lines"] for e in results["evals"]],
-        "o-",
+        "o",
+        markersize=8,
         color="tab:blue",
         label="Zen lines the server recites exactly",
     )
@@ -984,7 +995,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     loss_ax.plot(
         steps,
         [e["nll"] for e in results["evals"]],
-        "s--",
+        "s",
+        markersize=7,
         color="tab:orange",
         label="reference loss under the served weights",
     )
@@ -995,7 +1007,15 @@ def plot(results: dict[str, Any], path: Path) -> None:
     )
     lines = top.get_legend_handles_labels()
     extra = loss_ax.get_legend_handles_labels()
-    top.legend(lines[0] + extra[0], lines[1] + extra[1], loc="center right")
+    # below the axes: inside, it covered points
+    top.legend(
+        lines[0] + extra[0],
+        lines[1] + extra[1],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.18),
+        ncol=2,
+        fontsize="small",
+    )
 
     for i, c in enumerate(results["commits"]):
         bottom.axvspan(
@@ -1016,13 +1036,23 @@ def plot(results: dict[str, Any], path: Path) -> None:
         )
     ok = [c for c in results["chats"] if c["error"] is None and c["t_done"] is not None]
     bad = [c for c in results["chats"] if c["error"] is not None]
+    held = [c for c in ok if c.get("held_through_a_write")]
     bottom.plot(
-        [c["t_done"] for c in ok],
-        [c["latency_s"] for c in ok],
+        [c["t_done"] for c in ok if not c.get("held_through_a_write")],
+        [c["latency_s"] for c in ok if not c.get("held_through_a_write")],
         ".",
         color="tab:green",
         label="chat request (latency, at completion)",
     )
+    if held:
+        bottom.plot(
+            [c["t_done"] for c in held],
+            [c["latency_s"] for c in held],
+            "D",
+            color="tab:red",
+            markersize=5,
+            label=f"held through a write ({len(held)}), then served",
+        )
     if bad:
         bottom.plot(
             [c["t_done"] for c in bad],
@@ -1051,7 +1081,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
         f"{s['chat_requests']} chat requests, {s['chat_failed']} failed, "
         f"{s['chat_served_during_commit']} served during a commit"
     )
-    bottom.legend(loc="upper right", fontsize="small", framealpha=0.9)
+    bottom.legend(
+        loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, fontsize="small", framealpha=0.9
+    )
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -1063,6 +1095,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--server", help="attach to this miserver (http://host:port) instead of starting one"
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="the port on 127.0.0.1 of the server the demo starts (default: a free one, "
+        "printed at the start; while it runs, curl or an OpenAI client can use it too)",
     )
     p.add_argument(
         "--token-file",
@@ -1107,6 +1146,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--server needs --token-file")
     if args.token_file and not args.server:
         p.error("--token-file goes with --server")
+    if args.port and args.server:
+        p.error("--port is for the server the demo starts; --server names its own")
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port {args.port}: not a port (1 to 65535, or 0 for a free one)")
     return args
 
 
@@ -1157,6 +1200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         log_path=out / "server.log",
                         watchdog_ms=30_000 if device == "cpu" else None,
                         audit_path=out / "audit.jsonl",
+                        port=args.port,
                     )
                 )
                 base, token = server.base, server.token

@@ -11,7 +11,9 @@ import argparse
 import os
 import sys
 
-from miserver.spec.settings import VARIABLES, ConfigError, load_settings
+from miserver.spec import settings as settings_def
+from miserver.spec import settings_reference
+from miserver.spec.settings import ConfigError, load_settings
 
 EXTRA_VARIABLES = ("WEIGHTS_TOKENS", "WEIGHTS_TOKENS_FILE")
 
@@ -20,28 +22,47 @@ def _flag(variable: str) -> str:
     return "--" + variable.lower().replace("_", "-")
 
 
+def _help(variable: str, default: str, fmt: str, effect: str) -> str:
+    first = effect.split(". ")[0].rstrip(".")
+    text = f"{first}. Format: {fmt}. Default: {default}. Overrides ${variable}."
+    return text.replace("`", "").replace("%", "%%")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="miserver", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the server (contract sections 1-9)")
-    for variable, _field, _kind in VARIABLES:
+    serve = sub.add_parser(
+        "serve",
+        help="run the server",
+        description="Run the server. Every flag is also an environment variable (flags win); "
+        "WEIGHTS_TOKENS (label:role:secret entries, comma-separated) is environment-only. The "
+        "whole reference: docs/settings.md.",
+    )
+    rows = {row[0]: row for row in settings_reference.rows()}
+    for variable, _field, _kind in settings_def.VARIABLES:
+        _, _, default, fmt, effect = rows[variable]
         serve.add_argument(
             _flag(variable),
             dest=variable,
             metavar=variable,
             default=None,
-            help=f"overrides ${variable}",
+            help=_help(variable, default, fmt, effect),
         )
+    _, _, default, fmt, effect = rows["WEIGHTS_TOKENS_FILE"]
     serve.add_argument(
         _flag("WEIGHTS_TOKENS_FILE"),
         dest="WEIGHTS_TOKENS_FILE",
         default=None,
         metavar="PATH",
-        help="overrides $WEIGHTS_TOKENS_FILE",
+        help=_help("WEIGHTS_TOKENS_FILE", default, fmt, effect),
     )
     check = sub.add_parser("check", help="exhaustively model-check the weights lifecycle table")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
-    sub.add_parser("docs", help="regenerate docs/state-machine.md and the JSON schema")
+    sub.add_parser(
+        "docs",
+        help="regenerate the generated docs (the state machine, the settings and API "
+        "references, the JSON schema)",
+    )
     imp = sub.add_parser("import-default", help="import the embedded default model now")
     imp.add_argument(_flag("MISERVER_HOME"), dest="MISERVER_HOME", default=None)
     return parser

@@ -1,7 +1,7 @@
 """``miserver docs``: regenerate the generated documents from their sources.
 
 Each generator maps a path (relative to the repository root) to a function returning the file's
-text: the state machine page and the weights API's JSON schema.
+text: the state machine page, the settings reference and the weights API's JSON schema.
 Tests compare the committed files with :func:`render_all` so a stale file fails CI.
 """
 
@@ -34,9 +34,23 @@ def _weights_schema() -> str:
     return render()
 
 
+def _settings_reference() -> str:
+    from miserver.spec.settings_reference import render
+
+    return render()
+
+
+def _reference() -> str:
+    from miserver.spec.reference import render
+
+    return render()
+
+
 #: path relative to the repository root -> generator
 GENERATORS: dict[str, Callable[[], str]] = {
     "docs/state-machine.md": _state_machine,
+    "docs/settings.md": _settings_reference,
+    "docs/reference.md": _reference,
     "docs/schemas/millm-weights-api-v1.json": _weights_schema,
 }
 

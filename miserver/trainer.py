@@ -36,6 +36,7 @@ import atexit
 import base64
 import contextlib
 import gc
+import os
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -52,10 +53,14 @@ __all__ = [
     "InvalidExport",
     "LayoutMismatch",
     "ProducerMismatch",
+    "StaleExport",
     "TrainerError",
     "bind_into",
     "build_model",
+    "chat_batch",
+    "chat_example",
     "check_producer",
+    "init_optimizer_state",
     "rebuild",
 ]
 
@@ -97,6 +102,26 @@ class LayoutMismatch(TrainerError):
 
 class Released(TrainerError):
     """The weights were already released."""
+
+
+class StaleExport(TrainerError):
+    """The export body names a storage the server no longer serves (a body kept from an earlier
+    attach, rebuilt after detach, reload, unload or a server restart): attach again."""
+
+
+def _shm_identity(handle: bytes) -> bytes:
+    """What identifies a shared-memory file across its names (each attach exports its own hard
+    link of one file): its device and inode, or the handle where /dev/shm is not its home."""
+    try:
+        st = os.stat(os.path.join("/dev/shm", handle.decode(errors="replace").lstrip("/")))
+    except OSError:
+        return handle
+    return f"inode:{st.st_dev}:{st.st_ino}".encode()
+
+
+def _os_reason(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return "no such file" if "No such file" in text else text[:200]
 
 
 # (kind, handle bytes, offset) -> True for every storage this process holds rebuilt.
@@ -185,17 +210,25 @@ def _rebuild_storage(
             raise
         return whole.untyped_storage(), key
     if kind == "cpu_shared_memory":
-        from torch.multiprocessing.reductions import rebuild_storage_filename
-
         manager = _b64(entry, "manager_handle")
         handle = _b64(entry, "storage_handle")
         size = _field(entry, "storage_size_bytes", int, where)
         if manager is None or handle is None:
             raise InvalidExport(f"{where}: missing manager_handle or storage_handle")
-        key = ("cpu_shared_memory", handle, 0)
+        key = ("cpu_shared_memory", _shm_identity(handle), 0)
         _claim(key, where)
         try:
-            st = rebuild_storage_filename(torch.UntypedStorage, manager, handle, size)
+            # Open the file and hold one reference of our own, released when the storage is
+            # freed; unlike torch's rebuild_storage_filename, no reference of the server's is
+            # taken over, so no number of rebuilds, in any processes, can free the server's file.
+            st = torch.UntypedStorage._new_shared_filename_cpu(manager, handle, size)
+        except RuntimeError as exc:
+            _unclaim(key)
+            raise StaleExport(
+                f"{where} cannot be opened ({_os_reason(exc)}): this attach body is no longer "
+                "served (detached, reloaded or unloaded since, or the server restarted); "
+                "POST /api/weights/attach again and rebuild the body it returns"
+            ) from None
         except BaseException:
             _unclaim(key)
             raise
@@ -402,6 +435,7 @@ def rebuild(
         ProducerMismatch: the server's torch or CUDA build differs from this process's.
         DeviceNotVisible: a CUDA storage's device UUID is not visible here.
         AlreadyRebuilt: a storage is already rebuilt and not released in this process.
+        StaleExport: a CPU shared-memory storage is no longer served (attach again).
         InvalidExport: the body is malformed or a view falls outside its storage.
     """
     if not isinstance(body, Mapping):
@@ -574,6 +608,128 @@ def build_model(
     bind_into(model, weights)
     model.attached_weights = weights  # keeps them alive as long as the model is
     return model
+
+
+# --- training data ------------------------------------------------------------------------------
+#: The label of a position the loss ignores (transformers' and PyTorch's ``ignore_index``).
+IGNORE_INDEX = -100
+
+
+def chat_example(
+    tokenizer: Any, messages: list[dict[str, str]], answer: str
+) -> tuple[list[int], list[int]]:
+    """One supervised chat example: ``(input_ids, labels)``, lists of ints of one length.
+
+    The prompt is ``messages`` through the tokenizer's chat template with the generation prompt,
+    tokenized exactly as ``/v1/chat/completions`` does (so the model learns on the prompt it is
+    served). Then the answer and the end-of-turn token the served model stops on
+    (``tokenizer.eos_token``), so that after training it also stops. ``labels`` is
+    ``input_ids`` with every prompt position set to -100 (:data:`IGNORE_INDEX`): the loss is the
+    answer's alone.
+
+    Args:
+        tokenizer: the served model's tokenizer (:meth:`WeightsClient.tokenizer`), a
+            transformers tokenizer with a chat template.
+        messages: OpenAI-style ``[{"role": "system"|"user"|"assistant", "content": str}]``,
+            ending before the answer.
+        answer: the assistant's target reply.
+
+    Raises:
+        ValueError: no chat template, no EOS token, an empty answer, or messages that are not
+            a list of ``{role, content}`` dicts.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template: use it for completions instead")
+    eos = getattr(tokenizer, "eos_token", None)
+    if not eos:
+        raise ValueError("the tokenizer has no eos_token: the model could not learn to stop")
+    if not isinstance(answer, str) or not answer:
+        raise ValueError("answer must be a non-empty string")
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    ):
+        raise ValueError('messages must be a non-empty list of {"role": str, "content": str}')
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    target = list(tokenizer(answer + eos, add_special_tokens=False)["input_ids"])
+    return prompt + target, [IGNORE_INDEX] * len(prompt) + target
+
+
+def chat_batch(
+    tokenizer: Any,
+    examples: list[tuple[list[dict[str, str]], str]],
+    *,
+    device: torch.device | str | None = None,
+) -> dict[str, torch.Tensor]:
+    """A training batch from chat examples, ready for ``model(**batch).loss``.
+
+    Each example is ``(messages, answer)`` (see :func:`chat_example`: chat template, prompt
+    masked with -100, EOS after the answer). Shorter examples are padded on the right with the
+    tokenizer's pad token (EOS when it has none), masked out of the attention and the loss.
+
+    Returns:
+        ``{"input_ids", "attention_mask", "labels"}``: int64 tensors of shape
+        ``[len(examples), longest]`` on ``device`` (default: the CPU; pass the served weights'
+        device, ``next(model.parameters()).device``).
+
+    Raises:
+        ValueError: no examples, or a bad example (:func:`chat_example`).
+    """
+    if not examples:
+        raise ValueError("examples must hold at least one (messages, answer) pair")
+    rows = [chat_example(tokenizer, messages, answer) for messages, answer in examples]
+    width = max(len(ids) for ids, _ in rows)
+    pad = tokenizer.pad_token_id
+    if pad is None:
+        pad = tokenizer.eos_token_id
+    input_ids = torch.full((len(rows), width), int(pad), dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, lab) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        labels[i, : len(lab)] = torch.tensor(lab, dtype=torch.long)
+        attention[i, : len(ids)] = 1
+    batch = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+    if device is not None:
+        batch = {k: v.to(device) for k, v in batch.items()}
+    return batch
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Create the state of an Adam or AdamW optimizer now, before the first commit, exactly as
+    its first ``step()`` would (``step`` 0, zero moments), so that step, inside the commit
+    bracket, allocates nothing: AdamW over 135M parameters on a CPU took 4.4 s to allocate its
+    state in the first commit, past the watchdog. Touches no parameter. Returns ``optimizer``.
+
+    Raises:
+        TypeError: an optimizer other than ``torch.optim.Adam`` or ``AdamW`` (others: take one
+            step on a copy of the model, or raise WEIGHTS_COMMIT_WATCHDOG_MS for the first).
+    """
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        raise TypeError(f"init_optimizer_state supports Adam and AdamW, not {type(optimizer)}")
+    for group in optimizer.param_groups:
+        on_device = bool(group.get("capturable") or group.get("fused"))
+        for p in group["params"]:
+            if not p.requires_grad or optimizer.state.get(p):
+                continue
+            # as torch.optim's _get_scalar_dtype: float32 when fused, else the default dtype
+            step_dtype = torch.float32 if group.get("fused") else torch.get_default_dtype()
+            state: dict[str, torch.Tensor] = {
+                "step": torch.zeros((), dtype=step_dtype, device=p.device if on_device else None),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            optimizer.state[p] = state
+    return optimizer
 
 
 def __getattr__(name: str) -> Any:

@@ -40,6 +40,7 @@ import time
 import urllib.parse
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -179,6 +180,32 @@ class _Response:
         self.status, self.headers, self.data = status, headers, data
 
 
+class _SharedReader:
+    """One buffered reader of the socket shared by the responses of a pipelined pair: each
+    :class:`http.client.HTTPResponse` would otherwise buffer its own reader and could swallow
+    the start of the next answer. ``close`` is a no-op (a finished response closes its reader);
+    the pair's code closes the real one."""
+
+    def __init__(self, fp: Any) -> None:
+        self._fp = fp
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fp, name)
+
+    def close(self) -> None:
+        pass
+
+
+class _ReaderSocket:
+    """What :class:`http.client.HTTPResponse` needs of a socket: ``makefile``."""
+
+    def __init__(self, reader: _SharedReader) -> None:
+        self._reader = reader
+
+    def makefile(self, *args: Any, **kwargs: Any) -> _SharedReader:
+        return self._reader
+
+
 class _Connection:
     """One keep-alive HTTP/1.1 connection to the server (``http.client``), reopened when the
     server has closed it. A call is sent once: a failure after the connection was made is a
@@ -230,6 +257,80 @@ class _Connection:
             else:
                 self._conn = conn
             return _Response(resp.status, resp.headers, data)
+
+    def request_pair(
+        self, method: str, paths: tuple[str, str], headers: dict[str, str], timeout: float
+    ) -> tuple[_Response, _Response | TransportError]:
+        """Send two body-less requests in one write on the keep-alive connection (HTTP/1.1
+        pipelining: the server answers them in order), then read both answers.
+
+        Returns the two responses; the second is a :class:`TransportError` when the first
+        answer closed the connection (``Connection: close``: the second was not answered) or
+        the second answer could not be read. Raises :class:`TransportError` when nothing could
+        be sent or the first answer could not be read. Like :meth:`request`, never resends.
+        """
+        where = f"{method} {paths[0]} + {paths[1]}"
+        lines = [f"Host: {self._host_header()}", "Content-Length: 0", "Accept-Encoding: identity"]
+        for name, value in headers.items():
+            if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+                raise ValueError(f"{where}: a header contains a line break")
+            lines.append(f"{name}: {value}")
+        head = "\r\n".join(lines) + "\r\n\r\n"
+        wire = b"".join(
+            f"{method} {self.prefix}{path} HTTP/1.1\r\n{head}".encode("latin-1") for path in paths
+        )
+        with self._lock:
+            conn, self._conn = self._conn, None
+            if conn is not None and (conn.sock is None or _dropped(conn.sock)):
+                conn.close()
+                conn = None
+            reader = None
+            try:
+                if conn is None:
+                    conn = self._open(min(timeout, 10.0))
+                conn.sock.settimeout(timeout)
+                conn.sock.sendall(wire)
+                reader = conn.sock.makefile("rb")
+                shared = _ReaderSocket(_SharedReader(reader))
+                first = http.client.HTTPResponse(shared, method=method)  # type: ignore[arg-type]
+                first.begin()
+                first_data = first.read()
+            except (OSError, http.client.HTTPException) as exc:
+                if reader is not None:
+                    reader.close()
+                if conn is not None:
+                    conn.close()
+                raise TransportError(f"{where}: {type(exc).__name__}: {exc}") from None
+            answers: tuple[_Response, _Response | TransportError]
+            one = _Response(first.status, first.headers, first_data)
+            if first.will_close:
+                reader.close()
+                conn.close()
+                gone = TransportError(
+                    f"{method} {paths[1]}: the server closed the connection after answering "
+                    f"{paths[0]}; {paths[1]} was not answered"
+                )
+                return one, gone
+            try:
+                second = http.client.HTTPResponse(shared, method=method)  # type: ignore[arg-type]
+                second.begin()
+                second_data = second.read()
+            except (OSError, http.client.HTTPException) as exc:
+                reader.close()
+                conn.close()
+                return one, TransportError(f"{method} {paths[1]}: {type(exc).__name__}: {exc}")
+            reader.close()  # the socket stays open (http.client's own makefile does the same)
+            answers = (one, _Response(second.status, second.headers, second_data))
+            if second.will_close:
+                conn.close()
+            else:
+                self._conn = conn
+            return answers
+
+    def _host_header(self) -> str:
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        default = 443 if self._https else 80
+        return host if self._port == default else f"{host}:{self._port}"
 
     def close(self) -> None:
         with self._lock:
@@ -376,6 +477,9 @@ class WeightsClient:
         self._hb_stop = threading.Event()
         self._hb_session: _Connection | None = None
         self.heartbeat_interval_s: float | None = None
+        #: The server's staleness window (``heartbeat.timeout_s``, seconds): how long one
+        #: heartbeat may take and still count.
+        self.heartbeat_window_s: float | None = None
         self.heartbeat_error: BaseException | None = None
         self.heartbeats_sent = 0
         self._detach_answer: dict[str, Any] | None = None
@@ -410,6 +514,53 @@ class WeightsClient:
             method, path, payload, headers, timeout or self.timeout
         )
         return _unwrap(method, path, resp)
+
+    def _pipelined(
+        self, first: str, second: str
+    ) -> tuple[dict[str, Any] | TrainerError, dict[str, Any] | TrainerError]:
+        """POST two holder calls of the write cycle (``/api/weights/<first>``, then
+        ``<second>``) in one write on the keep-alive connection and read both answers, in
+        order: one round trip instead of two, the same routes, answers and audit lines.
+
+        Returns each call's ``data``, or the error it would have raised (a
+        :class:`WeightsError` subclass, or :class:`TransportError`). Raises
+        :class:`NotAttachedHere` before sending anything, and :class:`TransportError` when the
+        first answer could not be read (nothing is known of either call then).
+        """
+        att = self._attachment_id
+        if att is None:
+            raise NotAttachedHere(
+                f"POST /{first}, /{second}: this client holds no attachment; call attach() first"
+            )
+        headers = {
+            "Accept": "application/json",
+            "Authorization": self._auth.header,
+            ATTACHMENT_HEADER: att,
+        }
+        paths = (f"/api/weights/{first}", f"/api/weights/{second}")
+        one, two = self._session.request_pair("POST", paths, headers, self.timeout)
+        out: list[dict[str, Any] | TrainerError] = []
+        for path, resp in zip(paths, (one, two), strict=True):
+            if isinstance(resp, TrainerError):
+                out.append(resp)
+                continue
+            try:
+                out.append(_unwrap("POST", path, resp))
+            except WeightsError as exc:
+                out.append(exc)
+        return out[0], out[1]
+
+    def _ended(self, data: dict[str, Any]) -> dict[str, Any]:
+        """Book a commit-end answer: ``steps_since_load``, and a warning when it overran."""
+        self.steps_since_load = data.get("steps_since_load", self.steps_since_load)
+        if data.get("overran"):
+            log.warning(
+                "the commit took %s ms, longer than the server's "
+                "WEIGHTS_COMMIT_WATCHDOG_MS: the set was torn until commit-end; raise "
+                "the watchdog",
+                data.get("commit_ms"),
+            )
+        return data
 
     # --- the routes -------------------------------------------------------------------------
     def attach(self, *, build_model: bool = False, model_class: type | None = None) -> Attachment:
@@ -455,9 +606,9 @@ class WeightsClient:
                     "attached to weights that are %s; recover with POST /api/weights/load",
                     self.attachment.weights_state,
                 )
-            self.heartbeat_interval_s = float(
-                (data.get("heartbeat") or {}).get("interval_hint_s") or 5.0
-            )
+            hb = data.get("heartbeat") or {}
+            self.heartbeat_interval_s = float(hb.get("interval_hint_s") or 5.0)
+            self.heartbeat_window_s = float(hb.get("timeout_s") or 0.0) or None
             self.heartbeat_error = None
             if self._heartbeat_enabled:
                 self.start_heartbeat()
@@ -489,16 +640,7 @@ class WeightsClient:
     def commit_end(self) -> dict[str, Any]:
         """POST /commit-end: clean again, ``steps_since_load`` + 1 (write cycle 4). ``overran``
         is true when the watchdog had torn the set first. Raises NoOpenCommit."""
-        data = self._request("POST", "/api/weights/commit-end", holder=True)
-        self.steps_since_load = data.get("steps_since_load", self.steps_since_load)
-        if data.get("overran"):
-            log.warning(
-                "the commit took %s ms, longer than the server's "
-                "WEIGHTS_COMMIT_WATCHDOG_MS: the set was torn until commit-end; raise "
-                "the watchdog",
-                data.get("commit_ms"),
-            )
-        return data
+        return self._ended(self._request("POST", "/api/weights/commit-end", holder=True))
 
     def resume(self) -> dict[str, Any]:
         """POST /resume: release the held requests (write cycle 5). A no-op while serving."""
@@ -518,22 +660,55 @@ class WeightsClient:
         open: the watchdog (WEIGHTS_COMMIT_WATCHDOG_MS) tears the set, so nothing half-written
         is served, and POST /api/weights/load recovers it.
 
+        **Pipelined pairs.** The four calls go as two pairs, each sent in one write on the
+        keep-alive connection (HTTP/1.1 answers them in order): quiesce + commit-begin on
+        entering the block, commit-end + resume on leaving it. Two round trips a step instead of
+        four; the server sees the same four calls, answers and audit lines, one after the
+        other. Both answers of a pair are always read, so the connection stays usable:
+
+        - quiesce refused: commit-begin, sent already, is refused too (its own refusal, kept
+          as a note on the exception) and the quiesce error is raised. Nothing was held.
+          Should commit-begin have been accepted anyway (only when this attachment already
+          held the barrier: :class:`AlreadyQuiesced`), the commit it opened is ended and the
+          barrier resumed first, so nothing is left open for the watchdog to tear.
+        - quiesce accepted, commit-begin refused: the barrier is resumed, then the
+          commit-begin error is raised (as before pipelining).
+        - commit-end refused: resume, sent already, releases the barrier; the commit-end error
+          is raised. Commit-end accepted, resume refused: the resume error is raised.
+
         Yields:
             A :class:`CommitCycle` filled with each route's answer.
 
         Raises:
-            The refusals of :meth:`quiesce`, :meth:`commit_begin`, :meth:`commit_end` (after a
-            refused commit-begin or commit-end the barrier is resumed before raising), and a
-            terminal heartbeat failure (the attachment was cleared) before anything is sent.
+            The refusals of :meth:`quiesce`, :meth:`commit_begin`, :meth:`commit_end`,
+            :meth:`resume` as above, :class:`TransportError`, and a terminal heartbeat failure
+            (the attachment was cleared) before anything is sent.
         """
         self._raise_terminal_heartbeat_error()
         cycle = CommitCycle()
-        cycle.quiesce = self.quiesce()
-        try:
-            cycle.begin = self.commit_begin()
-        except BaseException:
+        quiesced, begun = self._pipelined("quiesce", "commit-begin")
+        if isinstance(quiesced, BaseException):
+            if isinstance(begun, BaseException):
+                quiesced.add_note(f"the pipelined commit-begin was not accepted either: {begun}")
+            else:  # this attachment already held the barrier: end the commit it just opened
+                try:
+                    end, resumed = self._pipelined("commit-end", "resume")
+                except Exception as pair_exc:  # noqa: BLE001 - the quiesce error is raised
+                    end = resumed = pair_exc
+                failed = [x for x in (end, resumed) if isinstance(x, BaseException)]
+                quiesced.add_note(
+                    "the pipelined commit-begin was accepted (this attachment already held "
+                    "the barrier); that empty commit was ended and the barrier resumed"
+                    + (f", but: {'; '.join(map(str, failed))}" if failed else "")
+                )
+                if not isinstance(end, BaseException):
+                    self._ended(end)
+            raise quiesced
+        cycle.quiesce = quiesced
+        if isinstance(begun, BaseException):
             self._resume_quietly()
-            raise
+            raise begun
+        cycle.begin = begun
         try:
             yield cycle
             self._synchronize()
@@ -547,20 +722,28 @@ class WeightsClient:
                 raise
             log.warning("the write raised %s; ending the commit anyway", type(exc).__name__)
             try:
-                cycle.end = self.commit_end()
-            except Exception as end_exc:  # noqa: BLE001 - the block's exception wins
-                exc.add_note(f"commit-end after the failed write also failed: {end_exc}")
-            try:
-                cycle.resume = self.resume()
-            except Exception as resume_exc:  # noqa: BLE001
-                exc.add_note(f"resume after the failed write also failed: {resume_exc}")
+                end, resumed = self._pipelined("commit-end", "resume")
+            except Exception as pair_exc:  # noqa: BLE001 - the block's exception wins
+                end = resumed = pair_exc
+            if isinstance(end, BaseException):
+                exc.add_note(f"commit-end after the failed write also failed: {end}")
+            else:
+                cycle.end = self._ended(end)
+            if isinstance(resumed, BaseException):
+                exc.add_note(f"resume after the failed write also failed: {resumed}")
+            else:
+                cycle.resume = resumed
             raise
-        try:
-            cycle.end = self.commit_end()
-        except BaseException:
-            self._resume_quietly()
-            raise
-        cycle.resume = self.resume()
+        end, resumed = self._pipelined("commit-end", "resume")
+        if isinstance(end, BaseException):
+            if isinstance(resumed, BaseException):
+                log.warning("resume failed: %s", resumed)
+                end.add_note(f"the pipelined resume was not accepted either: {resumed}")
+            raise end
+        cycle.end = self._ended(end)
+        if isinstance(resumed, BaseException):
+            raise resumed
+        cycle.resume = resumed
 
     def status(self) -> dict[str, Any]:
         """GET /status (no token): the weights page's Status fields."""
@@ -591,6 +774,30 @@ class WeightsClient:
         )
         self.steps_since_load = data.get("steps_since_load", self.steps_since_load)
         return data
+
+    def tokenizer(self) -> Any:
+        """The served model's tokenizer (transformers ``AutoTokenizer``), read from the folder of
+        its catalogue row (``GET /api/models/{id}``; the trainer runs on the server's machine, so
+        the path is readable here). Use it with :func:`miserver.trainer.chat_batch`.
+
+        Raises:
+            NotAttachedHere: call :meth:`attach` first (it says which model is served).
+            TrainerError: the row's folder has no tokenizer (a GGUF row) or cannot be read.
+        """
+        held = self.attachment is not None and self._attachment_id is not None
+        model_id = self.attachment.model_ref.get("model_id") if held else None
+        if model_id is None:
+            raise NotAttachedHere("tokenizer(): attach() first (it says which model is served)")
+        row = self._request("GET", f"/api/models/{int(model_id)}", token=False)
+        path = row.get("path") or ""
+        if not (Path(path) / "tokenizer_config.json").is_file():
+            raise TrainerError(
+                f"the served row {row.get('name')!r} has no tokenizer in {path!r} "
+                "(a GGUF row, or a folder this machine cannot read)"
+            )
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
 
     def clear_stale(self) -> dict[str, Any]:
         """POST /clear-stale (operator token only; weights page, Timers)."""
@@ -715,6 +922,13 @@ class WeightsClient:
         if self._hb_session is not None and thread is not None:
             self._hb_session.close()
 
+    def _heartbeat_timeout(self) -> float:
+        """Seconds one heartbeat may wait for its answer: the server's staleness window (an
+        answer within it still keeps the attachment active; a busy server is slow, not gone),
+        at least two intervals, at most ``timeout``."""
+        interval = self.heartbeat_interval_s or 5.0
+        return min(self.timeout, max(2 * interval, self.heartbeat_window_s or 0.0))
+
     def _heartbeat_loop(self, stop: threading.Event) -> None:
         session = self._hb_session
         last_ok = time.monotonic()
@@ -725,7 +939,7 @@ class WeightsClient:
                     "/api/weights/heartbeat",
                     holder=True,
                     session=session,
-                    timeout=min(self.timeout, 2 * (self.heartbeat_interval_s or 5.0)),
+                    timeout=self._heartbeat_timeout(),
                 )
             except NotAttachedHere:
                 return
@@ -751,6 +965,9 @@ class WeightsClient:
             hint = data.get("interval_hint_s")
             if isinstance(hint, int | float) and hint > 0:
                 self.heartbeat_interval_s = float(hint)
+            window = data.get("timeout_s")
+            if isinstance(window, int | float) and window > 0:
+                self.heartbeat_window_s = float(window)
             gap = time.monotonic() - last_ok
             last_ok = time.monotonic()
             if gap > float(data.get("timeout_s") or float("inf")):

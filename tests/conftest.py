@@ -15,9 +15,34 @@ import hashlib
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _no_heartbeat_thread_left_behind():
+    """Fail a test that leaves a trainer client's heartbeat thread running (a client never
+    detached: it would go on posting to a server that is gone, and log after pytest's summary),
+    and stop that thread so it cannot disturb the tests after it."""
+    before = set(threading.enumerate())
+    yield
+    left = [
+        t
+        for t in threading.enumerate()
+        if t not in before and t.name == "miserver-heartbeat" and t.is_alive()
+    ]
+    for t in left:
+        stop = getattr(t, "_args", (None,))[0]  # WeightsClient.start_heartbeat's stop event
+        if isinstance(stop, threading.Event):
+            stop.set()
+        t.join(10)
+    if left:
+        pytest.fail(
+            f"{len(left)} heartbeat thread(s) still running after the test: detach the client "
+            "(WeightsClient.detach/close, or use it as a context manager)"
+        )
 
 
 def _cache_key() -> str:
@@ -108,3 +133,33 @@ def tiny_model_dir(default_home: str, tmp_path_factory: pytest.TempPathFactory) 
         if (source / name).exists():
             shutil.copy(source / name, folder / name)
     return str(folder)
+
+
+#: Fixtures that load a real model (the embedded default, or the tiny Llama built from it):
+#: tests using them are left out of ``--quick``.
+#: (``cache_dir``, ``folder``: the tiny model folder of the /v1 tests, tests/unit/v1_fixtures.py.)
+MODEL_FIXTURES = frozenset(
+    {"default_home", "home_with_default", "tiny_model_dir", "cache_dir", "folder"}
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--quick",
+        action="store_true",
+        help="the quick suite (make quick): leave out the tests that load a model "
+        f"({', '.join(sorted(MODEL_FIXTURES))}) or are marked slow, full or gpu",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--quick"):
+        return
+    keep, drop = [], []
+    for item in items:
+        heavy = MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        marked = any(item.get_closest_marker(m) for m in ("slow", "full", "gpu"))
+        (drop if heavy or marked else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

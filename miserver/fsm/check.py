@@ -6,7 +6,8 @@ each kind of caller, every internal completion and timer expiry, every parameter
 changes a decision) is offered in every reachable state. Checked:
 
 - totality and determinism: each ``(state, event)`` has exactly one outcome (one row fires,
-  and firing it again from the same snapshot gives the same row and state);
+  and firing it again from the same snapshot, through the decision lookup the server decides
+  with, :meth:`~miserver.fsm.compiled.Compiled.decide`, gives the same row and state);
 - the named invariants of :mod:`miserver.fsm.invariants`, in every state and on every edge;
 - non-vacuity: every machine state, every component value, every row of the table, and every
   code and reason the table can produce is reached, including every code and reason of the
@@ -227,8 +228,16 @@ class Step:
 
 
 def _take_step(
-    core: Lifecycle, by_id: dict[str, Row], state: LifecycleState, snap: Snapshot, event: Event
+    core: Lifecycle,
+    by_id: dict[str, Row],
+    state: LifecycleState,
+    snap: Snapshot,
+    event: Event,
+    again_core: Lifecycle | None = None,
 ) -> Step:
+    """Fire ``event`` from ``snap`` through ``core`` (the compiled machine, stepped), then
+    again through ``again_core`` (the decision lookup the server decides with; ``core`` when
+    None): the two must agree."""
     core.restore(snap)
     try:
         out = core.handle(event, 10.0)
@@ -239,12 +248,19 @@ def _take_step(
         found.append(f"{out.code.name}:{out.reason or '-'}")
     if out.pending is not None and out.pending.code is not None:
         found.append(f"{out.pending.code.name}:{out.pending.reason or '-'}")
-    core.restore(snap)
-    again = core.handle(event, 10.0)
-    same = (again.row, again.after) == (out.row, out.after)
+    second = again_core or core
+    second.restore(snap)
+    try:
+        again = second.handle(event, 10.0)
+    except TableError as exc:
+        same, again_row = False, f"no row ({exc})"
+    else:
+        same, again_row = (again.row, again.after) == (out.row, out.after), again.row
+    if not same and again_core is not None:
+        again_row = f"{again_row} through the decision lookup"
     row = by_id[out.row]
     broken = tuple(name for name, inv in EDGE_INVARIANTS if not inv(state, event, row, out.after))
-    return Step(out.row, out.after, tuple(found), same, broken, again=again.row)
+    return Step(out.row, out.after, tuple(found), same, broken, again=again_row)
 
 
 class StepCache:
@@ -258,7 +274,8 @@ class StepCache:
 
     def __init__(self, base: tuple[Row, ...] = TABLE) -> None:
         self.base = base
-        self.core = Lifecycle(table=base, id_factory=lambda: HOLDER_ID)
+        self.core = Lifecycle(table=base, id_factory=lambda: HOLDER_ID, via_machine=True)
+        self.fast = Lifecycle(table=base, id_factory=lambda: HOLDER_ID)
         self.by_id = {r.id: r for r in base}
         self.transitions = compile_table(base).transitions_count
         self.steps: dict[tuple[LifecycleState, Event], Step] = {}
@@ -273,7 +290,7 @@ class StepCache:
         key = (state, event)
         got = self.steps.get(key)
         if got is None:
-            got = self.steps[key] = _take_step(self.core, self.by_id, state, snap, event)
+            got = self.steps[key] = _take_step(self.core, self.by_id, state, snap, event, self.fast)
         return got
 
 
@@ -304,7 +321,8 @@ def check(
     if reuse is not None:
         fresh = reuse.changed(table)
         mine = tuple(r for r in table if r.trigger in fresh)
-        core = Lifecycle(table=mine, id_factory=lambda: HOLDER_ID)
+        core = Lifecycle(table=mine, id_factory=lambda: HOLDER_ID, via_machine=True)
+        fast = Lifecycle(table=mine, id_factory=lambda: HOLDER_ID)
         # a trigger's compiled transitions are built from its rows alone: count only the
         # changed ones anew
         theirs = tuple(r for r in reuse.base if r.trigger in fresh)
@@ -314,7 +332,10 @@ def check(
         transitions += sub.transitions_count
     else:
         fresh = None
-        core = Lifecycle(table=table, id_factory=lambda: HOLDER_ID)
+        # The checker steps the machine; the server decides through the lookup read out of
+        # the same machine: each step is fired through both, and they must agree.
+        core = Lifecycle(table=table, id_factory=lambda: HOLDER_ID, via_machine=True)
+        fast = Lifecycle(table=table, id_factory=lambda: HOLDER_ID)
         compiled = compile_table(table)
         states, transitions = compiled.states, compiled.transitions_count
     triggers = list(dict.fromkeys(row.trigger for row in table))
@@ -370,7 +391,7 @@ def check(
         snap = Snapshot(state, canonical_context(state))
         for event in events:
             if fresh is None or event.trigger in fresh:
-                step = _take_step(core, by_id, state, snap, event)
+                step = _take_step(core, by_id, state, snap, event, fast)
             else:
                 step = reuse.step(state, snap, event)  # type: ignore[union-attr]
             if step.row is None:

@@ -9,6 +9,15 @@ unreachable and left out too. Guards stay named conditions (``g_<guard>``), so
 
 ``MachineError`` from a trigger means "no row for this state"; a ``False`` return means "no
 alternative's guards held": both are totality violations of the table, reported by the checker.
+
+**The decision lookup.** Stepping the ``transitions`` machine costs tens of microseconds an event
+(trigger resolution, event data, condition objects, callbacks, a lock), inside the barrier's
+latency. :meth:`Compiled.decide` makes the same decision from a lookup read out of the compiled
+machine itself (:func:`decision_lookup`: per source state and trigger, the machine's transitions
+in order, each with its condition functions and wanted values, its row and its destination), so
+the table stays the single source of truth and nothing is compiled twice. The server decides
+through it; ``miserver check`` steps the machine (:meth:`Compiled.fire`) and checks that the
+lookup agrees on every reachable state and event (its ``determinism`` invariant).
 """
 
 from __future__ import annotations
@@ -103,6 +112,45 @@ class TableError(RuntimeError):
     """The table has no row (or no alternative whose guards hold) for a state and event."""
 
 
+@dataclass(frozen=True, slots=True)
+class Alternative:
+    """One transition of the compiled machine, as :meth:`Compiled.decide` evaluates it.
+
+    Attributes:
+        row: the table row it was compiled from.
+        checks: ``(guard function, wanted value)`` per condition, in the machine's order
+            (``conditions`` want True, ``unless`` want False).
+        named: the ``NAMED`` components of the destination state.
+    """
+
+    row: Row
+    checks: tuple[tuple[Callable[[LifecycleState, Context, Event], bool], bool], ...]
+    named: dict
+
+
+def decision_lookup(
+    machine: Machine, parsed: dict[str, dict[str, object]]
+) -> dict[tuple[str, str], tuple[Alternative, ...]]:
+    """Read the decision lookup out of a compiled machine: for each ``(source state name,
+    trigger)`` the machine's transitions from that source, in order, as :class:`Alternative`.
+
+    Raises ``KeyError`` for a condition that is not a ``g_<guard>`` of :data:`GUARDS` (the
+    compiler makes only those).
+    """
+    out: dict[tuple[str, str], tuple[Alternative, ...]] = {}
+    for trigger, event in machine.events.items():
+        for source, transitions in event.transitions.items():
+            alternatives = []
+            for t in transitions:
+                checks = tuple(
+                    (GUARDS[c.func.removeprefix("g_")].fn, bool(c.target)) for c in t.conditions
+                )
+                dest = source if t.dest is None else t.dest
+                alternatives.append(Alternative(t.row, checks, parsed[dest]))
+            out[(source, trigger)] = tuple(alternatives)
+    return out
+
+
 @dataclass
 class Compiled:
     """A compiled table: the machine, its runner, its states and rows."""
@@ -115,6 +163,9 @@ class Compiled:
     lock: threading.Lock
     parsed: dict[str, dict[str, object]]
     transitions_count: int
+    #: ``(source state name, trigger)`` -> the machine's alternatives there (:func:`decision_lookup`).
+    lookup: dict[tuple[str, str], tuple[Alternative, ...]]
+    triggers: frozenset[str]
 
     def fire(self, state: LifecycleState, ctx: Context, event: Event) -> tuple[Row, dict]:
         """Run ``event`` from ``state`` through the machine; the row that fired and the named
@@ -136,6 +187,26 @@ class Compiled:
             if not ok or runner.fired is None:
                 raise TableError(f"no alternative fired for {event.short()} in {state.short()}")
             return runner.fired, self.parsed[runner.state]
+
+    def decide(self, state: LifecycleState, ctx: Context, event: Event) -> tuple[Row, dict]:
+        """The decision :meth:`fire` makes, from :attr:`lookup` instead of stepping the machine:
+        the first alternative whose conditions all have their wanted values fires (the
+        machine's own rule). Same answers, same :class:`TableError` cases; no lock needed."""
+        name = state.named()
+        alternatives = self.lookup.get((name, event.trigger))
+        if alternatives is None:
+            if event.trigger not in self.triggers:
+                raise TableError(f"unknown trigger {event.trigger!r}")
+            if name not in self.parsed:  # as transitions does for a state it does not have
+                raise ValueError(f"State '{name}' is not a registered state.")
+            raise TableError(f"no row for {event.short()} in {state.short()}")
+        for alt in alternatives:
+            for fn, wanted in alt.checks:
+                if fn(state, ctx, event) != wanted:  # transitions: ``predicate(...) == target``
+                    break
+            else:
+                return alt.row, alt.named
+        raise TableError(f"no alternative fired for {event.short()} in {state.short()}")
 
 
 def _static_value(guard_name: str, comps: dict[str, object]) -> bool | None:
@@ -195,4 +266,15 @@ def compile_table(table: tuple[Row, ...]) -> Compiled:
                 count += 1
                 if all(v is True for v in when) and all(v is False for v in unless):
                     break  # always fires here: later rows are unreachable
-    return Compiled(table, machine, runner, tuple(states), initial, threading.Lock(), parsed, count)
+    return Compiled(
+        table,
+        machine,
+        runner,
+        tuple(states),
+        initial,
+        threading.Lock(),
+        parsed,
+        count,
+        decision_lookup(machine, parsed),
+        frozenset(machine.events),
+    )

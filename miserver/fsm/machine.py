@@ -55,24 +55,33 @@ from miserver.spec.codes import ErrorCode
 __all__ = ["Lifecycle", "Outcome", "Snapshot", "TableError", "Event", "LifecycleState"]
 
 _CONTEXT_FIELDS = tuple(f.name for f in fields(Context))
-_CONTEXT_NAMES = frozenset(_CONTEXT_FIELDS)
+_CONTEXT_INDEX = {name: i for i, name in enumerate(_CONTEXT_FIELDS)}
 _context_values = attrgetter(*_CONTEXT_FIELDS)
-_set_slot = object.__setattr__
+#: Each slot's own setter (the member descriptor's ``__set__``): it writes the slot directly,
+#: as ``object.__setattr__`` would, without looking the name up.
+_SLOT_SETTERS = tuple(getattr(Context, name).__set__ for name in _CONTEXT_FIELDS)
 
 
 def _evolve_context(c: Context, changes: dict[str, Any]) -> Context:
     """``dataclasses.replace(c, **changes)`` for the frozen, slotted :class:`Context`, without
-    re-running ``__init__`` (about half the time; it runs on every accepted event, inside the
-    barrier's latency). Raises ``TypeError`` for a name that is not a field, as ``replace`` does."""
+    re-running ``__init__`` (about a third of the time; it runs on every accepted event, inside
+    the barrier's latency). Raises ``TypeError`` for a name that is not a field, as ``replace``
+    does."""
     if not changes:
         return c
-    if not changes.keys() <= _CONTEXT_NAMES:
-        raise TypeError(f"not Context fields: {sorted(changes.keys() - _CONTEXT_NAMES)}")
+    values = list(_context_values(c))
+    for name, value in changes.items():
+        i = _CONTEXT_INDEX.get(name)
+        if i is None:
+            raise TypeError(f"not Context fields: {sorted(changes.keys() - _CONTEXT_INDEX.keys())}")
+        values[i] = value
     new = object.__new__(Context)
-    for name, value in zip(_CONTEXT_FIELDS, _context_values(c), strict=True):
-        _set_slot(new, name, changes.get(name, value))
+    for setter, value in zip(_SLOT_SETTERS, values, strict=True):
+        setter(new, value)
     return new
 
+
+_deadlines = attrgetter(*(f"{t}_deadline" for t in TIMERS))
 
 #: When several timers are due at once they fire in this order (a commit tears before a hold
 #: it suspended could time out).
@@ -86,11 +95,15 @@ TIMER_EVENTS: dict[str, str] = {
 
 _MESSAGES: dict[str, str] = {
     "WEIGHTS_UNAUTHORIZED": "A valid bearer token from WEIGHTS_TOKENS is required.",
-    "WEIGHTS_FORBIDDEN": "This token's role may not call this route.",
+    "WEIGHTS_FORBIDDEN": "This token's role may not call this route: it needs a token of role "
+    "operator (an entry label:operator:secret of WEIGHTS_TOKENS).",
     "NOT_ATTACHED": "Nothing is attached. POST /api/weights/attach first.",
     "NOT_ATTACHMENT_HOLDER": "Only the attachment holder may do this (token label and "
     "X-miLLM-Attachment must match).",
-    "ALREADY_ATTACHED": "An attachment exists; detach it (or clear it when stale) first.",
+    "ALREADY_ATTACHED": "An attachment exists (details.holder names its role, label, state and "
+    "attached_at). Its holder detaches with POST /api/weights/detach; when it is stale (its "
+    "trainer died), an operator token (role operator) clears it with POST "
+    "/api/weights/clear-stale.",
     "MODEL_NOT_LOADED": "No model is resident, or the requested model is not loaded.",
     "MODEL_BUSY": "The model is busy; retry when the current operation ends.",
     "QUEUE_FULL": (
@@ -109,6 +122,26 @@ _MESSAGES: dict[str, str] = {
     "NOT_ATTACHABLE": "The resident model cannot be attached.",
 }
 _REASON_MESSAGES: dict[tuple[str, str], str] = {
+    ("NOT_ATTACHABLE", "not_on_gpu"): "The resident model is on the CPU, which is attachable "
+    "only in shared memory: restart the server with WEIGHTS_CPU_ATTACH=1 (it applies when the "
+    "model loads; keep the trainer token configured), then attach.",
+    ("NOT_ATTACHABLE", "allocator"): "The resident model was not loaded attachably: a load is "
+    "made attachable only while a trainer token is configured (WEIGHTS_TOKENS, read at start). "
+    "Configure one and restart the server, then attach.",
+    ("NOT_ATTACHABLE", "gguf"): "The resident model is a GGUF file, which cannot be attached: "
+    "load a safetensors row.",
+    ("NOT_ATTACHABLE", "quantized"): "The resident model is quantized, which cannot be attached: "
+    "load an unquantized float16 or bfloat16 row.",
+    ("NOT_ATTACHABLE", "dtype"): "The resident model's parameters are not float16 or bfloat16, "
+    "which attach needs: load a float16 or bfloat16 row.",
+    ("NOT_ATTACHABLE", "concurrency"): "MAX_CONCURRENT_REQUESTS is not 1, which the step "
+    "barrier needs: set it to 1 (PATCH /api/settings), then attach.",
+    ("NOT_ATTACHABLE", "continuous_batching_running"): "Continuous batching is on, which the "
+    "step barrier cannot pause: set CONTINUOUS_BATCHING=0, then attach.",
+    ("NOT_ATTACHABLE", "model_transition"): "A model load, unload, save, weights load or "
+    "adapter change is in progress: retry when it ends.",
+    ("NOT_ATTACHABLE", "weights_writing"): "A commit is still open (the weights are writing): "
+    "retry once it ends or the watchdog tears it.",
     ("NOT_QUIESCED", "quiesce_in_progress"): "Quiesce is still draining in-flight work; wait "
     "for it to return, then retry.",
     ("MODEL_BUSY", "drain_timeout"): "Running requests did not finish within "
@@ -116,6 +149,12 @@ _REASON_MESSAGES: dict[tuple[str, str], str] = {
     ("MODEL_BUSY", "model_transition"): "A model load, unload, save, weights load or adapter "
     "change is in progress.",
 }
+
+
+def refusal_message(code: str, reason: str | None = None) -> str:
+    """The message a refusal of ``code`` (and ``reason``) carries when its table row gives none:
+    what happened and what to do (also ``/api/health/detailed``'s ``not_attachable``)."""
+    return _REASON_MESSAGES.get((code, reason or ""), _MESSAGES.get(code, code))
 
 
 @dataclass(frozen=True)
@@ -176,6 +215,11 @@ class Lifecycle:
         resident: a model is resident at start (``served_name`` names it).
         table: the rows to run (the production :data:`~miserver.fsm.table.TABLE` by default).
         id_factory: makes attachment IDs (default ``secrets.token_urlsafe(24)``).
+        via_machine: decide each event by stepping the compiled ``transitions`` machine
+            (:meth:`~miserver.fsm.compiled.Compiled.fire`, what ``miserver check`` does) instead
+            of the decision lookup read out of that machine
+            (:meth:`~miserver.fsm.compiled.Compiled.decide`, the default: the same decisions,
+            without the machine's per-event overhead).
     """
 
     def __init__(
@@ -191,6 +235,7 @@ class Lifecycle:
         served_name: str | None = None,
         table: tuple[Row, ...] = TABLE,
         id_factory: Callable[[], str] | None = None,
+        via_machine: bool = False,
     ) -> None:
         self.durations = {
             "hold": hold_timeout_s,
@@ -202,6 +247,8 @@ class Lifecycle:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_interval_hint_s = heartbeat_interval_hint_s
         self.compiled: Compiled = compile_table(table)
+        self.via_machine = via_machine
+        self._decide = self.compiled.fire if via_machine else self.compiled.decide
         self._after: dict[tuple[LifecycleState, int], tuple[Row, LifecycleState]] = {}
         self._id_factory = id_factory or (lambda: secrets.token_urlsafe(24))
         state = LifecycleState(resident=resident, avail=avail)  # type: ignore[arg-type]
@@ -261,7 +308,7 @@ class Lifecycle:
         the event in this state (a bug of the table, found by ``miserver check``).
         """
         before, ctx = self._snap.state, self._snap.context
-        row, named = self.compiled.fire(before, ctx, event)
+        row, named = self._decide(before, ctx, event)
         # The destination is a function of the source and the row (the machine's destination
         # state plus the row's other settings): computed once per pair, then reused.
         known = self._after.get((before, id(row)))
@@ -282,9 +329,7 @@ class Lifecycle:
 
     def next_deadline(self) -> float | None:
         """The earliest armed timer's deadline, or ``None`` when no timer is armed."""
-        ctx = self._snap.context
-        times = [getattr(ctx, f"{t}_deadline") for t in TIMERS]
-        armed = [t for t in times if t is not None]
+        armed = [t for t in _deadlines(self._snap.context) if t is not None]
         return min(armed) if armed else None
 
     def fire_due(self, now: float) -> list[Outcome]:
@@ -317,6 +362,22 @@ class Lifecycle:
         ctx = self._snap.context
         return max(0, (ctx.steps_since_load or 0) - ctx.saved_steps)
 
+    def answer_view(self) -> dict[str, Any]:
+        """The few fields a barrier call's answer reports (weights page, Routes), as
+        :meth:`status_view` reports them, without building the whole status: ``weights_state``,
+        ``barrier`` (``serving`` or ``quiesced``), ``attachment_state`` (None when nothing is
+        attached), ``steps_since_load`` (None when nothing is resident), ``quiesced_at`` and
+        ``hold_deadline`` (on the core's clock)."""
+        s, c = self._snap.state, self._snap.context
+        return {
+            "weights_state": s.weights,
+            "barrier": "serving" if s.barrier == "serving" else "quiesced",
+            "attachment_state": None if s.attachment == "none" else s.attachment,
+            "steps_since_load": c.steps_since_load if s.resident else None,
+            "quiesced_at": c.quiesced_at,
+            "hold_deadline": c.hold_deadline,
+        }
+
     def status_view(self, now: float | None = None) -> dict[str, Any]:
         """What GET /api/weights/status needs that the core knows (weights page: Status).
 
@@ -339,11 +400,12 @@ class Lifecycle:
         if s.commit != "none" or (s.weights == "torn" and c.commit_began_at is not None):
             # Weights page, Status: ``commit`` while a commit is open or torn. ``overran``: the
             # watchdog timed it out (open longer than WEIGHTS_COMMIT_WATCHDOG_MS), not merely
-            # torn (a detach while writing, a moved address). ``open_ms`` runs on while the
-            # beginner may still end it; once nobody can, it stops where the commit tore.
-            end = now
-            if s.commit != "mine" and c.commit_torn_at is not None:
-                end = c.commit_torn_at
+            # torn (a detach while writing, a moved address). ``open_ms`` runs while the commit
+            # is open and stops where it tore (the watchdog, a detach, a moved address), also
+            # while its beginner may still end it late: the value never changes after the tear,
+            # a clear-stale included (issue 16 item 15). A late commit-end reports its own
+            # length (``last_overrun.commit_ms``).
+            end = now if c.commit_torn_at is None else c.commit_torn_at
             open_ms = None
             if end is not None and c.commit_began_at is not None:
                 open_ms = (end - c.commit_began_at) * 1000.0
@@ -356,15 +418,16 @@ class Lifecycle:
         last_overrun = None
         if c.last_overrun is not None:
             last_overrun = {"at": c.last_overrun[0], "commit_ms": c.last_overrun[1]}
+        answer = self.answer_view()
         return {
             "attached": s.attachment != "none",
             "attachment": attachment,
-            "barrier": "serving" if s.barrier == "serving" else "quiesced",
+            "barrier": answer["barrier"],
             "draining": s.barrier == "draining",
             "pause_owner": None if s.owner == "none" else s.owner,
-            "quiesced_at": c.quiesced_at,
-            "weights_state": s.weights,
-            "steps_since_load": c.steps_since_load if s.resident else None,
+            "quiesced_at": answer["quiesced_at"],
+            "weights_state": answer["weights_state"],
+            "steps_since_load": answer["steps_since_load"],
             "unsaved_commits": self.unsaved_commits if s.resident else None,
             "commit": commit,
             "commit_overran": c.commit_overran,
@@ -373,7 +436,7 @@ class Lifecycle:
             "pause_unavailable": None if s.avail == "ok" else s.avail,
             "adapter_applied": s.adapter,
             "model_transition": None if s.transition == "none" else s.transition,
-            "hold_deadline": c.hold_deadline,
+            "hold_deadline": answer["hold_deadline"],
             "served": {
                 "name": c.served_name,
                 "origin": c.served_origin,

@@ -64,8 +64,11 @@ class Answer:
 
 OK = Answer(200)
 
-#: Codes whose refusals always carry ``Retry-After``.
-RETRY_AFTER_CODES: frozenset[ErrorCode] = frozenset({codes.WEIGHTS_TORN, codes.QUEUE_FULL})
+#: Codes whose refusals always carry ``Retry-After``: 409 MODEL_BUSY too, a refusal for as
+#: long as a transition, a pause or a drain runs (docs/operations.md; issue 16 item 12).
+RETRY_AFTER_CODES: frozenset[ErrorCode] = frozenset(
+    {codes.WEIGHTS_TORN, codes.QUEUE_FULL, codes.MODEL_BUSY}
+)
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,8 @@ class Refusal:
     @property
     def sends_retry_after(self) -> bool:
         """Whether the refusal is answered with ``Retry-After`` (weights page: States, 503
-        WEIGHTS_TORN "with Retry-After"; contract 1, 503 QUEUE_FULL)."""
+        WEIGHTS_TORN "with Retry-After"; contract 1, 503 QUEUE_FULL; 409 MODEL_BUSY, a refusal
+        that ends with the operation in progress)."""
         return self.retry_after or self.code in RETRY_AFTER_CODES
 
 

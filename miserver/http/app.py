@@ -20,8 +20,9 @@ from typing import Any
 
 from aiohttp import web
 
-from miserver.http import batches, keys, management, weights
+from miserver.http import batches, keys, management, shutdown, weights
 from miserver.http.errors import SCRUB_SECRETS, ApiError, json_errors_middleware
+from miserver.http.management_auth import management_auth_middleware
 from miserver.serving.catalogue import Catalogue
 from miserver.serving.host import ModelHost
 from miserver.serving.metrics import Metrics
@@ -126,9 +127,15 @@ def create_app(
         max_concurrent=settings.max_concurrent_requests, max_queued=settings.max_queued_requests
     )
     app = web.Application(
-        middlewares=[json_errors_middleware, body_limit_middleware(settings.max_request_bytes)],
+        middlewares=[
+            json_errors_middleware,
+            shutdown.shutdown_middleware,  # 503 SHUTTING_DOWN while draining (SIGTERM)
+            management_auth_middleware,  # MANAGEMENT_AUTH=operator
+            body_limit_middleware(settings.max_request_bytes),
+        ],
         client_max_size=settings.max_request_bytes,
     )
+    shutdown.install(app, settings.shutdown_grace_s)
     app[keys.SETTINGS] = settings
     app[SCRUB_SECRETS] = tuple(token.secret for token in settings.weights_tokens)
     app[keys.CATALOGUE] = catalogue

@@ -20,7 +20,10 @@ barrier call does not wait for its own audit line (lines keep the order of the c
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
+import os
 import threading
 from contextvars import ContextVar
 from datetime import UTC, datetime
@@ -46,7 +49,39 @@ OPERATIONS = (
     "save",
     "load",
     "adapter",
+    # MANAGEMENT_AUTH=operator (miserver.http.management_auth): the guarded management routes
+    "model_register",
+    "model_delete",
+    "model_load",
+    "model_unload",
+    "settings_change",
+    "file_upload",
+    "file_delete",
+    "batch_create",
+    "batch_cancel",
 )
+
+
+def info_line(logger: logging.Logger, msg: str, *args: object) -> None:
+    """``logger.info(msg, *args)`` without the caller lookup: ``Logger.info`` walks the stack
+    for the file, line and function of the call (``findCaller``), a large part of a log line's
+    cost, which the barrier calls pay twice each (the access line and the audit line). Those
+    fields are ``(unknown file)``, 0 and ``(unknown function)`` here, as with
+    ``logging._srcfile = None``; miserver's formats do not show them. Levels, filters and
+    handlers apply as for ``info``."""
+    if logger.isEnabledFor(logging.INFO):
+        logger.handle(
+            logger.makeRecord(
+                logger.name,
+                logging.INFO,
+                "(unknown file)",
+                0,
+                msg,
+                args,
+                None,
+                "(unknown function)",
+            )
+        )
 
 
 class AuditRecord(msgspec.Struct, kw_only=True):
@@ -90,22 +125,61 @@ class AuditLog:
         self._lock = threading.Lock()
         self._encoder = msgspec.json.Encoder()
         self.count = 0
-        self._file = None
+        #: Lines that could not be appended to the file (a full disk); each is in the log.
+        self.file_failures = 0
+        self._failing = False
+        self._fd: int | None = None
         if self._path is not None:
             self._path.parent.mkdir(parents=True, exist_ok=True)
-            # Kept open (line-buffered appends): reopening per line costs the barrier time.
-            self._file = self._path.open("a", encoding="utf-8")
+            # Kept open (appends, one write a line): reopening per line costs the barrier time.
+            self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
 
     def write(self, record: AuditRecord) -> None:
-        """Write ``record`` now. Raises ``ValueError`` for an operation not in :data:`OPERATIONS`."""
+        """Write ``record`` now. Raises ``ValueError`` for an operation not in :data:`OPERATIONS`.
+
+        The line always goes to the ``miserver.audit`` logger. A line the file cannot take (a
+        full disk) is not left half-written there (the file is cut back to its size before)
+        and does not raise: one warning says so when appends start failing, one info line
+        when they work again (issue 16 item 16); :attr:`file_failures` counts the lines.
+        """
         self._check_and_stamp(record)
         line = self._encoder.encode(record).decode()
         with self._lock:
             self.count += 1
-            log.info(line)
-            if self._file is not None:
-                self._file.write(line + "\n")
-                self._file.flush()
+            info_line(log, line)
+            if self._fd is not None:
+                self._append((line + "\n").encode())
+
+    def _append(self, data: bytes) -> None:
+        fd = self._fd
+        assert fd is not None
+        size: int | None = None
+        try:
+            size = os.fstat(fd).st_size
+            written = os.write(fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, f"wrote {written} of {len(data)} bytes")
+        except OSError as exc:
+            if size is not None:
+                with contextlib.suppress(OSError):  # no half line left for the next one
+                    os.ftruncate(fd, size)
+            self.file_failures += 1
+            if not self._failing:
+                self._failing = True
+                log.warning(
+                    "audit log %s cannot be written (%s); its lines go to the server log "
+                    "only until it can (free space there)",
+                    self._path,
+                    exc.strerror or exc,
+                )
+            return
+        if self._failing:
+            self._failing = False
+            log.info(
+                "audit log %s is written again (%d line(s) are only in the server log)",
+                self._path,
+                self.file_failures,
+            )
 
     def write_soon(self, record: AuditRecord) -> None:
         """Check and stamp ``record`` now (``ValueError`` as :meth:`write`); write it on the running
@@ -131,6 +205,6 @@ class AuditLog:
     def close(self) -> None:
         """Close the audit file (the server's shutdown)."""
         with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None

@@ -26,7 +26,7 @@ import msgspec
 from aiohttp import BodyPartReader, web
 
 from miserver.http import keys
-from miserver.http.errors import ApiError, json_response, openai_error_body
+from miserver.http.errors import ApiError, json_response, openai_error_body, refuse_secret_name
 from miserver.http.v1 import run_completion
 from miserver.serving.batches import (
     BLOCKING_REASONS,
@@ -146,6 +146,7 @@ async def create_file(request: web.Request) -> web.Response:
         raise ApiError(codes.INVALID_REQUEST, 'purpose is required ("batch")', param="purpose")
     if data is None:
         raise ApiError(codes.INVALID_REQUEST, "file is required", param="file")
+    refuse_secret_name(request.app, filename, "filename")  # GET /v1/files lists it
     try:
         obj = await asyncio.to_thread(
             _store(request).create_file, data, filename=filename, purpose=purpose
@@ -205,6 +206,8 @@ async def create_batch(request: web.Request) -> web.Response:
         body: Any = msgspec.json.decode(raw)
     except msgspec.DecodeError:
         raise ApiError(codes.INVALID_REQUEST, "the body is not valid JSON") from None
+    if isinstance(body, dict):  # GET /v1/batches lists metadata, unauthenticated
+        refuse_secret_name(request.app, body.get("metadata"), "metadata")
     try:
         obj = await asyncio.to_thread(_store(request).create_batch, body)
     except BatchRequestError as exc:

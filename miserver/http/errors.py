@@ -7,7 +7,9 @@ answer ``{"error": {"message", "type", "param", "code"}}``. Every error body is 
 
 from __future__ import annotations
 
+import errno
 import logging
+import sqlite3
 from collections.abc import Mapping
 from typing import Any
 
@@ -91,10 +93,25 @@ def is_openai_path(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/")
 
 
+#: Codes answered with ``Retry-After`` wherever they are raised (the table's
+#: ``RETRY_AFTER_CODES`` for lifecycle refusals; a route's own 409 MODEL_BUSY too: it lasts only
+#: as long as the operation in progress; issue 16 item 12).
+RETRY_AFTER_S = "1"
+_ALWAYS_RETRY_AFTER = frozenset(
+    {codes.MODEL_BUSY.name, codes.QUEUE_FULL.name, codes.WEIGHTS_TORN.name}
+)
+
+
 def error_response(request_path: str, err: ApiError) -> web.Response:
-    """The error in the shape of the route family of ``request_path``."""
+    """The error in the shape of the route family of ``request_path``; a 409 MODEL_BUSY, 503
+    QUEUE_FULL or 503 WEIGHTS_TORN always with ``Retry-After``."""
     body = openai_error_body(err) if is_openai_path(request_path) else management_error_body(err)
-    return json_response(body, err.status, err.headers)
+    headers = err.headers
+    if err.code.name in _ALWAYS_RETRY_AFTER and not any(
+        k.lower() == "retry-after" for k in headers
+    ):
+        headers = {**headers, "Retry-After": RETRY_AFTER_S}
+    return json_response(body, err.status, headers)
 
 
 _HTTP_CODES: dict[int, ErrorCode] = {
@@ -127,22 +144,82 @@ def scrub(text: str, secrets: tuple[str, ...]) -> str:
     return text
 
 
-def refuse_secret_name(app: web.Application, name: str | None, field: str = "name") -> None:
-    """Refuse a public name (a served name, a catalogue row's or a checkpoint's name: it goes
-    out in ``X-miLLM-Model`` and the listings) that is one of the configured weights tokens,
-    without repeating it (weights page: a token is never returned).
+def contains_secret(value: Any, secrets: tuple[str, ...]) -> bool:
+    """Whether any string in ``value`` (a string, or the keys and values of nested dicts and
+    lists) contains one of ``secrets``."""
+    if isinstance(value, str):
+        return any(secret and secret in value for secret in secrets)
+    if isinstance(value, dict):
+        return any(
+            contains_secret(k, secrets) or contains_secret(v, secrets) for k, v in value.items()
+        )
+    if isinstance(value, (list, tuple)):
+        return any(contains_secret(v, secrets) for v in value)
+    return False
+
+
+def refuse_secret_name(app: web.Application, name: Any, field: str = "name") -> None:
+    """Refuse a public name or listed field (a served name, a catalogue row's name or path, a
+    checkpoint's or adapter's name, a batch's metadata, an uploaded file's name: they go out in
+    ``X-miLLM-Model`` and in listings, some unauthenticated) that contains one of the configured
+    weights tokens, without repeating it (weights page: a token is never returned).
 
     Raises:
         ApiError: 400 INVALID_REQUEST naming ``field``.
     """
-    if name and name in app.get(SCRUB_SECRETS, ()):
+    if name and contains_secret(name, app.get(SCRUB_SECRETS, ())):
         raise ApiError(
             codes.INVALID_REQUEST,
-            f"this {field} is one of the server's weights tokens; names are public (they are sent"
-            " in X-miLLM-Model and listed): choose another, and replace that token",
+            f"this {field} contains one of the server's weights tokens; {field} is public (it is"
+            " sent in X-miLLM-Model or listed): choose another, and replace that token",
             param=field,
             details={"field": field},
         )
+
+
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+#: How a full disk reads in errors that carry no errno (SQLite's SQLITE_FULL, safetensors' Rust
+#: io::Error inside a SafetensorError), lower case.
+_FULL_WORDS = (
+    "database or disk is full",
+    "no space left on device",
+    "disk quota exceeded",
+    "storagefull",
+    "os error 28",
+)
+
+
+def is_disk_full(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) says the disk or a quota is full:
+    ``OSError`` ENOSPC / EDQUOT / EFBIG, SQLite's SQLITE_FULL ("database or disk is full"), or
+    a library error whose message says so."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
+            return True
+        if isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", None) == 13:
+            return True  # SQLITE_FULL
+        text = str(exc).lower()
+        if any(word in text for word in _FULL_WORDS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def disk_full_error(what: str, where: str | None = None) -> ApiError:
+    """507 INSUFFICIENT_STORAGE (reason ``disk_full``): ``what`` (a sentence subject: "the
+    save", "the upload") could not be written because the disk is full; ``where`` names the
+    folder (``MISERVER_HOME``). Nothing was kept of it (issue 16 item 16)."""
+    place = f" ({where})" if where else ""
+    return ApiError(
+        codes.INSUFFICIENT_STORAGE,
+        f"{what} could not be written: the disk{place} is full (no space left on device). "
+        "Nothing of it was kept. Free space there (old checkpoints: DELETE /api/models/{id};"
+        " batch files: DELETE /v1/files/{id}) or give the server a larger volume, then retry.",
+        reason="disk_full",
+        details={"path": where} if where else None,
+    )
 
 
 def client_gone_error() -> ApiError:
@@ -182,10 +259,19 @@ async def json_errors_middleware(request: web.Request, handler: Any) -> web.Stre
         resp = error_response(
             request.path, ApiError(code, message, status=exc.status, headers=headers)
         )
-    except Exception:  # noqa: BLE001 - the last line of defence: log it, answer JSON 500
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: log it, answer JSON 500
         secrets = request.app.get(SCRUB_SECRETS, ())
-        log.exception("unhandled error on %s %s", request.method, scrub(request.path, secrets))
-        resp = error_response(request.path, ApiError(codes.INTERNAL_ERROR, "internal server error"))
+        path = scrub(request.path, secrets)
+        if is_disk_full(exc):  # not a bug of ours: one line, no traceback, a 507 that says so
+            log.error("%s %s failed: the disk is full (%s)", request.method, path, exc)
+            from miserver.http import keys  # here: keys imports the serving layer
+
+            where = getattr(request.app.get(keys.SETTINGS), "home", None)
+            err = disk_full_error(f"the data of {request.method} {path}", where)
+        else:
+            log.exception("unhandled error on %s %s", request.method, path)
+            err = ApiError(codes.INTERNAL_ERROR, "internal server error")
+        resp = error_response(request.path, err)
     if resp.status >= 400 and isinstance(resp, web.Response) and isinstance(resp.body, bytes):
         secrets = request.app.get(SCRUB_SECRETS, ())
         if secrets:

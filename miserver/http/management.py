@@ -274,6 +274,8 @@ async def register_model(request: web.Request) -> web.Response:
             "starting with a letter or digit",
             "name",
         )
+    refuse_secret_name(request.app, body.name)  # before any answer repeats the name
+    refuse_secret_name(request.app, body.path, "path")  # listed by GET /api/models
     catalogue = request.app[keys.CATALOGUE]
     existing = catalogue.get_by_name(body.name)
     if existing is not None:
@@ -282,7 +284,6 @@ async def register_model(request: web.Request) -> web.Response:
             f"a catalogue row named {body.name!r} already exists (id {existing.id})",
             details={"name": body.name, "model_id": existing.id},
         )
-    refuse_secret_name(request.app, body.name)
     refuse_applied_adapter_name(request.app[keys.HOST], body.name, "this row")
     found = inspect_model_path(body)
     try:
@@ -541,16 +542,35 @@ def weights_summary(app: web.Application) -> dict[str, Any] | None:
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
+def _not_attachable(app: web.Application) -> dict[str, Any] | None:
+    """Why the resident cannot be attached, and what to do: ``{reason, message}``, the reason
+    and message attach would answer (400 NOT_ATTACHABLE), or None when it cannot be read."""
+    from miserver.fsm.machine import refusal_message
+
+    runtime = app.get(keys.WEIGHTS)
+    try:
+        reason = runtime.not_attachable_reason() if runtime is not None else None
+    except Exception:  # noqa: BLE001 - reported as unknown, never a 500 on a health route
+        reason = None
+    if reason is None:
+        return None
+    return {"reason": reason, "message": refusal_message("NOT_ATTACHABLE", reason)}
+
+
 async def health_detailed(request: web.Request) -> web.Response:
-    """``GET /api/health/detailed``: resident model, device, queue, weights summary."""
+    """``GET /api/health/detailed``: resident model, device, queue, weights summary. A resident
+    that cannot be attached says why (``resident.not_attachable: {reason, message}``)."""
     app = request.app
     host = app[keys.HOST]
     scheduler = app[keys.SCHEDULER]
     counts = scheduler.counts()
+    resident = host.describe()
+    if resident is not None and not resident["attachable"]:
+        resident["not_attachable"] = _not_attachable(app)
     return ok(
         {
             "status": "ok",
-            "resident": host.describe(),
+            "resident": resident,
             "transition": host.transition,
             "device": app[keys.SETTINGS].resolved_device(),
             "queue": {

@@ -13,13 +13,16 @@ aiohttp has no hook for these errors (aio-libs/aiohttp#3287, open), so :class:`A
 the app through a :class:`~aiohttp.web_protocol.RequestHandler` whose only change is
 :meth:`JsonErrorRequestHandler.handle_error`: the management error envelope, a message that says
 what was wrong and what to do, and a log line that names the fault without the request's bytes.
-``miserver serve`` runs the app with this runner.
+The same handler keeps a half-closed connection open until the requests it already carried
+are answered (:meth:`JsonErrorRequestHandler.eof_received`). ``miserver serve`` runs the app
+with this runner.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +30,8 @@ from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 
 from miserver.http.errors import ApiError, json_response, management_error_body
+from miserver.http.keys import SETTINGS
+from miserver.http.shutdown import SHUTDOWN, drain
 from miserver.spec import codes
 
 _LIMIT_HINT = (
@@ -87,10 +92,93 @@ def low_level_error(status: int, exc: BaseException | None) -> web.Response:
     return json_response(management_error_body(err), err.status)
 
 
+#: id(handler) -> (timer, whether any byte of the head arrived): the head-read deadline of each
+#: connection waiting for a request head (the handler's slots cannot grow, see JsonErrorServer).
+_HEAD_TIMERS: dict[int, tuple[asyncio.TimerHandle, bool]] = {}
+#: The default head-read deadline, seconds (``HEADER_READ_TIMEOUT_S``).
+HEADER_READ_TIMEOUT_S = 20.0
+
+
+def _head_timeout_body(timeout_s: float) -> bytes:
+    err = ApiError(
+        codes.INVALID_REQUEST,
+        f"The request head (request line and headers) did not arrive within {timeout_s:g} s"
+        " (HEADER_READ_TIMEOUT_S); the connection is closed. Send the whole head at once.",
+        details={"header_read_timeout_s": timeout_s},
+        status=408,
+    )
+    return json_response(management_error_body(err), 408).body  # type: ignore[return-value]
+
+
 class JsonErrorRequestHandler(RequestHandler):
-    """aiohttp's connection handler with JSON error answers (see the module docstring)."""
+    """aiohttp's connection handler with JSON error answers (see the module docstring) and a
+    head-read deadline: a connection whose request head (request line and headers) has not
+    arrived within ``HEADER_READ_TIMEOUT_S`` of the connection opening, or of the first byte of
+    a later request's head, is answered 408 (JSON, when part of a head came) and closed. aiohttp
+    has no such deadline: its keep-alive timeout (75 s) is all that bounds a client trickling
+    header bytes (issue 16, item 7; Go's ``ReadHeaderTimeout``, nginx's
+    ``client_header_timeout``)."""
 
     __slots__ = ()
+
+    def _head_timeout_s(self) -> float:
+        return getattr(self._manager, "header_read_timeout_s", HEADER_READ_TIMEOUT_S)
+
+    def _arm_head_timer(self, got_bytes: bool) -> None:
+        timeout = self._head_timeout_s()
+        handle = self._loop.call_later(timeout, self._head_timed_out)
+        _HEAD_TIMERS[id(self)] = (handle, got_bytes)
+
+    def _disarm_head_timer(self) -> None:
+        entry = _HEAD_TIMERS.pop(id(self), None)
+        if entry is not None:
+            entry[0].cancel()
+
+    def _head_timed_out(self) -> None:
+        entry = _HEAD_TIMERS.pop(id(self), None)
+        transport = self.transport
+        if entry is None or transport is None or transport.is_closing():
+            return
+        if self._current_request is not None or self._messages:
+            return  # a head arrived meanwhile
+        timeout = self._head_timeout_s()
+        self.logger.warning(
+            "closed a connection from %s: no complete request head within %g s",
+            transport.get_extra_info("peername", ("-",))[0],
+            timeout,
+        )
+        if entry[1]:
+            body = _head_timeout_body(timeout)
+            transport.write(
+                b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json; charset=utf-8"
+                b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body
+            )
+        self.force_close()
+        transport.close()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm_head_timer(False)
+
+    def data_received(self, data: bytes) -> None:
+        before = self._request_count
+        super().data_received(data)
+        if self._request_count != before:
+            self._disarm_head_timer()  # a whole head arrived
+        elif (
+            data
+            and id(self) not in _HEAD_TIMERS
+            and self._current_request is None
+            and not self._messages
+        ):
+            self._arm_head_timer(True)  # the first bytes of a further request's head
+        elif data and id(self) in _HEAD_TIMERS and not _HEAD_TIMERS[id(self)][1]:
+            handle, _ = _HEAD_TIMERS[id(self)]
+            _HEAD_TIMERS[id(self)] = (handle, True)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
 
     def handle_error(
         self,
@@ -127,6 +215,27 @@ class JsonErrorRequestHandler(RequestHandler):
         resp.force_close()
         return resp
 
+    def eof_received(self) -> bool | None:
+        """The client half-closed its side (``shutdown(SHUT_WR)``) after sending a request:
+        keep the socket open for writing, answer the request in hand, then close (no further
+        request can come).
+
+        aiohttp's ``eof_received`` returns None, so asyncio closed the transport at the EOF and
+        a complete request got no response at all (issue 16 item 14). An idle connection (no
+        request received, or only part of a request head) and a request whose body is still
+        incomplete (the parser's EOF raises) close as before: nothing can be answered, and the
+        handler of an incomplete body sees the connection lost instead of waiting forever.
+        """
+        idle = self._waiter is not None and not self._waiter.done() and not self._messages
+        if idle or self._parser is None:
+            return None
+        try:
+            self._parser.feed_eof()
+        except Exception:  # noqa: BLE001 - an incomplete body (ContentLengthError, ...)
+            return None
+        self.close()  # once the request in hand is answered
+        return True
+
 
 class JsonErrorServer(web.Server):
     """aiohttp's low-level server, making :class:`JsonErrorRequestHandler` connections."""
@@ -144,6 +253,9 @@ class AppRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = JsonErrorServer  # a plain class; the subclass only overrides __call__
+        settings = self.app.get(SETTINGS) if isinstance(self.app, web.Application) else None
+        timeout = getattr(settings, "header_read_timeout_s", HEADER_READ_TIMEOUT_S)
+        server.header_read_timeout_s = timeout  # type: ignore[attr-defined]
         return server
 
 
@@ -166,16 +278,28 @@ def run_app(
 
     async def serve() -> None:
         runner = AppRunner(
-            app, handle_signals=True, shutdown_timeout=shutdown_timeout, **server_options
+            app, handle_signals=False, shutdown_timeout=shutdown_timeout, **server_options
         )
+        loop = asyncio.get_running_loop()
+        stop, force = asyncio.Event(), asyncio.Event()
+
+        def on_signal() -> None:  # the first stops, a second ends the grace at once
+            (force if stop.is_set() else stop).set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
         await runner.setup()
         try:
             await web.TCPSite(runner, host, port).start()
             if on_listening is not None:
                 on_listening()
-            await asyncio.Event().wait()  # until a signal raises GracefulExit
+            await stop.wait()
+            if SHUTDOWN in app:  # 503 to new requests, running ones finish within the grace
+                await drain(app, force=force)
         finally:
             await runner.cleanup()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
 
     with contextlib.suppress(web.GracefulExit, KeyboardInterrupt):
         asyncio.run(serve())

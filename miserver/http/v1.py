@@ -49,6 +49,7 @@ from miserver.serving.generation import (
     Finished,
     Generation,
     GenerationError,
+    NonFiniteLogits,
     SamplingParams,
     Started,
     TextDelta,
@@ -64,6 +65,9 @@ log = logging.getLogger("miserver.v1")
 LOAD_POLICY_HEADER = "X-miLLM-Load-Policy"
 #: How often a waiting or generating request checks that its client is still connected (s).
 DISCONNECT_POLL_S = 0.05
+#: The longest a ``/v1`` request waits for the start-up load of ``DEFAULT_MODEL`` before it is
+#: admitted as usual (then 409 model_busy with ``Retry-After`` while that load still runs), s.
+STARTUP_LOAD_WAIT_S = 300.0
 #: Default ``max_tokens`` of ``/v1/completions`` (OpenAI's).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _encoder = msgspec.json.Encoder()
@@ -209,8 +213,13 @@ async def _acquire_slot(
     resident: Resident,
     priority: Priority,
     cancelled: Callable[[], bool] | None,
+    adapter: dict[str, Any] | None = None,
 ) -> None:
     """Wait for a slot at ``priority``, giving up (and leaving no trace) once ``cancelled()``.
+
+    ``adapter``: the adapter block of the applied adapter the request named (see
+    :class:`_Job`); a request for an adapter removed or replaced while it waited is refused as
+    one for a model that went away (409 MODEL_BUSY ``model_transition``, issue 16 item 8).
 
     Raises:
         ApiError: 503 QUEUE_FULL with ``Retry-After`` (interactive only); the lifecycle's
@@ -257,7 +266,7 @@ async def _acquire_slot(
     try:
         # Inside the slot: the table must still let this request go on (the model may have
         # been unloaded or swapped, or the set torn, while it waited; weights page: States).
-        await app[keys.WEIGHTS].confirm_v1(resident)
+        await app[keys.WEIGHTS].confirm_v1(resident, adapter=adapter)
     except ApiError as err:
         scheduler.release()
         raise _lifecycle_refusal(err) from None
@@ -290,6 +299,15 @@ class _Job:
     include_usage: bool
     echo_text: str | None  # completions with echo: the prompt text returned before the output
     want_logprobs: bool
+    #: The adapter block of the applied adapter the request named (by its served name), or
+    #: None: the request is for that application of the adapter, not for the base tensors.
+    adapter: dict[str, Any] | None = None
+
+
+def _named_adapter(resident: Resident, model: str) -> dict[str, Any] | None:
+    """The resident's adapter block when ``model`` names its applied adapter, else None."""
+    block = resident.adapter_block
+    return block if block and block.get("name") == model else None
 
 
 def _check_context(
@@ -382,6 +400,7 @@ async def _prepare_chat(
 ) -> _Job:
     stops = schema.check_chat(req)
     resident = await admit(app, req.model, load_policy, priority)
+    adapter = _named_adapter(resident, req.model)
     prompt_ids = await asyncio.to_thread(_chat_prompt, resident, req)
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -397,6 +416,7 @@ async def _prepare_chat(
         bool(req.stream_options and req.stream_options.include_usage),
         None,
         want,
+        adapter,
     )
 
 
@@ -408,6 +428,7 @@ async def _prepare_completion(
 ) -> _Job:
     prompt, stops = schema.check_completion(req)
     resident = await admit(app, req.model, load_policy, priority)
+    adapter = _named_adapter(resident, req.model)
     prompt_ids = await asyncio.to_thread(_completion_prompt, resident, prompt)
     max_tokens = _check_context(
         resident, prompt_ids, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens", "prompt"
@@ -426,6 +447,7 @@ async def _prepare_completion(
         bool(req.stream_options and req.stream_options.include_usage),
         echo_text,
         want,
+        adapter,
     )
 
 
@@ -507,7 +529,7 @@ async def _generation(
             the first token.
         RequestCancelled: ``cancelled()`` became true while waiting for the slot.
     """
-    await _acquire_slot(app, job.resident, priority, cancelled)
+    await _acquire_slot(app, job.resident, priority, cancelled, job.adapter)
     scheduler = app[keys.SCHEDULER]
 
     def release() -> None:
@@ -518,7 +540,13 @@ async def _generation(
         if check_in_slot is not None:
             check_in_slot(job.resident)
         header = model_header(job.resident)
-        gen = Generation(job.resident.model, job.resident.tokenizer, job.prompt_ids, job.params)
+        gen = Generation(
+            job.resident.model,
+            job.resident.tokenizer,
+            job.prompt_ids,
+            job.params,
+            engine=job.resident.engine,
+        )
         gen.start()
     except BaseException:
         release()
@@ -532,7 +560,7 @@ async def _generation(
         try:
             first = await events.__anext__()
         except GenerationError as exc:
-            raise ApiError(codes.GENERATION_FAILED, str(exc)) from exc
+            raise _generation_failed(app, job, exc) from exc
         assert isinstance(first, Started)
         yield gen, events, first, header
     finally:
@@ -558,12 +586,43 @@ def _decode(
     return schema.decode(raw, kind)
 
 
+async def wait_for_startup_load(
+    app: web.Application,
+    cancelled: Callable[[], bool] | None = None,
+    timeout_s: float | None = None,
+) -> None:
+    """Wait, at most ``timeout_s`` (default :data:`STARTUP_LOAD_WAIT_S`), for the start-up load
+    of ``DEFAULT_MODEL`` while it runs, as a request behind an auto-load waits for it (issue 16
+    item 11: ``make serve`` then an immediate request was refused 409 model_busy). Returns at
+    once when no start-up load runs; returns after the bound with the load still running (the
+    request is then admitted as usual). Its outcome is not this request's: a failed load is
+    logged by the start-up, and the request is admitted against what is resident then.
+
+    Raises:
+        RequestCancelled: ``cancelled()`` became true while waiting (polled every 200 ms).
+    """
+    task = app.get(keys.STARTUP_LOAD)
+    if task is None or task.done():
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (STARTUP_LOAD_WAIT_S if timeout_s is None else timeout_s)
+    while not task.done():
+        left = deadline - loop.time()
+        if left <= 0:
+            return
+        await asyncio.wait({task}, timeout=min(left, DISCONNECT_POLL_S * 4))
+        if not task.done() and cancelled is not None and cancelled():
+            raise RequestCancelled
+
+
 async def _prepare(
     app: web.Application,
     req: schema.ChatCompletionRequest | schema.CompletionRequest,
     load_policy: str | None,
     priority: Priority = Priority.INTERACTIVE,
+    cancelled: Callable[[], bool] | None = None,
 ) -> _Job:
+    await wait_for_startup_load(app, cancelled)
     if isinstance(req, schema.ChatCompletionRequest):
         return await _prepare_chat(app, req, load_policy, priority)
     return await _prepare_completion(app, req, load_policy, priority)
@@ -624,18 +683,39 @@ async def run_completion(
     req = _decode(endpoint, body)
     if req.stream:
         raise _bad("stream must be false or absent: this answer is not streamed", "stream")
-    job = await _prepare(app, req, load_policy, priority)
+    job = await _prepare(app, req, load_policy, priority, cancelled)
     async with _generation(app, job, priority, cancelled, check_in_slot) as (
         _,
         events,
         first,
         header,
     ):
-        answer = await _collect(job, events, first)
+        answer = await _collect(app, job, events, first)
     return CompletionResult(answer, header)
 
 
-async def _collect(job: _Job, events: Any, first: Started) -> dict[str, Any]:
+def _generation_failed(app: web.Application, job: _Job, exc: GenerationError) -> ApiError:
+    """The 500 GENERATION_FAILED of a generation that failed, counted in
+    ``miserver_generation_failures_total{reason}`` and logged once. Non-finite logits (the
+    weights hold NaN or infinity: issue 16 item 10) are reason ``non_finite_logits``, logged
+    as an error naming the served parameter set and what to do; any other failure ``error``."""
+    non_finite = isinstance(exc.__cause__, NonFiniteLogits)
+    reason = "non_finite_logits" if non_finite else "error"
+    metrics = app.get(keys.METRICS)
+    if metrics is not None:
+        metrics.generation_failures.labels(reason=reason).inc()
+    if non_finite:
+        log.error(
+            "generation failed: non-finite logits (NaN or infinity) from %s; the served weights "
+            "hold non-finite values: load finite weights (POST /api/weights/load)",
+            model_header(job.resident),
+        )
+        message = f"{job.resident.served_name}: {exc.__cause__}"
+        return ApiError(codes.GENERATION_FAILED, message, reason=reason)
+    return ApiError(codes.GENERATION_FAILED, str(exc), reason=reason)
+
+
+async def _collect(app: web.Application, job: _Job, events: Any, first: Started) -> dict[str, Any]:
     text_parts: list[str] = []
     lps: list[TokenLogprob] = []
     fin: Finished | None = None
@@ -647,7 +727,7 @@ async def _collect(job: _Job, events: Any, first: Started) -> dict[str, Any]:
             elif isinstance(ev, Finished):
                 fin = ev
     except GenerationError as exc:
-        raise ApiError(codes.GENERATION_FAILED, str(exc)) from exc
+        raise _generation_failed(app, job, exc) from exc
     assert fin is not None
     if fin.finish_reason == "cancelled":
         raise RequestCancelled
@@ -769,7 +849,7 @@ async def _stream(
                 elif isinstance(ev, Finished):
                     fin = ev
         except GenerationError as exc:
-            err = ApiError(codes.GENERATION_FAILED, str(exc))
+            err = _generation_failed(request.app, job, exc)
             log.warning("stream ended by a generation error: %s", exc)
             request[_OUTCOME] = codes.GENERATION_FAILED.name
             await gen.wait()  # the slot is free before the client sees the end
@@ -878,7 +958,7 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
             request.app, endpoint, req, load_policy=load_policy, cancelled=client_gone
         )
         return json_response(result.body, headers=result.headers)
-    job = await _prepare(request.app, req, load_policy)
+    job = await _prepare(request.app, req, load_policy, cancelled=client_gone)
     async with _generation(request.app, job, Priority.INTERACTIVE, client_gone, None) as (
         gen,
         events,

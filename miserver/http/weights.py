@@ -180,8 +180,9 @@ async def _gated(
 
 
 def _state(runtime: WeightsRuntime) -> dict[str, Any]:
-    view = runtime.lifecycle.status_view(runtime.now())
-    return view
+    """The lifecycle fields an answer reports (``Lifecycle.answer_view``: not the whole status
+    view, which costs several times as much, on every barrier call)."""
+    return runtime.lifecycle.answer_view()
 
 
 @gated_route("weights_attach")
@@ -224,7 +225,7 @@ async def heartbeat(request: web.Request) -> web.Response:
     s = runtime.settings
     return ok(
         W.HeartbeatResponse(
-            attachment_state=view["attachment"]["state"],
+            attachment_state=view["attachment_state"],
             timeout_s=s.weights_heartbeat_timeout_s,
             interval_hint_s=s.weights_heartbeat_interval_hint_s,
             weights_state=view["weights_state"],
@@ -399,15 +400,26 @@ async def load(request: web.Request) -> web.Response:
 
 
 async def lineage(request: web.Request) -> web.Response:
-    """GET /api/weights/lineage: the resident's chain back to its base row."""
+    """GET /api/weights/lineage: the served set's chain back to its base row: ``chain[0]`` is
+    the row the resident is served as (the last save's checkpoint after a save), then its
+    parents (contract 5)."""
     from miserver.serving.weights_jobs import lineage as chain_of
 
     runtime = request.app[RUNTIME]
     resident = runtime.host.resident
     if resident is None:
         raise ApiError(codes.MODEL_NOT_LOADED, "nothing is resident")
-    row = runtime.host.catalogue.get(resident.row.id) or resident.row
-    return ok(msgspec.convert({"chain": chain_of(runtime.host.catalogue, row)}, W.LineageResponse))
+    catalogue = runtime.host.catalogue
+    # Start at what is served (issue 16 item 13): after a save the set is served as the
+    # checkpoint, whose row is not the row it was loaded from (under an adapter, the name the
+    # base tensors are served under). A served name with no row is the loaded row's set.
+    served = resident.base_served_name if resident.adapter_block else resident.served_name
+    row = (
+        (catalogue.get_by_name(served) if served else None)
+        or catalogue.get(resident.row.id)
+        or resident.row
+    )
+    return ok(msgspec.convert({"chain": chain_of(catalogue, row)}, W.LineageResponse))
 
 
 async def list_checkpoints(request: web.Request) -> web.Response:
@@ -431,6 +443,7 @@ async def _adapter_change(request: web.Request, apply: bool) -> web.Response:
     body = await decode_body(request, W.AdapterRequest) if apply else None
     if apply:
         refuse_secret_name(request.app, body.name)
+        refuse_secret_name(request.app, body.path, "path")  # GET /api/weights/adapter lists it
         prepare_adapter(runtime.host, body)
     await runtime.gated(
         "adapter_change",

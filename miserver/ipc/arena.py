@@ -90,6 +90,9 @@ class ParameterArena:
     #: ``(name, owning module's _parameters dict, leaf name)`` per parameter, recorded with the
     #: addresses, so the per-commit check reads each parameter without walking the module tree.
     watch: list[tuple[str, dict, str]] = field(default_factory=list)
+    #: per storage: its shared-memory file's name (``/miserver-<id>-a<n>``, owned by
+    #: :mod:`miserver.ipc.shm`) for a CPU shared-memory storage, None for a CUDA one.
+    shm_names: list[str | None] = field(default_factory=list)
 
     @property
     def storage_kinds(self) -> list[StorageKind]:
@@ -119,6 +122,16 @@ class ParameterArena:
             t.set_(st, s.storage_offset, s.shape, s.stride)
             out[name] = t
         return out
+
+    def release_shared_memory(self) -> None:
+        """Remove this arena's shared-memory files and every attach name of them (the server no
+        longer serves it; :func:`miserver.ipc.shm.release`). Mappings held elsewhere stay valid
+        until unmapped. Idempotent; nothing for a CUDA arena."""
+        from miserver.ipc import shm
+
+        for name in self.shm_names:
+            if name is not None:
+                shm.release(name)
 
     def record_addresses(self, model: torch.nn.Module) -> None:
         """Store every parameter's current ``data_ptr()`` (called at placement and export)."""
@@ -192,20 +205,25 @@ def _unique_parameters(
 
 def _allocate(
     nbytes: int, device: torch.device, cpu_shared: bool
-) -> tuple[torch.UntypedStorage, object | None]:
+) -> tuple[torch.UntypedStorage, object | None, str | None]:
     if device.type == "cuda":
         pool = torch.cuda.MemPool()
         with torch.cuda.use_mem_pool(pool, device=device):
             st = torch.zeros(nbytes, dtype=torch.uint8, device=device).untyped_storage()
-        return st, pool
+        return st, pool, None
     st = torch.UntypedStorage(nbytes)
+    name = None
     if cpu_shared:
+        from miserver.ipc import shm
+
         # Move it into shared memory through the file-system strategy now, so views taken later
-        # already point at the shared pages; the data pointer never changes after this.
+        # already point at the shared pages; the data pointer never changes after this. The
+        # server then owns the file (miserver.ipc.shm: no trainer's close can remove it).
         st._share_filename_cpu_()
+        name = shm.adopt(st)
     # Zero the padding: the handle then exposes parameters and zeros, nothing stale.
     torch.empty(0, dtype=torch.uint8).set_(st, 0, (nbytes,), (1,)).zero_()
-    return st, None
+    return st, None, name
 
 
 def make_attachable(
@@ -261,6 +279,7 @@ def make_attachable(
     devices: list[torch.device] = []
     nbytes_list: list[int] = []
     pools: list[object | None] = []
+    shm_names: list[str | None] = []
     slots_by_name: dict[str, ParameterSlot] = {}
     new_data: dict[str, torch.Tensor] = {}
 
@@ -282,9 +301,10 @@ def make_attachable(
                 plan.append((cursor, lo, hi, members))
                 cursor = _round_up(cursor + (hi - lo), SPAN_ALIGN)
             total = max(_round_up(cursor, SIZE_GRANULE), SIZE_GRANULE)
-            st, pool = _allocate(total, dev, cpu_shared)
+            st, pool, shm_name = _allocate(total, dev, cpu_shared)
             index = len(storages)
             storages.append(st)
+            shm_names.append(shm_name)
             devices.append(dev)
             nbytes_list.append(total)
             pools.append(pool)
@@ -348,6 +368,7 @@ def make_attachable(
         slots=slots,
         addresses={},
         pools=pools,
+        shm_names=shm_names,
     )
     arena.record_addresses(model)
     return arena

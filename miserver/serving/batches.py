@@ -436,10 +436,13 @@ class BatchStore:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
+                self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                # Also a failed COMMIT (SQLITE_FULL leaves the transaction open): roll back, or
+                # every later BEGIN fails on this connection.
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
 
     def _now(self) -> int:
         return int(self.clock())
@@ -451,11 +454,16 @@ class BatchStore:
         self._db  # noqa: B018 - open first: opening removes blobs that have no row yet
         path = self._blob(file_id)
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:  # a full disk: no partial blob left behind
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
         _fsync_dir(self.files_dir)
         return path
 
@@ -487,14 +495,19 @@ class BatchStore:
 
     def _add_file(self, data: bytes, *, filename: str, purpose: str) -> dict[str, Any]:
         file_id = _new_id("file-")
-        self._write_blob(file_id, data)
+        path = self._write_blob(file_id, data)
         now = self._now()
-        with self._tx() as db:
-            db.execute(
-                "INSERT INTO files (id, filename, purpose, bytes, created_at) "
-                "VALUES (?, ?, ?, ?, ?)",
-                (file_id, filename, purpose, len(data), now),
-            )
+        try:
+            with self._tx() as db:
+                db.execute(
+                    "INSERT INTO files (id, filename, purpose, bytes, created_at) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    (file_id, filename, purpose, len(data), now),
+                )
+        except BaseException:  # no row (a full database): no blob either
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
         return self.get_file(file_id)
 
     @staticmethod

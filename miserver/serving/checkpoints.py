@@ -43,6 +43,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -520,6 +521,7 @@ def save_checkpoint(
         )
         data = encode_manifest(manifest)
         (tmp / MANIFEST_NAME).write_bytes(data)
+        ordinary_mode(tmp / WEIGHTS_NAME, like=tmp / MANIFEST_NAME)
         _fsync_tree(tmp)
         sha = hashlib.sha256(data).hexdigest()
         final_name = name if name is not None else default_name(base_name, steps_since_load, sha)
@@ -538,6 +540,14 @@ def save_checkpoint(
         dtype=dtype,
         weights_bytes=weights_bytes,
     )
+
+
+def ordinary_mode(path: Path, *, like: Path) -> None:
+    """Give ``path`` the permission bits of ``like``, a file written with ``open()`` (0666 less
+    the umask, usually 0644): safetensors writes its file 0600 (a temporary file renamed), so
+    a checkpoint's or the imported default's ``model.safetensors`` was the one file other
+    users could not read (issue 16 item 17)."""
+    os.chmod(path, stat.S_IMODE(like.stat().st_mode))
 
 
 def _weights_dtype(entries: list[TensorEntry]) -> str:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import importlib.util
 import json
 import logging
@@ -209,13 +210,40 @@ def convert(gguf: Path, dest: Path, progress: bool = True) -> dict[str, object]:
 
     Returns a summary ``{parameters, dtype, seconds}``. Blocking: about 30 s on two CPU cores.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     phase = _Phases(progress)
-    if not progress:
-        hf_logging.disable_progress_bar()
+    with contextlib.ExitStack() as quiet:
+        if not progress:
+            hf_logging.disable_progress_bar()
+            quiet.enter_context(_no_gguf_bar())
+        return _convert(gguf, dest, phase)
+
+
+@contextlib.contextmanager
+def _no_gguf_bar() -> Iterator[None]:
+    """transformers' GGUF dequantization draws a plain ``tqdm`` bar ("Converting and
+    de-quantizing GGUF tensors...") that ``disable_progress_bar`` does not reach: disable it for
+    the conversion (issue 16 item 17: bars in a JSON log)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
+def _convert(gguf: Path, dest: Path, phase: _Phases) -> dict[str, object]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from miserver.serving.checkpoints import ordinary_mode
+
     phase(f"reading the tokenizer and chat template from {gguf.name}")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if not tokenizer.chat_template:
@@ -251,6 +279,7 @@ def convert(gguf: Path, dest: Path, progress: bool = True) -> dict[str, object]:
         model.generation_config = generation_config
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        ordinary_mode(tmp / "model.safetensors", like=tmp / "config.json")
         saved = json.loads((tmp / "config.json").read_text())
         if "quantization_config" in saved:
             raise DefaultModelError("the saved config still has a quantization_config")

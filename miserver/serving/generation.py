@@ -24,7 +24,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import queue
+import random
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -93,7 +95,8 @@ class SamplingParams:
         max_tokens: the most tokens to generate (>= 1).
         temperature: 0 is greedy (argmax); otherwise logits are divided by it (0 < t <= 2).
         top_p: nucleus sampling mass, in (0, 1].
-        seed: seeds this request's own ``torch.Generator``; None draws from the global RNG.
+        seed: seeds this request's own :class:`SeedStream` (any int: every seed its own
+            samples); None draws from the global RNG.
         stop: stop sequences; the completion ends before the first one and never contains it.
         logprobs: how many alternatives to report per token (0..20); None reports no logprobs.
         echo: also score the prompt (prompt token logprobs, needs ``logprobs``).
@@ -338,20 +341,79 @@ def _cache_of(output: Any) -> Any:
     return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
+class SeedStream:
+    """The random draws of one request's ``seed``: every accepted seed its own stream.
+
+    ``torch.Generator.manual_seed`` keeps only the low 32 bits on the CPU (mt19937) and maps a
+    negative seed onto ``2**64 + seed``, so seeds 0, 2**32 and 2**63 gave the same samples
+    (issue 16 item 9). Here the seed, any Python int (the API accepts
+    [-2**63, 2**64 - 1]), is mapped one-to-one onto a non-negative int (zigzag: ``2n`` for
+    ``n >= 0``, ``-2n - 1`` below) that seeds a Mersenne Twister with all its bits
+    (:class:`random.Random` seeds from the whole int). Draws are uniform in [0, 1), 53 bits.
+    The same seed gives the same draws on every device.
+    """
+
+    __slots__ = ("_rng",)
+
+    def __init__(self, seed: int) -> None:
+        seed = int(seed)
+        self._rng = random.Random(2 * seed if seed >= 0 else -2 * seed - 1)
+
+    def uniform(self) -> float:
+        """The next draw, uniform in [0, 1)."""
+        return self._rng.random()
+
+
+class NonFiniteLogits(RuntimeError):
+    """The model's logits hold NaN or infinity: nothing can be sampled from them (issue 16
+    item 10). The weights themselves hold non-finite values (a diverged trainer step, or a
+    write outside the commit bracket)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the model produced non-finite logits (NaN or infinity): the served weights hold "
+            "non-finite values (a diverged training step, or weights written outside the commit "
+            "bracket); load finite weights (POST /api/weights/load with a saved checkpoint, or "
+            "reload the model) and retry"
+        )
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator | SeedStream | None) -> int:
+    """One index drawn from the (unnormalised, non-negative, 1-D) ``probs``."""
+    if isinstance(generator, SeedStream):
+        # Inverse CDF: the first index whose cumulative mass exceeds u * total (a token of
+        # probability 0 is never chosen: its cumulative mass equals its predecessor's).
+        cumulative = torch.cumsum(probs, dim=-1)
+        target = cumulative[-1:] * generator.uniform()  # on the logits' device, no copy
+        index = torch.searchsorted(cumulative, target, right=True)
+        return min(int(index), probs.shape[-1] - 1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
 def pick_token(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | SeedStream | None,
 ) -> int:
     """Choose the next token from ``logits`` (shape ``[vocab]``, float32).
 
     Greedy (argmax) at temperature 0; otherwise softmax(logits / temperature) restricted to the
-    smallest set of tokens whose mass reaches ``top_p``, sampled with ``generator``. Any value the
+    smallest set of tokens whose mass reaches ``top_p``, sampled with ``generator`` (a request's
+    :class:`SeedStream`, a ``torch.Generator``, or None for the global RNG). Any value the
     contract admits (temperature in (0, 2], top_p in (0, 1]) works, however small.
+
+    Raises:
+        NonFiniteLogits: the largest logit is NaN or infinite (any NaN, any +inf, or all -inf).
     """
+    best, index = torch.max(logits, dim=-1)
+    best_value = float(best)
+    if not math.isfinite(best_value):  # torch.max propagates NaN
+        raise NonFiniteLogits()
     if params.temperature == 0:
-        return int(torch.argmax(logits))
+        return int(index)
     # In float64 after subtracting the maximum: every scaled logit is <= 0 (the best is 0), so a
     # temperature as small as 5e-324 gives -inf for the others (a one-hot), never inf or nan.
-    scaled = (logits.double() - logits.max().double()) / params.temperature
+    scaled = (logits.double() - best_value) / params.temperature
     probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
@@ -359,9 +421,8 @@ def pick_token(
         drop = cumulative - sorted_probs >= params.top_p
         drop[0] = False  # always keeps the best token (a top_p below the float's resolution too)
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        choice = torch.multinomial(sorted_probs, 1, generator=generator)
-        return int(order[choice])
-    return int(torch.multinomial(probs, 1, generator=generator))
+        return int(order[_sample(sorted_probs, generator)])
+    return _sample(probs, generator)
 
 
 # --- the worker ------------------------------------------------------------------------------
@@ -384,6 +445,9 @@ class Generation:
         tokenizer: its transformers tokenizer.
         prompt_ids: the prompt's token ids (at least one).
         params: :class:`SamplingParams`.
+        engine: the resident's :class:`~miserver.serving.decode_graphs.DecodeEngine` (CUDA
+            graphs over a static KV cache), or None to decode eagerly. A busy or closed engine
+            is not waited for: the generation decodes eagerly (the tokens are the same).
 
     Call :meth:`start` on the event loop, then iterate :meth:`events`. The caller must keep
     holding its scheduler slot until :meth:`wait` returns (a generation binds to one parameter
@@ -392,11 +456,17 @@ class Generation:
     """
 
     def __init__(
-        self, model: Any, tokenizer: Any, prompt_ids: Sequence[int], params: SamplingParams
+        self,
+        model: Any,
+        tokenizer: Any,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        engine: Any = None,
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
         self.model = model
+        self.engine = engine
         self.tokenizer = tokenizer
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.params = params
@@ -521,24 +591,39 @@ class Generation:
         params = self.params
         model = self.model
         device = next(model.parameters()).device
-        generator: torch.Generator | None = None
+        generator: SeedStream | None = None
         if params.seed is not None and params.temperature > 0:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(params.seed)
+            generator = SeedStream(params.seed)
         want_logprobs = params.logprobs is not None
         score_prompt = params.echo and want_logprobs
         ends = end_token_ids(model, self.tokenizer)
-        cache_name = cache_kwarg(model)
+        with self._decoder(model, device) as decoder:
+            self.timing.extra["decoder"] = decoder.kind
+            self._decode(decoder, generator, ends, score_prompt, want_logprobs)
 
-        input_ids = torch.tensor([self.prompt_ids], dtype=torch.long, device=device)
-        kwargs: dict[str, Any] = {"use_cache": True}
-        if not score_prompt:
-            kwargs["logits_to_keep"] = 1
-        out = model(input_ids=input_ids, **kwargs)
-        past = _cache_of(out)
-        prompt_lp = self._prompt_logprobs(out.logits[0, :-1]) if score_prompt else None
-        logits = out.logits[0, -1].float()
-        del out
+    @contextlib.contextmanager
+    def _decoder(self, model: Any, device: torch.device) -> Any:
+        """The resident's decode engine if it is free, else an eager decoder."""
+        if self.engine is not None:
+            with self.engine.session(model) as session:
+                if session is not None:
+                    yield _GraphDecoder(session)
+                    return
+        yield _EagerDecoder(model, device)
+
+    def _decode(
+        self,
+        decoder: Any,
+        generator: SeedStream | None,
+        ends: frozenset[int],
+        score_prompt: bool,
+        want_logprobs: bool,
+    ) -> None:
+        params = self.params
+        prompt_logits = decoder.prefill(self.prompt_ids, all_logits=score_prompt)
+        prompt_lp = self._prompt_logprobs(prompt_logits[:-1]) if score_prompt else None
+        logits = prompt_logits[-1].float()
+        del prompt_logits
         self._emit(Started(len(self.prompt_ids), prompt_lp))
 
         detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
@@ -577,16 +662,9 @@ class Generation:
             if matched_stop:
                 finish = "stop"
                 break
-            if generated >= params.max_tokens:
+            if generated >= params.max_tokens or decoder.full:
                 break
-            step = model(
-                input_ids=torch.tensor([[token]], dtype=torch.long, device=device),
-                use_cache=True,
-                **{cache_name: past},
-            )
-            past = _cache_of(step)
-            logits = step.logits[0, -1].float()
-            del step
+            logits = decoder.step(token)
         if not matched_stop:
             # Text still held: an incomplete character, or a tail that could have begun a stop
             # sequence. The stream ended, so it is ordinary text unless a stop matches in it.
@@ -600,3 +678,56 @@ class Generation:
             if tail or ready:
                 self._emit(TextDelta(tail, ready))
         self._emit(Finished(finish, len(self.prompt_ids), generated))
+
+
+# --- decoders ---------------------------------------------------------------------------------
+class _EagerDecoder:
+    """Today's path: one eager forward per token with the model's dynamic KV cache."""
+
+    kind = "eager"
+    full = False
+
+    def __init__(self, model: Any, device: torch.device) -> None:
+        self._model = model
+        self._device = device
+        self._cache_name = cache_kwarg(model)
+        self._past: Any = None
+
+    def prefill(self, prompt_ids: Sequence[int], *, all_logits: bool) -> torch.Tensor:
+        """Logits ``[n, vocab]`` (``all_logits``) or ``[1, vocab]`` of the prompt."""
+        input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self._device)
+        kwargs: dict[str, Any] = {"use_cache": True}
+        if not all_logits:
+            kwargs["logits_to_keep"] = 1
+        out = self._model(input_ids=input_ids, **kwargs)
+        self._past = _cache_of(out)
+        return out.logits[0]
+
+    def step(self, token: int) -> torch.Tensor:
+        """The next position's logits, float32 ``[vocab]``."""
+        out = self._model(
+            input_ids=torch.tensor([[token]], dtype=torch.long, device=self._device),
+            use_cache=True,
+            **{self._cache_name: self._past},
+        )
+        self._past = _cache_of(out)
+        return out.logits[0, -1].float()
+
+
+class _GraphDecoder:
+    """The decode engine's session: eager prefill into the static cache, replayed steps."""
+
+    def __init__(self, session: Any) -> None:
+        self._s = session
+        self.kind = f"graphs:{session._e.mode}"
+
+    @property
+    def full(self) -> bool:
+        """The static cache holds the whole context: no further position fits."""
+        return self._s.position >= self._s.capacity
+
+    def prefill(self, prompt_ids: Sequence[int], *, all_logits: bool) -> torch.Tensor:
+        return self._s.prefill(prompt_ids, all_logits=all_logits)
+
+    def step(self, token: int) -> torch.Tensor:
+        return self._s.step(token)

@@ -30,6 +30,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -101,6 +102,11 @@ class Resident:
     arena: Any = None  # the miserver.ipc ParameterArena of an attachable load
     adapter_block: dict[str, Any] | None = None  # contract 6, while an adapter is applied
     base_served_name: str | None = None
+    #: The decode engine (CUDA graphs over a static KV cache, miserver.serving.decode_graphs)
+    #: of a CUDA resident with ``DECODE_GRAPHS`` captured or compiled; None decodes eagerly.
+    engine: Any = None
+    #: Why ``engine`` is None (a sentence; None when there is an engine).
+    engine_off_reason: str | None = None
 
     def names(self) -> tuple[str, ...]:
         """The names a request may use for this model: served name and base name, and while an
@@ -189,6 +195,7 @@ class ModelHost:
         #: memory is freed: a part that keeps state about the served model (an applied adapter
         #: holds the model) forgets it here, or the unload frees nothing.
         self.drop_hooks: list[Callable[[Resident], None]] = []
+        self._said_cpu_eager = False
         catalogue.set_resident(None)
 
     # --- state ---------------------------------------------------------------------------------
@@ -333,6 +340,7 @@ class ModelHost:
                         self.metrics.model_loads.labels(outcome="failed").inc()
                     free_memory()
                     raise
+                engine, engine_off = await run_without_keeping(self._build_engine, loaded.model)
                 elapsed = time.perf_counter() - started
                 origin = "checkpoint" if row.origin == "checkpoint" else "model"
                 self.resident = Resident(
@@ -347,8 +355,10 @@ class ModelHost:
                     attachable=loaded.attachable,
                     loaded_at=time.time(),
                     arena=getattr(loaded, "arena", None),
+                    engine=engine,
+                    engine_off_reason=engine_off,
                 )
-                del loaded
+                del loaded, engine
                 self.catalogue.set_resident(row.id)
                 if self.metrics:
                     self.metrics.model_loads.labels(outcome="ok").inc()
@@ -366,6 +376,45 @@ class ModelHost:
             self._busy = None
             self._replacing = None
 
+    def _build_engine(self, model: torch.nn.Module) -> tuple[Any, str | None]:
+        """The decode engine for a freshly loaded model (``DECODE_GRAPHS``), or None and why:
+        graphs off, a CPU resident (said once in the log), too little memory, an unsupported
+        layout. Never fails the load (a failure falls back to eager with one warning)."""
+        from miserver.serving import decode_graphs
+        from miserver.serving.generation import context_length
+
+        on_fallback = self.metrics.decode_graph_fallback if self.metrics else None
+        started = time.perf_counter()
+        engine, why = decode_graphs.engine_for(
+            model,
+            self.settings.decode_graphs,
+            context_length(model),
+            on_fallback=on_fallback,
+            compile_cache_dir=str(Path(self.settings.home) / "compile-cache"),
+        )
+        if engine is None:
+            if decode_graphs.device_of(model).type == "cuda":
+                log.warning("decode graphs off: %s", why)
+            elif not self._said_cpu_eager:
+                self._said_cpu_eager = True
+                log.info("decode graphs off: %s", why)
+        else:
+            stats = engine.stats
+            log.info(
+                "decode graphs %s: %d buckets up to %d positions in %.2f s "
+                "(KV cache %.1f MiB, graphs %.1f MiB, %d buckets eager)",
+                engine.mode,
+                len(stats.buckets),
+                engine.context,
+                time.perf_counter() - started,
+                stats.cache_bytes / 2**20,
+                stats.graph_pool_bytes / 2**20,
+                len(stats.eager_buckets),
+            )
+        if self.metrics:
+            self.metrics.set_decode_engine(engine)
+        return engine, why
+
     def _note_replacing(self) -> None:
         """Remember the resident's row id and names (not the model) for :meth:`answers_to`."""
         if self.resident is not None:
@@ -381,11 +430,21 @@ class ModelHost:
         if self.metrics:
             self.metrics.model_unloads.inc()
             self.metrics.set_resident(None)
+        if dropped.engine is not None:
+            dropped.engine.close()  # its graphs and cache are freed with the model
+            dropped.engine = None
+            if self.metrics:
+                self.metrics.set_decode_engine(None)
         for hook in self.drop_hooks:
             try:
                 hook(dropped)
             except Exception:  # a hook's bug must not keep the model resident
                 log.exception("a drop hook failed for model %s", name)
+        if dropped.arena is not None:
+            try:  # the server no longer serves it: its shared-memory files go (issue 16, 4)
+                dropped.arena.release_shared_memory()
+            except OSError as exc:
+                log.warning("could not remove the shared memory of model %s: %s", name, exc)
         del dropped
         free_memory()
         log.info("model %s unloaded", name)

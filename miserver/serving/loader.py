@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,16 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+def gguf_install_command() -> str:
+    """The command that installs the extra ``miserver[gguf]`` into the running interpreter's
+    environment: ``pip install -e '<checkout>[gguf]'`` when miserver runs from a source checkout
+    (``miserver`` is not on PyPI, so ``pip install 'miserver[gguf]'`` would fail there)."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file() and (root / "miserver").is_dir():
+        return f"{sys.executable} -m pip install -e '{root}[gguf]'"
+    return f"{sys.executable} -m pip install '{GGUF_EXTRA}'"
+
+
 def check_loadable(row: CatalogueRow) -> None:
     """Refuse a row this build cannot load, before anything is unloaded (contract 3).
 
@@ -66,21 +77,26 @@ def check_loadable(row: CatalogueRow) -> None:
             ``miserver[gguf]``; 500 MODEL_LOAD_FAILED when the row's files are gone.
     """
     if row.format == "gguf":
-        if not llama_cpp_available():
-            raise ApiError(
-                codes.BACKEND_UNAVAILABLE,
-                f"catalogue row {row.name!r} is a GGUF file, served through llama.cpp; install the "
-                f"optional extra {GGUF_EXTRA} (pip install '{GGUF_EXTRA}') and restart, or load "
-                "a safetensors row",
-                reason="gguf",
-                details={"model_id": row.id, "name": row.name, "extra": GGUF_EXTRA},
-            )
+        installed = llama_cpp_available()
         raise ApiError(
             codes.BACKEND_UNAVAILABLE,
-            f"catalogue row {row.name!r} is a GGUF file; llama-cpp-python is installed but this "
-            "version of miserver does not serve GGUF files yet; load a safetensors row",
+            f"catalogue row {row.name!r} is a GGUF file; this version of miserver serves "
+            "safetensors rows only"
+            + (
+                " (llama-cpp-python is installed, but the llama.cpp backend is not part of this "
+                "version yet)"
+                if installed
+                else f" (the llama.cpp backend, the optional extra {GGUF_EXTRA}, is not part of "
+                f"this version yet; it installs with: {gguf_install_command()})"
+            )
+            + ": load a safetensors row instead (GET /api/models lists them)",
             reason="gguf",
-            details={"model_id": row.id, "name": row.name, "extra": GGUF_EXTRA},
+            details={
+                "model_id": row.id,
+                "name": row.name,
+                "extra": GGUF_EXTRA,
+                "llama_cpp_installed": installed,
+            },
         )
     if not (Path(row.path) / "config.json").is_file():
         raise ApiError(

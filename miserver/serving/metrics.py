@@ -36,6 +36,8 @@ class Metrics:
         requests_held: ``miserver_requests_held_total``: requests that waited behind a barrier.
         queue_depth: ``miserver_queue_depth``: interactive requests waiting or held now.
         request_latency: ``miserver_request_latency_seconds{route}``: admission to last byte.
+        generation_failures: ``miserver_generation_failures_total{reason}``: 500
+            GENERATION_FAILED answers, reason ``non_finite_logits`` or ``error``.
         model_loads: ``miserver_model_loads_total{outcome}``: loads that ended ``ok`` or
             ``failed``.
         model_unloads: ``miserver_model_unloads_total``.
@@ -66,6 +68,13 @@ class Metrics:
             "Request latency from admission to last byte",
             ["route"],
             buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.generation_failures = Counter(
+            "miserver_generation_failures",
+            "Generations that failed (500 GENERATION_FAILED), by reason: non_finite_logits"
+            " (the weights hold NaN or infinity) or error",
+            ["reason"],
             registry=r,
         )
         self.model_loads = Counter(
@@ -130,6 +139,38 @@ class Metrics:
             "GPU/shared memory the last export pinned (release.pinned_bytes)",
             registry=r,
         )
+        # The decode engine (issue 13): CUDA graphs over a static KV cache.
+        self.decode_graph_fallbacks = Counter(
+            "miserver_decode_graph_fallbacks",
+            "Decode-graph builds or captures that fell back to eager decoding, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self._engine: Any = None
+        self.decode_cache_bytes = Gauge(
+            "miserver_decode_cache_bytes",
+            "Bytes of the decode engine's static KV cache (0: no engine)",
+            registry=r,
+        )
+        self.decode_cache_bytes.set_function(lambda: self._engine_stat("cache_bytes"))
+        self.decode_graph_pool_bytes = Gauge(
+            "miserver_decode_graph_pool_bytes",
+            "Bytes the decode graphs' private memory pool took when they were captured",
+            registry=r,
+        )
+        self.decode_graph_pool_bytes.set_function(lambda: self._engine_stat("graph_pool_bytes"))
+        self.decode_graphs_captured = Gauge(
+            "miserver_decode_graphs_captured",
+            "Length buckets whose decode step is a captured CUDA graph now",
+            registry=r,
+        )
+        self.decode_graphs_captured.set_function(lambda: self._engine_stat("captured"))
+        self.decode_graph_replays = Gauge(
+            "miserver_decode_graph_replays",
+            "Decode steps run as a replayed CUDA graph since the resident's engine was built",
+            registry=r,
+        )
+        self.decode_graph_replays.set_function(lambda: self._engine_stat("replays"))
         self._hold_started: float | None = None
         self._call_counters: dict[tuple[str, str, str], Any] = {}  # labels() once per series
 
@@ -159,6 +200,22 @@ class Metrics:
             self.hold_timeouts.inc()
         elif out.trigger in ("attach", "detach", "clear_stale"):
             self.attachments.labels(event=out.trigger).inc()
+
+    def decode_graph_fallback(self, reason: str) -> None:
+        """Count one fallback of the decode engine to eager decoding (``reason``: cpu, off,
+        memory, layout, build, capture)."""
+        self.decode_graph_fallbacks.labels(reason=reason).inc()
+
+    def set_decode_engine(self, engine: Any) -> None:
+        """The resident's decode engine, read by the decode gauges (None: no engine)."""
+        self._engine = engine
+
+    def _engine_stat(self, name: str) -> float:
+        engine = self._engine
+        if engine is None or engine.closed:
+            return 0.0
+        value = getattr(engine.stats, name)
+        return float(len(value) if isinstance(value, dict) else value)
 
     def set_resident(self, name: str | None) -> None:
         """Record the resident row's name (None: nothing resident)."""

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 from aiohttp.abc import AbstractAccessLogger
 
+from miserver.http.audit import info_line  # a log line without the caller's stack walk
 from miserver.spec.settings import Settings
 
 log = logging.getLogger("miserver.server")
@@ -99,7 +100,8 @@ class AccessLogger(AbstractAccessLogger):
 
     def log(self, request: Any, response: Any, time: float) -> None:
         version = request.version
-        self.logger.info(
+        info_line(
+            self.logger,
             '%s "%s %s HTTP/%d.%d" %d %d %.3fms "%s"',
             request.remote or "-",
             request.method,
@@ -130,12 +132,32 @@ def configure_logging(settings: Settings) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(settings.log_level.upper())
+    if settings.log_format == "json":
+        quiet_progress_bars()
     # Third-party chatter stays at warning unless debugging.
     if settings.log_level != "debug":
         # ``transitions`` logs every state change at INFO: the audit log already records each
         # weights call, and those lines cost the barrier time on every call.
         for noisy in ("urllib3", "filelock", "httpx", "asyncio", "transitions"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def quiet_progress_bars() -> None:
+    """Turn off the tqdm progress bars of transformers and huggingface_hub for this process:
+    with ``LOG_FORMAT=json`` stderr carries one JSON object a line, and a bar is not one (issue
+    16 item 17). The import of the default reports its phases as log lines instead."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+    else:
+        hf_logging.disable_progress_bar()
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+    except ImportError:  # pragma: no cover
+        pass
+    else:
+        disable_progress_bars()
 
 
 def prepare_home(settings: Settings) -> str | None:
@@ -153,7 +175,8 @@ def prepare_home(settings: Settings) -> str | None:
     if catalogue.is_empty() or missing_default:
         log.info("importing the embedded default model into %s (once)", settings.home)
         try:
-            import_default(settings.home, progress=True)
+            # Bars only for a human's log: a JSON log gets the phases as log lines.
+            import_default(settings.home, progress=settings.log_format != "json")
         except DefaultModelError as exc:
             return f"the embedded default model could not be imported: {exc}"
     if name and catalogue.get_by_name(name) is None:
@@ -180,6 +203,9 @@ def serve(settings: Settings) -> int:
         return 2
     from miserver.http.app import create_app
     from miserver.http.protocol import run_app
+    from miserver.ipc import shm
+
+    shm.sweep_dead()  # CPU shared memory a dead miserver left in /dev/shm (issue 16, 4)
 
     app = create_app(settings)
     try:

@@ -18,6 +18,7 @@ cleared, so an unload or swap after it frees the model at once (on a GPU: return
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from miserver.serving import adapters, checkpoints
 from miserver.serving.catalogue import CHECKPOINTS_DIR
 from miserver.serving.host import clear_traceback_frames, run_without_keeping
 from miserver.spec import codes
+
+log = logging.getLogger("miserver.weights.jobs")
 
 
 def _base_row(catalogue: Any, row: Any) -> Any:
@@ -276,6 +279,69 @@ class WeightsJobs:
         self.host.drop_hooks.append(self._forget_adapter)
         if self.root.exists():
             checkpoints.remove_partial_saves(self.root)
+            self.register_unregistered()
+
+    def register_unregistered(self) -> list[Any]:
+        """Register every complete checkpoint folder under ``root`` that no catalogue row names
+        (issue 16, item 3): a server killed between a save's rename and its catalogue row left
+        it, and the save it finished is what the trainer expects to find. Each is opened and
+        fully verified first (every file and tensor hash, :func:`checkpoints.verify`); its row
+        is what the save would have registered (origin ``checkpoint``, the manifest's base row
+        as parent when it still exists, ``checkpoint_sha256``). A folder that fails
+        verification, or whose name another row holds, is left as it is and logged with what
+        to do. Call at start-up only (no save runs then). Returns the rows registered.
+        """
+        catalogue = self.host.catalogue
+        rows = catalogue.list()
+        named = {str(Path(r.path).resolve()) for r in rows if r.path}
+        registered = []
+        for folder in sorted(self.root.iterdir()):
+            if not folder.is_dir() or folder.name.startswith("."):
+                continue
+            if str(folder.resolve()) in named or not (folder / checkpoints.MANIFEST_NAME).is_file():
+                continue
+            try:
+                handle = checkpoints.open_checkpoint(folder)
+                checkpoints.verify(handle)
+            except checkpoints.CheckpointError as exc:
+                log.error(
+                    "checkpoint folder %s is in no catalogue row and does not verify (%s); "
+                    "it is left as it is: delete it to free its name",
+                    folder,
+                    exc,
+                )
+                continue
+            manifest = handle.manifest
+            if catalogue.get_by_name(folder.name) is not None:
+                log.error(
+                    "checkpoint folder %s is in no catalogue row, and its name is another row's;"
+                    " it is left as it is: move it away and register it under another name",
+                    folder,
+                )
+                continue
+            parent = catalogue.get(manifest.base.row_id)
+            try:
+                row = catalogue.register(
+                    name=folder.name,
+                    format="safetensors",
+                    dtype=checkpoints._weights_dtype(list(manifest.tensors)),
+                    path=str(folder.resolve()),
+                    origin="checkpoint",
+                    parent_id=parent.id if parent is not None else None,
+                    checkpoint_sha256=handle.checkpoint_sha256,
+                )
+            except Exception as exc:  # noqa: BLE001 - one folder must not stop the start
+                log.error("could not register checkpoint folder %s: %s", folder, exc)
+                continue
+            log.warning(
+                "registered checkpoint %s (%s, id %d): its save completed but the server "
+                "stopped before registering it",
+                row.name,
+                handle.checkpoint_sha256[:12],
+                row.id,
+            )
+            registered.append(row)
+        return registered
 
     async def save(self, params: dict[str, Any]) -> dict[str, Any]:
         body = params["body"]

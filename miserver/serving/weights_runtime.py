@@ -33,7 +33,7 @@ from miserver.fsm.state import Event
 from miserver.fsm.table import Answer, Effect
 from miserver.http.audit import AuditLog, AuditRecord
 from miserver.http.auth import Caller, attachment_ref
-from miserver.http.errors import ApiError
+from miserver.http.errors import ApiError, disk_full_error, is_disk_full
 from miserver.serving.scheduler import DrainTimeout, Priority
 from miserver.spec import codes
 from miserver.spec.settings import Settings
@@ -273,6 +273,7 @@ class WeightsRuntime:
             sched.barrier_abandon()
         elif effect is Effect.DROP_CACHE:
             sched.drop_caches()
+            self._decode_engine_effect(effect)
         elif effect is Effect.RELEASE_HELD:
             sched.barrier_release()
         elif effect is Effect.REFUSE_HELD_TORN:
@@ -282,6 +283,7 @@ class WeightsRuntime:
         elif effect is Effect.FAIL_PENDING:
             self._settle(self._pending_failure or Answer(500, codes.INTERNAL_ERROR))
         elif effect in (Effect.BEGIN_SAVE, Effect.BEGIN_WEIGHTS_LOAD, Effect.BEGIN_ADAPTER_CHANGE):
+            self._decode_engine_effect(effect)
             owner = {
                 Effect.BEGIN_SAVE: "save",
                 Effect.BEGIN_WEIGHTS_LOAD: "weights_load",
@@ -289,6 +291,7 @@ class WeightsRuntime:
             }[effect]
             self._spawn(self._run_job(owner))
         elif effect in (Effect.START_MODEL_LOAD, Effect.START_MODEL_UNLOAD):
+            self._decode_engine_effect(effect)
             # The row is bound now: a later event may set other parameters before the task runs.
             outputs["transition"] = self._spawn(
                 self._run_transition(effect, dict(self._transition_params))
@@ -303,9 +306,72 @@ class WeightsRuntime:
             Effect.RECORD_HOLD_TIMEOUT,
             Effect.RECORD_STALE,
         ):
-            log.warning("weights: %s", effect.value.lower().replace("_", " "))
+            log.warning("weights: %s", self._record_message(effect))
         else:  # pragma: no cover - a new effect the runtime does not know
             raise RuntimeError(f"unknown effect {effect}")
+
+    def _record_message(self, effect: Effect) -> str:
+        """The log line of a timer's or a late commit's record effect: what happened, and what
+        to do (the on-call runbook, docs/operations.md, has the same advice)."""
+        c = self.lifecycle.context
+        who = f"attachment {c.attachment_label or '?'} (role {c.attachment_role or '?'})"
+        st = self.settings
+        if effect is Effect.RECORD_WATCHDOG:
+            return (
+                f"the commit of {who} stayed open longer than WEIGHTS_COMMIT_WATCHDOG_MS "
+                f"({st.weights_commit_watchdog_ms:g} ms): the weights are torn, and every /v1 "
+                "request is 503 weights_torn until recovered: by the trainer's late commit-end "
+                "(recorded as an overrun) or by POST /api/weights/load with a checkpoint or "
+                '{"model_id": N}. If the trainer\'s steps take this long, raise '
+                "WEIGHTS_COMMIT_WATCHDOG_MS (on a CPU, 30000), and create the optimizer state "
+                "before the first commit"
+            )
+        if effect is Effect.RECORD_HOLD_TIMEOUT:
+            return (
+                f"{who} quiesced but sent neither commit-begin nor resume within "
+                f"WEIGHTS_HOLD_TIMEOUT_S ({st.weights_hold_timeout_s:g} s): serving resumed on "
+                "its own, held requests were let through, and nothing was written. If the "
+                "trainer needs longer between quiesce and commit-begin, raise "
+                "WEIGHTS_HOLD_TIMEOUT_S"
+            )
+        if effect is Effect.RECORD_STALE:
+            return (
+                f"{who} sent no heartbeat for WEIGHTS_HEARTBEAT_TIMEOUT_S "
+                f"({st.weights_heartbeat_timeout_s:g} s) and is stale. Serving continues; a new "
+                "attach and every model load are refused until it heartbeats again or an "
+                "operator clears it (POST /api/weights/clear-stale, operator token). Check "
+                "whether the trainer process is still alive"
+            )
+        return (
+            f"a commit-end from {who} came after the watchdog "
+            f"(WEIGHTS_COMMIT_WATCHDOG_MS, {st.weights_commit_watchdog_ms:g} ms) had torn the "
+            "set: the weights are clean again (GET /api/weights/status: last_overrun). If "
+            "steps take this long, raise WEIGHTS_COMMIT_WATCHDOG_MS"
+        )
+
+    def _decode_engine_effect(self, effect: Effect) -> None:
+        """What a lifecycle effect means for the resident's decode graphs (issue 13).
+
+        The graphs replay kernels over the served storages, which never move: a commit, a save
+        and an in-place weights load keep them (``BEGIN_SAVE``, ``BEGIN_WEIGHTS_LOAD``; a full
+        reload makes a new resident, whose engine is new, and the old one is closed by the
+        host). ``DROP_CACHE`` empties the static KV cache, the engine's only state between
+        requests. An adapter change (``BEGIN_ADAPTER_CHANGE``) changes which modules compute,
+        and a model transition (``START_MODEL_LOAD``, ``START_MODEL_UNLOAD``) the storages:
+        their graphs are dropped, captured again at next use over the model of that time.
+        """
+        resident = self.host.resident
+        engine = getattr(resident, "engine", None) if resident is not None else None
+        if engine is None:
+            return
+        if effect is Effect.DROP_CACHE:
+            engine.reset()
+        elif effect in (
+            Effect.BEGIN_ADAPTER_CHANGE,
+            Effect.START_MODEL_LOAD,
+            Effect.START_MODEL_UNLOAD,
+        ):
+            engine.invalidate()
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
@@ -347,10 +413,14 @@ class WeightsRuntime:
                 self.decide(Event(failed))
             return
         except Exception as exc:  # noqa: BLE001 - any failure of the job is reported, not lost
-            log.exception("weights: the %s failed", owner)
-            async with self.lock:
+            if is_disk_full(exc):  # one line, no traceback: 507 saying what to do (item 16)
+                log.error("weights: the %s failed: the disk is full (%s)", owner, exc)
+                err = disk_full_error(f"the {owner}", self.settings.home)
+            else:
+                log.exception("weights: the %s failed", owner)
                 err = ApiError(codes.INTERNAL_ERROR, f"the {owner} failed: {exc}")
-                self._pending_failure = Answer(500, codes.INTERNAL_ERROR)
+            async with self.lock:
+                self._pending_failure = Answer(err.status, err.code, err.reason)
                 self._job_result = {"error": err}
                 self.decide(Event(failed))
             return
@@ -531,11 +601,12 @@ class WeightsRuntime:
                     )
             if out.retry_after:
                 headers["Retry-After"] = str(RETRY_AFTER_S)
+            message, details = self._with_numbers(out, message)
             raise ApiError(
                 out.code,
                 message,
                 reason=out.reason,  # type: ignore[arg-type]
-                details=self._wire_details(out.details),
+                details=details,
                 status=out.status,
                 headers=headers,
             )
@@ -575,7 +646,23 @@ class WeightsRuntime:
             reason=answer.reason,
             status=answer.status,
             details={"running": running, "drain_timeout_s": timeout_s},
+            headers={"Retry-After": str(RETRY_AFTER_S)},
         )
+
+    def _with_numbers(self, out: Outcome, message: str) -> tuple[str, dict[str, Any] | None]:
+        """A refusal's message and wire details, with the numbers a reader needs: for 503
+        QUEUE_FULL (a quiesce or a held ``/v1`` request) the bound and how many wait, worded
+        as the scheduler's own ``/v1`` refusal (issue 16 item 12)."""
+        details = self._wire_details(out.details)
+        if out.code is codes.QUEUE_FULL:
+            bound = self.scheduler.max_queued
+            waiting = self.scheduler.interactive_waiting()
+            message = (
+                f"The request queue is full: MAX_QUEUED_REQUESTS ({bound}) interactive requests"
+                f" are already waiting ({waiting} now); retry after Retry-After seconds."
+            )
+            details = {**(details or {}), "max_queued_requests": bound, "waiting": waiting}
+        return message, details
 
     def _queue_full(self, priority: Priority = Priority.INTERACTIVE) -> bool:
         """The ``queue_full`` fact of a quiesce or a ``/v1`` request at ``priority``.
@@ -679,11 +766,26 @@ class WeightsRuntime:
             targets_resident = self._target(row_id)
         else:
             targets_resident = True
-            if row_id is not None and self.host.catalogue.get(row_id) is None:
+            row = self.host.catalogue.get(row_id) if row_id is not None else None
+            if row_id is not None and row is None:
                 raise ApiError(
                     codes.MODEL_NOT_FOUND,
                     f"no catalogue row with id {row_id}",
                     details={"model_id": row_id},
+                )
+            resident = self.host.resident
+            idle = not self.host.busy and self.lifecycle.state.transition == "none"
+            if row is not None and idle and (resident is not None and resident.row.id != row.id):
+                # Refused before any drain: an unload of a row that is not resident cannot
+                # succeed, and draining for it would stall /v1 for nothing (issue 16, item 6).
+                # Nothing resident at all is the table's refusal (MODEL_NOT_LOADED), also
+                # before any drain.
+                raise ApiError(
+                    codes.MODEL_NOT_LOADED,
+                    f"catalogue row {row.name!r} is not resident; the resident model is "
+                    f"{resident.row.name!r} (id {resident.row.id})",
+                    status=409,
+                    details={"resident_id": resident.row.id},
                 )
         async with self.lock:
             self._transition_params = {"row_id": row_id}
@@ -748,10 +850,16 @@ class WeightsRuntime:
         assert resident is not None  # confirmed: it is the resident
         return resident
 
-    async def confirm_v1(self, resident: Resident | None) -> None:
+    async def confirm_v1(
+        self, resident: Resident | None, *, adapter: dict[str, Any] | None = None
+    ) -> None:
         """A ``/v1`` request admitted for ``resident`` has waited (for its scheduler slot, or
         for its auto-load) and is about to go on: the table's ``v1_confirm`` rows decide, told
         whether ``resident`` is still the resident (``None``: it is known not to be).
+
+        ``adapter``: the adapter block the request was admitted for when it named the applied
+        adapter; the resident is then the same only while that application is still applied
+        (the adapter removed or replaced meanwhile is a model that went away, issue 16 item 8).
 
         Inside the slot a pause that began meanwhile waits for this request (it holds a slot),
         so a hold is an acceptance there.
@@ -763,6 +871,8 @@ class WeightsRuntime:
         """
         async with self.lock:
             same = resident is not None and self.host.resident is resident
+            if same and adapter is not None:
+                same = resident.adapter_block is adapter
             out = self.decide(Event("v1_confirm", same_resident=same))
         if out.kind == "refused":
             raise self._refusal(out)
@@ -779,11 +889,12 @@ class WeightsRuntime:
         headers = {}
         if out.retry_after:
             headers["Retry-After"] = str(RETRY_AFTER_S)
+        message, details = self._with_numbers(out, out.message)
         return ApiError(
             out.code,
-            out.message,
+            message,
             reason=out.reason,  # type: ignore[arg-type]
-            details=self._wire_details(out.details),
+            details=details,
             status=out.status,
             headers=headers,
         )
@@ -830,7 +941,7 @@ class WeightsRuntime:
             "last_overrun": overrun,
             "pause_unavailable": view["pause_unavailable"],
             "adapter": self.adapter_block(),
-            "cuda_memory": cuda_memory(),
+            "cuda_memory": _with_decode_memory(cuda_memory(), resident),
             "exports_since_start": exports_since_start(),
         }
 
@@ -861,3 +972,19 @@ class WeightsRuntime:
             "attached": view["attached"],
             "attachment_state": att["state"] if att is not None else None,
         }
+
+
+def _with_decode_memory(
+    cards: list[dict[str, Any]] | None, resident: Any
+) -> list[dict[str, Any]] | None:
+    """``cuda_memory`` with the resident's decode engine on its card: the static KV cache and
+    the graphs' private pool, MiB with 3 decimals (issue 13: memory is visible)."""
+    engine = getattr(resident, "engine", None) if resident is not None else None
+    if cards is None or engine is None or engine.closed:
+        return cards
+    index = engine.device.index or 0
+    for card in cards:
+        if card["device_index"] == index:
+            card["decode_cache_mb"] = round(engine.stats.cache_bytes / 2**20, 3)
+            card["decode_graphs_mb"] = round(engine.stats.graph_pool_bytes / 2**20, 3)
+    return cards

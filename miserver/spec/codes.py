@@ -146,8 +146,14 @@ NOT_FOUND = _c("NOT_FOUND", 404, t="not_found_error", src=C + " 2")
 METHOD_NOT_ALLOWED = _c("METHOD_NOT_ALLOWED", 405, src=C + " 2")
 PAYLOAD_TOO_LARGE = _c("PAYLOAD_TOO_LARGE", 413, src=C + " 1, 2")
 UNSUPPORTED_MEDIA_TYPE = _c("UNSUPPORTED_MEDIA_TYPE", 415, src=C + " 2")
-GENERATION_FAILED = _c("GENERATION_FAILED", 500, t="server_error", src=C + " 4")
+GENERATION_FAILED = _c(
+    "GENERATION_FAILED", 500, "non_finite_logits", "error", t="server_error", src=C + " 4"
+)
 INTERNAL_ERROR = _c("INTERNAL_ERROR", 500, t="server_error", src=C + " 2")
+#: miserver's own: the process is draining after SIGTERM (issue 16; docs/operations.md).
+SHUTTING_DOWN = _c("SHUTTING_DOWN", 503, t="server_error", src="miserver: graceful shutdown")
+# The disk under MISERVER_HOME (or the audit log) is full: nothing was written (WebDAV's 507).
+INSUFFICIENT_STORAGE = _c("INSUFFICIENT_STORAGE", 507, "disk_full", t="server_error", src=C + " 2")
 
 ALL: dict[str, ErrorCode] = {
     v.name: v for v in list(globals().values()) if isinstance(v, ErrorCode)

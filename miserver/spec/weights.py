@@ -179,6 +179,10 @@ class CudaMemory(_Body):
     device_index: int
     allocated_mb: float
     reserved_mb: float
+    #: The decode engine's static KV cache and CUDA-graph pool on this card (issue 13); 0 when
+    #: the resident decodes eagerly. Both are included in allocated/reserved.
+    decode_cache_mb: float = 0.0
+    decode_graphs_mb: float = 0.0
 
 
 class AdapterBlock(_Body, omit_defaults=True):

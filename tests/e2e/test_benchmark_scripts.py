@@ -52,13 +52,17 @@ def test_weight_sync_runs_every_approach_and_checks_them(tmp_path: Path) -> None
     rows = json.loads((out / "weight_sync.json").read_text())
     by = {(r["approach"], r["size"]): r for r in rows}
     assert set(by) == {
-        ("bare aiohttp, back to back", "-"),
-        ("bare aiohttp, same write", "tiny"),
-        ("miserver", "tiny"),
+        ("bare aiohttp, back to back, pipelined", "-"),
+        ("bare aiohttp, back to back, sequential", "-"),
+        ("bare aiohttp, same write, pipelined", "tiny"),
+        ("bare aiohttp, same write, sequential", "tiny"),
+        ("miserver, pipelined", "tiny"),
+        ("miserver, sequential", "tiny"),
         ("baseline (bucketed IPC copy)", "tiny"),
     }
     assert all(r["check"] for r in rows)
-    assert by[("miserver", "tiny")]["steps"] == 15
+    assert by[("miserver, pipelined", "tiny")]["steps"] == 15
+    assert by[("miserver, sequential", "tiny")]["steps"] == 15
     assert by[("baseline (bucketed IPC copy)", "tiny")]["steps"] == 4
     for r in rows:
         assert 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"]
@@ -66,11 +70,22 @@ def test_weight_sync_runs_every_approach_and_checks_them(tmp_path: Path) -> None
     # the tiny model's one bucket; the weights are the same size on both sides
     base = by[("baseline (bucketed IPC copy)", "tiny")]
     assert base["buckets"] == 1
-    assert base["weight_bytes"] == by[("miserver", "tiny")]["weight_bytes"] > 0
-    assert "| miserver | tiny |" in proc.stdout
+    assert base["weight_bytes"] == by[("miserver, pipelined", "tiny")]["weight_bytes"] > 0
+    assert "| miserver, pipelined | tiny |" in proc.stdout
     # the fair floor has the same step shape: the write sits between commit-begin and end
-    assert by[("bare aiohttp, same write", "tiny")]["write_p50_ms"] > 0
-    assert "miserver minus four bare calls around the same write" in proc.stdout
+    assert by[("bare aiohttp, same write, pipelined", "tiny")]["write_p50_ms"] > 0
+    # the pipelined rows time two pairs, the sequential ones four calls
+    assert list(by[("miserver, pipelined", "tiny")]["phase_p50_ms"]) == [
+        "quiesce+commit-begin",
+        "commit-end+resume",
+    ]
+    assert len(by[("miserver, sequential", "tiny")]["phase_p50_ms"]) == 4
+    # the server's own cost: handler times (4 a step, minus a block left out at most) and CPU
+    for key in (("miserver, pipelined", "tiny"), ("bare aiohttp, same write, pipelined", "tiny")):
+        assert by[key]["handler_p50_ms"] > 0 and by[key]["handler_calls"] >= 4 * 5
+        assert by[key]["server_cpu_ms_per_call"] > 0  # nanosecond counters on Linux
+    assert "The server's own cost per call" in proc.stdout
+    assert "WeightsClient.commit() at most 1.2x four sequential bare calls" in proc.stdout
     assert (out / "weight_sync.png").stat().st_size > 0
 
 

@@ -116,6 +116,27 @@ def test_usage_errors_exit_before_anything_starts(tmp_path: Path) -> None:
         demo.parse_args(["--token-file", str(tmp_path / "t")])
 
 
+def test_the_self_started_server_serves_on_the_port_asked_for(tmp_path: Path) -> None:
+    assert demo.parse_args([]).port == 0  # a free one
+    args = demo.parse_args(["--port", "18123"])
+    server = demo.LocalServer(
+        device="cpu",
+        home=str(tmp_path),
+        log_path=tmp_path / "log",
+        watchdog_ms=None,
+        audit_path=tmp_path / "audit.jsonl",
+        port=args.port,
+    )
+    assert server.base == "http://127.0.0.1:18123" and server._env["PORT"] == "18123"
+    for bad in (
+        ["--port", "70000"],
+        ["--port", "1", "--server", "http://x:1", "--token-file", "t"],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            demo.parse_args(bad)
+        assert exc.value.code == 2
+
+
 # --- the run -----------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
@@ -190,3 +211,66 @@ def test_cpu_demo_teaches_the_served_model_all_19_lines_under_chat_load(
     audit = [json.loads(line) for line in (out / "audit.jsonl").read_text().splitlines()]
     ends = [a for a in audit if a["operation"] == "weights_commit_end"]
     assert len(ends) == s["steps"] and all(a["outcome"] == "accepted" for a in ends)
+
+
+def test_held_requests_per_commit_add_up_to_the_summary_and_the_plot_marks_them(
+    tmp_path: Path, monkeypatch
+) -> None:
+    commits = [_commit(10.0, 11.0), _commit(20.0, 21.0)]
+    chats = [
+        demo.ChatRecord(index=0, t_sent=10.5, t_first=11.3, t_done=11.9, status=200),
+        demo.ChatRecord(index=1, t_sent=20.2, t_first=21.1, t_done=21.5, status=200),
+        demo.ChatRecord(index=2, t_sent=20.4, t_first=21.2, t_done=21.6, status=200),
+        demo.ChatRecord(index=3, t_sent=30.0, t_first=30.1, t_done=30.5, status=200),
+    ]
+    per_commit = [sum(demo.held_through(r, c) for r in chats) for c in commits]
+    assert per_commit == [1, 2] and sum(per_commit) == demo.held_by_commits(chats, commits)
+
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda fig: figures.append(fig))
+    results = {
+        "summary": {
+            "lines_total": 19,
+            "schedule": "short",
+            "control_after": True,
+            "chat_requests": 4,
+            "chat_failed": 0,
+            "chat_served_during_commit": 0,
+        },
+        "evals": [
+            {
+                "step": s,
+                "lines": n,
+                "nll": 2.0 - s / 10,
+                "control_ok": True,
+                "started": t,
+                "at": t + 1,
+            }
+            for s, n, t in ((0, 0, 1.0), (5, 9, 15.0), (10, 19, 25.0))
+        ],
+        "commits": [{**demo.asdict(c)} for c in commits],
+        "chats": [
+            {
+                "t_done": r.t_done,
+                "latency_s": r.t_done - r.t_sent,
+                "error": None,
+                "held_through_a_write": any(demo.held_through(r, c) for c in commits),
+            }
+            for r in chats
+        ],
+        "save_window": None,
+    }
+    demo.plot(results, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+    (fig,) = figures
+    top, _loss, bottom = fig.axes[0], fig.axes[2], fig.axes[1]
+    evals = [ln for ln in top.get_lines() if ln.get_label().startswith("Zen lines")]
+    assert evals and evals[0].get_linestyle() in ("None", "") and evals[0].get_marker() == "o"
+    held = [ln for ln in bottom.get_lines() if ln.get_label().startswith("held through a write")]
+    assert held and len(held[0].get_xdata()) == 3
+    for ax in (top, bottom):  # the legends sit below the axes, covering no point
+        legend = ax.get_legend()
+        assert legend is not None and legend.get_bbox_to_anchor().y0 < ax.bbox.y0

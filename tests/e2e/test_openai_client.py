@@ -281,13 +281,15 @@ def test_disconnect_cancels_generation(client: openai.OpenAI, server: Server) ->
             break
     assert server.running() == 1
     stream.close()
-    assert server.wait_idle(2.0) < 2.0
+    # 1500 tokens take far longer than this bound even on an idle machine; the bound only has
+    # to tell "stopped at the hang-up" from "ran on", with room for a loaded one.
+    assert server.wait_idle(10.0) < 10.0
     # Non-streamed: the client times out and hangs up.
     with pytest.raises(openai.APITimeoutError):
         client.with_options(timeout=1.5).chat.completions.create(
             model=MODEL, messages=messages, max_tokens=1500, temperature=0.8, seed=1
         )
-    assert server.wait_idle(2.0) < 2.0
+    assert server.wait_idle(10.0) < 10.0
     assert client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=2).choices
 
 
@@ -312,7 +314,7 @@ async def test_queue_full_is_503(aclient: openai.AsyncOpenAI, server: Server) ->
         waiting = asyncio.ensure_future(_open_stream(aclient, 2))
         t0 = time.monotonic()
         while server.health()["queue"]["queued"] < 1:
-            assert time.monotonic() - t0 < 5
+            assert time.monotonic() - t0 < 30
             await asyncio.sleep(0.05)
         with pytest.raises(openai.InternalServerError) as full:
             await aclient.completions.create(model=MODEL, prompt="x", max_tokens=2)

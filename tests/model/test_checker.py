@@ -48,6 +48,7 @@ def test_every_trigger_is_offered_with_each_caller_kind() -> None:
     assert quiesce_tokens == {"none", "invalid", "trainer", "operator"}
 
 
+@pytest.mark.full  # tens of seconds: left out of make quick
 def test_cli_check_prints_counts_and_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["check"]) == 0
     out = capsys.readouterr().out

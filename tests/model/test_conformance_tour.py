@@ -393,6 +393,7 @@ def test_every_transition_is_walked(
     assert taken >= total
 
 
+@pytest.mark.full  # tens of seconds: left out of make quick
 def test_the_tour_is_inside_the_checkers_graph() -> None:
     """Every state and (state, trigger, row) step of the tour is one the checker reaches, and
     the tour reaches every state it can over HTTP (48) and produces refusals of each route."""

@@ -16,6 +16,9 @@ from miserver.fsm.table import TABLE, Refusal, Row
 from miserver.spec import codes
 from tests.model.stateful import make_machine
 
+#: Each planted bug runs a stateful test or the checker: minutes in all, left out of make quick.
+pytestmark = pytest.mark.full
+
 
 def _find(
     trigger: str,

@@ -32,6 +32,7 @@ from miserver.serving.batches import (
     RowDeferred,
     parse_batch_input,
 )
+from tests.waiting import eventually
 
 MODEL = "smollm2-135m-instruct"
 HEADER = '"smollm2-135m-instruct";origin=model;commits=0'
@@ -367,7 +368,7 @@ async def test_quiesced_rows_still_go_to_the_scheduler_and_report_it(store: Batc
     ex.global_reason = "quiesced"
     ex.execute_row = held  # type: ignore[method-assign]
     task = asyncio.create_task(runner.run_until_idle())
-    await asyncio.sleep(0.05)
+    await eventually(lambda: seen, "the runner offered the row")
     assert seen == ["quiesced"]
     assert store.get_batch(b["id"], runner.waiting_reason(b["id"]))["waiting_reason"] == "quiesced"
     ex.global_reason = None
@@ -502,7 +503,7 @@ async def test_a_cancel_stops_the_row_in_flight_and_only_that_batch(store: Batch
     assert not stopped.is_set() and not task.done()
     assert store.cancel_batch(b["id"])["status"] == "cancelling"
     runner.cancel(b["id"])
-    await asyncio.wait_for(task, 5)
+    await asyncio.wait_for(task, 30)
     assert stopped.is_set()
     done = store.get_batch(b["id"])
     assert done["status"] == "cancelled"
@@ -700,13 +701,11 @@ def _form(data: bytes, purpose: str = "batch") -> aiohttp.FormData:
 
 
 async def _wait_done(client: TestClient, batch_id: str) -> dict[str, Any]:
-    for _ in range(200):
-        r = await client.get(f"/v1/batches/{batch_id}")
-        b = await r.json()
-        if b["status"] not in ("in_progress", "finalizing", "cancelling"):
-            return b
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"batch did not end: {b}")
+    async def ended():
+        b = await (await client.get(f"/v1/batches/{batch_id}")).json()
+        return b if b["status"] not in ("in_progress", "finalizing", "cancelling") else None
+
+    return await eventually(ended, f"batch {batch_id} ended")
 
 
 async def test_routes_run_a_batch_end_to_end(client: TestClient):
@@ -982,7 +981,7 @@ async def test_a_cancel_releases_a_chunk_held_by_a_quiesce(live):
         await _poll(live, b["id"], lambda _x: scheduler.counts().held_batch == 1)
         r = await live.post(f"/v1/batches/{b['id']}/cancel")
         assert r.status == 200
-        done = await _poll(live, b["id"], lambda x: x["status"] == "cancelled", timeout_s=5)
+        done = await _poll(live, b["id"], lambda x: x["status"] == "cancelled")
         assert scheduler.barrier_held and scheduler.counts().held_batch == 0
         assert done["request_counts"] == {"total": 2, "completed": 0, "failed": 0}
     finally:
@@ -1031,12 +1030,12 @@ async def test_the_official_sdk_speaks_every_route(client: TestClient):
             input_file_id=held_file.id, completion_window="24h", endpoint="/v1/chat/completions"
         )
         assert (await sdk.batches.cancel(held.id)).status in ("cancelling", "cancelled")
-        done = await sdk.batches.retrieve(ids[0])
-        for _ in range(200):
-            if done.status == "completed":
-                break
-            await asyncio.sleep(0.02)
-            done = await sdk.batches.retrieve(ids[0])
+
+        async def completed():
+            b = await sdk.batches.retrieve(ids[0])
+            return b if b.status == "completed" else None
+
+        done = await eventually(completed, "the first batch completed")
         assert done.request_counts.completed == 2 and done.metadata == {"k": "v"}
         text = (await sdk.files.content(done.output_file_id)).text
         assert [json.loads(x)["custom_id"] for x in text.splitlines()] == ["a", "b"]
@@ -1098,8 +1097,7 @@ async def test_the_real_lifecycle_quiesce_then_torn_then_recovered(
 
         b = await _start(client, [_tiny_chat("a", model="tiny"), _tiny_chat("b", model="tiny")])
         await _poll(client, b["id"], lambda x: x["waiting_reason"] == "quiesced")
-        await asyncio.sleep(0.1)
-        assert app[keys.SCHEDULER].counts().held_batch == 1  # the held chunk
+        await eventually(lambda: app[keys.SCHEDULER].counts().held_batch == 1, "the chunk is held")
 
         assert (await client.post("/api/weights/commit-begin", headers=h)).status == 200
         torn = await _poll(client, b["id"], lambda x: x["waiting_reason"] == "weights_torn")
@@ -1129,20 +1127,18 @@ async def test_two_runners_on_one_home_never_run_a_row_twice(tmp_path: Path):
     one = BatchRunner(first_store, ex1, poll_s=0.01)
     two = BatchRunner(second_store, ex2, poll_s=0.01)
     one.start()
-    await asyncio.sleep(0.05)
+    await eventually(lambda: ex1.calls, "the first runner took the lock and runs")
     two.start()
-    for _ in range(300):
-        if first_store.get_batch(b["id"])["status"] == "completed":
-            break
-        await asyncio.sleep(0.01)
-    assert first_store.get_batch(b["id"])["status"] == "completed"
+    await eventually(
+        lambda: first_store.get_batch(b["id"])["status"] == "completed", "the batch completed"
+    )
     assert ex1.calls == Counter("abcdef") and not ex2.calls  # the second waits for the lock
     await one.stop()  # the lock is released: the second takes over new work
     later = new_batch(first_store, [line("z")])
-    for _ in range(300):
-        if second_store.get_batch(later["id"])["status"] == "completed":
-            break
-        await asyncio.sleep(0.01)
+    await eventually(
+        lambda: second_store.get_batch(later["id"])["status"] == "completed",
+        "the second runner took over",
+    )
     assert ex2.calls == Counter("z")
     await two.stop()
     first_store.close()

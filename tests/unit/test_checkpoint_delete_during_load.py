@@ -19,6 +19,7 @@ from miserver.http import keys
 from miserver.serving import checkpoints
 from tests.unit.test_weights_checkpoints_routes import attach, bump, commit
 from tests.unit.test_weights_routes import OPS, auth, chat, make_client, post
+from tests.waiting import eventually
 
 
 @pytest.fixture
@@ -77,11 +78,7 @@ async def test_a_delete_while_a_weights_load_of_the_row_runs_is_409_and_the_load
     InJob(monkeypatch, hold)
     load = asyncio.ensure_future(post(client, "/api/weights/load", auth(OPS), {"checkpoint": "ck"}))
     try:
-        for _ in range(300):
-            if started.is_set():
-                break
-            await asyncio.sleep(0.01)
-        assert started.is_set()
+        await eventually(started.is_set, "the load job started")
         resp = await client.delete(f"/api/models/{saved['model_id']}")
         body = await resp.json()
         assert resp.status == 409, body
@@ -150,11 +147,7 @@ async def test_a_delete_while_a_save_runs_is_409(client, monkeypatch):
     monkeypatch.setattr(checkpoints, "save_checkpoint", held_save)
     save = asyncio.ensure_future(post(client, "/api/weights/save", h, {"name": "second"}))
     try:
-        for _ in range(300):
-            if started.is_set():
-                break
-            await asyncio.sleep(0.01)
-        assert started.is_set()
+        await eventually(started.is_set, "the save job started")
         resp = await client.delete(f"/api/models/{first['model_id']}")
         body = await resp.json()
         assert resp.status == 409, body
@@ -185,11 +178,7 @@ async def test_a_delete_while_the_load_checks_the_checkpoint_is_409(client, monk
     monkeypatch.setattr(checkpoints, "_read_verified", read)
     load = asyncio.ensure_future(post(client, "/api/weights/load", auth(OPS), {"checkpoint": "ck"}))
     try:
-        for _ in range(300):
-            if started.is_set():
-                break
-            await asyncio.sleep(0.01)
-        assert started.is_set()
+        await eventually(started.is_set, "the load job started")
         assert client.app[keys.WEIGHTS].lifecycle.state.owner != "weights_load"  # not paused yet
         resp = await client.delete(f"/api/models/{saved['model_id']}")
         body = await resp.json()

@@ -387,3 +387,67 @@ def test_service_targets_the_backend_pods():
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     assert service["spec"]["ports"][0]["targetPort"] == "http"
+
+
+def _make_rules() -> tuple[dict[str, str], dict[str, tuple[list[str], list[str]]]]:
+    """The Makefile's variables and rules: target -> (prerequisites, recipe lines)."""
+    vars_: dict[str, str] = {}
+    rules: dict[str, tuple[list[str], list[str]]] = {}
+    current: list[str] | None = None
+    text = (REPO / "Makefile").read_text().replace("\\\n", " ")
+    for ln in text.splitlines():
+        if ln.startswith("\t") and current is not None:
+            current.append(ln.strip())
+            continue
+        m = re.match(r"^([A-Z_]+)\s*[:?]?=\s*(.*)$", ln)
+        if m:
+            vars_[m[1]] = m[2].strip()
+            continue
+        m = re.match(r"^([^\s:#.][^:=]*):(?!=)(.*)$", ln)
+        if m:
+            current = []
+            rules[m[1].strip()] = (m[2].split(), current)
+        elif not ln.strip() or ln.startswith("#"):
+            current = None
+    return vars_, rules
+
+
+def _make_closure(target: str) -> str:
+    """Every recipe line `make target` may run, its prerequisites' included, variables expanded."""
+    vars_, rules = _make_rules()
+
+    def expand(s: str) -> str:
+        for _ in range(5):
+            s = re.sub(r"\$\(([A-Z_]+)\)", lambda m: vars_.get(m[1], m[0]), s)
+        return s
+
+    rules = {expand(k): (v[0], v[1]) for k, v in rules.items()}
+    seen: set[str] = set()
+    out: list[str] = []
+
+    def walk(t: str) -> None:
+        if t in seen or t not in rules:
+            return
+        seen.add(t)
+        prereqs, recipe = rules[t]
+        for p in prereqs:
+            walk(expand(p))
+        out.extend(expand(r) for r in recipe)
+
+    walk(target)
+    return "\n".join(out)
+
+
+def test_make_serve_installs_the_runtime_only_and_make_test_the_dev_extras():
+    serve = _make_closure("serve")
+    assert "pip install -q -e ." in serve and "miserver serve" in serve
+    assert ".[dev]" not in serve and ".[demo]" not in serve
+    test = _make_closure("test")
+    assert "pip install -q -e .[dev]" in test.replace('"', "")
+    assert test.splitlines()[-1] == ".venv/bin/python -m pytest -q"  # the whole suite, as CI
+    quick = _make_closure("quick")
+    assert ".[dev]" in quick and "--quick" in quick and "tests/e2e" not in quick
+    assert "examples/train_while_serving.py" in _make_closure("demo")
+    assert ".[demo]" in _make_closure("demo") and ".[gguf]" in _make_closure("gguf")
+    ci = (REPO / ".ci/run").read_text()
+    assert "make test" in ci and "make quick" not in ci

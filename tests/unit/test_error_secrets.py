@@ -15,6 +15,7 @@ import struct
 import pytest
 
 from tests.unit.model_free_app import model_free_client, model_free_settings, served_port
+from tests.waiting import eventually
 
 TRN = "trainer-secret-0123456789"
 TRN2 = "trainer-two-secret-0123456789"
@@ -88,11 +89,7 @@ async def test_a_client_that_closes_mid_body_is_a_400_not_a_failure(tmp_path, ca
         sock = writer.get_extra_info("socket")
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset
         writer.close()
-        lines: list[dict] = []
-        for _ in range(50):
-            lines = await audit_lines(tmp_path)
-            if lines:
-                break
+        lines = await eventually(lambda: audit_lines(tmp_path), "the audit line was written")
     assert [(x["operation"], x["outcome"], x["code"]) for x in lines] == [
         ("save", "refused", "INVALID_REQUEST")
     ]

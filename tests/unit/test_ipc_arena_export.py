@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 
 import msgspec
 import pytest
@@ -83,10 +84,14 @@ def test_export_body_fields_and_counter():
     assert st["kind"] == "cpu_shared_memory"
     assert st["device_index"] is None and st["device_uuid"] is None
     assert st["storage_size_bytes"] == arena.nbytes[0]
-    # byte fields are base64 of what the file-system strategy emits
-    manager, handle, size = arena.storages[0]._share_filename_cpu_()
-    assert base64.b64decode(st["manager_handle"]) == manager
-    assert base64.b64decode(st["storage_handle"]) == handle and size == arena.nbytes[0]
+    # byte fields are base64 of what the file-system strategy emits; the handle is this
+    # attach's own name of the server's file (miserver.ipc.shm: one hard link per attach)
+    manager, _torch_name, size = arena.storages[0]._share_filename_cpu_()
+    assert base64.b64decode(st["manager_handle"]) == manager and size == arena.nbytes[0]
+    handle = base64.b64decode(st["storage_handle"]).decode()
+    (arena_name,) = arena.shm_names
+    assert handle.startswith(arena_name + "-e")
+    assert os.stat("/dev/shm" + handle).st_ino == os.stat("/dev/shm" + arena_name).st_ino
     names = [p["name"] for p in data["parameters"]]
     assert names == [n for n, _ in m.named_parameters(remove_duplicate=False)]
     head = next(p for p in data["parameters"] if p["name"] == "head.weight")

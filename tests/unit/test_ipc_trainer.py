@@ -218,6 +218,7 @@ def test_build_model_needs_a_config(served):
         trainer.build_model(body)
 
 
+@pytest.mark.full  # tens of seconds: left out of make quick
 def test_interpreter_exit_releases_what_was_never_released(tmp_path):
     script = textwrap.dedent("""
         import torch

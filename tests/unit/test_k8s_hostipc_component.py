@@ -345,6 +345,7 @@ def _run_guard_on(root: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.full  # tens of seconds: left out of make quick
 def test_guard_fails_on_a_copy_whose_base_references_the_component(tmp_path):
     root = _copy_tree(tmp_path)
     untouched = _run_guard_on(root)

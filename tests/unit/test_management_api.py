@@ -23,6 +23,7 @@ from miserver.http.app import create_app
 from miserver.serving.catalogue import Catalogue
 from miserver.serving.default_model import gguf_path
 from miserver.spec.settings import Settings
+from tests.waiting import eventually
 
 MAX_BYTES = 4096
 
@@ -349,11 +350,7 @@ async def test_delete_and_unload_while_loading_are_model_busy(client: TestClient
     ids = rows_by_name(client)
     load = asyncio.ensure_future(client.post(f"/api/models/{ids['tiny-a']}/load"))
     host = client.app[keys.HOST]
-    for _ in range(200):
-        if host.busy:
-            break
-        await asyncio.sleep(0.005)
-    assert host.busy
+    await eventually(lambda: host.busy, "the load began")
     err = error(await call(client, "DELETE", f"/api/models/{ids['tiny-b']}", status=409))
     assert (err["code"], err["reason"]) == ("MODEL_BUSY", "model_transition")
     detailed = (await call(client, "GET", "/api/health/detailed"))["data"]
@@ -368,6 +365,11 @@ async def test_gguf_load_is_backend_unavailable_and_keeps_the_resident(client: T
     err = error(await call(client, "POST", f"/api/models/{ids['tiny-q4']}/load", status=400))
     assert (err["code"], err["reason"]) == ("BACKEND_UNAVAILABLE", "gguf")
     assert "miserver[gguf]" in err["message"]
+    # The install command works where miserver runs: from this checkout, pip install -e on it
+    # (miserver is not on PyPI; `pip install 'miserver[gguf]'` would fail here).
+    root = Path(__file__).resolve().parents[2]
+    assert f"-m pip install -e '{root}[gguf]'" in err["message"]
+    assert "safetensors" in err["message"] and err["details"]["llama_cpp_installed"] is False
     assert client.app[keys.HOST].resident.row.name == "tiny-a"
 
 

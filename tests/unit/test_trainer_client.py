@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miserver import trainer
+from miserver import trainer, trainer_client
 from miserver.spec import codes
 from miserver.trainer import (
     AlreadyAttached,
@@ -34,6 +34,7 @@ from miserver.trainer import (
     WeightsForbidden,
     WeightsUnauthorized,
 )
+from tests.waiting import wait_until
 
 TRN = "trainer-secret-0123456789"
 TRN2 = "trainer2-secret-0123456789"
@@ -167,7 +168,8 @@ def test_full_cycle_writes_land_in_the_served_storage_and_the_header_counts(serv
     again = client.attach()
     assert torch.equal(again.tensors[name], pattern)
     client.detach()
-    ops = [line["operation"] for line in server.audit_lines()]
+    # the last line is written just after its answer: wait for all eight
+    ops = [line["operation"] for line in _audit_settled(server, 8)]
     assert ops == [
         "weights_attach",
         "weights_quiesce",
@@ -243,8 +245,10 @@ def test_a_dying_process_leaves_the_commit_open_for_the_watchdog(tmp_path, tiny_
             with pytest.raises(KeyboardInterrupt), client.commit():
                 raise KeyboardInterrupt
             assert client.status()["weights_state"] in ("writing", "torn")
-            time.sleep(0.4)
-            status = client.status()
+            status = wait_until(
+                lambda: (st := client.status())["weights_state"] == "torn" and st,
+                "the watchdog tore the open commit",
+            )
             assert status["weights_state"] == "torn" and status["barrier"] == "quiesced"
             st, body, headers = server.chat()
             assert st == 503 and body["error"]["code"] == "weights_torn"
@@ -259,41 +263,258 @@ def test_a_dying_process_leaves_the_commit_open_for_the_watchdog(tmp_path, tiny_
         server.stop()
 
 
-def test_a_refused_commit_begin_resumes_the_barrier(client, monkeypatch):
+def _audit_settled(server, count: int) -> list[dict]:
+    """The audit lines once ``count`` are written (a line is written just after its answer)."""
+    deadline = time.monotonic() + 5
+    lines = server.audit_lines()
+    while len(lines) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+        lines = server.audit_lines()
+    return lines
+
+
+def _refuse_once(server, trigger: str, code: str, reason: str | None = None) -> None:
+    """Make the real server's runtime refuse the next ``trigger`` call as the lifecycle would
+    (an :class:`ApiError` with the code's status, audited by the route), deciding nothing."""
+    from miserver.http import keys
+    from miserver.http.errors import ApiError
+
+    runtime = server.app[keys.WEIGHTS]
+    real = runtime.gated
+
+    async def gated(trig, *args, **kwargs):
+        if trig == trigger:
+            runtime.gated = real
+            raise ApiError(codes.ALL[code], f"refused for the test ({code})", reason=reason)
+        return await real(trig, *args, **kwargs)
+
+    runtime.gated = gated
+
+
+def test_a_refused_commit_begin_resumes_the_barrier(server, client):
     client.attach()
-
-    def refuse():
-        raise trainer.ERROR_CLASSES["PAUSE_IN_PROGRESS"]("PAUSE_IN_PROGRESS", "save", 409, "x")
-
-    monkeypatch.setattr(client, "commit_begin", refuse)
-    with pytest.raises(trainer.PauseInProgress), client.commit():
+    _refuse_once(server, "commit_begin", "PAUSE_IN_PROGRESS")
+    with pytest.raises(trainer.PauseInProgress) as exc, client.commit():
         pytest.fail("the block must not run")
+    assert exc.value.status == 409
+    status = client.status()
+    assert status["barrier"] == "serving" and status["weights_state"] == "clean"
+    assert status["steps_since_load"] == 0
+    with client.commit() as cycle:  # the connection and the barrier are usable again
+        pass
+    assert cycle.steps_since_load == 1
+    lines = [(x["operation"], x["outcome"]) for x in _audit_settled(server, 9)]
+    assert lines[1:5] == [
+        ("weights_quiesce", "accepted"),
+        ("weights_commit_begin", "refused"),
+        ("weights_resume", "accepted"),
+        ("weights_quiesce", "accepted"),
+    ]
+
+
+def test_a_refused_quiesce_raises_its_own_error_after_reading_commit_begins(
+    tmp_path, tiny_model_dir
+):
+    server = ThreadServer(tmp_path, tiny_model_dir, WEIGHTS_COMMIT_WATCHDOG_MS="150")
+    try:
+        with WeightsClient(server.url, TRN, timeout=30, heartbeat=False) as client:
+            client.attach()
+            client.quiesce()
+            client.commit_begin()
+            time.sleep(0.4)  # the watchdog tears the open commit
+            assert client.status()["weights_state"] == "torn"
+            with pytest.raises(trainer.WeightsNotClean) as exc, client.commit():
+                pytest.fail("the block must not run")
+            assert exc.value.code == "WEIGHTS_NOT_CLEAN"  # the quiesce's, not commit-begin's
+            notes = " ".join(getattr(exc.value, "__notes__", []))
+            assert "commit-begin was not accepted either" in notes and "409" in notes
+            late = client.commit_end()  # both answers were read: the connection is in step
+            assert late["overran"] is True and late["weights_state"] == "clean"
+            client.resume()
+        audit = _audit_settled(server, 8)
+        lines = [(x["operation"], x["outcome"], x["code"]) for x in audit]
+        assert lines[3:7] == [
+            ("weights_quiesce", "refused", "WEIGHTS_NOT_CLEAN"),
+            ("weights_commit_begin", "refused", "WEIGHTS_NOT_CLEAN"),
+            ("weights_commit_end", "accepted", None),
+            ("weights_resume", "accepted", None),
+        ]
+    finally:
+        server.stop()
+
+
+def test_a_commit_begin_accepted_after_a_refused_quiesce_is_ended_not_left_open(server, client):
+    client.attach()
+    client.quiesce()  # this attachment holds the barrier: commit() quiesces again
+    with pytest.raises(trainer.AlreadyQuiesced) as exc, client.commit():
+        pytest.fail("the block must not run")
+    notes = " ".join(getattr(exc.value, "__notes__", []))
+    assert "empty commit was ended and the barrier resumed" in notes
+    status = client.status()
+    assert status["weights_state"] == "clean" and status["barrier"] == "serving"
+    assert status["commit"] is None and status["steps_since_load"] == 1 == client.steps_since_load
+    lines = [(x["operation"], x["outcome"]) for x in _audit_settled(server, 6)]
+    assert lines[1:] == [
+        ("weights_quiesce", "accepted"),
+        ("weights_quiesce", "refused"),
+        ("weights_commit_begin", "accepted"),
+        ("weights_commit_end", "accepted"),
+        ("weights_resume", "accepted"),
+    ]
+
+
+def test_a_refused_commit_end_is_raised_after_reading_resumes(tmp_path, tiny_model_dir):
+    server = ThreadServer(
+        tmp_path,
+        tiny_model_dir,
+        WEIGHTS_HEARTBEAT_TIMEOUT_S="0.3",
+        WEIGHTS_HEARTBEAT_INTERVAL_HINT_S="0.1",
+        WEIGHTS_COMMIT_WATCHDOG_MS="5000",
+    )
+    try:
+        client = WeightsClient(server.url, TRN, timeout=30, heartbeat=False)
+        ops = WeightsClient(server.url, OPS, timeout=30)
+        client.attach()
+        with pytest.raises(NotAttached) as exc, client.commit():
+            time.sleep(0.5)  # stale by now; the operator clears it while the commit is open
+            ops.clear_stale()
+        assert exc.value.code == "NOT_ATTACHED"
+        notes = " ".join(getattr(exc.value, "__notes__", []))
+        assert "resume was not accepted either" in notes
+        audit = _audit_settled(server, 6)  # attach, quiesce, begin, clear-stale, end, resume
+        lines = [(x["operation"], x["outcome"], x["code"]) for x in audit]
+        assert lines[-2:] == [
+            ("weights_commit_end", "refused", "NOT_ATTACHED"),
+            ("weights_resume", "refused", "NOT_ATTACHED"),
+        ]
+        assert client.status()["attached"] is False
+        client._attachment_id = None  # the server holds none; nothing to detach
+        client.close()
+    finally:
+        server.stop()
+
+
+def test_a_refused_resume_after_an_accepted_commit_end_is_raised(server, client):
+    client.attach()
+    _refuse_once(server, "resume", "PAUSE_IN_PROGRESS")
+    with pytest.raises(trainer.PauseInProgress), client.commit() as cycle:
+        pass
+    assert cycle.end["steps_since_load"] == 1 == client.steps_since_load
+    assert cycle.resume is None
+    assert client.status()["barrier"] == "quiesced"  # nothing resumed it
+    client.resume()
     assert client.status()["barrier"] == "serving"
 
 
+END = b"\r\n\r\n"
+
+
+class _PairsOnly:
+    """A raw HTTP/1.1 server that answers only once both requests of a pair have arrived:
+    a client that waits for the first answer before sending the second times out."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(1)
+        self.port = self.sock.getsockname()[1]
+        self.requests: list[tuple[str, dict[str, str]]] = []
+        self.failure: str | None = None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        conn.settimeout(5)
+        answers = [
+            {"weights_state": "clean", "quiesced_at": "x"},
+            {"weights_state": "writing", "began_at": "x", "watchdog_ms": 800},
+            {"weights_state": "clean", "steps_since_load": 7, "commit_ms": 0.1, "overran": False},
+            {"barrier": "serving", "weights_state": "clean"},
+        ]
+        buf = b""
+        with conn:
+            for pair in (answers[:2], answers[2:]):
+                try:
+                    while buf.count(END) < 2:
+                        chunk = conn.recv(65536)
+                        if not chunk:
+                            self.failure = "closed"
+                            return
+                        buf += chunk
+                except TimeoutError:
+                    got = buf.count(END)
+                    self.failure = f"only {got} request(s) of a pair arrived"
+                    return
+                for _ in range(2):
+                    head, buf = buf.split(END, 1)
+                    line, *fields = head.decode().split("\r\n")
+                    hdrs = dict(f.split(": ", 1) for f in fields)
+                    self.requests.append((line, hdrs))
+                out = b""
+                for data in pair:
+                    body = json.dumps({"success": True, "data": data, "error": None}).encode()
+                    out += (
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                        + body
+                    )
+                conn.sendall(out)
+
+
+def test_commit_sends_each_pair_of_calls_in_one_write_before_reading_an_answer():
+    srv = _PairsOnly()
+    client = WeightsClient(f"http://127.0.0.1:{srv.port}", TRN, timeout=10, heartbeat=False)
+    client._attachment_id = "a" * 32  # pretend to hold one: this server only answers pairs
+    with client.commit() as cycle:
+        assert cycle.begin["weights_state"] == "writing"
+    srv.thread.join(10)
+    assert srv.failure is None
+    assert [line for line, _ in srv.requests] == [
+        f"POST /api/weights/{name} HTTP/1.1"
+        for name in ("quiesce", "commit-begin", "commit-end", "resume")
+    ]
+    for _, hdrs in srv.requests:
+        assert hdrs["Authorization"] == f"Bearer {TRN}"
+        assert hdrs[trainer.ATTACHMENT_HEADER] == "a" * 32
+        assert hdrs["Host"] == f"127.0.0.1:{srv.port}" and hdrs["Content-Length"] == "0"
+    assert cycle.steps_since_load == 7 == client.steps_since_load
+    assert cycle.resume == {"barrier": "serving", "weights_state": "clean"}
+    client._attachment_id = None
+
+
 def test_heartbeat_thread_runs_at_the_hint_and_stops_on_detach(tmp_path, tiny_model_dir):
+    # The staleness window is 30 hints long, and the test waits for heartbeats rather than for
+    # a time: a loaded machine delays them, and nothing here depends on how much.
     server = ThreadServer(
         tmp_path,
         tiny_model_dir,
         WEIGHTS_HEARTBEAT_INTERVAL_HINT_S="0.1",
-        WEIGHTS_HEARTBEAT_TIMEOUT_S="0.6",
+        WEIGHTS_HEARTBEAT_TIMEOUT_S="3",
     )
     try:
-        client = WeightsClient(server.url, TRN, timeout=30)
-        client.attach()
-        assert client.heartbeat_interval_s == 0.1
-        time.sleep(1.0)  # longer than the staleness window: only the heartbeat keeps it active
-        status = client.status()
-        assert status["attachment"]["state"] == "active"
-        assert status["attachment"]["last_heartbeat_at"] is not None
-        assert client.heartbeats_sent >= 3 and client.heartbeat_error is None
-        thread = client._hb_thread
-        client.detach()
-        assert thread is not None and not thread.is_alive()
-        sent = client.heartbeats_sent
-        time.sleep(0.3)
-        assert client.heartbeats_sent == sent
-        assert not any(t.name == "miserver-heartbeat" for t in threading.enumerate())
+        with WeightsClient(server.url, TRN, timeout=30) as client:
+            attached_at = time.monotonic()
+            client.attach()
+            assert client.heartbeat_interval_s == 0.1
+            wait_until(lambda: client.heartbeats_sent >= 3, "three heartbeats answered")
+            # At the hint, not faster: three waits of 0.1 s came before the third heartbeat.
+            assert time.monotonic() - attached_at >= 0.3
+            seen = client.status()["attachment"]["last_heartbeat_at"]
+            assert seen is not None
+            # Past the staleness window: only the heartbeat keeps the attachment active.
+            wait_until(lambda: time.monotonic() - attached_at > 3.5, "the staleness window passed")
+            status = client.status()
+            assert status["attachment"]["state"] == "active"
+            assert status["attachment"]["last_heartbeat_at"] != seen
+            assert client.heartbeat_error is None
+            thread = client._hb_thread
+            client.detach()
+            assert thread is not None and not thread.is_alive()
+            sent = client.heartbeats_sent
+            time.sleep(0.3)  # a stopped thread sends nothing more, however long this is
+            assert client.heartbeats_sent == sent
+            assert not any(t.name == "miserver-heartbeat" for t in threading.enumerate())
     finally:
         server.stop()
 
@@ -310,16 +531,15 @@ def test_a_cleared_attachment_stops_the_heartbeat_and_the_next_commit_raises(
     try:
         client = WeightsClient(server.url, TRN, timeout=30, heartbeat=False)
         client.attach()
-        time.sleep(0.5)
-        assert client.status()["attachment"]["state"] == "stale"
+        wait_until(
+            lambda: client.status()["attachment"]["state"] == "stale",
+            "the attachment without heartbeats went stale",
+        )
         ops = WeightsClient(server.url, OPS, timeout=30)
         assert ops.clear_stale()["cleared"]["label"] == "trn"
         with caplog.at_level(logging.WARNING, logger="miserver.trainer"):
             client.start_heartbeat()
-            deadline = time.monotonic() + 5
-            while client._hb_thread.is_alive() and time.monotonic() < deadline:
-                time.sleep(0.05)
-        assert not client._hb_thread.is_alive()
+            wait_until(lambda: not client._hb_thread.is_alive(), "the refused heartbeat stopped")
         assert isinstance(client.heartbeat_error, NotAttached)
         assert any("heartbeat refused" in r.getMessage() for r in caplog.records)
         with pytest.raises(NotAttached), client.commit():
@@ -479,6 +699,11 @@ class _Counting(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def closed_by_server(client: WeightsClient) -> bool:
+    conn = client._session._conn
+    return conn is None or conn.sock is None or trainer_client._dropped(conn.sock)
+
+
 def test_a_connection_the_server_closed_is_reopened_and_a_post_is_never_resent():
     _Counting.seen = []
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Counting)
@@ -486,12 +711,12 @@ def test_a_connection_the_server_closed_is_reopened_and_a_post_is_never_resent()
     try:
         client = WeightsClient(f"http://127.0.0.1:{srv.server_address[1]}", TRN, timeout=5)
         assert client.status() == {"attached": False}
-        time.sleep(0.1)  # the server has closed the idle connection by now
+        wait_until(lambda: closed_by_server(client), "the server closed the idle connection")
         assert client.status() == {"attached": False}  # a new connection, not an error
         # Let the server close that one too, so the POST goes out on a fresh connection and
         # reaches the handler (sent into a closing socket, it would never be seen: also no
         # resend, but then the test could not tell).
-        time.sleep(0.1)
+        wait_until(lambda: closed_by_server(client), "the server closed the idle connection")
         client._attachment_id = "x" * 32  # pretend to hold one, to send a holder call
         with pytest.raises(TransportError):
             client.commit_end()
@@ -501,3 +726,44 @@ def test_a_connection_the_server_closed_is_reopened_and_a_post_is_never_resent()
         ]
     finally:
         srv.shutdown()
+
+
+def test_the_served_tokenizer_makes_a_batch_the_attached_model_trains_on(client):
+    att = client.attach()
+    tok = client.tokenizer()
+    batch = trainer.chat_batch(
+        tok,
+        [([{"role": "user", "content": "hi"}], "hello")],
+        device=next(att.model.parameters()).device,
+    )
+    loss = att.model(**batch).loss
+    assert torch.isfinite(loss) and batch["labels"][0, -1] == tok.eos_token_id
+    client.detach()
+    with pytest.raises(trainer.NotAttachedHere):
+        client.tokenizer()
+
+
+def test_the_guides_raw_pipelining_example_drives_a_real_server(server, client):
+    """docs/trainer-guide.md, "Two round trips a step instead of four": its ``pair`` function,
+    run as printed, against the real server (a refused pair included)."""
+    guide = (REPO / "docs" / "trainer-guide.md").read_text()
+    section = guide.split("### Two round trips a step instead of four", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(code.split("\nsock = socket.create_connection", 1)[0], namespace)  # noqa: S102
+    pair = namespace["pair"]
+    client.attach()
+    host = server.url.removeprefix("http://")
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    hdrs = {"Authorization": f"Bearer {TRN}", trainer.ATTACHMENT_HEADER: client._attachment_id}
+    try:
+        (q, _), (b, bb) = pair(sock, host, "quiesce", "commit-begin", hdrs)
+        assert (q, b) == (200, 200) and bb["data"]["weights_state"] == "writing"
+        (e, eb), (r, rb) = pair(sock, host, "commit-end", "resume", hdrs)
+        assert (e, r) == (200, 200) and eb["data"]["steps_since_load"] == 1
+        assert rb["data"] == {"barrier": "serving", "weights_state": "clean"}
+        (e, eb), (r, rb) = pair(sock, host, "commit-end", "resume", hdrs)  # nothing open
+        assert e == 409 and eb["error"]["code"] == "NO_OPEN_COMMIT" and r == 200
+    finally:
+        sock.close()
+    assert client.status()["steps_since_load"] == 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from miserver.http.model_header import parse_model_header
 from miserver.serving.catalogue import Catalogue
 from miserver.spec.settings import Settings
 from tests.unit.v1_fixtures import SlowModel, tiny_model_folder
+from tests.waiting import eventually
 
 MODEL = "tiny"
 
@@ -275,10 +275,11 @@ async def test_queue_full_is_503_and_the_queue_drains(folder: Path, tmp_path: Pa
     try:
         _slow(client, 0.05)
         body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "temperature": 0}
+        scheduler = client.app[keys.SCHEDULER]
         first = asyncio.ensure_future(post(client, "/v1/completions", body))
-        await asyncio.sleep(0.15)
+        await eventually(lambda: scheduler.counts().running == 1, "the first request runs")
         second = asyncio.ensure_future(post(client, "/v1/completions", body))
-        await asyncio.sleep(0.1)
+        await eventually(lambda: scheduler.counts().queued == 1, "the second request waits")
         status, err, headers = await post(client, "/v1/completions", body)
         assert status == 503 and err["error"]["code"] == "queue_full"
         assert err["error"]["type"] == "server_error" and headers["Retry-After"] == "1"
@@ -293,7 +294,8 @@ async def test_queue_full_is_503_and_the_queue_drains(folder: Path, tmp_path: Pa
 
 
 async def test_disconnect_cancels_generation_and_frees_the_slot(client: TestClient) -> None:
-    slow = _slow(client, 0.02)
+    # 0.05 s a token: the 100-call bound below is 5 s of generation past the hang-up.
+    slow = _slow(client, 0.05)
     scheduler = client.app[keys.SCHEDULER]
     for stream in (True, False):
         calls_before = slow.calls
@@ -313,10 +315,7 @@ async def test_disconnect_cancels_generation_and_frees_the_slot(client: TestClie
         else:
             with pytest.raises(asyncio.TimeoutError):
                 await client.post("/v1/completions", json=body, timeout=ClientTimeout(total=0.4))
-        t0 = time.perf_counter()
-        while scheduler.counts().running and time.perf_counter() - t0 < 2:
-            await asyncio.sleep(0.02)
-        assert scheduler.counts().running == 0, "the slot is free again within 2 s"
+        await eventually(lambda: scheduler.counts().running == 0, "the slot is free again")
         calls = slow.calls - calls_before
         assert 1 <= calls < 100, calls  # it ran, then stopped long before 250 tokens
         await asyncio.sleep(0.1)

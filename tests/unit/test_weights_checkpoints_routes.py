@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import torch
 
 from miserver.http import keys
 from tests.unit.test_weights_routes import OPS, TRN, auth, chat, make_client, post
+from tests.waiting import eventually
 
 
 @pytest.fixture
@@ -138,7 +138,12 @@ async def test_torn_set_is_recovered_by_a_checkpoint_load(tmp_path, tiny_model_d
         await post(client, "/api/weights/save", h, {"name": "tiny-good"})
         await post(client, "/api/weights/quiesce", h)
         await post(client, "/api/weights/commit-begin", h)
-        await asyncio.sleep(0.4)
+
+        async def torn():
+            status = (await (await client.get("/api/weights/status")).json())["data"]
+            return status["weights_state"] == "torn"
+
+        await eventually(torn, "the watchdog tore the commit")
         st, body, _ = await chat(client)
         assert st == 503 and body["error"]["code"] == "weights_torn"
         st, body, _ = await post(client, "/api/models/1/load")

@@ -16,6 +16,7 @@ from miserver.http import keys
 from miserver.http.app import create_app
 from miserver.serving.catalogue import Catalogue
 from miserver.spec.settings import load_settings
+from tests.waiting import eventually
 
 TRN = "trainer-secret-0123456789"
 TRN2 = "trainer2-secret-0123456789"
@@ -170,6 +171,11 @@ async def test_held_request_waits_for_resume_and_loads_are_refused_while_attache
     assert st == 200
 
 
+async def torn_status(client) -> dict | None:
+    status = (await (await client.get("/api/weights/status")).json())["data"]
+    return status if status["weights_state"] == "torn" else None
+
+
 async def test_watchdog_tears_then_v1_is_503_and_late_commit_end_recovers(tmp_path, tiny_model_dir):
     client = await make_client(tmp_path, tiny_model_dir, WEIGHTS_COMMIT_WATCHDOG_MS="100")
     try:
@@ -177,8 +183,7 @@ async def test_watchdog_tears_then_v1_is_503_and_late_commit_end_recovers(tmp_pa
         h = auth(TRN, att)
         await post(client, "/api/weights/quiesce", h)
         await post(client, "/api/weights/commit-begin", h)
-        await asyncio.sleep(0.4)
-        status = (await (await client.get("/api/weights/status")).json())["data"]
+        status = await eventually(lambda: torn_status(client), "the watchdog tore the commit")
         assert status["weights_state"] == "torn" and status["commit"]["overran"] is True
         assert status["commit_overran"] is not None
         await post(client, "/api/weights/resume", h)
@@ -200,8 +205,12 @@ async def test_hold_timeout_resumes_on_its_own(tmp_path, tiny_model_dir):
         att = (await post(client, "/api/weights/attach", auth(TRN)))[1]["data"]["attachment_id"]
         st, body, _ = await post(client, "/api/weights/quiesce", auth(TRN, att))
         assert st == 200 and body["data"]["hold_deadline"] is not None
-        await asyncio.sleep(0.5)
-        status = (await (await client.get("/api/weights/status")).json())["data"]
+
+        async def resumed():
+            status = (await (await client.get("/api/weights/status")).json())["data"]
+            return status if status["barrier"] == "serving" else None
+
+        status = await eventually(resumed, "the hold timer resumed serving")
         assert status["barrier"] == "serving" and status["last_hold_timeout_at"] is not None
         assert (await chat(client))[0] == 200
     finally:

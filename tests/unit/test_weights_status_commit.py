@@ -52,7 +52,8 @@ def test_the_watchdog_overran_flag_stays_after_a_detach() -> None:
     (out,) = core.fire_due(1.8)
     assert out.trigger == "watchdog_expired"
     view = core.status_view(2.0)["commit"]
-    assert view["overran"] is True and view["open_ms"] == pytest.approx(1000.0)  # still open
+    # stopped where the watchdog tore it (issue 16 item 15: it used to run on, 1000 here)
+    assert view["overran"] is True and view["open_ms"] == pytest.approx(800.0)
     assert core.handle(Event("detach", caller=T), 2.5).accepted
     view = core.status_view(9.0)["commit"]
     assert view["overran"] is True and view["open_ms"] == pytest.approx(800.0)
@@ -92,3 +93,19 @@ async def test_status_after_detach_mid_commit_over_http(tmp_path, tiny_model_dir
         assert status["commit_overran"] is None
     finally:
         await client.close()
+
+
+def test_open_ms_stops_at_the_watchdog_tear_and_keeps_its_value_through_clear_stale() -> None:
+    """Issue 16 item 15: after the watchdog tore the commit, ``open_ms`` kept counting (the
+    beginner could still end it), then jumped back to the tear's value after clear-stale."""
+    core = writing(watchdog_ms=800.0)
+    (out,) = core.fire_due(1.8)
+    assert out.trigger == "watchdog_expired" and core.state.weights == "torn"
+    seen = [core.status_view(t)["commit"]["open_ms"] for t in (1.9, 5.0, 29.0)]
+    assert seen == [pytest.approx(800.0)] * 3
+    stale = [o for o in core.fire_due(1000.0) if o.trigger == "heartbeat_lapsed"]
+    assert stale and core.state.attachment == "stale"
+    assert core.status_view(1000.0)["commit"]["open_ms"] == pytest.approx(800.0)
+    assert core.handle(Event("clear_stale", caller=Caller("operator", "ops")), 1001.0).accepted
+    view = core.status_view(2000.0)["commit"]
+    assert view["open_ms"] == pytest.approx(800.0) and view["overran"] is True

@@ -1,0 +1,125 @@
+"""``MANAGEMENT_AUTH=operator``: the mutating management and batch routes need an operator token
+(issue 16, item 6).
+
+By default (``MANAGEMENT_AUTH=none``) the management API is unauthenticated, as the weights page
+chooses. With ``operator``, every route that changes something outside the weights routes needs
+``Authorization: Bearer <operator token>``, checked as the weights routes check theirs: no or an
+unknown token is ``401 WEIGHTS_UNAUTHORIZED`` (``WWW-Authenticate: Bearer``), a trainer token
+``403 WEIGHTS_FORBIDDEN``; every such call, accepted or refused, writes one ``weights_audit``
+line (operation below, role, label, outcome and code). Reads (``GET``) and ``/v1`` inference
+stay open.
+
+=================================  ====================
+route                              audit ``operation``
+=================================  ====================
+``POST /api/models``               ``model_register``
+``DELETE /api/models/{id}``        ``model_delete``
+``POST /api/models/{id}/load``     ``model_load``
+``POST /api/models/{id}/unload``   ``model_unload``
+``PATCH /api/settings``            ``settings_change``
+``POST /v1/files``                 ``file_upload``
+``DELETE /v1/files/{file_id}``     ``file_delete``
+``POST /v1/batches``               ``batch_create``
+``POST /v1/batches/{id}/cancel``   ``batch_cancel``
+=================================  ====================
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from miserver.http import keys
+from miserver.http.audit import AuditRecord
+from miserver.http.auth import WWW_AUTHENTICATE, Caller, identify
+from miserver.http.errors import ApiError, code_for_status
+from miserver.spec import codes
+
+#: (method, canonical route) -> audit operation, for every route this mode guards.
+GUARDED: dict[tuple[str, str], str] = {
+    ("POST", "/api/models"): "model_register",
+    ("DELETE", "/api/models/{id}"): "model_delete",
+    ("POST", "/api/models/{id}/load"): "model_load",
+    ("POST", "/api/models/{id}/unload"): "model_unload",
+    ("PATCH", "/api/settings"): "settings_change",
+    ("POST", "/v1/files"): "file_upload",
+    ("DELETE", "/v1/files/{file_id}"): "file_delete",
+    ("POST", "/v1/batches"): "batch_create",
+    ("POST", "/v1/batches/{batch_id}/cancel"): "batch_cancel",
+}
+OPERATIONS = tuple(GUARDED.values())
+
+
+def _operation(request: web.Request) -> str | None:
+    resource = request.match_info.route.resource
+    if resource is None:
+        return None
+    return GUARDED.get((request.method, resource.canonical))
+
+
+def _audit(request: web.Request, operation: str, caller: Caller, code: str | None) -> None:
+    runtime = request.app.get(keys.WEIGHTS)
+    if runtime is None:
+        return
+    resident = runtime.host.resident
+    state = runtime.lifecycle.state.weights
+    runtime.audit.write_soon(
+        AuditRecord(
+            operation=operation,
+            outcome="refused" if code is not None else "accepted",
+            code=code,
+            reason=None,
+            role=caller.role,
+            label=caller.label,
+            attachment_ref=None,
+            model=resident.base_name if resident is not None else None,
+            weights_state=state,
+            weights_state_before=state,
+        )
+    )
+
+
+@web.middleware
+async def management_auth_middleware(
+    request: web.Request, handler: web.Handler
+) -> web.StreamResponse:
+    """Check the operator token of a guarded route (only with ``MANAGEMENT_AUTH=operator``)."""
+    settings = request.app[keys.SETTINGS]
+    if settings.management_auth != "operator":
+        return await handler(request)
+    operation = _operation(request)
+    if operation is None:
+        return await handler(request)
+    caller = identify(request.headers.get("Authorization"), settings.weights_tokens)
+    if caller.role != "operator":
+        if caller.role == "trainer":
+            err = ApiError(
+                codes.WEIGHTS_FORBIDDEN,
+                "This token's role may not call this route: with MANAGEMENT_AUTH=operator it "
+                "needs an operator token.",
+            )
+        else:
+            err = ApiError(
+                codes.WEIGHTS_UNAUTHORIZED,
+                "A valid operator bearer token from WEIGHTS_TOKENS is required "
+                "(MANAGEMENT_AUTH=operator).",
+                headers={"WWW-Authenticate": WWW_AUTHENTICATE},
+            )
+        _audit(request, operation, caller, err.code.name)
+        raise err
+    try:
+        response = await handler(request)
+    except ApiError as exc:
+        _audit(request, operation, caller, exc.code.name)
+        raise
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            _audit(request, operation, caller, code_for_status(exc.status).name)
+        raise
+    except Exception:
+        _audit(request, operation, caller, codes.INTERNAL_ERROR.name)
+        raise
+    if response.status >= 400:
+        _audit(request, operation, caller, code_for_status(response.status).name)
+    else:
+        _audit(request, operation, caller, None)
+    return response

@@ -1,0 +1,153 @@
+"""SIGTERM drains (issue 16, item 2): new requests get 503 SHUTTING_DOWN with Retry-After,
+running ones finish within SHUTDOWN_GRACE_S, what still runs after it is answered 503 (a stream
+gets an error event), and the process exits 0.
+
+The server is miserver's app served by ``miserver.http.protocol.run_app`` (what ``miserver
+serve`` runs) in a subprocess, with two slow routes added under /v1 so that a request is
+reliably running when the signal arrives without a model: a plain one and an event stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import aiohttp
+
+SERVER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from aiohttp import web
+    from miserver.http.app import create_app
+    from miserver.http.protocol import run_app
+    from miserver.spec.settings import load_settings
+
+    home, port, grace = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    settings = load_settings({"MISERVER_HOME": home, "DEFAULT_MODEL": "", "DEVICE": "cpu",
+                              "SHUTDOWN_GRACE_S": grace})
+    app = create_app(settings)
+
+    async def slow(request):
+        await asyncio.sleep(float(request.query["s"]))
+        return web.json_response({"done": True})
+
+    async def slow_stream(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(int(float(request.query["s"]) / 0.1)):
+            await resp.write(b'data: {"i": %d}\\n\\n' % i)
+            await asyncio.sleep(0.1)
+        await resp.write(b"data: [DONE]\\n\\n")
+        await resp.write_eof()
+        return resp
+
+    app.router.add_get("/v1/test-slow", slow)
+    app.router.add_get("/v1/test-slow-stream", slow_stream)
+    run_app(app, host="127.0.0.1", port=port, on_listening=lambda: print("up", flush=True))
+    print("exited cleanly", flush=True)
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(tmp_path: Path, grace: str) -> tuple[subprocess.Popen, int]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER, str(tmp_path / "home"), str(port), grace],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"LOG_FORMAT": "text"},
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc, port
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("the server did not start: " + proc.communicate()[1][-2000:])
+
+
+async def _plain(session: aiohttp.ClientSession, url: str) -> tuple[int, dict, dict]:
+    async with session.get(url) as resp:
+        return resp.status, dict(resp.headers), await resp.json(content_type=None)
+
+
+async def _stream(session: aiohttp.ClientSession, url: str) -> list[str]:
+    events = []
+    async with session.get(url) as resp:
+        async for line in resp.content:
+            if line.startswith(b"data: "):
+                events.append(line[6:].decode().strip())
+    return events
+
+
+def _exit(proc: subprocess.Popen) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=30)
+    return proc.returncode, out, err
+
+
+async def test_running_requests_finish_and_new_ones_get_503(tmp_path) -> None:
+    proc, port = _start(tmp_path, "10")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            plain = asyncio.create_task(_plain(session, f"{base}/v1/test-slow?s=2"))
+            stream = asyncio.create_task(_stream(session, f"{base}/v1/test-slow-stream?s=2"))
+            await asyncio.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.5)
+            async with aiohttp.ClientSession() as fresh:  # a new connection, a new request
+                status, headers, body = await _plain(fresh, f"{base}/v1/models")
+                m_status, m_headers, m_body = await _plain(fresh, f"{base}/api/models")
+            assert status == 503 and body["error"]["code"] == "shutting_down", body
+            assert int(headers["Retry-After"]) >= 1
+            assert m_status == 503 and m_body["error"]["code"] == "SHUTTING_DOWN", m_body
+            assert "Retry-After" in m_headers
+            p_status, _, p_body = await plain
+            assert (p_status, p_body) == (200, {"done": True})
+            events = await stream
+            assert events[-1] == "[DONE]" and len(events) == 21, events
+        rc, out, err = _exit(proc)
+        assert rc == 0 and "exited cleanly" in out, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+async def test_after_the_grace_a_request_gets_503_and_a_stream_an_error_event(tmp_path) -> None:
+    proc, port = _start(tmp_path, "1")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            plain = asyncio.create_task(_plain(session, f"{base}/v1/test-slow?s=30"))
+            stream = asyncio.create_task(_stream(session, f"{base}/v1/test-slow-stream?s=30"))
+            await asyncio.sleep(0.5)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            status, headers, body = await asyncio.wait_for(plain, 10)
+            assert status == 503 and body["error"]["code"] == "shutting_down", body
+            assert "Retry-After" in headers
+            events = await asyncio.wait_for(stream, 10)
+            last = json.loads(events[-1])
+            assert last["error"]["code"] == "shutting_down", events[-3:]
+        rc, out, err = _exit(proc)
+        assert rc == 0 and "exited cleanly" in out, err[-2000:]
+        assert time.monotonic() - signalled < 10  # bounded by the grace, not the 30 s requests
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -199,8 +199,13 @@ def _bad(message: str, param: str | None) -> ApiError:
 
 
 def _client_gone(request: web.Request) -> bool:
+    """The client hung up: the transport is closed, or the peer sent its EOF (a half-closed
+    connection is kept open to answer management requests, but a generation stops at it:
+    a closed client and a half-closed one look the same, http/protocol.py)."""
     transport = request.transport
-    return transport is None or transport.is_closing()
+    if transport is None or transport.is_closing():
+        return True
+    return bool(getattr(request.protocol, "peer_eof", False))
 
 
 async def _read_body(request: web.Request) -> bytes:

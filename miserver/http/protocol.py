@@ -233,11 +233,14 @@ class JsonErrorRequestHandler(RequestHandler):
             self._parser.feed_eof()
         except Exception:  # noqa: BLE001 - an incomplete body (ContentLengthError, ...)
             return None
-        self.close()  # once the request in hand is answered
         # A generation cannot tell a half-close from a hang-up (both are this EOF), and a client
         # that timed out and closed must stop costing compute (contract 4: cancellation between
         # decode steps): /v1 reads this as "the client is gone" (http/v1._client_gone).
-        self.peer_eof = True
+        self.close()  # once the request in hand is answered
+        transport = self.transport
+        extra = getattr(transport, "_extra", None)
+        if isinstance(extra, dict):  # read back with transport.get_extra_info("peer_eof")
+            extra["peer_eof"] = True
         return True
 
 

@@ -205,7 +205,7 @@ def _client_gone(request: web.Request) -> bool:
     transport = request.transport
     if transport is None or transport.is_closing():
         return True
-    return bool(getattr(request.protocol, "peer_eof", False))
+    return bool(transport.get_extra_info("peer_eof", False))
 
 
 async def _read_body(request: web.Request) -> bytes:

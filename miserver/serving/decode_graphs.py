@@ -411,17 +411,21 @@ class DecodeEngine:
             stale, closing = self._stale, self._closing
             self._stale = False
         if stale or closing:
-            self._graphs.clear()
-            self.stats.captured.clear()
-            self.stats.eager_buckets.clear()
-            self.stats.graph_pool_bytes = 0
-            self._pool = None
-            self._compiled = None
+            self._drop_graphs_locked()
         if closing and not self._closed:
             self._caches = {}
             self._keys = []
             self._values = []
             self._closed = True
+
+    def _drop_graphs_locked(self) -> None:
+        """Forget every graph, its pool and the compiled step (the caller holds the engine)."""
+        self._graphs.clear()
+        self.stats.captured.clear()
+        self.stats.eager_buckets.clear()
+        self.stats.graph_pool_bytes = 0
+        self._pool = None
+        self._compiled = None
 
     def _zero_locked(self) -> None:
         with torch.inference_mode():  # the cache tensors are inference tensors
@@ -454,10 +458,7 @@ class DecodeEngine:
             if model is not self.model:
                 self.model = model
                 self._cache_name = _cache_kwarg(model)
-                self._graphs.clear()
-                self.stats.captured.clear()
-                self._pool = None
-                self._compiled = None
+                self._drop_graphs_locked()
                 self._caches = {length: self._bucket_cache(length) for length in self.buckets}
             yield DecodeSession(self)
         finally:

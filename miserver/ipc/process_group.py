@@ -535,6 +535,9 @@ class ArenaGroup:
         works: list[Any] = []
         try:
             if self.stream is not None:
+                # ordered after everything already queued on the device's default stream (the
+                # last forward pass's kernels may still read the weights)
+                self.stream.wait_stream(torch.cuda.default_stream(self.device))
                 with torch.cuda.stream(self.stream):
                     for i, off, n in receive.spans:
                         works.append(group.broadcast([byte_view(self.storages[i], off, n)], opts))

@@ -209,6 +209,23 @@ def _exports_follow_attachment(b: LifecycleState, e: Event, row: Row, a: Lifecyc
     return _iff(Effect.EXPORT_HANDLES, row, gained) and _iff(Effect.RELEASE_EXPORTS, row, lost)
 
 
+def _group_follows_commit(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """The process-group receive is armed by the row that opens an attachment's commit, and the
+    group is destroyed by every row that ends the attachment or tears the set (contract 10)."""
+    opens = b.commit != "mine" and a.commit == "mine"
+    lost = b.attachment != "none" and a.attachment == "none"
+    tears = row.changes.get("weights") == "torn"
+    return _iff(Effect.ARM_RECEIVE, row, opens) and _iff(Effect.DESTROY_GROUP, row, lost or tears)
+
+
+def _incomplete_receive_never_clean(
+    b: LifecycleState, e: Event, row: Row, a: LifecycleState
+) -> bool:
+    """A commit whose broadcast did not complete is never made clean by its commit-end: the
+    arena may be half-written (contract 10)."""
+    return e.received or e.trigger != "commit_end" or row.kind != "accepted"
+
+
 def _held_follow_barrier(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
     """New requests are held from the moment the barrier leaves serving and released when it
     serves again (weights page: The write cycle 2, 5; contract 4)."""
@@ -389,6 +406,14 @@ EDGE_INVARIANTS: tuple[tuple[str, Callable[..., bool]], ...] = (
     ("refusal_code_and_reason_legal", _refusal_code_legal),
     ("held_requests_never_released_onto_writing_weights", _no_admit_on_writing),
     ("exports_made_by_attach_and_released_when_the_attachment_ends", _exports_follow_attachment),
+    (
+        "receive_armed_by_commit_begin_group_destroyed_by_detach_clear_stale_or_tear",
+        _group_follows_commit,
+    ),
+    (
+        "a_commit_whose_receive_did_not_complete_is_never_made_clean",
+        _incomplete_receive_never_clean,
+    ),
     ("requests_held_exactly_while_the_barrier_is_not_serving", _held_follow_barrier),
     ("drain_started_and_cancelled_with_the_barrier", _drain_follows_barrier),
     ("the_row_that_tears_refuses_the_held_requests", _tear_refuses_held),

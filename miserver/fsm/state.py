@@ -193,6 +193,11 @@ class Event:
         same_resident: ``v1_confirm``: the resident a waiting ``/v1`` request was admitted for
             (the one it named, or the row its auto-load loaded) is still the resident; False
             when it was unloaded, or replaced by another model, while the request waited.
+        received: ``commit_end``: the commit's receive completed (contract 10, the
+            process-group transport: every byte of the broadcast landed in the arena); always
+            True for the other transports, whose write the server cannot see.
+        group_ok: ``commit_begin``: the attachment's process group can still receive (it is
+            joining or joined, not failed or destroyed); always True for the other transports.
     """
 
     trigger: str
@@ -208,6 +213,8 @@ class Event:
     origin: Literal["model", "checkpoint"] | None = None
     same_resident: bool = True
     commits: int | None = None
+    received: bool = True
+    group_ok: bool = True
 
     def short(self) -> str:
         """A compact rendering for traces: ``quiesce(trainer holder)``."""
@@ -228,6 +235,8 @@ class Event:
             "avail",
             "applied",
             "same_resident",
+            "received",
+            "group_ok",
         ):
             if getattr(self, f) != getattr(defaults, f):
                 args.append(f"{f}={getattr(self, f)}")

@@ -35,6 +35,7 @@ from miserver.http.audit import AuditLog, AuditRecord
 from miserver.http.auth import Caller, attachment_ref
 from miserver.http.errors import ApiError, disk_full_error, is_disk_full
 from miserver.serving.scheduler import DrainTimeout, Priority
+from miserver.serving.weights_transport import AttachmentTransport
 from miserver.spec import codes
 from miserver.spec.settings import Settings
 
@@ -144,6 +145,12 @@ class WeightsRuntime:
         self.last_save: dict[str, Any] | None = None
         self._transition_params: dict[str, Any] = {}
         self.last_export: Any = None
+        #: The attachment's transport and its process group (contract 10).
+        self.transport = AttachmentTransport(
+            join_timeout_s=settings.weights_heartbeat_timeout_s,
+            op_timeout_s=settings.weights_commit_watchdog_ms / 1000.0,
+            metrics=metrics,
+        )
 
     # --- time -------------------------------------------------------------------------------
     def now(self) -> float:
@@ -259,6 +266,7 @@ class WeightsRuntime:
             from miserver.ipc.export import reclaim
 
             reclaim()
+            self.transport.ended()
         elif effect is Effect.HOLD_ADMISSIONS:
             sched.barrier_begin()
         elif effect is Effect.START_DRAIN:
@@ -300,6 +308,10 @@ class WeightsRuntime:
             outputs["admission"] = effect
         elif effect is Effect.APPLY_SETTINGS:
             outputs["apply_settings"] = True
+        elif effect is Effect.ARM_RECEIVE:
+            self.transport.arm()
+        elif effect is Effect.DESTROY_GROUP:
+            self.transport.destroy()
         elif effect in (
             Effect.RECORD_OVERRUN,
             Effect.RECORD_WATCHDOG,
@@ -490,13 +502,11 @@ class WeightsRuntime:
 
     # --- export -----------------------------------------------------------------------------
     def _export(self) -> Any:
-        from miserver.ipc.export import export_handles
-
         resident = self.host.resident
         arena = getattr(resident, "arena", None)
         if resident is None or arena is None:  # the core checked attachability: a bug
             raise ApiError(codes.INTERNAL_ERROR, "the resident model has no parameter arena")
-        body = export_handles(arena, resident.model)
+        body = self.transport.export(arena, resident.model)
         self.last_export = body
         if self.metrics is not None:
             self.metrics.pinned_bytes.set(body.release.pinned_bytes)
@@ -570,6 +580,15 @@ class WeightsRuntime:
             label=caller.label,  # type: ignore[arg-type]
             attachment_id=attachment_header,
         )
+        if trigger == "commit_end" and self.transport.receive is not None:
+            # contract 10: commit-end answers once the receive completed (or failed, or the
+            # watchdog passed); the table decides what that means (received=False)
+            event_fields.setdefault(
+                "received",
+                await self.transport.wait_received(
+                    self.lifecycle.context.watchdog_deadline, self.now()
+                ),
+            )
         async with self.lock:
             before = self.lifecycle.state.weights
             ref = attachment_ref(self.lifecycle.context.attachment_id)
@@ -581,7 +600,15 @@ class WeightsRuntime:
                 event_fields.setdefault("not_attachable", self.not_attachable_reason())
             if trigger == "quiesce":
                 event_fields.setdefault("queue_full", self._queue_full())
+            if trigger == "attach":
+                self.transport.requested = (params or {}).get("group_spec")
+            elif trigger == "commit_begin":
+                body = (params or {}).get("body")
+                self.transport.check_ranges(getattr(body, "ranges", None))
+                event_fields.setdefault("group_ok", self.transport.group_usable())
             out = self.decide(Event(trigger, caller=fsm_caller, **event_fields), params)
+            if trigger == "commit_end" and out.kind == "accepted":
+                self.transport.commit_ended()
             outputs = self._last_outputs
             pending = (
                 self._pending if (out.kind == "accepted" and trigger in PAUSE_TRIGGERS) else None
@@ -662,6 +689,11 @@ class WeightsRuntime:
                 f" are already waiting ({waiting} now); retry after Retry-After seconds."
             )
             details = {**(details or {}), "max_queued_requests": bound, "waiting": waiting}
+        elif out.code is codes.GROUP_UNAVAILABLE:
+            group = self.transport.describe() or {}
+            state, error = group.get("group_state"), group.get("error")
+            message = f"{message} The group is {state}" + (f": {error}" if error else ".")
+            details = {**(details or {}), "group_state": state, "error": error}
         return message, details
 
     def _queue_full(self, priority: Priority = Priority.INTERACTIVE) -> bool:
@@ -727,6 +759,7 @@ class WeightsRuntime:
                 weights_state_before=before,
                 elapsed_ms=elapsed,
                 steps=steps,
+                transport=self.transport.name,
             )
         )
 
@@ -913,6 +946,8 @@ class WeightsRuntime:
                 "attached_at": self.stamp(att["attached_at"]),
                 "last_heartbeat_at": self.stamp(att["last_heartbeat_at"]),
                 "stale_since": self.stamp(att["stale_since"]),
+                "transport": self.transport.name,
+                "process_group": self.transport.describe(),
             }
         commit = view["commit"]
         if commit is not None:

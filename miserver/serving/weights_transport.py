@@ -102,6 +102,7 @@ class AttachmentTransport:
         self.requested: GroupSpec | None = None
         self.next_ranges: list[list[int]] | None = None
         self.received_bytes = 0
+        self._counted: Receive | None = None
 
     # --- effects ---------------------------------------------------------------------------
     def export(self, arena: Any, model: Any) -> Any:
@@ -193,16 +194,14 @@ class AttachmentTransport:
             budget = RECEIVE_GRACE_S + (max(0.0, deadline - now) if deadline is not None else 0)
             await asyncio.to_thread(receive.wait, budget)
         ok = receive.ok
-        metrics = self.metrics
-        if (
-            metrics is not None
-            and hasattr(metrics, "process_group_receive")
-            and not receive.pending
-        ):
-            metrics.process_group_receive(ok, receive.nbytes if ok else 0)
-        if ok:
-            self.received_bytes += receive.nbytes
-        else:
+        if not receive.pending and self._counted is not receive:  # each receive counted once
+            self._counted = receive
+            metrics = self.metrics
+            if metrics is not None and hasattr(metrics, "process_group_receive"):
+                metrics.process_group_receive(ok, receive.nbytes if ok else 0)
+            if ok:
+                self.received_bytes += receive.nbytes
+        if not ok:
             log.error(
                 "weights: the commit's receive did not complete (%s); commit-end is refused "
                 "and the watchdog tears the set",

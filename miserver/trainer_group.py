@@ -98,22 +98,34 @@ class FlatWeights(Mapping[str, torch.Tensor]):
         return out
 
     def fill_from(self, state: Mapping[str, torch.Tensor]) -> FlatWeights:
-        """Copy ``state`` (name -> tensor, e.g. ``model.state_dict()``) into the views: the
-        trainer starts from the values the replicas serve. Every exported name must be there
-        with the same shape.
+        """Copy ``state`` (name -> tensor, e.g. ``model.state_dict()`` or a safetensors file)
+        into the views: the trainer starts from the values the replicas serve. Every distinct
+        view needs one of its names in ``state`` with the same shape (a tied view is filled
+        from whichever of its names is there: a checkpoint stores tied weights once).
 
         Raises:
-            LayoutError: a name is missing or has another shape.
+            LayoutError: a view none of whose names is in ``state``, or another shape.
         """
-        missing = [n for n in self.tensors if n not in state]
+        names: dict[int, list[str]] = {}
+        for n, t in self.tensors.items():
+            names.setdefault(id(t), []).append(n)
+        plan = []
+        missing, wrong = [], []
+        for t in self.unique_tensors():
+            found = [n for n in names[id(t)] if n in state]
+            if not found:
+                missing.append(names[id(t)][0])
+            elif tuple(state[found[0]].shape) != tuple(t.shape):
+                wrong.append(found[0])
+            else:
+                plan.append((t, state[found[0]]))
         if missing:
             raise LayoutError(f"not in the state dict: {', '.join(missing[:5])}")
-        wrong = [n for n, t in self.tensors.items() if tuple(state[n].shape) != tuple(t.shape)]
         if wrong:
             raise LayoutError(f"shapes differ from the export: {', '.join(wrong[:5])}")
         with torch.no_grad():
-            for n, t in self.tensors.items():
-                t.copy_(state[n])
+            for t, src in plan:
+                t.copy_(src)
         return self
 
     @classmethod

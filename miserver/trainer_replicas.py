@@ -64,6 +64,37 @@ class ReplicaRefused(TrainerError):
         return {url: getattr(err, "code", None) for url, _, err in self.failures}
 
 
+class Bracket:
+    """One open commit over every replica (yielded by :meth:`ReplicaSet.commit`).
+
+    Attributes:
+        begun: each replica's commit-begin answer, in order.
+        ranges: the byte ranges every replica armed (None: every storage whole).
+        sent: bytes sent so far in this bracket (per replica).
+    """
+
+    def __init__(self, group: TrainerGroup, weights: FlatWeights, begun: list[dict], ranges):
+        self._group, self._weights = group, weights
+        self.begun = begun
+        self.ranges = ranges
+        self.sent = 0
+        self.sends = 0
+
+    def send(self, weights: FlatWeights | None = None, ranges=None) -> int:
+        """Send now instead of on leaving the block: ``weights`` (default: the attached copy)
+        over ``ranges`` (default: the bracket's). Each replica receives the spans it armed in
+        order, so the sends of one bracket must together cover exactly the bracket's
+        ``ranges`` (a second send of the whole arena needs ``ranges`` armed twice). Returns the
+        bytes sent."""
+        n = self._group.send(
+            self._weights if weights is None else weights,
+            self.ranges if ranges is None else ranges,
+        )
+        self.sent += n
+        self.sends += 1
+        return n
+
+
 class ReplicaSet:
     """The trainer's side of one process group over several replicas (contract section 10).
 
@@ -212,20 +243,25 @@ class ReplicaSet:
 
     # --- the bracket ------------------------------------------------------------------------
     @contextlib.contextmanager
-    def commit(self, ranges: Sequence[Sequence[int]] | None = None) -> Iterator[list[dict]]:
+    def commit(self, ranges: Sequence[Sequence[int]] | None = None) -> Iterator[Bracket]:
         """The write bracket over every replica: quiesce all, commit-begin all (arming each
         replica's receive, whole arena or ``ranges``), the block (write the trainer's copy),
         one broadcast, commit-end all, resume all.
 
-        Yields the commit-begin answers (one per replica). Refusals:
+        Yields a :class:`Bracket` (the commit-begin answers; :meth:`Bracket.send` sends inside
+        the block, else leaving it sends the attached copy once). The trainer's copy is not
+        served: step the optimizer before the bracket, which then only moves the bytes.
+        Refusals:
 
         - a quiesce refused: the replicas that quiesced are resumed; nothing was written.
         - a commit-begin refused: nothing is sent (a broadcast needs every rank); the replicas
           that had begun stay writing until their watchdog tears them, as a trainer that
           stalls would. Detach, attach again and recover them with POST /api/weights/load.
-        - the block raised: as a refused commit-begin (nothing is sent); the error is raised.
-        - the broadcast failed (a replica left): the others' receives fail; their commit-end
-          is refused and the watchdog tears them.
+        - the block raised before sending: as a refused commit-begin (nothing is sent); the
+          error is raised.
+        - a broadcast failed (a replica left), or the block raised after sending part: every
+          replica is sent commit-end (those whose receive did not complete refuse it, and
+          their watchdog tears them) and resume.
         - a commit-end refused: the others are ended and every replica resumed first.
 
         Raises:
@@ -256,17 +292,18 @@ class ReplicaSet:
                     else "no replica had begun"
                 ),
             )
+        bracket = Bracket(group, weights, [begun[i] for i in range(len(self.urls))], ranges)
         try:
-            yield [begun[i] for i in range(len(self.urls))]
-        except BaseException as exc:
-            exc.add_note(
-                "nothing was sent: every replica stays writing until its watchdog tears it; "
-                "detach, attach again and POST /api/weights/load"
-            )
-            raise
-        try:
-            group.send(weights, ranges)
-        except Exception as exc:  # noqa: BLE001 - the replicas' answers say the rest
+            yield bracket
+            if bracket.sends == 0:
+                bracket.send()
+        except Exception as exc:
+            if not isinstance(exc, ReplicaRefused) and bracket.sends == 0:
+                exc.add_note(
+                    "nothing was sent: every replica stays writing until its watchdog tears "
+                    "it; detach, attach again and POST /api/weights/load"
+                )
+                raise
             ended, failures = self._each("commit-end", lambda c: c.commit_end())
             self._each("resume", lambda c: c.resume())
             raise ReplicaRefused(
@@ -274,6 +311,9 @@ class ReplicaSet:
                 "the broadcast failed: the replicas whose receive did not complete tear at "
                 "their watchdog",
             ) from exc
+        except BaseException as exc:
+            exc.add_note("the commit was left open: the replicas' watchdog tears their sets")
+            raise
         ended, failures = self._each("commit-end", lambda c: c.commit_end())
         for i, data in ended.items():
             self.steps_since_load[i] = self.clients[i]._ended(data).get("steps_since_load")

@@ -11,7 +11,7 @@
 | ``GET /v1/batches/{id}`` | the Batch object plus ``waiting_reason`` |
 | ``POST /v1/batches/{id}/cancel`` | cancelling, then cancelled with the results so far |
 
-Errors are :class:`~miserver.http.errors.ApiError` with codes from :mod:`miserver.spec.codes`;
+Errors are :class:`~miserver.spec.errors.ApiError` with codes from :mod:`miserver.spec.codes`;
 the JSON-errors middleware renders them in OpenAI's shape on ``/v1``.
 """
 
@@ -26,7 +26,7 @@ import msgspec
 from aiohttp import BodyPartReader, web
 
 from miserver.http import keys
-from miserver.http.errors import ApiError, json_response, openai_error_body, refuse_secret_name
+from miserver.http.errors import json_response, openai_error_body, refuse_secret_name
 from miserver.http.v1 import run_completion
 from miserver.serving.batches import (
     BLOCKING_REASONS,
@@ -39,6 +39,7 @@ from miserver.serving.batches import (
 from miserver.serving.host import Resident
 from miserver.serving.scheduler import Priority
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
 
 log = logging.getLogger("miserver.batches")
 

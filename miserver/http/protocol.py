@@ -29,10 +29,11 @@ from typing import Any
 from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 
-from miserver.http.errors import ApiError, json_response, management_error_body
+from miserver.http.errors import json_response, management_error_body
 from miserver.http.keys import SETTINGS
 from miserver.http.shutdown import SHUTDOWN, drain
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
 
 _LIMIT_HINT = (
     "Send long values in the JSON body, not in the URL or a header; an Authorization header "

@@ -43,7 +43,7 @@ from aiohttp import web
 
 from miserver.http import keys
 from miserver.http import openai_schema as schema
-from miserver.http.errors import ApiError, json_response, openai_error_body
+from miserver.http.errors import json_response, openai_error_body
 from miserver.http.model_header import HEADER, model_header
 from miserver.serving.generation import (
     Finished,
@@ -59,6 +59,7 @@ from miserver.serving.generation import (
 from miserver.serving.host import Resident, normalize_load_policy
 from miserver.serving.scheduler import Priority, QueueFull
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
 
 log = logging.getLogger("miserver.v1")
 

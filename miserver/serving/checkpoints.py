@@ -56,11 +56,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from miserver.serving.base_tensors import base_state_dict
 from miserver.spec import codes
 from miserver.spec.codes import ErrorCode
 
 if TYPE_CHECKING:
-    from miserver.http.errors import ApiError
+    from miserver.spec.errors import ApiError
 
 MANIFEST_NAME = "manifest.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -115,8 +116,8 @@ class CheckpointError(Exception):
         self.details = dict(details) if details is not None else None
 
     def as_api_error(self) -> ApiError:
-        """The :class:`miserver.http.errors.ApiError` a route raises for this refusal."""
-        from miserver.http.errors import ApiError
+        """The :class:`miserver.spec.errors.ApiError` a route raises for this refusal."""
+        from miserver.spec.errors import ApiError
 
         return ApiError(self.code, self.message, reason=self.reason, details=self.details)
 
@@ -301,7 +302,6 @@ def _tensor_groups(model: torch.nn.Module) -> list[_Group]:
     The canonical name of a tied group is its first state-dict name that the model does not
     declare as a tied alias (``_tied_weights_keys``), so ``from_pretrained`` re-ties it.
     """
-    from miserver.serving.adapters import base_state_dict
 
     state = base_state_dict(model)
     tied = getattr(model, "_tied_weights_keys", None)

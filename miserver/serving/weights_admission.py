@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from miserver.fsm.machine import Outcome
 from miserver.fsm.state import Event
-from miserver.http.errors import ApiError
 from miserver.serving.scheduler import Priority
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
 
 if TYPE_CHECKING:
     from miserver.serving.host import Resident

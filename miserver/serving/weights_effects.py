@@ -20,10 +20,10 @@ from typing import Any
 from miserver.fsm.machine import Outcome
 from miserver.fsm.state import Event
 from miserver.fsm.table import Answer, Effect
-from miserver.http.errors import ApiError, disk_full_error, is_disk_full
 from miserver.serving.scheduler import DrainTimeout, Priority
 from miserver.serving.weights_refusals import WeightsTornError
 from miserver.spec import codes
+from miserver.spec.errors import ApiError, disk_full_error, is_disk_full
 
 log = logging.getLogger("miserver.weights")
 

@@ -13,9 +13,9 @@ from typing import Any
 
 from miserver.fsm.machine import Outcome
 from miserver.fsm.table import Answer
-from miserver.http.errors import ApiError
 from miserver.serving.scheduler import Priority
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
 
 #: The ``Retry-After`` value (seconds) of the refusals whose table row sends one (503
 #: WEIGHTS_TORN, 503 QUEUE_FULL, 409 MODEL_BUSY when the model changed while a /v1 request waited).

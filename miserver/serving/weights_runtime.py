@@ -31,14 +31,14 @@ from miserver.fsm.machine import Lifecycle, Outcome
 from miserver.fsm.state import Caller as FsmCaller
 from miserver.fsm.state import Event
 from miserver.fsm.table import Answer
-from miserver.http.audit import AuditLog, AuditRecord
-from miserver.http.auth import Caller, attachment_ref
-from miserver.http.errors import ApiError
+from miserver.serving.audit import AuditLog, AuditRecord
+from miserver.serving.auth import Caller, attachment_ref
 from miserver.serving.weights_admission import AdmissionMixin
 from miserver.serving.weights_effects import EffectsMixin
 from miserver.serving.weights_refusals import RETRY_AFTER_S, RefusalsMixin
 from miserver.serving.weights_views import StatusViewsMixin
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
 from miserver.spec.settings import Settings
 
 log = logging.getLogger("miserver.weights")

@@ -277,7 +277,7 @@ def _refuse_once(server, trigger: str, code: str, reason: str | None = None) -> 
     """Make the real server's runtime refuse the next ``trigger`` call as the lifecycle would
     (an :class:`ApiError` with the code's status, audited by the route), deciding nothing."""
     from miserver.http import keys
-    from miserver.http.errors import ApiError
+    from miserver.spec.errors import ApiError
 
     runtime = server.app[keys.WEIGHTS]
     real = runtime.gated

@@ -236,7 +236,7 @@ class JsonErrorRequestHandler(RequestHandler):
             return None
         # A generation cannot tell a half-close from a hang-up (both are this EOF), and a client
         # that timed out and closed must stop costing compute (contract 4: cancellation between
-        # decode steps): /v1 reads this as "the client is gone" (http/v1._client_gone).
+        # decode steps): /v1 reads this as "the client is gone" (http/v1_admission.client_disconnected).
         self.close()  # once the request in hand is answered
         transport = self.transport
         extra = getattr(transport, "_extra", None)

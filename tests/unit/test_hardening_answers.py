@@ -309,9 +309,9 @@ async def test_a_request_during_the_startup_load_waits_for_it_and_is_served(
 
 
 async def test_the_wait_for_the_startup_load_is_bounded(tmp_path, tiny_model_dir, monkeypatch):
-    from miserver.http import v1
+    from miserver.http import v1_admission
 
-    monkeypatch.setattr(v1, "STARTUP_LOAD_WAIT_S", 0.3)
+    monkeypatch.setattr(v1_admission, "STARTUP_LOAD_WAIT_S", 0.3)
     gate = threading.Event()
     client = await slow_start_client(tmp_path, tiny_model_dir, gate)
     try:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from miserver.serving.base_tensors import _is_tuner_layer, base_named_parameters, has_adapter
-from miserver.serving.checkpoints import NAME_RE, rfc3339
+from miserver.serving.checkpoint_format import NAME_RE, rfc3339
 from miserver.serving.client_paths import ClientPathError, check_client_path
 from miserver.spec import codes
 
@@ -121,7 +121,7 @@ AdapterRequestError = (AdapterInvalid, InvalidAdapterName, InvalidAdapterPath)
 def validate_adapter_name(name: Any) -> str:
     """Return ``name`` if it can be the served name while the adapter is applied (contract 6).
 
-    The rule of a checkpoint name (:data:`miserver.serving.checkpoints.NAME_RE`): 1-128
+    The rule of a checkpoint name (:data:`miserver.serving.checkpoint_format.NAME_RE`): 1-128
     characters of ``[A-Za-z0-9._-]``, starting with a letter or digit, so it is a valid
     ``X-miLLM-Model`` sf-string.
 

@@ -29,6 +29,7 @@ from miserver.serving.catalogue import (
 from miserver.serving.client_paths import ClientPathError, check_client_path
 from miserver.serving.weights_jobs import refuse_applied_adapter_name
 from miserver.spec import codes
+from miserver.spec.json_syntax import decode_error_message
 
 T = TypeVar("T")
 
@@ -117,8 +118,8 @@ def decode_body(body: bytes, type_: type[T], *, hints: dict[str, str] | None = N
         raise _invalid(
             f"invalid value for {field!r}: {detail}" if field else detail, field
         ) from None
-    except msgspec.DecodeError:
-        raise _invalid("the request body is not valid JSON", None) from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise _invalid(decode_error_message(body, exc), None) from None
 
 
 async def read_body(request: web.Request, type_: type[T], **kw: Any) -> T:

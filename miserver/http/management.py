@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 
 from miserver.http import keys
-from miserver.http.errors import ApiError, ok, refuse_secret_name
+from miserver.http.errors import ok, refuse_secret_name
 from miserver.serving import checkpoints
 from miserver.serving.catalogue import (
     DTYPES,
@@ -29,6 +29,7 @@ from miserver.serving.catalogue import (
 from miserver.serving.client_paths import ClientPathError, check_client_path
 from miserver.serving.weights_jobs import refuse_applied_adapter_name
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
 from miserver.spec.json_syntax import decode_error_message
 
 T = TypeVar("T")

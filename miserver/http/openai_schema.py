@@ -7,7 +7,7 @@ act on are accepted and ignored (listed per request type in ``IGNORED_*``); any 
 at most 4 non-empty stop sequences, ...) are made here; checks against the model's context window
 are made by :mod:`miserver.http.v1` once the prompt is tokenized.
 
-Every refusal is an :class:`~miserver.http.errors.ApiError` with code ``INVALID_REQUEST`` (400)
+Every refusal is an :class:`~miserver.spec.errors.ApiError` with code ``INVALID_REQUEST`` (400)
 and ``param`` naming the field (``messages[2].role``), raised before anything is queued.
 """
 
@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from miserver.http.errors import ApiError
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
 from miserver.spec.json_syntax import decode_error_message
 
 #: Seeds a ``torch.Generator`` accepts.

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 from aiohttp.abc import AbstractAccessLogger
 
-from miserver.http.audit import info_line  # a log line without the caller's stack walk
+from miserver.serving.audit import info_line  # a log line without the caller's stack walk
 from miserver.spec.settings import Settings
 
 log = logging.getLogger("miserver.server")

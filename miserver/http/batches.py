@@ -35,6 +35,7 @@ from miserver.serving.host import Resident
 from miserver.serving.scheduler import Priority
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
+from miserver.spec.json_syntax import decode_error_message
 
 log = logging.getLogger("miserver.batches")
 
@@ -200,8 +201,8 @@ async def create_batch(request: web.Request) -> web.Response:
     raw = await request.read()
     try:
         body: Any = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
-        raise ApiError(codes.INVALID_REQUEST, "the body is not valid JSON") from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise ApiError(codes.INVALID_REQUEST, decode_error_message(raw, exc)) from None
     if isinstance(body, dict):  # GET /v1/batches lists metadata, unauthenticated
         refuse_secret_name(request.app, body.get("metadata"), "metadata")
     try:

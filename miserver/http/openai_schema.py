@@ -20,6 +20,7 @@ import msgspec
 
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
+from miserver.spec.json_syntax import decode_error_message
 
 #: Seeds a ``torch.Generator`` accepts.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -200,8 +201,8 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
                 f"unsupported content part type at {param}: only text parts are supported", param
             ) from None
         raise _bad(f"{message}" + (f" at {param}" if param else ""), param) from None
-    except msgspec.DecodeError:
-        raise _bad("the request body is not valid JSON", None) from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise _bad(decode_error_message(body, exc), None) from None
 
 
 # --- shared range checks --------------------------------------------------------------------

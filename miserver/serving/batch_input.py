@@ -128,6 +128,8 @@ def parse_batch_input(data: bytes) -> list[InputRow]:
             obj = _json_decode(raw)
         except msgspec.DecodeError as exc:
             problem = f"is not valid JSON ({exc})"
+        except RecursionError:
+            problem = "nests arrays or objects too deeply to decode"
         else:
             problem = _line_error(obj)
             if problem is None:

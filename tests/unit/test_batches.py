@@ -153,6 +153,8 @@ def test_valid_file_parses_in_order_and_skips_blank_lines():
     "bad, words",
     [
         ('{"custom_id": "x"', "line 2: is not valid JSON"),
+        ("[" * 100_000 + "]" * 100_000, "line 2: nests arrays or objects too deeply"),
+        ('{"custom_id": "x", "n": 1e999}', "line 2: is not valid JSON (Number out of range"),
         ("[1, 2]", "line 2: must be a JSON object"),
         (
             json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/completions"}),

@@ -492,7 +492,10 @@ EDGE_INVARIANTS: tuple[tuple[str, Callable[..., bool]], ...] = (
     ("an_internal_event_applies_exactly_while_what_it_ends_runs", _completion_applies),
     ("a_pause_that_completes_on_a_torn_set_fails_and_records_nothing", _torn_pause_fails),
     ("a_model_transition_ends_with_the_resident_its_end_says", _transition_ends),
-    ("a_full_queue_refuses_a_quiesce_and_a_request_that_would_be_held", _full_queue_refuses_waiting),
+    (
+        "a_full_queue_refuses_a_quiesce_and_a_request_that_would_be_held",
+        _full_queue_refuses_waiting,
+    ),
     ("an_accepted_settings_change_takes_effect", _settings_applied),
     ("every_accepted_v1_request_is_run_held_or_auto_loaded", _admission_decided),
     ("unsaved_adapter_and_resident_follow_commits_saves_and_loads", _counters_follow),

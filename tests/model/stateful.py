@@ -750,9 +750,8 @@ def tour_size() -> int:
     """How many programs :func:`tour` runs."""
     per_stage = sum(len(_tour_calls(r)) for r in TOUR_ROUTES)
     attach_extra = len(TOUR_WHO) * 5  # an attach in a prelude tries every not-attachable reason
-    return (
-        len(TOUR_KINDS) * len(TOUR_STAGES) * per_stage
-        + len(TOUR_PRELUDES) * (per_stage + attach_extra)
+    return len(TOUR_KINDS) * len(TOUR_STAGES) * per_stage + len(TOUR_PRELUDES) * (
+        per_stage + attach_extra
     )
 
 
@@ -887,9 +886,7 @@ def _prelude(m, prelude: str) -> None:
         m.both(Event("adapter_change"), lambda: ref.adapter_change(m.now))
     elif then.startswith("load_"):
         operator = Caller("operator", "op")
-        m.both(
-            Event("weights_load", caller=operator), lambda: ref.weights_load(operator, m.now)
-        )
+        m.both(Event("weights_load", caller=operator), lambda: ref.weights_load(operator, m.now))
     if then.endswith("_quiesced") or then.endswith("_writing"):
         m.both(Event("drained"), lambda: ref.drained(m.now))
     if then.endswith("_writing"):

@@ -12,6 +12,8 @@ import pytest
 
 from miserver.fsm.table import TABLE, TRIGGERS, fingerprint, rows_for
 from tests.model.mutation import (
+    CI_PER_KIND,
+    CI_SEED,
     KINDS,
     RESULT_FILE,
     Judge,
@@ -19,11 +21,8 @@ from tests.model.mutation import (
     read_equivalents,
     retally,
     run_sweep,
-    sample,
+    stratified_sample,
 )
-
-#: The CI sample: every 25th mutant in table order from the second (all kinds, most triggers).
-CI_EVERY, CI_OFFSET = 25, 1
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +57,19 @@ def test_equivalents_file_lists_mutants_of_the_table_each_with_a_reason(everythi
         assert len(why.split()) >= 4, f"{mid}: the reason is too short: {why!r}"
 
 
+def test_ci_sample_is_a_seeded_draw_of_each_kind(everything) -> None:
+    chosen = stratified_sample(everything)
+    counts = Counter(m.kind for m in chosen)
+    assert counts == {k: CI_PER_KIND for k in KINDS}, counts
+    assert chosen == stratified_sample(everything), "the draw must be the same every run"
+    assert stratified_sample(everything, seed=CI_SEED + 1) != chosen  # it is a draw
+
+
 def test_ci_sample_kills_every_non_equivalent_mutant(everything) -> None:
-    chosen = sample(everything, CI_EVERY, CI_OFFSET)
-    assert {m.kind for m in chosen} == set(KINDS)
+    """The CI sample (:func:`stratified_sample`: CI_PER_KIND of each kind, seed CI_SEED):
+    every mutant in it is killed, by the checker or the stateful test, unless the equivalents
+    file lists it."""
+    chosen = stratified_sample(everything)
     sweep = run_sweep(chosen, judge=Judge())
     survivors = [v.id for v in sweep.verdicts if v.verdict == "survived"]
     assert not sweep.errors, sweep.errors

@@ -375,10 +375,10 @@ def serve_miserver(size: str) -> None:
     it attachable through the loader's own hook. Settings come from the environment."""
     from miserver.http.app import create_app
     from miserver.http.protocol import run_app
+    from miserver.server import AccessLogger, configure_logging
     from miserver.serving import loader as loader_module
     from miserver.serving.catalogue import Catalogue
     from miserver.serving.host import ModelHost
-    from miserver.serving.server import AccessLogger, configure_logging
     from miserver.spec.settings import load_settings
 
     settings = load_settings()

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             # decode loop and the event loop on shared cores (measured: 79 ms against 640-990 ms
             # of CPU per decode step on two cores). An explicit setting wins.
             os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-            from miserver.serving.server import serve
+            from miserver.server import serve
 
             return serve(settings)
         from miserver.serving.default_model import import_default

@@ -41,7 +41,7 @@ def _settings_reference() -> str:
 
 
 def _reference() -> str:
-    from miserver.spec.reference import render
+    from miserver.reference import render
 
     return render()
 

@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from miserver.http import batches, keys, management, shutdown, weights
-from miserver.http.errors import SCRUB_SECRETS, ApiError, json_errors_middleware
+from miserver.http.errors import SCRUB_SECRETS, json_errors_middleware
 from miserver.http.management_auth import management_auth_middleware
 from miserver.serving.catalogue import Catalogue
 from miserver.serving.host import ModelHost
@@ -29,6 +29,7 @@ from miserver.serving.metrics import Metrics
 from miserver.serving.scheduler import Scheduler
 from miserver.serving.weights_runtime import WeightsRuntime
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
 from miserver.spec.settings import Settings
 
 log = logging.getLogger("miserver.app")

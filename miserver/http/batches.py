@@ -11,7 +11,7 @@
 | ``GET /v1/batches/{id}`` | the Batch object plus ``waiting_reason`` |
 | ``POST /v1/batches/{id}/cancel`` | cancelling, then cancelled with the results so far |
 
-Errors are :class:`~miserver.http.errors.ApiError` with codes from :mod:`miserver.spec.codes`;
+Errors are :class:`~miserver.spec.errors.ApiError` with codes from :mod:`miserver.spec.codes`;
 the JSON-errors middleware renders them in OpenAI's shape on ``/v1``.
 """
 
@@ -26,19 +26,16 @@ import msgspec
 from aiohttp import BodyPartReader, web
 
 from miserver.http import keys
-from miserver.http.errors import ApiError, json_response, openai_error_body, refuse_secret_name
+from miserver.http.errors import json_response, openai_error_body, refuse_secret_name
 from miserver.http.v1 import run_completion
-from miserver.serving.batches import (
-    BLOCKING_REASONS,
-    BatchRequestError,
-    BatchRunner,
-    BatchStore,
-    RowDeferred,
-    RowExecutor,
-)
+from miserver.serving.batch_input import BatchRequestError
+from miserver.serving.batch_runner import BLOCKING_REASONS, BatchRunner, RowDeferred, RowExecutor
+from miserver.serving.batch_store import BatchStore
 from miserver.serving.host import Resident
 from miserver.serving.scheduler import Priority
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
+from miserver.spec.json_syntax import decode_error_message
 
 log = logging.getLogger("miserver.batches")
 
@@ -204,8 +201,8 @@ async def create_batch(request: web.Request) -> web.Response:
     raw = await request.read()
     try:
         body: Any = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
-        raise ApiError(codes.INVALID_REQUEST, "the body is not valid JSON") from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise ApiError(codes.INVALID_REQUEST, decode_error_message(raw, exc)) from None
     if isinstance(body, dict):  # GET /v1/batches lists metadata, unauthenticated
         refuse_secret_name(request.app, body.get("metadata"), "metadata")
     try:
@@ -256,7 +253,7 @@ _MAX_UPLOAD: web.AppKey[int] = web.AppKey("batch_max_upload_bytes", int)
 
 
 class ServerRowExecutor:
-    """The :class:`~miserver.serving.batches.RowExecutor` of a live server (contract 7).
+    """The :class:`~miserver.serving.batch_runner.RowExecutor` of a live server (contract 7).
 
     ``waiting_reason(model)``: ``weights_torn`` while the lifecycle says torn
     (``keys.WEIGHTS_SUMMARY``), ``model_not_resident`` while ``model`` is not the resident's
@@ -269,9 +266,9 @@ class ServerRowExecutor:
     response body and ``X-miLLM-Model``), with the refuse load policy (a batch never loads a
     model) and at ``Priority.BATCH``: behind every interactive request, held by a quiesce
     (``held_batch_chunks``). Refusals come back as ``(status, headers, OpenAI error body)``
-    (the runner turns the "not now" ones into waiting, :func:`~miserver.serving.batches.
+    (the runner turns the "not now" ones into waiting, :func:`~miserver.serving.batch_runner.
     deferral_of`); a row found blocked inside the slot raises
-    :class:`~miserver.serving.batches.RowDeferred`.
+    :class:`~miserver.serving.batch_runner.RowDeferred`.
     """
 
     def __init__(self, app: web.Application) -> None:

@@ -29,10 +29,11 @@ from __future__ import annotations
 from aiohttp import web
 
 from miserver.http import keys
-from miserver.http.audit import AuditRecord
-from miserver.http.auth import WWW_AUTHENTICATE, Caller, identify
-from miserver.http.errors import ApiError, code_for_status
+from miserver.http.errors import code_for_status
+from miserver.serving.audit import AuditRecord
+from miserver.serving.auth import WWW_AUTHENTICATE, Caller, identify
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
 
 #: (method, canonical route) -> audit operation, for every route this mode guards.
 GUARDED: dict[tuple[str, str], str] = {

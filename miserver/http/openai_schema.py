@@ -7,7 +7,7 @@ act on are accepted and ignored (listed per request type in ``IGNORED_*``); any 
 at most 4 non-empty stop sequences, ...) are made here; checks against the model's context window
 are made by :mod:`miserver.http.v1` once the prompt is tokenized.
 
-Every refusal is an :class:`~miserver.http.errors.ApiError` with code ``INVALID_REQUEST`` (400)
+Every refusal is an :class:`~miserver.spec.errors.ApiError` with code ``INVALID_REQUEST`` (400)
 and ``param`` naming the field (``messages[2].role``), raised before anything is queued.
 """
 
@@ -18,8 +18,9 @@ from typing import Any, Literal
 
 import msgspec
 
-from miserver.http.errors import ApiError
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
+from miserver.spec.json_syntax import decode_error_message
 
 #: Seeds a ``torch.Generator`` accepts.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -200,8 +201,8 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
                 f"unsupported content part type at {param}: only text parts are supported", param
             ) from None
         raise _bad(f"{message}" + (f" at {param}" if param else ""), param) from None
-    except msgspec.DecodeError:
-        raise _bad("the request body is not valid JSON", None) from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise _bad(decode_error_message(body, exc), None) from None
 
 
 # --- shared range checks --------------------------------------------------------------------

@@ -29,10 +29,11 @@ from typing import Any
 from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 
-from miserver.http.errors import ApiError, json_response, management_error_body
+from miserver.http.errors import json_response, management_error_body
 from miserver.http.keys import SETTINGS
 from miserver.http.shutdown import SHUTDOWN, drain
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
 
 _LIMIT_HINT = (
     "Send long values in the JSON body, not in the URL or a header; an Authorization header "
@@ -235,7 +236,7 @@ class JsonErrorRequestHandler(RequestHandler):
             return None
         # A generation cannot tell a half-close from a hang-up (both are this EOF), and a client
         # that timed out and closed must stop costing compute (contract 4: cancellation between
-        # decode steps): /v1 reads this as "the client is gone" (http/v1._client_gone).
+        # decode steps): /v1 reads this as "the client is gone" (http/v1_admission.client_disconnected).
         self.close()  # once the request in hand is answered
         transport = self.transport
         extra = getattr(transport, "_extra", None)

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from miserver.http.errors import ApiError, json_response, management_error_body, openai_error_body
+from miserver.http.errors import json_response, management_error_body, openai_error_body
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
 
 log = logging.getLogger("miserver.shutdown")
 

@@ -1,7 +1,7 @@
 """The ``/api/weights/*`` routes: decode, identify the caller, hand the event to the runtime.
 
 Weights page, Routes. A handler never decides anything about the lifecycle: it decodes the body
-(msgspec), resolves the bearer token to a :class:`~miserver.http.auth.Caller`, passes the
+(msgspec), resolves the bearer token to a :class:`~miserver.serving.auth.Caller`, passes the
 ``X-miLLM-Attachment`` header through untouched, and lets
 :meth:`~miserver.serving.weights_runtime.WeightsRuntime.gated` decide under one lock. It then
 renders the answer as the route's response Struct (``miserver/spec/weights.py``). A missing
@@ -20,21 +20,21 @@ import msgspec
 from aiohttp import web
 
 from miserver.http import keys
-from miserver.http.audit import CURRENT_CALL, AuditRecord, AuditScope
-from miserver.http.auth import ATTACHMENT_HEADER, Caller, attachment_ref, identify
 from miserver.http.errors import (
     CLIENT_GONE,
-    ApiError,
     client_gone_error,
     code_for_status,
     ok,
     refuse_secret_name,
 )
 from miserver.http.management import decode_body as decode_management_body
+from miserver.serving.audit import CURRENT_CALL, AuditRecord, AuditScope
+from miserver.serving.auth import ATTACHMENT_HEADER, Caller, attachment_ref, identify
 from miserver.serving.weights_runtime import CallResult, WeightsRuntime
 from miserver.serving.weights_transport import group_spec
 from miserver.spec import codes
 from miserver.spec import weights as W
+from miserver.spec.errors import ApiError
 
 RUNTIME = keys.WEIGHTS
 
@@ -129,7 +129,7 @@ def gated_route(operation: str) -> Callable[[Handler], Handler]:
     a failure of ours (500). Weights page, Routes.
 
     The lifecycle writes the line of every call it decides; the call's
-    :class:`~miserver.http.audit.AuditScope` tells the wrapper whether it did, so a call writes
+    :class:`~miserver.serving.audit.AuditScope` tells the wrapper whether it did, so a call writes
     exactly one. The accepted path costs one context-variable set and reset. The wrapper's
     ``audit_refusal(request, exc)`` attribute lets the body-limit middleware, which refuses
     before the handler runs, write the same line.

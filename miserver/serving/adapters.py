@@ -3,7 +3,7 @@
 ``apply_adapter`` wraps the targeted ``Linear``/``Embedding`` modules of the served model in PEFT
 LoRA layers (``PeftModel.from_pretrained``, inference mode). Unmerged means the base tensors are
 not touched: every base parameter stays the same object at the same address, so an attached
-trainer keeps writing the base weights and :func:`base_state_dict` still names them by their
+trainer keeps writing the base weights and :func:`~miserver.serving.base_tensors.base_state_dict` still names them by their
 base names. ``remove_adapter`` puts the original modules back (PEFT ``unload()``, never
 ``merge_and_unload()``), after which the model computes exactly what it computed before.
 
@@ -17,7 +17,7 @@ when one is raised.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,14 +25,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from miserver.serving.checkpoints import NAME_RE, rfc3339
+from miserver.serving.base_tensors import base_named_parameters, has_adapter, is_tuner_layer
+from miserver.serving.checkpoint_format import NAME_RE, rfc3339
 from miserver.serving.client_paths import ClientPathError, check_client_path
 from miserver.spec import codes
 
 if TYPE_CHECKING:
     from peft import PeftModel
 
-    from miserver.http.errors import ApiError
+    from miserver.spec.errors import ApiError
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -67,8 +68,8 @@ class AdapterInvalid(Exception):
         self.details.update(details or {})
 
     def as_api_error(self) -> ApiError:
-        """The :class:`miserver.http.errors.ApiError` a route raises for this refusal."""
-        from miserver.http.errors import ApiError
+        """The :class:`miserver.spec.errors.ApiError` a route raises for this refusal."""
+        from miserver.spec.errors import ApiError
 
         return ApiError(self.code, self.message, reason=self.reason, details=self.details)
 
@@ -85,8 +86,8 @@ class InvalidAdapterName(Exception):
         self.details: dict[str, Any] = {"field": "name"}
 
     def as_api_error(self) -> ApiError:
-        """The :class:`miserver.http.errors.ApiError` a route raises for this refusal."""
-        from miserver.http.errors import ApiError
+        """The :class:`miserver.spec.errors.ApiError` a route raises for this refusal."""
+        from miserver.spec.errors import ApiError
 
         return ApiError(self.code, self.message, details=self.details, param="name")
 
@@ -107,8 +108,8 @@ class InvalidAdapterPath(Exception):
         self.details: dict[str, Any] = {"field": "path"}
 
     def as_api_error(self) -> ApiError:
-        """The :class:`miserver.http.errors.ApiError` a route raises for this refusal."""
-        from miserver.http.errors import ApiError
+        """The :class:`miserver.spec.errors.ApiError` a route raises for this refusal."""
+        from miserver.spec.errors import ApiError
 
         return ApiError(self.code, self.message, details=self.details, param="path")
 
@@ -120,7 +121,7 @@ AdapterRequestError = (AdapterInvalid, InvalidAdapterName, InvalidAdapterPath)
 def validate_adapter_name(name: Any) -> str:
     """Return ``name`` if it can be the served name while the adapter is applied (contract 6).
 
-    The rule of a checkpoint name (:data:`miserver.serving.checkpoints.NAME_RE`): 1-128
+    The rule of a checkpoint name (:data:`miserver.serving.checkpoint_format.NAME_RE`): 1-128
     characters of ``[A-Za-z0-9._-]``, starting with a letter or digit, so it is a valid
     ``X-miLLM-Model`` sf-string.
 
@@ -151,53 +152,6 @@ def validate_adapter_path(path: Any) -> Path:
         raise InvalidAdapterPath(str(exc)) from None
 
 
-# --- base tensors through LoRA layers -------------------------------------------------------------
-
-
-def _is_tuner_layer(module: nn.Module) -> bool:
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:  # pragma: no cover - peft is a dependency
-        return False
-    return isinstance(module, BaseTunerLayer)
-
-
-def _walk(module: nn.Module, prefix: str, params_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    if _is_tuner_layer(module):
-        module = module.get_base_layer()
-    for name, p in module._parameters.items():
-        if p is not None:
-            yield prefix + name, p
-    if not params_only:
-        for name, b in module._buffers.items():
-            if b is not None and name not in module._non_persistent_buffers_set:
-                yield prefix + name, b
-    for name, child in module._modules.items():
-        if child is not None:
-            yield from _walk(child, prefix + name + ".", params_only)
-
-
-def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict by base names, LoRA layers looked through (``keep_vars=True``).
-
-    Without an adapter it has exactly the keys of ``model.state_dict()`` (tied names included,
-    mapping to the same Parameter); with one applied, the same keys and the same objects: the
-    adapter's own tensors are left out and ``...q_proj.base_layer.weight`` is named
-    ``...q_proj.weight``. Used by checkpoints (a save stores the base weights) and handle export.
-    """
-    return dict(_walk(model, "", params_only=False))
-
-
-def base_named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The base parameters by base name (tied names each listed), adapter parameters left out."""
-    return dict(_walk(model, "", params_only=True))  # type: ignore[arg-type]
-
-
-def has_adapter(model: nn.Module) -> bool:
-    """Whether any LoRA (PEFT tuner) layer is present in ``model``."""
-    return any(_is_tuner_layer(m) for m in model.modules())
-
-
 # --- the adapter folder ---------------------------------------------------------------------------
 
 
@@ -225,7 +179,7 @@ def _module_by_name(model: nn.Module) -> dict[str, nn.Module]:
     out: dict[str, nn.Module] = {}
 
     def walk(m: nn.Module, prefix: str) -> None:
-        if _is_tuner_layer(m):
+        if is_tuner_layer(m):
             m = m.get_base_layer()
         out[prefix.rstrip(".")] = m
         for n, c in m._modules.items():

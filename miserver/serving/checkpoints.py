@@ -11,7 +11,9 @@ loads it) with one extra file, ``manifest.json``::
         manifest.json         see :class:`Manifest`
 
 ``checkpoint_sha256`` is the sha256 of the ``manifest.json`` bytes; the manifest holds the sha256
-of every tensor (and of every other file), so that one hash names the whole checkpoint.
+of every tensor (and of every other file), so that one hash names the whole checkpoint. The format
+itself (the manifest, names, hashes, the errors) is :mod:`miserver.serving.checkpoint_format`; this
+module saves, opens, verifies and loads.
 
 This module is the layer the routes ``POST /api/weights/save``, ``POST /api/weights/load`` and
 ``GET /api/weights/checkpoints`` call; it takes no lock and knows nothing of the barrier: the
@@ -39,318 +41,52 @@ The routes' recipe:
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import re
 import shutil
 import stat
 import tempfile
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from miserver.spec import codes
-from miserver.spec.codes import ErrorCode
-
-if TYPE_CHECKING:
-    from miserver.http.errors import ApiError
-
-MANIFEST_NAME = "manifest.json"
-WEIGHTS_NAME = "model.safetensors"
-MANIFEST_FORMAT = "miserver-checkpoint"
-MANIFEST_VERSION = 1
-#: Prefix of the temporary folder a save writes into (inside ``root``); never a checkpoint.
-PARTIAL_PREFIX = ".saving-"
-#: A checkpoint name: a folder name and an RFC 8941 sf-string (it becomes the served name).
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
-_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float16",
-        "bfloat16",
-        "float32",
-        "float64",
-        "int8",
-        "uint8",
-        "int16",
-        "int32",
-        "int64",
-        "bool",
-        "float8_e4m3fn",
-        "float8_e5m2",
-    )
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
-
-
-# --- errors -------------------------------------------------------------------------------------
-
-
-class CheckpointError(Exception):
-    """A checkpoint operation was refused; nothing was changed.
-
-    Attributes:
-        code: the error code the route answers with (status from the code).
-        message: one human sentence (never holds a token).
-        reason: the error's ``reason`` value, or None.
-        details: machine-readable details (tensor name, path, ...), or None.
-    """
-
-    code: ErrorCode = codes.INVALID_REQUEST
-
-    def __init__(
-        self, message: str, *, details: Mapping[str, Any] | None = None, reason: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.reason = reason
-        self.details = dict(details) if details is not None else None
-
-    def as_api_error(self) -> ApiError:
-        """The :class:`miserver.http.errors.ApiError` a route raises for this refusal."""
-        from miserver.http.errors import ApiError
-
-        return ApiError(self.code, self.message, reason=self.reason, details=self.details)
-
-
-class CheckpointCorrupt(CheckpointError):
-    """The folder is not a valid checkpoint, or a tensor/file does not match its sha256.
-
-    ``tensor`` names the first tensor that failed (None when the failure is not a tensor's).
-    Answered ``400 CHECKPOINT_CORRUPT`` (contract 5), always before anything is written.
-    """
-
-    code = codes.CHECKPOINT_CORRUPT
-
-    def __init__(
-        self, message: str, *, path: Path, tensor: str | None = None, file: str | None = None
-    ) -> None:
-        details: dict[str, Any] = {"path": str(path)}
-        if tensor is not None:
-            details["tensor"] = tensor
-        if file is not None:
-            details["file"] = file
-        super().__init__(message, details=details)
-        self.tensor = tensor
-        self.file = file
-
-
-class CheckpointNotFound(CheckpointError):
-    """No checkpoint matches the reference (``404 CHECKPOINT_NOT_FOUND``)."""
-
-    code = codes.CHECKPOINT_NOT_FOUND
-
-
-class CheckpointExists(CheckpointError):
-    """A save was given a name whose folder already exists (``409 CHECKPOINT_EXISTS``)."""
-
-    code = codes.CHECKPOINT_EXISTS
-
-
-class InvalidCheckpointRequest(CheckpointError):
-    """A malformed name or reference (``400 INVALID_REQUEST``)."""
-
-    code = codes.INVALID_REQUEST
-
-
-class LayoutMismatch(CheckpointError):
-    """:func:`load_in_place` was asked to write a checkpoint whose layout differs from the model.
-
-    The route checks :func:`layout_matches` first and takes the full-reload path instead; this is
-    the guard that keeps a wrong call from writing anything (``400 INVALID_REQUEST``).
-    """
-
-    code = codes.INVALID_REQUEST
-
-
-# --- the manifest -------------------------------------------------------------------------------
-
-
-class TensorEntry(msgspec.Struct, frozen=True, kw_only=True):
-    """One stored tensor.
-
-    Attributes:
-        name: its key in ``model.safetensors`` (the model's state-dict name).
-        dtype: torch dtype name without ``torch.`` (``bfloat16``).
-        shape: its shape.
-        sha256: sha256 (hex) of its bytes as stored: C-contiguous, little-endian.
-        aliases: further state-dict names that share this tensor (tied weights, e.g.
-            ``lm_head.weight`` for ``model.embed_tokens.weight``); not stored again.
-    """
-
-    name: str
-    dtype: str
-    shape: list[int]
-    sha256: str
-    aliases: list[str] = []
-
-
-class BaseRef(msgspec.Struct, frozen=True, kw_only=True):
-    """The catalogue row the weights were first loaded from (origin ``model``)."""
-
-    row_id: int
-    name: str
-
-
-class Manifest(msgspec.Struct, frozen=True, kw_only=True):
-    """``manifest.json`` (contract 5). Encoded with sorted keys and 2-space indent.
-
-    Attributes:
-        format, format_version: ``miserver-checkpoint``, 1.
-        saved_at: RFC 3339 UTC time of the save (``2026-11-30T08:00:00.000000Z``).
-        base: the base catalogue row.
-        parent_checkpoint_sha256: the checkpoint the weights were loaded from, or None.
-        steps_since_load: commits since the parameter set became resident (weights page).
-        architecture: ``{"model_type": ..., "architectures": [...]}`` from the config.
-        weights_file: the safetensors file (``model.safetensors``).
-        tensors: every stored tensor, sorted by name.
-        files: sha256 of every other file in the folder (config, tokenizer, ...), by relative path.
-    """
-
-    format: str
-    format_version: int
-    saved_at: str
-    base: BaseRef
-    parent_checkpoint_sha256: str | None
-    steps_since_load: int
-    architecture: dict[str, Any]
-    weights_file: str
-    tensors: list[TensorEntry]
-    files: dict[str, str] = {}
-
-    def names(self) -> set[str]:
-        """Every state-dict name the checkpoint covers (stored names and their aliases)."""
-        out: set[str] = set()
-        for t in self.tensors:
-            out.add(t.name)
-            out.update(t.aliases)
-        return out
-
-
-def encode_manifest(manifest: Manifest) -> bytes:
-    """The exact bytes written to ``manifest.json`` (sorted keys, indent 2, final newline)."""
-    return (json.dumps(msgspec.to_builtins(manifest), indent=2, sort_keys=True) + "\n").encode()
-
-
-@dataclass(frozen=True)
-class SavedCheckpoint:
-    """What :func:`save_checkpoint` wrote; the route registers the catalogue row from it.
-
-    Attributes:
-        name: the folder name, also the new served name (contract 5).
-        path: the absolute path of the checkpoint folder.
-        checkpoint_sha256: sha256 (hex) of ``manifest.json``.
-        manifest: the decoded manifest.
-        saved_at: RFC 3339 UTC time, as in the manifest.
-        dtype: the floating dtype of the weights (``bfloat16``), for the catalogue row.
-        weights_bytes: size of ``model.safetensors`` in bytes.
-    """
-
-    name: str
-    path: Path
-    checkpoint_sha256: str
-    manifest: Manifest
-    saved_at: str
-    dtype: str
-    weights_bytes: int
-
-
-@dataclass(frozen=True)
-class CheckpointHandle:
-    """An opened checkpoint folder whose manifest parsed; tensors are not yet verified.
-
-    Attributes:
-        path: the absolute folder path.
-        name: the folder name.
-        checkpoint_sha256: sha256 (hex) of the ``manifest.json`` bytes read.
-        manifest: the decoded manifest.
-    """
-
-    path: Path
-    name: str
-    checkpoint_sha256: str
-    manifest: Manifest
-
-
-# --- the model's tensors ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Group:
-    """State-dict names that are one tensor (same data pointer, dtype, shape and stride)."""
-
-    names: tuple[str, ...]  # canonical first
-    tensor: torch.Tensor  # the Parameter/buffer itself (keep_vars), never a copy
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _tensor_groups(model: torch.nn.Module) -> list[_Group]:
-    """The model's base tensors (LoRA layers looked through), tied names grouped.
-
-    The canonical name of a tied group is its first state-dict name that the model does not
-    declare as a tied alias (``_tied_weights_keys``), so ``from_pretrained`` re-ties it.
-    """
-    from miserver.serving.adapters import base_state_dict
-
-    state = base_state_dict(model)
-    tied = getattr(model, "_tied_weights_keys", None)
-    alias_names = set(tied) if isinstance(tied, Mapping) else set()
-    by_key: dict[tuple, list[str]] = {}
-    tensors: dict[tuple, torch.Tensor] = {}
-    for name, t in state.items():
-        if t.device.type == "meta":
-            raise InvalidCheckpointRequest(f"tensor {name} is on the meta device: nothing to save")
-        ptr = t.data_ptr() if t.numel() else f"empty:{name}"  # empty tensors share address 0
-        key = (t.device, t.dtype, ptr, tuple(t.shape), tuple(t.stride()))
-        by_key.setdefault(key, []).append(name)
-        tensors.setdefault(key, t)
-    groups = []
-    for key, names in by_key.items():
-        names.sort(key=lambda n: n in alias_names)  # stable: keeps state-dict order otherwise
-        groups.append(_Group(tuple(names), tensors[key]))
-    return groups
-
-
-def _layout(groups: Iterable[tuple[Iterable[str], str, Iterable[int]]]) -> set[tuple]:
-    return {(frozenset(names), dtype, tuple(shape)) for names, dtype, shape in groups}
-
-
-def _model_layout(model: torch.nn.Module) -> set[tuple]:
-    return _layout(
-        (g.names, _dtype_name(g.tensor.dtype), g.tensor.shape) for g in _tensor_groups(model)
-    )
-
-
-def _manifest_layout(manifest: Manifest) -> set[tuple]:
-    return _layout(((t.name, *t.aliases), t.dtype, t.shape) for t in manifest.tensors)
-
-
-def tensor_sha256(t: torch.Tensor) -> str:
-    """sha256 (hex) of a CPU tensor's bytes in C order (what safetensors stores)."""
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(flat.numpy().data).hexdigest()
-
-
-# --- files --------------------------------------------------------------------------------------
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+from miserver.serving.checkpoint_format import (
+    DTYPES,
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    PARTIAL_PREFIX,
+    SHA256_RE,
+    WEIGHTS_NAME,
+    BaseRef,
+    CheckpointCorrupt,
+    CheckpointError,  # noqa: F401 - the base of every error raised here; callers catch it here
+    CheckpointExists,
+    CheckpointHandle,
+    CheckpointNotFound,
+    InvalidCheckpointRequest,
+    LayoutMismatch,
+    Manifest,
+    SavedCheckpoint,
+    TensorEntry,
+    default_name,
+    dtype_name,
+    encode_manifest,
+    file_sha256,
+    manifest_layout,
+    model_layout,
+    rfc3339,
+    safe_relative,
+    tensor_groups,
+    tensor_sha256,
+    validate_name,
+)
+
+# --- writing a folder durably ----------------------------------------------------------------
 
 
 def _fsync_path(path: Path) -> None:
@@ -378,43 +114,6 @@ def _publish(tmp: Path, final: Path) -> None:
         )
     os.rename(tmp, final)
     _fsync_path(final.parent)
-
-
-def rfc3339(now: float) -> str:
-    """Unix seconds as an RFC 3339 UTC timestamp with microseconds (``...T08:00:00.000000Z``)."""
-    return (
-        datetime.fromtimestamp(now, UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
-    )
-
-
-def _safe_relative(name: str) -> bool:
-    p = Path(name)
-    return bool(name) and not p.is_absolute() and ".." not in p.parts and name != MANIFEST_NAME
-
-
-def default_name(base_name: str, steps_since_load: int, checkpoint_sha256: str) -> str:
-    """``<base name>-step<steps_since_load>-<first 8 of sha256>`` (contract 5).
-
-    Characters of ``base_name`` outside ``[A-Za-z0-9._-]`` become ``-`` so the result is a valid
-    folder and served name.
-    """
-    safe = re.sub(r"[^A-Za-z0-9._-]", "-", base_name).lstrip(".-_") or "checkpoint"
-    return f"{safe[:100]}-step{steps_since_load}-{checkpoint_sha256[:8]}"
-
-
-def validate_name(name: str) -> str:
-    """Return ``name`` if it is a valid checkpoint name, else raise InvalidCheckpointRequest.
-
-    Valid: 1-128 characters of ``[A-Za-z0-9._-]``, starting with a letter or digit (a folder
-    name, never a path, and a valid served name in ``X-miLLM-Model``).
-    """
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        raise InvalidCheckpointRequest(
-            "a checkpoint name is 1-128 characters of letters, digits, '.', '_' and '-',"
-            " starting with a letter or digit",
-            details={"field": "name"},
-        )
-    return name
 
 
 # --- save ---------------------------------------------------------------------------------------
@@ -475,7 +174,7 @@ def save_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=root))
     try:
         os.chmod(tmp, 0o755)
-        groups = _tensor_groups(model)
+        groups = tensor_groups(model)
         entries: list[TensorEntry] = []
         host: dict[str, torch.Tensor] = {}
         for g in groups:
@@ -484,7 +183,7 @@ def save_checkpoint(
             entries.append(
                 TensorEntry(
                     name=g.names[0],
-                    dtype=_dtype_name(cpu.dtype),
+                    dtype=dtype_name(cpu.dtype),
                     shape=list(cpu.shape),
                     sha256=tensor_sha256(cpu),
                     aliases=list(g.names[1:]),
@@ -497,7 +196,7 @@ def save_checkpoint(
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         files = {
-            p.relative_to(tmp).as_posix(): _file_sha256(p)
+            p.relative_to(tmp).as_posix(): file_sha256(p)
             for p in sorted(tmp.rglob("*"))
             if p.is_file() and p.name != WEIGHTS_NAME
         }
@@ -554,7 +253,7 @@ def _weights_dtype(entries: list[TensorEntry]) -> str:
     """The most common floating dtype by element count (the catalogue row's dtype)."""
     counts: dict[str, int] = {}
     for e in entries:
-        if _DTYPES.get(e.dtype, torch.int8).is_floating_point:
+        if DTYPES.get(e.dtype, torch.int8).is_floating_point:
             n = 1
             for d in e.shape:
                 n *= d
@@ -637,7 +336,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointHandle:
             file=MANIFEST_NAME,
         )
     for rel in [manifest.weights_file, *manifest.files]:
-        if not _safe_relative(rel):
+        if not safe_relative(rel):
             raise CheckpointCorrupt(
                 f"manifest.json names a file outside the checkpoint: {rel!r}",
                 path=folder,
@@ -658,9 +357,9 @@ def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointHandle:
                 )
             seen.add(n)
         if (
-            t.dtype not in _DTYPES
+            t.dtype not in DTYPES
             or any(d < 0 for d in t.shape)
-            or not _SHA256_RE.fullmatch(t.sha256)
+            or not SHA256_RE.fullmatch(t.sha256)
         ):
             raise CheckpointCorrupt(
                 f"manifest entry of tensor {t.name!r} is invalid", path=folder, tensor=t.name
@@ -683,7 +382,7 @@ def _read_verified(handle: CheckpointHandle, keep: bool) -> dict[str, torch.Tens
         p = folder / rel
         if not p.is_file():
             raise CheckpointCorrupt(f"{rel} is missing", path=folder, file=rel)
-        if _file_sha256(p) != want:
+        if file_sha256(p) != want:
             raise CheckpointCorrupt(
                 f"{rel} does not match its sha256 in manifest.json", path=folder, file=rel
             )
@@ -705,9 +404,9 @@ def _read_verified(handle: CheckpointHandle, keep: bool) -> dict[str, torch.Tens
                 )
             for entry in manifest.tensors:
                 t = f.get_tensor(entry.name)
-                if _dtype_name(t.dtype) != entry.dtype or list(t.shape) != entry.shape:
+                if dtype_name(t.dtype) != entry.dtype or list(t.shape) != entry.shape:
                     raise CheckpointCorrupt(
-                        f"tensor {entry.name!r} is {_dtype_name(t.dtype)}{list(t.shape)} in the"
+                        f"tensor {entry.name!r} is {dtype_name(t.dtype)}{list(t.shape)} in the"
                         f" file but {entry.dtype}{entry.shape} in manifest.json",
                         path=folder,
                         tensor=entry.name,
@@ -752,7 +451,7 @@ def layout_matches(model: torch.nn.Module, handle: CheckpointHandle) -> bool:
     the same names with the same dtypes and shapes, and the same names are tied together (a tied
     pair in the checkpoint is one tensor in the model, and the reverse).
     """
-    return _model_layout(model) == _manifest_layout(handle.manifest)
+    return model_layout(model) == manifest_layout(handle.manifest)
 
 
 def read_for_load(model: torch.nn.Module, handle: CheckpointHandle) -> dict[str, torch.Tensor]:
@@ -790,7 +489,7 @@ def write_in_place(
     """
     stored_name = {n: t.name for t in handle.manifest.tensors for n in (t.name, *t.aliases)}
     with torch.no_grad():
-        for g in _tensor_groups(model):
+        for g in tensor_groups(model):
             g.tensor.copy_(tensors[stored_name[g.names[0]]])
 
 
@@ -883,7 +582,7 @@ def resolve_checkpoint(catalogue_rows: Iterable[Any], ref: str) -> Any:
         )
     ref = ref.strip()
     rows = [r for r in catalogue_rows if _field(r, "origin") == "checkpoint"]
-    if _SHA256_RE.fullmatch(ref.lower()):
+    if SHA256_RE.fullmatch(ref.lower()):
         for r in rows:
             if (_field(r, "checkpoint_sha256") or "").lower() == ref.lower():
                 return r

@@ -36,12 +36,12 @@ from typing import Any, Literal, TypeVar
 import msgspec
 import torch
 
-from miserver.http.errors import ApiError
 from miserver.serving import loader as loader_module
 from miserver.serving.catalogue import Catalogue, CatalogueRow
 from miserver.serving.loader import LoadedModel
 from miserver.serving.metrics import Metrics
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
 from miserver.spec.settings import Settings
 
 log = logging.getLogger("miserver.host")

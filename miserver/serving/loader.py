@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from miserver.http.errors import ApiError
 from miserver.serving.catalogue import CatalogueRow
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
 from miserver.spec.settings import Settings
 
 log = logging.getLogger("miserver.loader")

@@ -27,11 +27,11 @@ from typing import Any
 
 import msgspec
 
-from miserver.http.errors import ApiError
 from miserver.serving import adapters, checkpoints
 from miserver.serving.catalogue import CHECKPOINTS_DIR
 from miserver.serving.host import clear_traceback_frames, run_without_keeping
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
 
 log = logging.getLogger("miserver.weights.jobs")
 

@@ -16,7 +16,6 @@ import asyncio
 import logging
 from typing import Any
 
-from miserver.http.errors import ApiError
 from miserver.ipc.process_group import (
     TRANSPORT,
     ArenaGroup,
@@ -27,6 +26,7 @@ from miserver.ipc.process_group import (
     resolve_ranges,
 )
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
 
 log = logging.getLogger("miserver.weights")
 

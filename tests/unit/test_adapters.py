@@ -15,6 +15,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from miserver.serving import adapters as ad
+from miserver.serving import base_tensors
 from miserver.serving import checkpoints as ck
 from miserver.spec import codes
 
@@ -101,8 +102,10 @@ def test_an_adapter_changes_outputs_and_removing_it_restores_them_exactly(tmp_pa
     assert isinstance(model, LlamaForCausalLM)
     assert not torch.equal(logits(model), before_logits)
     assert base_view(model) == view_before  # same objects, addresses, requires_grad
-    assert all(torch.equal(values_before[n], t) for n, t in ad.base_state_dict(model).items())
-    assert list(ad.base_state_dict(model)) == names_before
+    assert all(
+        torch.equal(values_before[n], t) for n, t in base_tensors.base_state_dict(model).items()
+    )
+    assert list(base_tensors.base_state_dict(model)) == names_before
     assert ad.has_adapter(model)
 
     served = ad.remove_adapter(model, applied)
@@ -156,7 +159,7 @@ def test_the_adapter_block(adapter_dir):
 def test_base_state_dict_without_an_adapter_is_the_state_dict():
     model = tiny_model()
     sd = model.state_dict(keep_vars=True)
-    base = ad.base_state_dict(model)
+    base = base_tensors.base_state_dict(model)
     assert list(base) == list(sd)
     assert all(base[n] is sd[n] for n in sd)
 

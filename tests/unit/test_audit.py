@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from miserver.http.audit import AuditLog, AuditRecord
+from miserver.serving.audit import AuditLog, AuditRecord
 
 FIELDS = {
     "operation",

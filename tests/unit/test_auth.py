@@ -1,6 +1,6 @@
 """Token identification and attachment references (weights page: Authentication and headers)."""
 
-from miserver.http.auth import (
+from miserver.serving.auth import (
     attachment_matches,
     attachment_ref,
     identify,

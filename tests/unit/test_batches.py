@@ -25,13 +25,9 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from miserver.http import batches as batch_routes
 from miserver.http.errors import json_errors_middleware
-from miserver.serving.batches import (
-    BatchRequestError,
-    BatchRunner,
-    BatchStore,
-    RowDeferred,
-    parse_batch_input,
-)
+from miserver.serving.batch_input import BatchRequestError, parse_batch_input
+from miserver.serving.batch_runner import BatchRunner, RowDeferred
+from miserver.serving.batch_store import BatchStore
 from tests.waiting import eventually
 
 MODEL = "smollm2-135m-instruct"
@@ -157,6 +153,8 @@ def test_valid_file_parses_in_order_and_skips_blank_lines():
     "bad, words",
     [
         ('{"custom_id": "x"', "line 2: is not valid JSON"),
+        ("[" * 100_000 + "]" * 100_000, "line 2: nests arrays or objects too deeply"),
+        ('{"custom_id": "x", "n": 1e999}', "line 2: is not valid JSON (Number out of range"),
         ("[1, 2]", "line 2: must be a JSON object"),
         (
             json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/completions"}),
@@ -633,7 +631,8 @@ def test_record_result_counts_a_row_once(store: BatchStore):
 
 _CHILD = textwrap.dedent("""
     import asyncio, os, sys
-    from miserver.serving.batches import BatchRunner, BatchStore
+    from miserver.serving.batch_runner import BatchRunner
+    from miserver.serving.batch_store import BatchStore
     home, log = sys.argv[1], sys.argv[2]
 
     class Slow:

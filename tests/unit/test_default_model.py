@@ -20,10 +20,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from miserver.http.app import create_app
-from miserver.http.errors import ApiError
 from miserver.serving import default_model as dm
 from miserver.serving.catalogue import Catalogue, CatalogueError
 from miserver.serving.loader import check_loadable
+from miserver.spec.errors import ApiError
 from miserver.spec.settings import Settings
 
 GGUF_BYTES = b"GGUF" + bytes(range(256)) * 64

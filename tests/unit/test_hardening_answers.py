@@ -309,9 +309,9 @@ async def test_a_request_during_the_startup_load_waits_for_it_and_is_served(
 
 
 async def test_the_wait_for_the_startup_load_is_bounded(tmp_path, tiny_model_dir, monkeypatch):
-    from miserver.http import v1
+    from miserver.http import v1_admission
 
-    monkeypatch.setattr(v1, "STARTUP_LOAD_WAIT_S", 0.3)
+    monkeypatch.setattr(v1_admission, "STARTUP_LOAD_WAIT_S", 0.3)
     gate = threading.Event()
     client = await slow_start_client(tmp_path, tiny_model_dir, gate)
     try:
@@ -513,7 +513,7 @@ async def test_an_upload_into_a_full_batch_database_is_a_507_openai_error_with_n
 
 
 def test_an_audit_log_on_a_full_disk_warns_once_and_never_raises(tmp_path, caplog):
-    from miserver.http.audit import AuditLog, AuditRecord
+    from miserver.serving.audit import AuditLog, AuditRecord
 
     def record() -> AuditRecord:
         return AuditRecord(
@@ -546,8 +546,8 @@ def test_an_audit_log_on_a_full_disk_warns_once_and_never_raises(tmp_path, caplo
 
 
 def test_a_half_written_audit_line_is_cut_back(tmp_path, monkeypatch):
-    from miserver.http import audit as audit_module
-    from miserver.http.audit import AuditLog
+    from miserver.serving import audit as audit_module
+    from miserver.serving.audit import AuditLog
 
     path = tmp_path / "audit.jsonl"
     audit = AuditLog(str(path))
@@ -594,7 +594,7 @@ def test_a_json_log_turns_off_the_progress_bars_a_text_log_keeps_them(
     from huggingface_hub.utils import are_progress_bars_disabled
     from transformers.utils import logging as hf_logging
 
-    from miserver.serving.server import configure_logging
+    from miserver.server import configure_logging
     from miserver.spec.settings import Settings
 
     configure_logging(Settings(home=str(tmp_path), log_format=log_format))
@@ -623,8 +623,8 @@ def test_the_gguf_dequantization_bar_is_silent_when_progress_is_off():
 def test_the_first_start_imports_the_default_without_bars_under_a_json_log(
     tmp_path, monkeypatch, log_format, progress
 ):
+    from miserver.server import prepare_home
     from miserver.serving import default_model
-    from miserver.serving.server import prepare_home
     from miserver.spec.settings import Settings
 
     calls = []

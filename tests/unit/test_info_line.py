@@ -6,8 +6,8 @@ from __future__ import annotations
 import io
 import logging
 
-from miserver.http.audit import info_line
-from miserver.serving.server import JsonFormatter, RedactSecrets
+from miserver.server import JsonFormatter, RedactSecrets
+from miserver.serving.audit import info_line
 
 
 def _capture(level: int = logging.INFO) -> tuple[logging.Logger, io.StringIO, list]:

@@ -115,10 +115,10 @@ def test_a_cpu_load_without_attach_gets_no_arena(tmp_path, monkeypatch):
 def test_a_placement_failure_is_model_load_failed_naming_the_device(
     tmp_path, tiny_model_dir, monkeypatch
 ):
-    from miserver.http.errors import ApiError
     from miserver.serving.catalogue import Catalogue
     from miserver.serving.loader import load_model
     from miserver.spec import codes
+    from miserver.spec.errors import ApiError
 
     def oom(*args: Any, **kwargs: Any) -> Any:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 270.00 MiB")

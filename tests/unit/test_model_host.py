@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from miserver.http.errors import ApiError
 from miserver.serving.catalogue import Catalogue
 from miserver.serving.host import ModelHost, normalize_load_policy
 from miserver.serving.metrics import Metrics
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
 from miserver.spec.settings import Settings
 
 

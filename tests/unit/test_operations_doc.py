@@ -1,6 +1,6 @@
 """docs/operations.md shows weights_audit lines exactly as the code writes them (finding 16).
 
-The example lines must decode as :class:`~miserver.http.audit.AuditRecord` (the same fields, in
+The example lines must decode as :class:`~miserver.serving.audit.AuditRecord` (the same fields, in
 the same order, with the same types) and carry a ``ts`` in the form :class:`AuditLog` stamps.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 
-from miserver.http.audit import AuditLog, AuditRecord
+from miserver.serving.audit import AuditLog, AuditRecord
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 

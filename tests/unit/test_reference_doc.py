@@ -3,9 +3,9 @@ registered route in it with who may call it, every error code with its statuses 
 
 from __future__ import annotations
 
-from miserver import docs_gen
+from miserver import docs_gen, reference
 from miserver.fsm.table import ROUTE_AUTH
-from miserver.spec import codes, reference
+from miserver.spec import codes
 
 DOC = "docs/reference.md"
 

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from miserver.serving.server import JsonFormatter, RedactSecrets, configure_logging
+from miserver.server import JsonFormatter, RedactSecrets, configure_logging
 from miserver.spec.settings import Settings, WeightsToken
 
 SECRET = "s3cret-s3cret-s3cret-0001"
@@ -84,7 +84,7 @@ def test_configure_logging_follows_settings(tmp_path, capsys: pytest.CaptureFixt
 def test_access_line_names_the_call_and_never_a_credential() -> None:
     from types import SimpleNamespace
 
-    from miserver.serving.server import AccessLogger
+    from miserver.server import AccessLogger
 
     logger, stream = _capture(JsonFormatter(), [SECRET])
     request = SimpleNamespace(

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miserver import trainer, trainer_client
+from miserver import trainer, trainer_transport
 from miserver.spec import codes
 from miserver.trainer import (
     AlreadyAttached,
@@ -277,7 +277,7 @@ def _refuse_once(server, trigger: str, code: str, reason: str | None = None) -> 
     """Make the real server's runtime refuse the next ``trigger`` call as the lifecycle would
     (an :class:`ApiError` with the code's status, audited by the route), deciding nothing."""
     from miserver.http import keys
-    from miserver.http.errors import ApiError
+    from miserver.spec.errors import ApiError
 
     runtime = server.app[keys.WEIGHTS]
     real = runtime.gated
@@ -701,7 +701,7 @@ class _Counting(http.server.BaseHTTPRequestHandler):
 
 def closed_by_server(client: WeightsClient) -> bool:
     conn = client._session._conn
-    return conn is None or conn.sock is None or trainer_client._dropped(conn.sock)
+    return conn is None or conn.sock is None or trainer_transport._dropped(conn.sock)
 
 
 def test_a_connection_the_server_closed_is_reopened_and_a_post_is_never_resent():

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from miserver.http import keys
-from miserver.http.errors import ApiError
 from miserver.http.v1 import run_completion
 from miserver.serving.scheduler import Priority
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
 from tests.unit.test_weights_routes import TRN, auth, make_client, post
 
 CHAT = "/v1/chat/completions"

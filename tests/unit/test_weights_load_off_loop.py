@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from miserver.http.errors import ApiError
 from miserver.serving import weights_jobs
 from miserver.spec import codes
+from miserver.spec.errors import ApiError
 from tests.unit.model_free_app import model_free_client, model_free_settings
 
 OPS = "operator-secret-0123456789"

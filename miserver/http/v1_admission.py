@@ -1,0 +1,254 @@
+"""``/v1`` admission and the slot (companion contract 4): which resident serves a request, the
+wait for the start-up load, and the scheduler slot a request holds while it is computed.
+
+:func:`admit` is the one admission decision (the lifecycle table decides serve / hold / refuse /
+auto-load); :func:`acquire_slot` waits for a slot at the request's priority and lets the table
+confirm the request inside it; a lifecycle refusal is worded for ``/v1``'s OpenAI-shaped bodies
+by :func:`lifecycle_refusal`. Used by :mod:`miserver.http.v1`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from miserver.http import keys
+from miserver.serving.generation import SamplingParams
+from miserver.serving.host import Resident, normalize_load_policy
+from miserver.serving.scheduler import Priority, QueueFull
+from miserver.spec import codes
+from miserver.spec.errors import ApiError
+
+LOAD_POLICY_HEADER = "X-miLLM-Load-Policy"
+#: How often a waiting or generating request checks that its client is still connected (s).
+DISCONNECT_POLL_S = 0.05
+#: The longest a ``/v1`` request waits for the start-up load of ``DEFAULT_MODEL`` before it is
+#: admitted as usual (then 409 model_busy with ``Retry-After`` while that load still runs), s.
+STARTUP_LOAD_WAIT_S = 300.0
+
+
+class RequestCancelled(Exception):
+    """The request was cancelled before it finished (its ``/v1`` client disconnected, or the
+    ``cancelled`` callable given to :func:`run_completion` returned True); nothing is answered
+    and the slot is free again."""
+
+
+# --- admission ---------------------------------------------------------------------------------
+async def admit(
+    app: web.Application,
+    model: str,
+    load_policy: str | None = None,
+    priority: Priority = Priority.INTERACTIVE,
+) -> Resident:
+    """The one ``/v1`` admission decision: which resident serves ``model`` (contract 4).
+
+    ``model`` is the resident's served or base name (served at once) or a catalogue row's name
+    (auto-loaded, a swap), honouring ``load_policy``, the ``X-miLLM-Load-Policy`` header's value
+    (``auto``, the default when None, or ``refuse``). ``priority``: the scheduler priority the
+    request will wait at (a batch row, ``Priority.BATCH``, is never refused QUEUE_FULL). The
+    lifecycle table decides (serve / hold / refuse / auto-load, and after an auto-load whether
+    the request may go on); the scheduler then holds a held request until the barrier is
+    released.
+
+    Raises:
+        ApiError: 404 MODEL_NOT_FOUND, 409 MODEL_NOT_LOADED (policy refuse), 409 MODEL_BUSY
+            (a load is in progress, or the model was unloaded or changed while the request
+            waited for its auto-load: with ``Retry-After``), 400 INVALID_REQUEST (an unknown
+            policy), the lifecycle's refusals (409 ALREADY_ATTACHED, 503 WEIGHTS_TORN /
+            QUEUE_FULL, 409 WEIGHTS_UNSAVED), and 500 MODEL_LOAD_FAILED.
+    """
+    host = app[keys.HOST]
+    policy = normalize_load_policy(load_policy)
+    row_id = None
+    if not host.answers_to(model):  # the resident, or the one a running swap replaces
+        row = host.resolve(model)
+        if row is None:
+            available = [r.name for r in host.catalogue.list()]
+            raise ApiError(
+                codes.MODEL_NOT_FOUND,
+                f"model {model!r} is neither resident nor in the catalogue",
+                details={"model": model, "available": available},
+                param="model",
+            )
+        row_id = row.id
+    try:
+        return await app[keys.WEIGHTS].admit_v1(
+            refuse_policy=policy == "refuse", row_id=row_id, priority=priority
+        )
+    except ApiError as err:
+        raise lifecycle_refusal(err) from None
+
+
+def lifecycle_refusal(err: ApiError) -> ApiError:
+    """A lifecycle refusal as ``/v1`` answers it: the same code, status, reason and headers,
+    with what its ``details`` say written into the message.
+
+    ``/v1`` error bodies have OpenAI's shape only (``message``, ``type``, ``param``, ``code``;
+    contract 2), so the facts a management body carries in ``details`` must be in the message:
+    for 409 WEIGHTS_UNSAVED the resident's served name, the number of unsaved commits and the
+    ways forward (weights page: Unsaved commits and the auto-load); for 409 ALREADY_ATTACHED the
+    holder's role, label, state and attached_at (weights page: The write cycle 1). Other
+    refusals come back unchanged (503 WEIGHTS_TORN already names ``POST /api/weights/load``).
+    """
+    details = err.details or {}
+    extra = ""
+    if err.code is codes.WEIGHTS_UNSAVED and "unsaved_commits" in details:
+        n = details.get("unsaved_commits")
+        ways = details.get("ways_forward") or ()
+        extra = (
+            f" {details.get('served_name')!s} carries {n} unsaved commit"
+            f"{'' if n == 1 else 's'}; to serve another model: " + "; or ".join(map(str, ways))
+        )
+    elif err.code is codes.ALREADY_ATTACHED and isinstance(details.get("holder"), dict):
+        h = details["holder"]
+        extra = (
+            f" Attached by {h.get('role')} {h.get('label')!r} ({h.get('state')}) since "
+            f"{h.get('attached_at')}; no model is loaded or swapped until it detaches."
+        )
+    if not extra:
+        return err
+    return ApiError(
+        err.code,
+        err.message.rstrip() + extra.rstrip(".") + ".",
+        reason=err.reason,
+        details=err.details,
+        status=err.status,
+        param=err.param,
+        headers=err.headers,
+    )
+
+
+def client_disconnected(request: web.Request) -> bool:
+    """The client hung up: the transport is closed, or the peer sent its EOF (a half-closed
+    connection is kept open to answer management requests, but a generation stops at it:
+    a closed client and a half-closed one look the same, http/protocol.py)."""
+    transport = request.transport
+    if transport is None or transport.is_closing():
+        return True
+    return bool(transport.get_extra_info("peer_eof", False))
+
+
+async def acquire_slot(
+    app: web.Application,
+    resident: Resident,
+    priority: Priority,
+    cancelled: Callable[[], bool] | None,
+    adapter: dict[str, Any] | None = None,
+) -> None:
+    """Wait for a slot at ``priority``, giving up (and leaving no trace) once ``cancelled()``.
+
+    ``adapter``: the adapter block of the applied adapter the request named (see
+    :class:`Job`); a request for an adapter removed or replaced while it waited is refused as
+    one for a model that went away (409 MODEL_BUSY ``model_transition``, issue 16 item 8).
+
+    Raises:
+        ApiError: 503 QUEUE_FULL with ``Retry-After`` (interactive only); the lifecycle's
+            refusals inside the slot (the table's ``v1_confirm`` rows: 409 MODEL_BUSY
+            ``model_transition`` with ``Retry-After`` when ``resident`` was unloaded or replaced
+            while the request waited, 503 WEIGHTS_TORN, 409 MODEL_BUSY).
+        RequestCancelled: ``cancelled()`` became true while waiting.
+    """
+    scheduler = app[keys.SCHEDULER]
+    metrics = app.get(keys.METRICS)
+    held = scheduler.barrier_held or scheduler.barrier_draining
+    task = asyncio.ensure_future(scheduler.acquire(priority))
+    update_queue_gauge(app)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S * 4)
+            if done:
+                break
+            held = held or scheduler.barrier_held or scheduler.barrier_draining
+            if cancelled is not None and cancelled():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise RequestCancelled
+        try:
+            task.result()
+        except QueueFull as exc:
+            raise ApiError(
+                codes.QUEUE_FULL,
+                str(exc),
+                details={"max_queued_requests": exc.max_queued},
+                headers={"Retry-After": "1"},
+            ) from None
+    except BaseException:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        raise
+    finally:
+        update_queue_gauge(app)
+    if held and metrics is not None and priority == Priority.INTERACTIVE:
+        metrics.requests_held.inc()  # held batch chunks are counted by the scheduler
+    try:
+        # Inside the slot: the table must still let this request go on (the model may have
+        # been unloaded or swapped, or the set torn, while it waited; weights page: States).
+        await app[keys.WEIGHTS].confirm_v1(resident, adapter=adapter)
+    except ApiError as err:
+        scheduler.release()
+        raise lifecycle_refusal(err) from None
+    except BaseException:
+        scheduler.release()
+        raise
+
+
+def update_queue_gauge(app: web.Application) -> None:
+    metrics = app.get(keys.METRICS)
+    if metrics is None:
+        return
+    counts = app[keys.SCHEDULER].counts()
+    metrics.queue_depth.set(counts.queued + counts.held_interactive)
+
+
+@dataclass
+class Job:
+    """One admitted request, ready to run."""
+
+    kind: str  # "chat" or "completion"
+    resident: Resident
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    echo_text: str | None  # completions with echo: the prompt text returned before the output
+    want_logprobs: bool
+    #: The adapter block of the applied adapter the request named (by its served name), or
+    #: None: the request is for that application of the adapter, not for the base tensors.
+    adapter: dict[str, Any] | None = None
+
+
+async def wait_for_startup_load(
+    app: web.Application,
+    cancelled: Callable[[], bool] | None = None,
+    timeout_s: float | None = None,
+) -> None:
+    """Wait, at most ``timeout_s`` (default :data:`STARTUP_LOAD_WAIT_S`), for the start-up load
+    of ``DEFAULT_MODEL`` while it runs, as a request behind an auto-load waits for it (issue 16
+    item 11: ``make serve`` then an immediate request was refused 409 model_busy). Returns at
+    once when no start-up load runs; returns after the bound with the load still running (the
+    request is then admitted as usual). Its outcome is not this request's: a failed load is
+    logged by the start-up, and the request is admitted against what is resident then.
+
+    Raises:
+        RequestCancelled: ``cancelled()`` became true while waiting (polled every 200 ms).
+    """
+    task = app.get(keys.STARTUP_LOAD)
+    if task is None or task.done():
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (STARTUP_LOAD_WAIT_S if timeout_s is None else timeout_s)
+    while not task.done():
+        left = deadline - loop.time()
+        if left <= 0:
+            return
+        await asyncio.wait({task}, timeout=min(left, DISCONNECT_POLL_S * 4))
+        if not task.done() and cancelled is not None and cancelled():
+            raise RequestCancelled

@@ -1,0 +1,279 @@
+"""``/v1``'s OpenAI rendering: a finished generation as a ``chat.completion`` or
+``text_completion`` body, or streamed as server-sent events ending ``data: [DONE]``; logprobs in
+OpenAI's two shapes, usage, finish reasons, and the 500 GENERATION_FAILED of a failed generation
+(companion contract 4). Used by :mod:`miserver.http.v1`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from miserver.http import keys
+from miserver.http.errors import openai_error_body
+from miserver.http.model_header import HEADER, model_header
+from miserver.http.v1_admission import Job, RequestCancelled
+from miserver.serving.generation import (
+    Finished,
+    Generation,
+    GenerationError,
+    NonFiniteLogits,
+    Started,
+    TextDelta,
+    TokenLogprob,
+)
+from miserver.spec import codes
+from miserver.spec.errors import ApiError
+
+log = logging.getLogger("miserver.v1")
+
+_encoder = msgspec.json.Encoder()
+
+
+OUTCOME = web.RequestKey("millm_outcome", str)  # how a stream that opened ended
+DISCONNECTED = "CLIENT_DISCONNECTED"
+
+
+def _completion_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+# --- logprobs shapes ---------------------------------------------------------------------------
+def _chat_logprob(lp: TokenLogprob) -> dict[str, Any]:
+    return {
+        "token": lp.text,
+        "logprob": lp.logprob,
+        "bytes": list(lp.bytes),
+        "top_logprobs": [
+            {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+            for _i, text, value in lp.top
+        ],
+    }
+
+
+class _CompletionLogprobs:
+    """OpenAI's legacy ``logprobs`` object; ``text_offset`` counts characters of ``text``."""
+
+    def __init__(self, offset: int = 0) -> None:
+        self.offset = offset
+
+    def block(self, entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict[str, Any]:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for lp in entries:
+            tokens.append(lp.text)
+            token_logprobs.append(lp.logprob)
+            top.append(
+                {text: value for _i, text, value in lp.top}
+                if lp.logprob is not None or lp.top
+                else None
+            )
+            offsets.append(self.offset)
+            self.offset += len(lp.text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+
+def _usage(fin: Finished) -> dict[str, int]:
+    return {
+        "prompt_tokens": fin.prompt_tokens,
+        "completion_tokens": fin.completion_tokens,
+        "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+    }
+
+
+def _finish_reason(fin: Finished) -> str:
+    return "length" if fin.finish_reason == "length" else "stop"
+
+
+def generation_failed(app: web.Application, job: Job, exc: GenerationError) -> ApiError:
+    """The 500 GENERATION_FAILED of a generation that failed, counted in
+    ``miserver_generation_failures_total{reason}`` and logged once. Non-finite logits (the
+    weights hold NaN or infinity: issue 16 item 10) are reason ``non_finite_logits``, logged
+    as an error naming the served parameter set and what to do; any other failure ``error``."""
+    non_finite = isinstance(exc.__cause__, NonFiniteLogits)
+    reason = "non_finite_logits" if non_finite else "error"
+    metrics = app.get(keys.METRICS)
+    if metrics is not None:
+        metrics.generation_failures.labels(reason=reason).inc()
+    if non_finite:
+        log.error(
+            "generation failed: non-finite logits (NaN or infinity) from %s; the served weights "
+            "hold non-finite values: load finite weights (POST /api/weights/load)",
+            model_header(job.resident),
+        )
+        message = f"{job.resident.served_name}: {exc.__cause__}"
+        return ApiError(codes.GENERATION_FAILED, message, reason=reason)
+    return ApiError(codes.GENERATION_FAILED, str(exc), reason=reason)
+
+
+async def collect(app: web.Application, job: Job, events: Any, first: Started) -> dict[str, Any]:
+    text_parts: list[str] = []
+    lps: list[TokenLogprob] = []
+    fin: Finished | None = None
+    try:
+        async for ev in events:
+            if isinstance(ev, TextDelta):
+                text_parts.append(ev.text)
+                lps.extend(ev.logprobs)
+            elif isinstance(ev, Finished):
+                fin = ev
+    except GenerationError as exc:
+        raise generation_failed(app, job, exc) from exc
+    assert fin is not None
+    if fin.finish_reason == "cancelled":
+        raise RequestCancelled
+    text = "".join(text_parts)
+    created = int(time.time())
+    name = job.resident.served_name
+    if job.kind == "chat":
+        body = {
+            "id": _completion_id("chatcmpl"),
+            "object": "chat.completion",
+            "created": created,
+            "model": name,
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "logprobs": {"content": [_chat_logprob(lp) for lp in lps], "refusal": None}
+                    if job.want_logprobs
+                    else None,
+                    "finish_reason": _finish_reason(fin),
+                }
+            ],
+            "usage": _usage(fin),
+        }
+    else:
+        logprobs = None
+        if job.want_logprobs:
+            block = _CompletionLogprobs()
+            entries = list(first.prompt_logprobs or ()) + lps
+            logprobs = block.block(entries)
+        body = {
+            "id": _completion_id("cmpl"),
+            "object": "text_completion",
+            "created": created,
+            "model": name,
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": (job.echo_text or "") + text,
+                    "logprobs": logprobs,
+                    "finish_reason": _finish_reason(fin),
+                }
+            ],
+            "usage": _usage(fin),
+        }
+    return body
+
+
+def _sse(payload: Any) -> bytes:
+    return b"data: " + _encoder.encode(payload) + b"\n\n"
+
+
+async def stream_response(
+    request: web.Request, job: Job, gen: Generation, events: Any, first: Started, header: str
+) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            HEADER: header,
+        }
+    )
+    await resp.prepare(request)
+    created = int(time.time())
+    name = job.resident.served_name
+    chat = job.kind == "chat"
+    cid = _completion_id("chatcmpl" if chat else "cmpl")
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    lp_block = _CompletionLogprobs()
+
+    def chunk(choice: dict[str, Any] | None, **extra: Any) -> bytes:
+        body: dict[str, Any] = {
+            "id": cid,
+            "object": obj,
+            "created": created,
+            "model": name,
+            "system_fingerprint": None,
+            "choices": [choice] if choice is not None else [],
+        }
+        body.update(extra)
+        return _sse(body)
+
+    def delta_choice(
+        text: str,
+        lps: tuple[TokenLogprob, ...] | list[TokenLogprob],
+        finish: str | None = None,
+        role: bool = False,
+    ) -> dict[str, Any]:
+        if chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text or role:
+                delta["content"] = text
+            logprobs = (
+                {"content": [_chat_logprob(lp) for lp in lps], "refusal": None}
+                if job.want_logprobs and lps
+                else None
+            )
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        logprobs = lp_block.block(lps) if job.want_logprobs and (lps or text) else None
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    request[OUTCOME] = "served"
+    try:
+        if chat:
+            await resp.write(chunk(delta_choice("", (), role=True)))
+        elif job.echo_text is not None:
+            await resp.write(chunk(delta_choice(job.echo_text, first.prompt_logprobs or ())))
+        fin: Finished | None = None
+        try:
+            async for ev in events:
+                if isinstance(ev, TextDelta):
+                    if ev.text or ev.logprobs:
+                        await resp.write(chunk(delta_choice(ev.text, ev.logprobs)))
+                elif isinstance(ev, Finished):
+                    fin = ev
+        except GenerationError as exc:
+            err = generation_failed(request.app, job, exc)
+            log.warning("stream ended by a generation error: %s", exc)
+            request[OUTCOME] = codes.GENERATION_FAILED.name
+            await gen.wait()  # the slot is free before the client sees the end
+            await resp.write(_sse(openai_error_body(err)))
+            await resp.write_eof()
+            return resp
+        assert fin is not None
+        if fin.finish_reason == "cancelled":
+            request[OUTCOME] = DISCONNECTED
+            return resp
+        await gen.wait()  # the slot is free before the client sees the end
+        final = delta_choice("", (), finish=_finish_reason(fin))
+        if not chat:
+            final["logprobs"] = None
+        await resp.write(chunk(final, millm_model=header))
+        if job.include_usage:
+            await resp.write(chunk(None, usage=_usage(fin), millm_model=header))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionError:  # the client went away mid-stream
+        gen.cancel()
+        request[OUTCOME] = DISCONNECTED
+    except asyncio.CancelledError:
+        gen.cancel()
+        raise
+    return resp

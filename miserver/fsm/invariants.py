@@ -235,6 +235,31 @@ def _incomplete_receive_never_clean(
     return e.received or e.trigger != "commit_end" or row.kind != "accepted"
 
 
+def _unusable_group_never_begins(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """A commit-begin whose process group failed or was destroyed opens no commit, and is
+    refused so only where the holder could otherwise begin: quiesced by it, clean, no pause
+    holding (contract 10; GROUP_UNAVAILABLE is the last check)."""
+    if e.trigger != "commit_begin" or e.group_ok:
+        return True
+    if row.kind == "accepted":
+        return False
+    refuse = row.refuse
+    if refuse is None or refuse.code.name != "GROUP_UNAVAILABLE":
+        return True
+    return (
+        b.owner == "holder" and b.barrier == "quiesced" and b.weights == "clean" and not b.takeover
+    )
+
+
+def _receive_refusal_only_to_the_beginner(
+    b: LifecycleState, e: Event, row: Row, a: LifecycleState
+) -> bool:
+    """Only the commit's own attachment is told its receive did not complete; any other caller
+    is refused as not the holder first (contract 10; the weights page's check order)."""
+    refuse = row.refuse
+    return refuse is None or refuse.reason != "receive_incomplete" or b.commit == "mine"
+
+
 def _held_follow_barrier(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
     """New requests are held from the moment the barrier leaves serving and released when it
     serves again (weights page: The write cycle 2, 5; contract 4)."""
@@ -504,6 +529,14 @@ EDGE_INVARIANTS: tuple[tuple[str, Callable[..., bool]], ...] = (
     (
         "a_commit_whose_receive_did_not_complete_is_never_made_clean",
         _incomplete_receive_never_clean,
+    ),
+    (
+        "only_the_commits_beginner_is_refused_receive_incomplete",
+        _receive_refusal_only_to_the_beginner,
+    ),
+    (
+        "an_unusable_group_never_opens_a_commit_and_is_checked_last",
+        _unusable_group_never_begins,
     ),
     ("requests_held_exactly_while_the_barrier_is_not_serving", _held_follow_barrier),
     ("drain_started_and_cancelled_with_the_barrier", _drain_follows_barrier),

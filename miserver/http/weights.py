@@ -116,6 +116,7 @@ def audit_refusal(
                 model=resident.base_name if resident is not None else None,
                 weights_state=state,
                 weights_state_before=before or state,
+                transport=runtime.transport.name,
             )
         )
     except Exception:  # noqa: BLE001 - the audit must not replace the call's own answer

@@ -242,6 +242,8 @@ def replicas(default_home: str, tmp_path: Path):
         assert TRN not in text and OPS not in text
 
 
+# two servers and a trainer on two cores: about 5 minutes alone, much longer beside other jobs
+@pytest.mark.timeout(1800)
 def test_one_trainer_writes_two_replicas_and_a_killed_one_tears_both(replicas, request):
     import requests
 

@@ -122,6 +122,9 @@ NOT_PRODUCIBLE_HERE: dict[str, str] = {
     "PAUSE_IN_PROGRESS:adapter": "needs a call during an adapter change (a race)",
     "MODEL_BUSY:model_transition": "needs a call during a model load (a race; also "
     "test_codes_that_need_work_in_progress)",
+    # contract 10: tests/unit/test_weights_process_group.py produces it over HTTP
+    "WEIGHTS_NOT_CLEAN:receive_incomplete": "needs a process-group attachment (a trainer rank "
+    "joined over torch.distributed) whose commit's broadcast never completed",
 }
 
 #: Every (CODE, reason) the HTTP state machine has seen, across all examples of a run.

@@ -189,6 +189,28 @@ def prepare_home(settings: Settings) -> str | None:
     return None
 
 
+def device_problem(device: str) -> str | None:
+    """Why ``DEVICE`` cannot be used on this machine (a ``cuda`` device without CUDA, or an
+    index beyond the GPUs visible), as a one-line configuration error; None when it can
+    (``auto`` and ``cpu`` always can). Contract 1: an invalid setting exits 2 at start."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        why = (
+            "this torch build has no CUDA"
+            if torch.version.cuda is None
+            else "no GPU is visible (check CUDA_VISIBLE_DEVICES and the driver)"
+        )
+        return f"DEVICE={device}, but {why}; set DEVICE=cpu, or auto to use a GPU when there is one"
+    index = int(device.partition(":")[2] or 0)
+    count = torch.cuda.device_count()
+    if index >= count:
+        return f"DEVICE={device}, but only {count} GPU(s) are visible (cuda:0..cuda:{count - 1})"
+    return None
+
+
 def serve(settings: Settings) -> int:
     """Run the server until SIGINT/SIGTERM; returns the process exit status.
 
@@ -197,7 +219,7 @@ def serve(settings: Settings) -> int:
     """
     configure_logging(settings)
     log.info("starting miserver (home %s, device %s)", settings.home, settings.device)
-    problem = prepare_home(settings)
+    problem = device_problem(settings.device) or prepare_home(settings)
     if problem is not None:
         print(f"miserver: invalid configuration: {problem}", file=sys.stderr)
         return 2

@@ -61,11 +61,14 @@ def alphabet(triggers: Iterable[str]) -> tuple[Event, ...]:
         elif trigger == "weights_load":
             events += [Event(trigger, caller=c, in_place=False) for c in (HOLDER, CALLERS[4])]
         elif trigger == "v1":
+            # every combination the HTTP layer sends: the target (a request without a
+            # catalogue row names "the resident", also while nothing is resident), the refuse
+            # policy and a full queue are independent
             events += [
-                Event(trigger, target="resident"),
-                Event(trigger, target="resident", queue_full=True),
-                Event(trigger, target="other"),
-                Event(trigger, target="other", refuse_policy=True),
+                Event(trigger, target=target, refuse_policy=refuse, queue_full=full)
+                for target in ("resident", "other")
+                for refuse in (False, True)
+                for full in (False, True)
             ]
         elif trigger == "v1_confirm":
             events += [Event(trigger, same_resident=True), Event(trigger, same_resident=False)]

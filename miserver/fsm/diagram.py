@@ -211,12 +211,16 @@ def mutation_section(result: dict | None, table: tuple[Row, ...] = TABLE) -> lis
     out.append(
         "Every one-row mutant of the table is judged: first by `miserver check` (in-process), "
         "then, if it survives, by the stateful test against the independent reference model "
-        "(tests/model/stateful.py: its deterministic tour of every barrier stage, then the "
+        "(tests/model/stateful.py: its deterministic tour, every route by every kind of caller "
+        "and every internal event in every stage of every pause and in every prelude, then the "
         "Hypothesis state machine with a fixed, derandomized budget). A mutant neither rejects "
         "is a survivor unless tests/model/equivalent_mutants.txt lists it with the reason the "
         "table still means the same thing (reviewed by hand); nothing else counts as "
         "equivalent. The full sweep: `python -m tests.model.mutation` (it rewrites the result "
-        "file; then `miserver docs`). CI judges a fixed sample (tests/model/test_mutation.py)."
+        "file; then `miserver docs`). CI judges a fixed sample, a seeded draw of the same "
+        "number of mutants of each kind (tests/model/test_mutation.py), and checks that every "
+        "listed equivalent takes every reachable step as the table does (one exception, "
+        "named there with its reason)."
     )
     out.append("")
     if result is None:

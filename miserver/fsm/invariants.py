@@ -120,6 +120,14 @@ def _transition_unheld(s: LifecycleState) -> bool:
     return s.transition == "none" or (s.owner == "none" and s.weights != "writing")
 
 
+def _unavailable_serves(s: LifecycleState) -> bool:
+    """While pauses are unavailable (continuous batching, or MAX_CONCURRENT_REQUESTS not 1:
+    status pause_unavailable) nothing holds the barrier: quiesce, save, weights load and
+    adapter change are refused 409 BARRIER_UNAVAILABLE, and a settings change that makes them
+    unavailable is accepted only while serving (weights page: Status; contract 1)."""
+    return s.avail == "ok" or (s.barrier == "serving" and s.owner == "none")
+
+
 STATE_INVARIANTS: tuple[tuple[str, Callable[[LifecycleState], bool]], ...] = (
     *((name, (lambda f: lambda s: f(_fields(s)))(fn)) for name, fn in STRUCTURE),
     ("hold_timer_armed_exactly_when_clean_holder_quiesce_without_commit_or_takeover", _hold_exact),
@@ -130,6 +138,7 @@ STATE_INVARIANTS: tuple[tuple[str, Callable[[LifecycleState], bool]], ...] = (
     ("no_model_transition_while_attached", _attached_no_transition),
     ("nothing_resident_carries_no_commits_or_adapter", _empty_carries_nothing),
     ("model_transition_runs_unheld", _transition_unheld),
+    ("nothing_holds_the_barrier_while_pauses_are_unavailable", _unavailable_serves),
 )
 
 
@@ -339,6 +348,88 @@ def _late_timer_ignored(b: LifecycleState, e: Event, row: Row, a: LifecycleState
     return armed is None or getattr(b, armed) or row.kind == "ignored"
 
 
+def _job_of(trigger: str, b: LifecycleState) -> bool | None:
+    """Whether the internal event ``trigger`` has something to end or report in ``b`` (the
+    job it completes is running, the timer it expires is armed), ``None`` for a request."""
+    held = b.barrier == "quiesced"
+    if trigger in _TIMER_EVENTS:
+        return getattr(b, _TIMER_EVENTS[trigger])
+    if trigger == "drained":
+        return b.barrier == "draining"
+    if trigger in ("save_done", "save_failed"):
+        return held and b.owner == "save"
+    if trigger in ("adapter_done", "adapter_failed"):
+        return held and b.owner == "adapter"
+    if trigger == "weights_load_write":
+        return held and b.owner == "weights_load" and b.weights != "writing"
+    if trigger == "weights_load_done":
+        return held and b.owner == "weights_load" and b.weights == "writing"
+    if trigger == "weights_load_failed":
+        return held and b.owner == "weights_load"
+    if trigger in ("transition_done", "transition_failed", "transition_abandoned"):
+        return b.transition != "none"
+    if trigger == "address_moved":
+        return b.attachment != "none"  # only exported handles can see a storage move
+    return None
+
+
+def _completion_applies(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """An internal event applies exactly when what it reports is running: a drain's end while
+    the barrier drains, a pause's end (save, weights load, adapter change) only to that pause
+    once it holds the barrier, a model transition's end while one runs, a timer's expiry
+    while it is armed, a moved address while handles are exported. Otherwise it is ignored
+    (a late or stray event), and what is running is never left waiting for an end that was
+    ignored (weights page: The write cycle 2, Timers; contract 3, 5, 6)."""
+    applies = _job_of(e.trigger, b)
+    return applies is None or applies == (row.kind == "accepted")
+
+
+def _torn_pause_fails(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """A save or adapter change that completes on a torn set (a parameter's address moved
+    during the pause) is answered as a failure and records nothing (docs/state-machine.md,
+    decisions: a parameter's address moved)."""
+    if e.trigger not in ("save_done", "adapter_done") or b.weights != "torn":
+        return True
+    if row.kind != "accepted":
+        return True
+    return (
+        Effect.ANSWER_PENDING not in row.effects
+        and not {"save", "adapter"} & set(row.actions)
+        and a.unsaved == b.unsaved
+        and a.adapter == b.adapter
+    )
+
+
+def _transition_ends(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """A model transition's end leaves no transition running and the resident as the end says:
+    a completed load or swap leaves its model resident, a completed unload or a failed load
+    leaves nothing resident, a failed unload or an abandoned transition (its drain timed out)
+    leaves the resident as it was (contract 3; decisions: a failed load leaves nothing
+    resident; a model load, swap or unload drains first)."""
+    ends = ("transition_done", "transition_failed", "transition_abandoned")
+    if e.trigger not in ends or b.transition == "none" or row.kind != "accepted":
+        return True
+    if a.transition != "none":
+        return False
+    if e.trigger == "transition_done":
+        return a.resident == (b.transition == "load")
+    if e.trigger == "transition_failed" and b.transition == "load":
+        return not a.resident
+    return a.resident == b.resident
+
+
+def _full_queue_refuses_waiting(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """A full interactive queue (MAX_QUEUED_REQUESTS) refuses what would wait in it: a quiesce,
+    and a /v1 request that would be held (contract 1: 503 QUEUE_FULL for /v1 and quiesce;
+    decisions: the queue bound counts the interactive requests that wait, queued or held)."""
+    if not e.queue_full or row.kind != "accepted":
+        return True
+    if e.trigger == "quiesce":
+        return False
+    held = Effect.HOLD_REQUEST in row.effects and Effect.START_MODEL_LOAD not in row.effects
+    return not (e.trigger == "v1" and held)
+
+
 def _settings_applied(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
     """An accepted settings change takes effect (contract 1: PATCH /api/settings)."""
     return _iff(Effect.APPLY_SETTINGS, row, e.trigger == "settings_change")
@@ -398,6 +489,13 @@ EDGE_INVARIANTS: tuple[tuple[str, Callable[..., bool]], ...] = (
     ("an_accepted_model_transition_is_started", _transition_starts),
     ("cache_dropped_when_the_barrier_is_taken_or_the_served_parameters_change", _cache_dropped),
     ("a_timer_that_is_not_armed_changes_nothing", _late_timer_ignored),
+    ("an_internal_event_applies_exactly_while_what_it_ends_runs", _completion_applies),
+    ("a_pause_that_completes_on_a_torn_set_fails_and_records_nothing", _torn_pause_fails),
+    ("a_model_transition_ends_with_the_resident_its_end_says", _transition_ends),
+    (
+        "a_full_queue_refuses_a_quiesce_and_a_request_that_would_be_held",
+        _full_queue_refuses_waiting,
+    ),
     ("an_accepted_settings_change_takes_effect", _settings_applied),
     ("every_accepted_v1_request_is_run_held_or_auto_loaded", _admission_decided),
     ("unsaved_adapter_and_resident_follow_commits_saves_and_loads", _counters_follow),

@@ -530,6 +530,41 @@ async def health(request: web.Request) -> web.Response:
     return ok({"status": "ok"})
 
 
+async def health_ready(request: web.Request) -> web.Response:
+    """``GET /api/health/ready``: readiness (a Kubernetes ``readinessProbe``): 200 while a model
+    is resident and served, else ``503 NOT_READY`` with the reason: ``no_model`` (nothing
+    resident), ``model_transition`` (a load or unload is running), ``weights_torn`` (the served
+    set is torn; ``/v1`` answers 503 ``WEIGHTS_TORN`` until a weights load). A quiesce or a
+    commit does not make the server unready: it holds requests for milliseconds and serves them.
+    During the SIGTERM grace this route is ``503 SHUTTING_DOWN``, as every route but liveness.
+    """
+    app = request.app
+    host = app[keys.HOST]
+    resident = host.describe()
+    if host.transition:
+        raise ApiError(
+            codes.NOT_READY,
+            f"a model {'unload' if host.transition == 'unload' else 'load'} is running; "
+            "ready once it ends",
+            reason="model_transition",
+        )
+    if resident is None:
+        raise ApiError(
+            codes.NOT_READY,
+            "no model is resident: load one (POST /api/models/{id}/load) or set DEFAULT_MODEL",
+            reason="no_model",
+        )
+    summary = weights_summary(app) or {}
+    if summary.get("weights_state") == "torn":
+        raise ApiError(
+            codes.NOT_READY,
+            "the served weights are torn (a commit did not complete): recover with "
+            "POST /api/weights/load (docs/operations.md)",
+            reason="weights_torn",
+        )
+    return ok({"status": "ready", "served_name": resident["served_name"]})
+
+
 def weights_summary(app: web.Application) -> dict[str, Any] | None:
     """The ``weights`` block of ``/api/health/detailed`` (weights page: Status, last paragraph):
     ``{weights_state, barrier, attached, attachment_state}`` from ``app[keys.WEIGHTS_SUMMARY]``
@@ -612,4 +647,5 @@ def setup_routes(app: web.Application) -> None:
     r.add_patch("/api/settings", patch_settings)
     r.add_get("/api/health", health)
     r.add_get("/api/health/detailed", health_detailed)
+    r.add_get("/api/health/ready", health_ready)
     r.add_get("/metrics", metrics)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from miserver.serving.base_tensors import _is_tuner_layer, base_named_parameters, has_adapter
+from miserver.serving.base_tensors import base_named_parameters, has_adapter, is_tuner_layer
 from miserver.serving.checkpoint_format import NAME_RE, rfc3339
 from miserver.serving.client_paths import ClientPathError, check_client_path
 from miserver.spec import codes
@@ -179,7 +179,7 @@ def _module_by_name(model: nn.Module) -> dict[str, nn.Module]:
     out: dict[str, nn.Module] = {}
 
     def walk(m: nn.Module, prefix: str) -> None:
-        if _is_tuner_layer(m):
+        if is_tuner_layer(m):
             m = m.get_base_layer()
         out[prefix.rstrip(".")] = m
         for n, c in m._modules.items():

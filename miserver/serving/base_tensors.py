@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 
-def _is_tuner_layer(module: nn.Module) -> bool:
+def is_tuner_layer(module: nn.Module) -> bool:
     try:
         from peft.tuners.tuners_utils import BaseTunerLayer
     except ImportError:  # pragma: no cover - peft is a dependency
@@ -23,7 +23,7 @@ def _is_tuner_layer(module: nn.Module) -> bool:
 
 
 def _walk(module: nn.Module, prefix: str, params_only: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    if _is_tuner_layer(module):
+    if is_tuner_layer(module):
         module = module.get_base_layer()
     for name, p in module._parameters.items():
         if p is not None:
@@ -55,4 +55,4 @@ def base_named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 
 def has_adapter(model: nn.Module) -> bool:
     """Whether any LoRA (PEFT tuner) layer is present in ``model``."""
-    return any(_is_tuner_layer(m) for m in model.modules())
+    return any(is_tuner_layer(m) for m in model.modules())

@@ -152,6 +152,16 @@ GENERATION_FAILED = _c(
 INTERNAL_ERROR = _c("INTERNAL_ERROR", 500, t="server_error", src=C + " 2")
 #: miserver's own: the process is draining after SIGTERM (issue 16; docs/operations.md).
 SHUTTING_DOWN = _c("SHUTTING_DOWN", 503, t="server_error", src="miserver: graceful shutdown")
+#: miserver's own: ``GET /api/health/ready`` while the server cannot serve (the readiness probe).
+NOT_READY = _c(
+    "NOT_READY",
+    503,
+    "no_model",
+    "model_transition",
+    "weights_torn",
+    t="server_error",
+    src="miserver: readiness",
+)
 # The disk under MISERVER_HOME (or the audit log) is full: nothing was written (WebDAV's 507).
 INSUFFICIENT_STORAGE = _c("INSUFFICIENT_STORAGE", 507, "disk_full", t="server_error", src=C + " 2")
 

@@ -18,10 +18,12 @@ survivor, unless it is listed in ``equivalent_mutants.txt`` (one line each: the 
 why the table still means the same thing; reviewed by hand). Nothing else counts as
 equivalent: a listed mutant that a check kills, or an id the table no longer has, is an error.
 
-The full sweep is ``python -m tests.model.mutation --jobs 2`` (about 16 minutes on two cores): it
+The full sweep is ``python -m tests.model.mutation --jobs 2`` (about 10 minutes on two cores): it
 writes ``docs/state-machine-mutants.json``, whose summary ``miserver docs`` renders into
-docs/state-machine.md. ``--propose`` prints a candidate line for every survivor whose every
-reachable step is the production table's (to review before adding it to the file).
+docs/state-machine.md. ``--ci`` judges only the CI sample (:func:`stratified_sample`, what
+tests/model/test_mutation.py runs). ``--propose`` prints a candidate line for every survivor
+whose every reachable step is the production table's: a starting point only; the line that
+goes into the file names what makes the mutant equivalent (the invariants, the earlier rows).
 """
 
 from __future__ import annotations
@@ -460,6 +462,26 @@ def sample(all_mutants: list[Mutant], every: int = 10, offset: int = 0) -> list[
     return all_mutants[offset::every]
 
 
+#: The CI sample: this many mutants of each kind, drawn with this seed (fixed, so CI judges
+#: the same mutants every run; the seed is the issue's number, not one picked for its draw).
+CI_PER_KIND, CI_SEED = 15, 19
+
+
+def stratified_sample(
+    all_mutants: list[Mutant], per_kind: int = CI_PER_KIND, seed: int = CI_SEED
+) -> list[Mutant]:
+    """A seeded draw of ``per_kind`` mutants of each of the :data:`KINDS` (all of a kind that
+    has fewer), in table order: every kind of mistake is judged, none favoured by position."""
+    import random
+
+    rng = random.Random(seed)
+    chosen: set[str] = set()
+    for kind in KINDS:
+        of_kind = [m.id for m in all_mutants if m.kind == kind]
+        chosen.update(rng.sample(of_kind, min(per_kind, len(of_kind))))
+    return [m for m in all_mutants if m.id in chosen]
+
+
 def write_result(sweep: Sweep, path: Path = RESULT_FILE) -> None:
     """Write the sweep's raw verdicts (killed or survived, before the equivalents file is
     applied) and its summary with the equivalents file applied."""
@@ -531,6 +553,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m tests.model.mutation", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--sample", type=int, default=0, help="judge every N-th mutant only")
+    parser.add_argument(
+        "--ci", action="store_true", help="judge the CI sample only (tests/model/test_mutation.py)"
+    )
     parser.add_argument("--only", default="", help="judge the mutants whose id contains this")
     parser.add_argument("--no-write", action="store_true", help="do not write the result file")
     parser.add_argument("--propose", action="store_true", help="print candidate equivalents")
@@ -551,12 +576,14 @@ def main(argv: list[str] | None = None) -> int:
     selected = everything
     if args.sample:
         selected = sample(everything, args.sample)
+    if args.ci:
+        selected = stratified_sample(everything)
     if args.only:
         selected = [m for m in selected if args.only in m.id]
     budget = SWEEP_BUDGET
     judge = Judge()
     equivalents = read_equivalents()
-    if args.jobs > 1 and not (args.sample or args.only or args.checker_only):
+    if args.jobs > 1 and not (args.sample or args.ci or args.only or args.checker_only):
         sweep = parallel_sweep(args.jobs, judge)
     elif args.checker_only:
         t0 = time.perf_counter()

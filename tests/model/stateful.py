@@ -330,18 +330,7 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
 
         @rule(
             kind=st.sampled_from(["quiesce", "save", "weights_load", "adapter_change"]),
-            stage=st.sampled_from(
-                [
-                    "draining",
-                    "quiesced",
-                    "writing",
-                    "torn",
-                    "takeover",
-                    "takeover_torn",
-                    "stale",
-                    "draining_stale",
-                ]
-            ),
+            stage=st.sampled_from(TOUR_STAGES),
             route=st.sampled_from(
                 (*GATED, "attach", "adapter_change", "model_load", "model_unload", "v1")
             ),
@@ -352,13 +341,19 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
             """Bring the barrier to a stage (a pause draining or holding; the holder writing,
             torn, or taken over by a pause; the attachment stale), then make one call there: each
             route's checks in each stage of the barrier, in one step (each event compared)."""
+            self.bring_to(kind, stage)
+            self.call(route, who, flag)
+
+        def bring_to(self, kind: str, stage: str) -> None:
+            """Attach (when nothing is), then bring the barrier to ``stage`` with a pause of
+            ``kind`` (see :data:`TOUR_STAGES`)."""
             if self.ref.att is None:
                 trainer = Caller("trainer", "t")
                 self.both(
                     Event("attach", caller=trainer), lambda: self.ref.attach(trainer, self.now)
                 )
             holder = self.caller("holder")
-            if stage in ("writing", "torn", "takeover", "takeover_torn"):
+            if stage in ("writing", "torn", "takeover", "takeover_torn", "takeover_writing"):
                 self.start_pause("quiesce")
                 self.both(Event("drained"), lambda: self.ref.drained(self.now))
                 if stage in ("writing", "torn"):
@@ -372,14 +367,19 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                     self.start_pause(kind)  # takes over the holder's hold
                     if stage == "takeover_torn":
                         self.both(Event("address_moved"), lambda: self.ref.address_moved(self.now))
+                    elif stage == "takeover_writing":  # a weights load that took over writes
+                        self.completion("weights_load_write")
             else:
                 self.start_pause(kind)
-                if stage in ("quiesced", "stale"):
+                if stage in ("quiesced", "stale", "quiesced_torn", "job_writing"):
                     self.both(Event("drained"), lambda: self.ref.drained(self.now))
+                if stage in ("quiesced_torn", "draining_torn"):  # the set tears in the pause
+                    self.both(Event("address_moved"), lambda: self.ref.address_moved(self.now))
+                if stage == "job_writing":  # a weights load drained from serving writes
+                    self.completion("weights_load_write")
                 if stage in ("stale", "draining_stale") and self.ref.att is not None:
                     self.now = self.ref.deadlines.get("heartbeat", self.now)
                     self.advance("small", 0.0)
-            self.call(route, who, flag)
 
         def call(self, route: str, who: str, flag: bool, reason: str | None = None) -> None:
             """One call of ``route`` by ``who`` (``flag``: in place, resident target;
@@ -402,12 +402,27 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                 )
             elif route == "model_unload":
                 self.both(Event(route), lambda: self.ref.model_unload(self.now))
-            else:
-                names = "resident" if flag else "other"
+            elif route == "quiesce_full":  # a quiesce while the interactive queue is full
+                caller = self.caller(who)
                 self.both(
-                    Event("v1", target=names),  # type: ignore[arg-type]
-                    lambda: self.ref.v1(self.now, names, False, False),
+                    Event("quiesce", caller=caller, queue_full=True),
+                    lambda: self.ref.quiesce(caller, self.now, True),
                 )
+            elif route in ("v1", "v1_refuse", "v1_full"):
+                names = "resident" if flag else "other"
+                refuse, full = route == "v1_refuse", route == "v1_full"
+                self.both(
+                    Event("v1", target=names, refuse_policy=refuse, queue_full=full),  # type: ignore[arg-type]
+                    lambda: self.ref.v1(self.now, names, refuse, full),
+                )
+            elif route == "v1_confirm":
+                self.v1_confirm(flag)
+            elif route == "adapter_done":
+                self.completion("adapter_done" if flag else "adapter_removed")
+            elif route in INTERNAL:
+                self.completion(route)
+            else:  # pragma: no cover - a typo in the tour
+                raise ValueError(route)
 
         @rule(
             kind=st.sampled_from(["quiesce", "quiesce", "save", "weights_load", "adapter_change"]),
@@ -661,6 +676,10 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
 #: The tour's stages, routes and callers (``interleave``'s arguments); who: the holder, no
 #: token, a trainer that is not the holder, an operator that is not the holder.
 TOUR_KINDS = ("quiesce", "save", "weights_load", "adapter_change")
+#: ``job_writing``: a pause drained from serving, then (a weights load) writing;
+#: ``takeover_writing``: a weights load that took over the holder's hold, writing;
+#: ``quiesced_torn`` / ``draining_torn``: the set tore (a moved address) while the pause holds
+#: or drains.
 TOUR_STAGES = (
     "draining",
     "quiesced",
@@ -670,10 +689,70 @@ TOUR_STAGES = (
     "takeover_torn",
     "stale",
     "draining_stale",
+    "job_writing",
+    "takeover_writing",
+    "quiesced_torn",
+    "draining_torn",
 )
-TOUR_ROUTES = (*GATED, "attach", "adapter_change", "model_load", "model_unload", "v1")
+#: Internal events (completions the serving layer reports); ``adapter_done`` is flagged
+#: (applied or removed), and so is ``v1_confirm`` (the same resident or not).
+INTERNAL = (
+    "drained",
+    "save_done",
+    "save_failed",
+    "weights_load_write",
+    "weights_load_done",
+    "weights_load_failed",
+    "adapter_done",
+    "adapter_failed",
+    "transition_done",
+    "transition_failed",
+    "transition_abandoned",
+    "address_moved",
+    "v1_confirm",
+)
+#: Requests: each gated route, attach, the management calls, /v1 (plain, with the refuse
+#: policy, with a full queue) and a quiesce with a full queue.
+TOUR_REQUESTS = (
+    *GATED,
+    "attach",
+    "adapter_change",
+    "model_load",
+    "model_unload",
+    "v1",
+    "v1_refuse",
+    "v1_full",
+    "quiesce_full",
+)
+TOUR_ROUTES = (*TOUR_REQUESTS, *INTERNAL)
 TOUR_WHO = ("holder", "none", "wrong_id", "operator")
-_FLAGGED = ("weights_load", "model_load", "v1", "quiesce")
+_FLAGGED = (
+    "weights_load",
+    "model_load",
+    "v1",
+    "v1_refuse",
+    "v1_full",
+    "quiesce",
+    "v1_confirm",
+    "adapter_done",
+)
+
+
+def _tour_calls(route: str):
+    """``(who, flag)`` for each call of ``route`` in the tour: an internal event has no
+    caller (once, as the holder's turn)."""
+    flags = (True, False) if route in _FLAGGED else (True,)
+    whos = ("holder",) if route in INTERNAL else TOUR_WHO
+    return [(who, flag) for who in whos for flag in flags]
+
+
+def tour_size() -> int:
+    """How many programs :func:`tour` runs."""
+    per_stage = sum(len(_tour_calls(r)) for r in TOUR_ROUTES)
+    attach_extra = len(TOUR_WHO) * 5  # an attach in a prelude tries every not-attachable reason
+    return len(TOUR_KINDS) * len(TOUR_STAGES) * per_stage + len(TOUR_PRELUDES) * (
+        per_stage + attach_extra
+    )
 
 
 def tour(table: tuple[Row, ...] = TABLE) -> int:
@@ -690,22 +769,22 @@ def _tour_stages(machine_cls) -> int:
     for kind in TOUR_KINDS:
         for stage in TOUR_STAGES:
             for route in TOUR_ROUTES:
-                for who in TOUR_WHO:
-                    for flag in (True, False) if route in _FLAGGED else (True,):
-                        m = machine_cls()
-                        try:
-                            m.start(True, TIMINGS[0])
-                            m.interleave(kind, stage, route, who, flag)
-                            m.status_agrees()
-                            m.deadlines_agree()
-                            m.expire()
-                            m.status_agrees()
-                            m.deadlines_agree()
-                        except AssertionError as exc:
-                            raise AssertionError(
-                                f"tour {kind}/{stage}/{route}/{who}/flag={flag}: {exc}"
-                            ) from None
-                        n += 1
+                for who, flag in _tour_calls(route):
+                    m = machine_cls()
+                    try:
+                        m.start(True, TIMINGS[0])
+                        m.bring_to(kind, stage)
+                        m.call(route, who, flag)
+                        m.status_agrees()
+                        m.deadlines_agree()
+                        m.expire()
+                        m.status_agrees()
+                        m.deadlines_agree()
+                    except AssertionError as exc:
+                        raise AssertionError(
+                            f"tour {kind}/{stage}/{route}/{who}/flag={flag}: {exc}"
+                        ) from None
+                    n += 1
     return n
 
 
@@ -714,11 +793,9 @@ def _tour_preludes(machine_cls) -> int:
     reasons = (None, "gguf", "quantized", "dtype", "not_on_gpu", "allocator")
     for prelude in TOUR_PRELUDES:
         for route in TOUR_ROUTES:
-            for who in TOUR_WHO:
+            for who, flag0 in _tour_calls(route):
                 for flag, reason in (
-                    ((True, r) for r in reasons)
-                    if route == "attach"
-                    else ((f, None) for f in ((True, False) if route in _FLAGGED else (True,)))
+                    ((True, r) for r in reasons) if route == "attach" else ((flag0, None),)
                 ):
                     m = machine_cls()
                     try:
@@ -738,36 +815,79 @@ def _tour_preludes(machine_cls) -> int:
     return n
 
 
-#: Situations outside a pause the tour also calls every route in.
+#: Situations outside a pause the tour also calls every route in: ``base+then``. Bases:
+#: ``empty`` (nothing resident), ``fresh`` (a model resident, serving), ``unsaved_detached``
+#: (a commit ended, then the holder detached), ``torn_detached`` (a commit torn by the
+#: watchdog, then the holder detached), ``attached`` (the holder attached, serving),
+#: ``orphan_writing`` (the holder went stale mid-commit and was cleared: the commit is left
+#: for the watchdog). Then: a model load (or swap) or unload running, pauses made unavailable
+#: (``cbm``, ``concurrency``), an adapter change or a weights load by an operator (nothing
+#: attached) draining, holding the barrier, or writing.
 TOUR_PRELUDES = (
     "empty",
-    "loading",
-    "unloading",
+    "empty+loading",
+    "fresh",
+    "fresh+loading",
+    "fresh+unloading",
+    "fresh+cbm",
+    "fresh+concurrency",
+    "fresh+adapter_draining",
+    "fresh+adapter_quiesced",
+    "fresh+load_draining",
+    "fresh+load_writing",
     "unsaved_detached",
+    "unsaved_detached+loading",
+    "unsaved_detached+unloading",
+    "unsaved_detached+adapter_draining",
+    "unsaved_detached+adapter_quiesced",
+    "unsaved_detached+load_draining",
     "torn_detached",
-    "cbm",
-    "concurrency",
+    "torn_detached+unloading",
+    "torn_detached+load_draining",
+    "torn_detached+load_writing",
+    "attached+cbm",
+    "attached+concurrency",
+    "orphan_writing",
 )
 
 
 def _prelude(m, prelude: str) -> None:
-    m.start(prelude != "empty", TIMINGS[0])
+    base, _, then = prelude.partition("+")
+    # orphan_writing: the heartbeat window (0.5 s) ends before the watchdog's (0.8 s)
+    m.start(base != "empty", TIMINGS[1] if base == "orphan_writing" else TIMINGS[0])
     ref = m.ref
-    if prelude == "loading":
-        m.both(Event("model_load", target="other"), lambda: ref.model_load(m.now, "other"))
-    elif prelude == "unloading":
-        m.both(Event("model_unload"), lambda: ref.model_unload(m.now))
-    elif prelude in ("cbm", "concurrency"):
-        m.both(
-            Event("settings_change", avail=prelude),  # type: ignore[arg-type]
-            lambda: ref.settings_change(m.now, prelude),
-        )
-    elif prelude in ("unsaved_detached", "torn_detached"):
+    holder = m.caller("holder")
+    if base in ("unsaved_detached", "torn_detached"):
         # a commit (ended, or torn by the watchdog), then the holder detaches
-        m.interleave(
-            "quiesce", "torn" if prelude == "torn_detached" else "writing", "resume", "holder", True
-        )
+        m.bring_to("quiesce", "torn" if base == "torn_detached" else "writing")
         holder = m.caller("holder")
-        if prelude == "unsaved_detached":
+        if base == "unsaved_detached":
             m.both(Event("commit_end", caller=holder), lambda: ref.commit_end(holder, m.now))
         m.both(Event("detach", caller=holder), lambda: ref.detach(holder, m.now))
+    elif base == "attached":
+        trainer = Caller("trainer", "t")
+        m.both(Event("attach", caller=trainer), lambda: ref.attach(trainer, m.now))
+    elif base == "orphan_writing":
+        m.bring_to("quiesce", "writing")
+        m.now = ref.deadlines["heartbeat"]  # the attachment goes stale mid-commit
+        m.advance("small", 0.0)
+        operator = m.caller("operator")
+        m.both(Event("clear_stale", caller=operator), lambda: ref.clear_stale(operator, m.now))
+    if then == "loading":
+        m.both(Event("model_load", target="other"), lambda: ref.model_load(m.now, "other"))
+    elif then == "unloading":
+        m.both(Event("model_unload"), lambda: ref.model_unload(m.now))
+    elif then in ("cbm", "concurrency"):
+        m.both(
+            Event("settings_change", avail=then),  # type: ignore[arg-type]
+            lambda: ref.settings_change(m.now, then),
+        )
+    elif then.startswith("adapter_"):
+        m.both(Event("adapter_change"), lambda: ref.adapter_change(m.now))
+    elif then.startswith("load_"):
+        operator = Caller("operator", "op")
+        m.both(Event("weights_load", caller=operator), lambda: ref.weights_load(operator, m.now))
+    if then.endswith("_quiesced") or then.endswith("_writing"):
+        m.both(Event("drained"), lambda: ref.drained(m.now))
+    if then.endswith("_writing"):
+        m.completion("weights_load_write")

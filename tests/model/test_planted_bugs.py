@@ -243,11 +243,13 @@ def bug_abandoned_transition_keeps_running() -> tuple[Row, ...]:
     return _swap(TABLE, row, _unset(row, "transition"))
 
 
-def test_abandoned_transition_bug_fails_the_stateful_test() -> None:
-    """No invariant is about it; the reference model (recorded decision: an abandoned
-    transition changes nothing and ends) disagrees."""
+def test_abandoned_transition_bug_fails_the_checker_and_the_stateful_test() -> None:
+    """The invariant that a transition's end leaves no transition running (issue 19) catches
+    it; the reference model (recorded decision: an abandoned transition changes nothing and
+    ends) disagrees too."""
     table = bug_abandoned_transition_keeps_running()
-    assert check(table).violations == []
+    violated = [v.invariant for v in check(table).violations]
+    assert violated == ["a_model_transition_ends_with_the_resident_its_end_says"]
     profile = settings(  # stops at the first failure: a large budget costs only a miss
         max_examples=1000,
         stateful_step_count=50,

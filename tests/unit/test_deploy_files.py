@@ -344,8 +344,9 @@ def test_backend_deployment_recreates_and_probes_health():
     container = next(
         c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "miserver"
     )
+    paths = {"readinessProbe": "/api/health/ready", "livenessProbe": "/api/health"}
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
-        assert container[probe]["httpGet"]["path"] == "/api/health", probe
+        assert container[probe]["httpGet"]["path"] == paths.get(probe, "/api/health"), probe
         assert container[probe]["httpGet"]["port"] == "http", probe
     assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in container["ports"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1

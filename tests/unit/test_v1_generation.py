@@ -9,17 +9,15 @@ import time
 import pytest
 import torch
 
+from miserver.serving.detokenize import IncrementalDetokenizer, StopMatcher, token_bytes
 from miserver.serving.generation import (
     Finished,
     Generation,
     GenerationError,
-    IncrementalDetokenizer,
     SamplingParams,
     Started,
-    StopMatcher,
     TextDelta,
     pick_token,
-    token_bytes,
 )
 from tests.unit.v1_fixtures import cached_tokenizer, tiny_model
 

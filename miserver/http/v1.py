@@ -70,6 +70,7 @@ from miserver.serving.generation import (
     context_length,
 )
 from miserver.serving.host import Resident
+from miserver.serving.prompts import PromptError, chat_prompt_ids, max_token_chars, render_chat
 from miserver.serving.scheduler import Priority
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
@@ -156,7 +157,29 @@ def _check_context(
     return max_tokens
 
 
+def _check_length(resident: Resident, text: str, prompt_param: str) -> None:
+    """Refuse, before tokenizing, a text too long for any tokenization of it to fit.
+
+    A token covers at most :func:`~miserver.serving.prompts.max_token_chars` characters, so a
+    text of more than ``context * max_token_chars`` characters is more than ``context`` tokens:
+    the 400 the context check would give after tokenizing (~10 CPU-seconds for 8 MB), at once.
+    """
+    per_token = max_token_chars(resident.tokenizer)
+    if per_token is None:
+        return
+    context = context_length(resident.model)
+    if len(text) > context * per_token:
+        raise _bad(
+            f"the prompt is {len(text)} characters, more than the context window of "
+            f"{resident.served_name} ({context} tokens of at most {per_token} characters) "
+            "can hold",
+            prompt_param,
+        )
+
+
 def _chat_prompt(resident: Resident, req: schema.ChatCompletionRequest) -> list[int]:
+    """The prompt ids of a chat request: the chat template, message content as text
+    (:func:`~miserver.serving.prompts.chat_prompt_ids`). Runs in a worker thread."""
     tok = resident.tokenizer
     if getattr(tok, "chat_template", None) is None:
         raise _bad(
@@ -167,17 +190,20 @@ def _chat_prompt(resident: Resident, req: schema.ChatCompletionRequest) -> list[
         for m in req.messages
     ]
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as exc:  # noqa: BLE001 - a template may refuse a conversation (jinja)
-        raise _bad(
-            f"the chat template refused the messages: {str(exc)[:300]}", "messages"
-        ) from None
-    return list(tok(text, add_special_tokens=False)["input_ids"])
+        text = render_chat(tok, messages)
+        _check_length(resident, text, "messages")
+        return chat_prompt_ids(tok, messages, text)
+    except PromptError as exc:
+        raise _bad(str(exc), "messages") from None
 
 
 def _completion_prompt(resident: Resident, prompt: schema.PromptSpec) -> list[int]:
+    """The prompt ids of a completion request. A string prompt is the caller's raw text, its
+    special-token strings parsed as control tokens (docs/decisions.md). Runs in a worker
+    thread."""
     tok = resident.tokenizer
     if isinstance(prompt, str):
+        _check_length(resident, prompt, "prompt")
         ids = list(tok(prompt)["input_ids"])
     else:
         vocab = len(tok)

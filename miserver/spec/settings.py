@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -360,6 +361,50 @@ def parse_tokens(text: str, variable: str) -> list[WeightsToken]:
     return tokens
 
 
+#: The largest ``WEIGHTS_TOKENS_FILE`` read, bytes: thousands of entries; a bound so that a
+#: wrong path (a device, a log) stops the start with one line instead of reading for ever.
+MAX_TOKENS_FILE_BYTES = 1024 * 1024
+
+
+def read_tokens_file(path: str) -> str:
+    """The text of ``WEIGHTS_TOKENS_FILE``: a regular file (a symlink to one, as Kubernetes
+    mounts secrets, is fine) of UTF-8 text, at most :data:`MAX_TOKENS_FILE_BYTES`.
+
+    Raises :class:`ConfigError` naming the variable and the problem (never the file's
+    content: it holds secrets) for a missing or unreadable file, a device, FIFO or directory
+    (``/dev/zero`` would never end; a FIFO would block the start), a larger file, or bytes
+    that are not UTF-8.
+    """
+    variable = "WEIGHTS_TOKENS_FILE"
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise ConfigError(variable, f"cannot read {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+        raise ConfigError(
+            variable, f"{path} is {kind}; it must be a regular file of label:role:secret lines"
+        )
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TOKENS_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(variable, f"cannot read {path}: {exc.strerror}") from None
+    if len(raw) > MAX_TOKENS_FILE_BYTES:
+        raise ConfigError(
+            variable,
+            f"{path} is larger than {MAX_TOKENS_FILE_BYTES} bytes; it must hold only "
+            "label:role:secret lines",
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            variable, f"{path} is not UTF-8 text (line {line}, byte {exc.start + 1})"
+        ) from None
+
+
 def load_settings(
     env: Mapping[str, str] | None = None, overrides: Mapping[str, object] | None = None
 ) -> Settings:
@@ -380,13 +425,7 @@ def load_settings(
     tokens = parse_tokens(env.get("WEIGHTS_TOKENS", ""), "WEIGHTS_TOKENS")
     token_file = env.get("WEIGHTS_TOKENS_FILE", "").strip()
     if token_file:
-        try:
-            text = Path(token_file).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(
-                "WEIGHTS_TOKENS_FILE", f"cannot read {token_file}: {exc.strerror}"
-            ) from None
-        tokens += parse_tokens(text, "WEIGHTS_TOKENS_FILE")
+        tokens += parse_tokens(read_tokens_file(token_file), "WEIGHTS_TOKENS_FILE")
     labels = [t.label for t in tokens]
     dup = sorted({label for label in labels if labels.count(label) > 1})
     if dup:

@@ -64,6 +64,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_queued_requests: int = 64
     max_request_bytes: int = 8 * 1024 * 1024
     header_read_timeout_s: float = 20.0
+    body_read_timeout_s: float = 20.0
     shutdown_grace_s: float = 10.0
     management_auth: str = "none"
     log_level: str = "info"
@@ -109,6 +110,7 @@ VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("MAX_QUEUED_REQUESTS", "max_queued_requests", "pos_int"),
     ("MAX_REQUEST_BYTES", "max_request_bytes", "pos_int"),
     ("HEADER_READ_TIMEOUT_S", "header_read_timeout_s", "pos_float"),
+    ("BODY_READ_TIMEOUT_S", "body_read_timeout_s", "pos_float"),
     ("SHUTDOWN_GRACE_S", "shutdown_grace_s", "nonneg_float"),
     ("MANAGEMENT_AUTH", "management_auth", "management_auth"),
     ("LOG_LEVEL", "log_level", "log_level"),
@@ -181,6 +183,9 @@ DESCRIPTIONS: dict[str, str] = {
     "HEADER_READ_TIMEOUT_S": "A connection whose request head (request line and headers) has not "
     "arrived this many seconds after it opened, or after the first byte of a later request's "
     "head, is answered 408 (JSON) and closed. Idle keep-alive connections are not affected.",
+    "BODY_READ_TIMEOUT_S": "A request whose body is still incomplete and from which no byte "
+    "arrived for this many seconds is answered 408 (JSON) and its connection closed. A pause, "
+    "not a total: a large upload that keeps flowing is never cut.",
     "SHUTDOWN_GRACE_S": "After SIGTERM, how long running and queued requests may take to finish "
     "before they are ended with 503 SHUTTING_DOWN (0: end them at once). Keep it below "
     "Kubernetes' `terminationGracePeriodSeconds`.",

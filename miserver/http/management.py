@@ -131,8 +131,9 @@ async def read_body(request: web.Request, type_: type[T], **kw: Any) -> T:
 # --- helpers ---------------------------------------------------------------------------------
 def _row_id(request: web.Request) -> int:
     raw = request.match_info["id"]
-    if not raw.isdigit() or len(raw) > 18:
-        what = "is larger than any row id" if raw.isdigit() else "is not a row id"
+    digits = raw.isascii() and raw.isdigit()  # str.isdigit alone takes "\u0661", "\uff11"
+    if not digits or len(raw) > 18:
+        what = "is larger than any row id" if digits else "is not a row id"
         raise ApiError(
             codes.MODEL_NOT_FOUND,
             f"no catalogue row with id {raw[:40]!r}: it {what}; a row id is a positive "

@@ -21,7 +21,14 @@ route                              audit ``operation``
 ``DELETE /v1/files/{file_id}``     ``file_delete``
 ``POST /v1/batches``               ``batch_create``
 ``POST /v1/batches/{id}/cancel``   ``batch_cancel``
+``POST /api/weights/adapter``      ``adapter``
+``DELETE /api/weights/adapter``    ``adapter``
 =================================  ====================
+
+An adapter change changes what every client is served (contract 6), so it is gated like the
+other mutating routes (breaker finding F4). Its accepted and refused lines past the token check
+are written by the route itself (:func:`miserver.http.weights.gated_route`, in every mode: the
+weights page's audit operation ``adapter``); here only its token refusals are written.
 """
 
 from __future__ import annotations
@@ -46,8 +53,12 @@ GUARDED: dict[tuple[str, str], str] = {
     ("DELETE", "/v1/files/{file_id}"): "file_delete",
     ("POST", "/v1/batches"): "batch_create",
     ("POST", "/v1/batches/{batch_id}/cancel"): "batch_cancel",
+    ("POST", "/api/weights/adapter"): "adapter",
+    ("DELETE", "/api/weights/adapter"): "adapter",
 }
-OPERATIONS = tuple(GUARDED.values())
+OPERATIONS = tuple(dict.fromkeys(GUARDED.values()))
+#: Operations whose route writes its own audit line once past the token check (one line a call).
+AUDITED_BY_ROUTE = frozenset({"adapter"})
 
 
 def _operation(request: web.Request) -> str | None:
@@ -107,6 +118,8 @@ async def management_auth_middleware(
             )
         _audit(request, operation, caller, err.code.name)
         raise err
+    if operation in AUDITED_BY_ROUTE:
+        return await handler(request)
     try:
         response = await handler(request)
     except ApiError as exc:

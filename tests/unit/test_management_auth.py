@@ -30,6 +30,9 @@ ROUTES = [
     ("DELETE", "/v1/files/file-nope", None, "file_delete"),
     ("POST", "/v1/batches", {"input_file_id": "file-nope"}, "batch_create"),
     ("POST", "/v1/batches/batch_nope/cancel", None, "batch_cancel"),
+    # breaker finding F4: an adapter change changes what every client is served
+    ("POST", "/api/weights/adapter", {"name": "a", "path": "/nowhere"}, "adapter"),
+    ("DELETE", "/api/weights/adapter", None, "adapter"),
 ]
 
 

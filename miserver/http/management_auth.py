@@ -7,7 +7,8 @@ chooses. With ``operator``, every route that changes something outside the weigh
 unknown token is ``401 WEIGHTS_UNAUTHORIZED`` (``WWW-Authenticate: Bearer``), a trainer token
 ``403 WEIGHTS_FORBIDDEN``; every such call, accepted or refused, writes one ``weights_audit``
 line (operation below, role, label, outcome and code). Reads (``GET``) and ``/v1`` inference
-stay open.
+on the resident stay open; a ``/v1`` auto-load needs an operator token too
+(:func:`miserver.http.v1_admission.caller_may_load`, breaker finding F10).
 
 =================================  ====================
 route                              audit ``operation``

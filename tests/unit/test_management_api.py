@@ -405,7 +405,9 @@ async def test_load_of_corrupt_weights_is_a_json_error(
     # ... and a row whose folder was damaged after it was registered is refused at its load,
     # before the resident is dropped
     host = client.app[keys.HOST]
+    await call(client, "POST", f"/api/models/{rows_by_name(client)['tiny-a']}/load")
     resident = host.resident
+    assert resident is not None
     row = client.app[keys.CATALOGUE].register(
         name="corrupt", format="safetensors", dtype="bfloat16", path=str(copy)
     )
@@ -414,7 +416,7 @@ async def test_load_of_corrupt_weights_is_a_json_error(
     assert "corrupt" in err["message"]
     assert host.resident is resident and not host.busy
     # the server still loads other rows afterwards
-    await call(client, "POST", f"/api/models/{rows_by_name(client)['tiny-a']}/load")
+    await call(client, "POST", f"/api/models/{rows_by_name(client)['tiny-b']}/load")
 
 
 # --- settings -----------------------------------------------------------------------------------

@@ -102,7 +102,9 @@ async def admit(
             (a load is in progress, or the model was unloaded or changed while the request
             waited for its auto-load: with ``Retry-After``), 400 INVALID_REQUEST (an unknown
             policy), the lifecycle's refusals (409 ALREADY_ATTACHED, 503 WEIGHTS_TORN /
-            QUEUE_FULL, 409 WEIGHTS_UNSAVED), and 500 MODEL_LOAD_FAILED.
+            QUEUE_FULL, 409 WEIGHTS_UNSAVED), 400 MODEL_LOAD_FAILED (the named row's folder
+            failed its check; the resident stays) and 500 MODEL_LOAD_FAILED (its load failed;
+            the previous model was loaded back when it could be).
     """
     host = app[keys.HOST]
     policy = normalize_load_policy(load_policy)

@@ -62,6 +62,9 @@ class AdmissionMixin:
         """A management load (``model_load``) or unload (``model_unload``) of ``row_id``;
         waits for it and returns what the host returned (the resident, or the unloaded row).
 
+        A load of another row first checks that row's files (:meth:`_check_files`: 400
+        MODEL_LOAD_FAILED, nothing changed).
+
         Raises ApiError with the table's refusal (contract 3), or the load's own error.
         """
         if kind == "model_load":
@@ -123,8 +126,9 @@ class AdmissionMixin:
                 WEIGHTS_UNSAVED / MODEL_BUSY, 503 WEIGHTS_TORN / QUEUE_FULL; 409 MODEL_BUSY
                 ``model_transition`` with ``Retry-After`` when the model changed while the
                 request waited for its auto-load), 404 MODEL_NOT_FOUND and 400
-                BACKEND_UNAVAILABLE for a row that cannot be loaded, or the auto-load's own
-                error.
+                BACKEND_UNAVAILABLE / MODEL_LOAD_FAILED for a row that cannot be loaded
+                (checked before the table decides, unless ``refuse_policy``), or the
+                auto-load's own error.
         """
         # The refuse policy refuses any swap first (weights page: Unsaved commits), before a
         # check of whether the row could be loaded at all.

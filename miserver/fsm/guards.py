@@ -236,6 +236,24 @@ def _(s, c, e):
     return e.refuse_policy
 
 
+@_g(
+    "kept_resident",
+    "event",
+    "the failed load was refused before the resident was dropped: it is unchanged",
+)
+def _(s, c, e):
+    return e.after_failure == "kept"
+
+
+@_g(
+    "reloaded_previous",
+    "event",
+    "the load failed after the resident was dropped, and the previous row was loaded back",
+)
+def _(s, c, e):
+    return e.after_failure == "reloaded"
+
+
 @_g("applies_adapter", "event", "the adapter change applied an adapter (not removed it)")
 def _(s, c, e):
     return e.applied

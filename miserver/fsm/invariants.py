@@ -329,6 +329,12 @@ def _cache_dropped(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> 
             and b.weights != "torn"
         )
         or (e.trigger == "transition_done" and b.transition == "load" and a.resident)
+        or (
+            e.trigger == "transition_failed"
+            and b.transition == "load"
+            and a.resident
+            and "load" in row.actions
+        )
     )
     return not (takes or changes) or Effect.DROP_CACHE in row.effects
 

@@ -193,6 +193,10 @@ class Event:
         same_resident: ``v1_confirm``: the resident a waiting ``/v1`` request was admitted for
             (the one it named, or the row its auto-load loaded) is still the resident; False
             when it was unloaded, or replaced by another model, while the request waited.
+        after_failure: ``transition_failed`` of a load: what is resident afterwards:
+            ``nothing``; ``kept`` (the host refused before it dropped anything: the resident
+            is unchanged); ``reloaded`` (the load failed after the previous model was dropped,
+            and the host loaded that row back from its files; ``name`` and ``origin`` are its).
     """
 
     trigger: str
@@ -208,6 +212,7 @@ class Event:
     origin: Literal["model", "checkpoint"] | None = None
     same_resident: bool = True
     commits: int | None = None
+    after_failure: Literal["nothing", "kept", "reloaded"] = "nothing"
 
     def short(self) -> str:
         """A compact rendering for traces: ``quiesce(trainer holder)``."""
@@ -228,6 +233,7 @@ class Event:
             "avail",
             "applied",
             "same_resident",
+            "after_failure",
         ):
             if getattr(self, f) != getattr(defaults, f):
                 args.append(f"{f}={getattr(self, f)}")

@@ -886,6 +886,22 @@ def build_rows() -> tuple[Row, ...]:
         _ignore("transition_done", "no model transition is in progress"),
         _accept(
             "transition_failed",
+            when=("loading", "kept_resident"),
+            transition="none",
+            note="the host refused before it dropped the resident: nothing changed",
+        ),
+        _accept(
+            "transition_failed",
+            when=("loading", "reloaded_previous"),
+            effects=(E.DROP_CACHE,),
+            actions=("load",),
+            resident=True,
+            **fresh,
+            note="the load failed after the previous model was dropped, and the host loaded "
+            "that row back from its files: it is resident afresh (breaker finding F16)",
+        ),
+        _accept(
+            "transition_failed",
             when=("loading",),
             actions=("unload",),
             resident=False,

@@ -27,6 +27,7 @@ from miserver.serving.catalogue import (
     DuplicateName,
 )
 from miserver.serving.client_paths import ClientPathError, check_client_path
+from miserver.serving.loader import check_weight_files
 from miserver.serving.weights_jobs import refuse_applied_adapter_name
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
@@ -183,8 +184,10 @@ def _detect_dtype(config: dict[str, Any]) -> str | None:
 def inspect_model_path(body: RegisterModel) -> dict[str, str]:
     """Validate a ``POST /api/models`` path and detect ``format``, ``dtype``, ``quantization``.
 
-    A directory must hold ``config.json`` and at least one ``*.safetensors`` file; a file must be
-    a GGUF file (magic ``GGUF``). Returns the row's ``{format, dtype, quantization, path}``.
+    A directory must hold ``config.json`` and at least one ``*.safetensors`` file, each with a
+    readable safetensors header whose tensors lie inside the file
+    (:func:`~miserver.serving.loader.check_weight_files`); a file must be a GGUF file (magic
+    ``GGUF``). Returns the row's ``{format, dtype, quantization, path}``.
 
     Raises:
         ApiError: 400 INVALID_REQUEST naming ``path`` (also for a path too long, a symlink loop
@@ -241,6 +244,10 @@ def _inspect_resolved(body: RegisterModel, path: Path) -> dict[str, str]:
             raise ValueError("not an object")
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise _invalid(f"{config_file} is not a readable JSON object ({exc})", "path") from None
+    try:  # breaker finding F16: a garbage weight file is refused here, not at its first load
+        check_weight_files(path)
+    except ValueError as exc:
+        raise _invalid(f"{path}: the weights cannot be read: {exc}", "path") from None
     detected_q = _detect_quantization(config)
     if body.quantization is not None and body.quantization != detected_q:
         raise _invalid(

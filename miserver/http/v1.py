@@ -51,6 +51,7 @@ from miserver.http.v1_admission import (
     RequestCancelled,
     acquire_slot,
     admit,
+    caller_may_load,
     client_disconnected,
     update_queue_gauge,
     wait_for_startup_load,
@@ -238,9 +239,10 @@ async def _prepare_chat(
     req: schema.ChatCompletionRequest,
     load_policy: str | None,
     priority: Priority = Priority.INTERACTIVE,
+    may_load: bool = True,
 ) -> Job:
     stops = schema.check_chat(req)
-    resident = await admit(app, req.model, load_policy, priority)
+    resident = await admit(app, req.model, load_policy, priority, may_load=may_load)
     adapter = _named_adapter(resident, req.model)
     prompt_ids = await asyncio.to_thread(_chat_prompt, resident, req)
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -266,9 +268,10 @@ async def _prepare_completion(
     req: schema.CompletionRequest,
     load_policy: str | None,
     priority: Priority = Priority.INTERACTIVE,
+    may_load: bool = True,
 ) -> Job:
     prompt, stops = schema.check_completion(req)
-    resident = await admit(app, req.model, load_policy, priority)
+    resident = await admit(app, req.model, load_policy, priority, may_load=may_load)
     adapter = _named_adapter(resident, req.model)
     prompt_ids = await asyncio.to_thread(_completion_prompt, resident, prompt)
     max_tokens = _check_context(
@@ -382,11 +385,12 @@ async def _prepare(
     load_policy: str | None,
     priority: Priority = Priority.INTERACTIVE,
     cancelled: Callable[[], bool] | None = None,
+    may_load: bool = True,
 ) -> Job:
     await wait_for_startup_load(app, cancelled)
     if isinstance(req, schema.ChatCompletionRequest):
-        return await _prepare_chat(app, req, load_policy, priority)
-    return await _prepare_completion(app, req, load_policy, priority)
+        return await _prepare_chat(app, req, load_policy, priority, may_load)
+    return await _prepare_completion(app, req, load_policy, priority, may_load)
 
 
 async def run_completion(
@@ -398,6 +402,7 @@ async def run_completion(
     load_policy: str | None = None,
     cancelled: Callable[[], bool] | None = None,
     check_in_slot: Callable[[Resident], None] | None = None,
+    may_load: bool = True,
 ) -> CompletionResult:
     """Run one chat-completion or completion request to its final, non-streamed answer.
 
@@ -426,6 +431,10 @@ async def run_completion(
         check_in_slot: called with the resident inside the slot, after the lifecycle confirmed
             the request and before the forward pass; whatever it raises propagates, the slot
             given back and nothing generated (the Batch API raises ``RowDeferred`` there).
+        may_load: whether the request may auto-load a row that is not resident (False: an
+            anonymous ``/v1`` request under ``MANAGEMENT_AUTH=operator``,
+            :func:`~miserver.http.v1_admission.caller_may_load`; refused 409
+            MODEL_NOT_LOADED).
 
     Returns:
         :class:`CompletionResult`: the body ``/v1`` answers with status 200 and the
@@ -444,7 +453,7 @@ async def run_completion(
     req = _decode(endpoint, body)
     if req.stream:
         raise _bad("stream must be false or absent: this answer is not streamed", "stream")
-    job = await _prepare(app, req, load_policy, priority, cancelled)
+    job = await _prepare(app, req, load_policy, priority, cancelled, may_load)
     async with _generation(app, job, priority, cancelled, check_in_slot) as (
         _,
         events,
@@ -522,16 +531,22 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
     :func:`run_completion` (the path batch rows take too)."""
     req = _decode(endpoint, await _read_body(request))
     load_policy = request.headers.get(LOAD_POLICY_HEADER)
+    may_load = caller_may_load(request)
 
     def client_gone() -> bool:
         return client_disconnected(request)
 
     if not req.stream:
         result = await run_completion(
-            request.app, endpoint, req, load_policy=load_policy, cancelled=client_gone
+            request.app,
+            endpoint,
+            req,
+            load_policy=load_policy,
+            cancelled=client_gone,
+            may_load=may_load,
         )
         return json_response(result.body, headers=result.headers)
-    job = await _prepare(request.app, req, load_policy, cancelled=client_gone)
+    job = await _prepare(request.app, req, load_policy, cancelled=client_gone, may_load=may_load)
     async with _generation(request.app, job, Priority.INTERACTIVE, client_gone, None) as (
         gen,
         events,

@@ -470,13 +470,19 @@ class Reference:
         self.failed += 1
         return OK
 
-    def transition_done(self, now: float, failed: bool = False) -> Reply:
+    def transition_done(self, now: float, failed: bool = False, after: str = "nothing") -> Reply:
+        """A transition's end. ``after`` (a failed load): ``nothing`` resident, the resident
+        ``kept`` (refused before it was dropped), or the previous row ``reloaded`` (resident
+        afresh, as after a load: breaker finding F16)."""
         if self.transition is None:
             return IGNORED
         kind, self.transition = self.transition, None
         if kind == "unload" and failed:
             return OK
-        self.resident = kind == "load" and not failed
+        if kind == "load" and failed and after == "kept":
+            return OK
+        reloaded = kind == "load" and failed and after == "reloaded"
+        self.resident = (kind == "load" and not failed) or reloaded
         if self.resident:
             self.version += 1
         self.weights, self.commit, self.adapter, self.saved = "clean", None, False, 0

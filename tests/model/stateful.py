@@ -506,6 +506,8 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                     "adapter_failed",
                     "transition_done",
                     "transition_failed",
+                    "transition_failed_kept",
+                    "transition_failed_reloaded",
                     "transition_abandoned",
                     "address_moved",
                 ]
@@ -545,6 +547,14 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                 "transition_failed": (
                     Event("transition_failed"),
                     lambda: ref.transition_done(now, failed=True),
+                ),
+                "transition_failed_kept": (
+                    Event("transition_failed", after_failure="kept"),
+                    lambda: ref.transition_done(now, failed=True, after="kept"),
+                ),
+                "transition_failed_reloaded": (
+                    Event("transition_failed", after_failure="reloaded"),
+                    lambda: ref.transition_done(now, failed=True, after="reloaded"),
                 ),
                 "transition_abandoned": (
                     Event("transition_abandoned"),

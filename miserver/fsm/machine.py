@@ -49,7 +49,7 @@ from typing import Any, Literal
 from miserver.fsm.compiled import Compiled, TableError, compile_table
 from miserver.fsm.context import Context
 from miserver.fsm.state import NAMED, TIMERS, Event, LifecycleState
-from miserver.fsm.table import TABLE, Answer, Effect, Row
+from miserver.fsm.table import TABLE, Answer, Effect, Refusal, Row, message_values
 from miserver.spec.codes import ErrorCode
 
 __all__ = ["Lifecycle", "Outcome", "Snapshot", "TableError", "Event", "LifecycleState"]
@@ -569,9 +569,12 @@ class Lifecycle:
     ) -> Outcome:
         if row.refuse is not None:
             ref = row.refuse
-            message = ref.message or _REASON_MESSAGES.get(
-                (ref.code.name, ref.reason or ""), _MESSAGES.get(ref.code.name, ref.code.name)
-            )
+            if ref.message is not None:
+                message = ref.message.format_map(message_values(ref, b, event))
+            else:
+                message = _REASON_MESSAGES.get(
+                    (ref.code.name, ref.reason or ""), _MESSAGES.get(ref.code.name, ref.code.name)
+                )
             return Outcome(
                 "refused",
                 event.trigger,
@@ -579,7 +582,7 @@ class Lifecycle:
                 ref.code,
                 ref.reason,
                 message,
-                self._details(ref.details, b, c_before),
+                self._details(ref, b, c_before, event),
                 (),
                 None,
                 row.id,
@@ -626,7 +629,8 @@ class Lifecycle:
             a,
         )
 
-    def _details(self, kind: str | None, s: LifecycleState, c: Context) -> dict[str, Any]:
+    def _details(self, ref: Refusal, s: LifecycleState, c: Context, event: Event) -> dict[str, Any]:
+        kind = ref.details
         if kind == "holder":
             return {
                 "holder": {
@@ -650,4 +654,12 @@ class Lifecycle:
             }
         if kind == "pause":
             return {"pause": s.owner}
+        if kind == "busy":
+            return {
+                "barrier": "serving" if s.barrier == "serving" else "quiesced",
+                "pause_owner": None if s.owner == "none" else s.owner,
+                "weights_state": s.weights,
+            }
+        if kind == "catalogue_row":
+            return {"model_id": event.model_id, "pause_owner": ref.pause or s.owner}
         return {}

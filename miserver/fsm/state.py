@@ -193,6 +193,9 @@ class Event:
         same_resident: ``v1_confirm``: the resident a waiting ``/v1`` request was admitted for
             (the one it named, or the row its auto-load loaded) is still the resident; False
             when it was unloaded, or replaced by another model, while the request waited.
+        model_id: ``catalogue_delete``: the catalogue row's id (``name``: its name).
+        loads_checking: ``catalogue_delete``: a weights load's checkpoint is being checked
+            before its pause (the runtime counts those checks).
     """
 
     trigger: str
@@ -208,6 +211,8 @@ class Event:
     origin: Literal["model", "checkpoint"] | None = None
     same_resident: bool = True
     commits: int | None = None
+    model_id: int | None = None
+    loads_checking: bool = False
 
     def short(self) -> str:
         """A compact rendering for traces: ``quiesce(trainer holder)``."""
@@ -228,6 +233,7 @@ class Event:
             "avail",
             "applied",
             "same_resident",
+            "loads_checking",
         ):
             if getattr(self, f) != getattr(defaults, f):
                 args.append(f"{f}={getattr(self, f)}")

@@ -11,6 +11,26 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class Provenance:
+    """What ``X-miLLM-Model`` said just before the first adapter was applied (weights page:
+    Which weights answered; contract 6), or the checkpoint a save made while it was applied:
+    the served name, its origin and commit count, and ``steps_since_load`` then, so that
+    removing the adapter restores the name and origin and counts the commits made while it
+    was applied (the base tensors carry them)."""
+
+    served_name: str | None
+    origin: str | None
+    commits: int | None
+    steps_since_load: int | None
+
+    def after(self, steps_since_load: int | None) -> int | None:
+        """The commit count of the restored name once ``steps_since_load`` commits exist."""
+        if self.commits is None or self.steps_since_load is None or steps_since_load is None:
+            return None
+        return self.commits + max(0, steps_since_load - self.steps_since_load)
+
+
+@dataclass(frozen=True, slots=True)
 class Context:
     """Concrete values beside a :class:`~miserver.fsm.state.LifecycleState`.
 
@@ -37,6 +57,9 @@ class Context:
             (``model``, ``checkpoint`` or ``adapter``).
         saves: how many saves completed since start.
         exports: how many attaches exported handles since start.
+        before_adapter: while an adapter is applied, the :class:`Provenance` an adapter
+            removal restores (the name served before it, or a save made under it); ``None``
+            while none is applied.
     """
 
     hold_deadline: float | None = None
@@ -63,6 +86,7 @@ class Context:
     served_origin: str | None = None
     saves: int = 0
     exports: int = 0
+    before_adapter: Provenance | None = None
 
     def __repr__(self) -> str:  # never show the attachment ID
         return f"Context(label={self.attachment_label!r}, steps={self.steps_since_load})"

@@ -47,7 +47,7 @@ from operator import attrgetter
 from typing import Any, Literal
 
 from miserver.fsm.compiled import Compiled, TableError, compile_table
-from miserver.fsm.context import Context
+from miserver.fsm.context import Context, Provenance
 from miserver.fsm.state import NAMED, TIMERS, Event, LifecycleState
 from miserver.fsm.table import TABLE, Answer, Effect, Refusal, Row, message_values
 from miserver.spec.codes import ErrorCode
@@ -484,15 +484,19 @@ class Lifecycle:
             elif action == "hold_timeout":
                 ch.update(last_hold_timeout_at=now)
             elif action == "save":
-                ch.update(saved_steps=c.steps_since_load or 0, saves=c.saves + 1)
+                steps = c.steps_since_load or 0
+                ch.update(saved_steps=steps, saves=c.saves + 1)
                 if c.served_origin != "adapter":  # contract 5: the set is the checkpoint now
                     ch.update(
                         served_name=event.name or c.served_name,
                         served_origin="checkpoint",
                         commits_since_name=0,
                     )
-                # else contract 6: the adapter still computes and keeps its name; the checkpoint
-                # holds the base tensors, named once the adapter is removed (the adapter job)
+                else:
+                    # contract 6: the adapter still computes and keeps its name; the checkpoint
+                    # holds the base tensors, the name restored once the adapter is removed,
+                    # its commits counted from this save (finding N1)
+                    ch.update(before_adapter=Provenance(event.name, "checkpoint", 0, steps))
             elif action == "load":
                 inferred = "checkpoint" if event.trigger.startswith("weights_") else "model"
                 ch.update(
@@ -501,6 +505,7 @@ class Lifecycle:
                     commits_since_name=0,
                     served_name=event.name or c.served_name,
                     served_origin=event.origin or inferred,
+                    before_adapter=None,  # a load replaces the adapted model
                 )
             elif action == "unload":
                 ch.update(
@@ -509,15 +514,10 @@ class Lifecycle:
                     commits_since_name=None,
                     served_name=None,
                     served_origin=None,
+                    before_adapter=None,  # the adapter went with the resident
                 )
             elif action == "adapter":
-                ch.update(
-                    served_name=event.name or c.served_name,
-                    served_origin="adapter" if event.applied else (event.origin or "model"),
-                    commits_since_name=(
-                        event.commits if not event.applied and event.commits is not None else 0
-                    ),
-                )
+                ch.update(self._adapter_provenance(event, c))
             else:  # pragma: no cover - a typo in the table
                 raise TableError(f"row {row.id}: unknown action {action!r}")
         # Consequences of the state change itself.
@@ -556,6 +556,47 @@ class Lifecycle:
                 if k == key:
                     ch[f"{timer}_deadline"] = now + self.durations[timer] if v else None
         return _evolve_context(c, ch)
+
+    @staticmethod
+    def _adapter_provenance(event: Event, c: Context) -> dict[str, Any]:
+        """The served name, origin and commit count an adapter change sets, and the
+        :class:`Provenance` it records or uses (weights page: Which weights answered;
+        contract 6): applied, the adapter's name with origin ``adapter`` and commits from 0,
+        recording what was served before the first adapter (a replacing adapter keeps that
+        record); removed (``event.restore``), that record's name (or ``event.name``, the base
+        model's name, when it names none) and origin, its commits plus those made while the
+        adapter was applied; when the context no longer serves the adapter's name, or holds no
+        record, the name, origin and count stay. A removal without ``restore`` sets
+        ``event``'s values (a removal with nothing applied: the values it had)."""
+        if event.applied:
+            before = c.before_adapter
+            if before is None:
+                before = Provenance(
+                    c.served_name, c.served_origin, c.commits_since_name, c.steps_since_load
+                )
+            return {
+                "served_name": event.name or c.served_name,
+                "served_origin": "adapter",
+                "commits_since_name": 0,
+                "before_adapter": before,
+            }
+        name, origin, commits = event.name, event.origin, event.commits
+        if event.restore:
+            before = c.before_adapter
+            if before is None or c.served_origin != "adapter":
+                name = c.served_name or event.name
+                origin, commits = c.served_origin, c.commits_since_name
+            else:
+                name = before.served_name or event.name
+                origin, commits = before.origin, before.after(c.steps_since_load)
+            if origin not in ("model", "checkpoint"):
+                origin = None
+        return {
+            "served_name": name or c.served_name,
+            "served_origin": origin or "model",
+            "commits_since_name": commits if commits is not None else 0,
+            "before_adapter": None,
+        }
 
     def _outcome(
         self,

@@ -220,6 +220,7 @@ class EffectsMixin:
                     applied=result.get("applied", True),
                     origin=result.get("origin"),
                     commits=result.get("commits"),
+                    restore=bool(result.get("restore", False)),
                 )
             )
 

@@ -90,3 +90,24 @@ class Context:
 
     def __repr__(self) -> str:  # never show the attachment ID
         return f"Context(label={self.attachment_label!r}, steps={self.steps_since_load})"
+
+
+def served_after_removal(c: Context, base_name: str | None) -> tuple[str | None, str | None, int]:
+    """What ``X-miLLM-Model`` says once the applied adapter is removed (weights page: Which
+    weights answered; contract 6): ``(name, origin, commits)``. The name and origin recorded
+    before the adapter (``c.before_adapter``: the name served before it, or a save made under
+    it; ``base_name`` when it names none), its commits plus those made while the adapter was
+    applied (they are in the base tensors). When the context no longer serves the adapter's
+    name or holds no record, the name (``base_name`` when none), origin and count stay.
+    ``origin`` is ``model`` or ``checkpoint`` (``None``: inferred, ``model``)."""
+    before = c.before_adapter
+    if before is None or c.served_origin != "adapter":
+        name, origin, commits = c.served_name or base_name, c.served_origin, c.commits_since_name
+    else:
+        name = before.served_name or base_name
+        origin, commits = before.origin, before.after(c.steps_since_load)
+    return (
+        name,
+        origin if origin in ("model", "checkpoint") else None,
+        commits,  # type: ignore[return-value]
+    )

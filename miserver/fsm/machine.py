@@ -559,15 +559,12 @@ class Lifecycle:
 
     @staticmethod
     def _adapter_provenance(event: Event, c: Context) -> dict[str, Any]:
-        """The served name, origin and commit count an adapter change sets, and the
-        :class:`Provenance` it records or uses (weights page: Which weights answered;
-        contract 6): applied, the adapter's name with origin ``adapter`` and commits from 0,
-        recording what was served before the first adapter (a replacing adapter keeps that
-        record); removed (``event.restore``), that record's name (or ``event.name``, the base
-        model's name, when it names none) and origin, its commits plus those made while the
-        adapter was applied; when the context no longer serves the adapter's name, or holds no
-        record, the name, origin and count stay. A removal without ``restore`` sets
-        ``event``'s values (a removal with nothing applied: the values it had)."""
+        """The served name, origin and commit count an adapter change sets (weights page:
+        Which weights answered; contract 6), and the :class:`Provenance` it records: applied,
+        the adapter's name with origin ``adapter`` and commits from 0, recording what was
+        served before the first adapter (a replacing adapter keeps that record); removed, the
+        event's name, origin and count (the serving layer computes them from the record with
+        :func:`~miserver.fsm.context.served_after_removal`), and the record is dropped."""
         if event.applied:
             before = c.before_adapter
             if before is None:
@@ -580,21 +577,10 @@ class Lifecycle:
                 "commits_since_name": 0,
                 "before_adapter": before,
             }
-        name, origin, commits = event.name, event.origin, event.commits
-        if event.restore:
-            before = c.before_adapter
-            if before is None or c.served_origin != "adapter":
-                name = c.served_name or event.name
-                origin, commits = c.served_origin, c.commits_since_name
-            else:
-                name = before.served_name or event.name
-                origin, commits = before.origin, before.after(c.steps_since_load)
-            if origin not in ("model", "checkpoint"):
-                origin = None
         return {
-            "served_name": name or c.served_name,
-            "served_origin": origin or "model",
-            "commits_since_name": commits if commits is not None else 0,
+            "served_name": event.name or c.served_name,
+            "served_origin": event.origin or "model",
+            "commits_since_name": event.commits if event.commits is not None else 0,
             "before_adapter": None,
         }
 

@@ -196,10 +196,6 @@ class Event:
         model_id: ``catalogue_delete``: the catalogue row's id (``name``: its name).
         loads_checking: ``catalogue_delete``: a weights load's checkpoint is being checked
             before its pause (the runtime counts those checks).
-        restore: ``adapter_done`` of a removal: restore the name, origin and commit count the
-            context recorded before the adapter (``before_adapter``); ``name`` is the base
-            model's name, for when that record names none. Otherwise a removal sets ``name``,
-            ``origin`` and ``commits`` as given (a removal with nothing applied keeps them).
     """
 
     trigger: str
@@ -217,7 +213,6 @@ class Event:
     commits: int | None = None
     model_id: int | None = None
     loads_checking: bool = False
-    restore: bool = False
 
     def short(self) -> str:
         """A compact rendering for traces: ``quiesce(trainer holder)``."""

@@ -220,7 +220,6 @@ class EffectsMixin:
                     applied=result.get("applied", True),
                     origin=result.get("origin"),
                     commits=result.get("commits"),
-                    restore=bool(result.get("restore", False)),
                 )
             )
 

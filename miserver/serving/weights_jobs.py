@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 
+from miserver.fsm.context import served_after_removal
 from miserver.serving import adapters, checkpoints
 from miserver.serving.catalogue import CHECKPOINTS_DIR
 from miserver.serving.host import clear_traceback_frames, run_without_keeping
@@ -443,10 +444,12 @@ class WeightsJobs:
         """Apply or remove the adapter inside the pause (contract 6).
 
         The result names what ``X-miLLM-Model`` says afterwards (weights page: Which weights
-        answered), which the lifecycle sets at ``adapter_done``: the adapter's name when
-        applied (the lifecycle records what was served before it, ``Context.before_adapter``);
-        after a removal, ``restore`` (the lifecycle restores that record, the base model's
-        name when it names none); a removal with no adapter applied changes nothing.
+        answered), which the lifecycle sets at ``adapter_done``: the adapter's name with origin
+        ``adapter`` and commits from 0 when applied (the lifecycle records what was served
+        before it, ``Context.before_adapter``); after a removal, the name and origin that
+        record holds with its commits and those made while the adapter was applied
+        (:func:`~miserver.fsm.context.served_after_removal`); a removal with no adapter
+        applied changes nothing.
         """
         body = params["body"]
         resident = self.host.resident
@@ -483,7 +486,7 @@ class WeightsJobs:
         self.applied = None
         resident.adapter_block = None
         resident.base_served_name = None
-        return {"served_name": resident.base_name, "applied": False, "restore": True}
+        return _served(*served_after_removal(ctx, resident.base_name))
 
 
 def _served(name: str | None, origin: str | None, commits: int | None) -> dict[str, Any]:

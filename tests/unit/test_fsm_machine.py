@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from miserver.fsm.context import served_after_removal
 from miserver.fsm.machine import Lifecycle, TableError
 from miserver.fsm.state import Caller, Event
 from miserver.fsm.table import Effect, check_order
@@ -263,6 +264,9 @@ def test_from_settings_reads_timers_and_pause_availability(tmp_path) -> None:
 
 
 def _adapter_change(core: Lifecycle, now: float, **done: object) -> None:
+    if done.get("applied") is False:  # what the adapter job sends for a removal
+        name, origin, commits = served_after_removal(core.context, "base-name")
+        done.update(name=name, origin=origin, commits=commits)
     assert core.handle(Event("adapter_change"), now).kind == "accepted"
     assert core.handle(Event("drained"), now).kind == "accepted"
     assert core.handle(Event("adapter_done", **done), now).kind == "accepted"  # type: ignore[arg-type]
@@ -289,7 +293,7 @@ def test_the_lifecycle_keeps_what_was_served_before_the_adapter() -> None:
         assert core.handle(Event(trigger, caller=holder), 3.0).kind == "accepted", trigger
     assert core.handle(Event("detach", caller=holder), 3.0).kind == "accepted"
     assert core.context.commits_since_name == 1
-    _adapter_change(core, 4.0, name="base-name", applied=False, restore=True)
+    _adapter_change(core, 4.0, applied=False)
     ctx = core.context
     assert (ctx.served_name, ctx.served_origin, ctx.commits_since_name) == ("base", "model", 1)
     assert ctx.before_adapter is None
@@ -312,7 +316,7 @@ def test_a_save_under_an_adapter_is_what_its_removal_restores() -> None:
     for trigger in ("commit_begin", "commit_end", "resume"):
         assert core.handle(Event(trigger, caller=holder), 3.0).kind == "accepted", trigger
     assert core.handle(Event("detach", caller=holder), 3.0).kind == "accepted"
-    _adapter_change(core, 4.0, name="base-name", applied=False, restore=True)
+    _adapter_change(core, 4.0, applied=False)
     ctx = core.context
     assert (ctx.served_name, ctx.served_origin, ctx.commits_since_name) == ("ck", "checkpoint", 1)
     # a load or an unload forgets the record with the adapter

@@ -254,6 +254,11 @@ def _(s, c, e):
     return e.after_failure == "reloaded"
 
 
+@_g("checking_load", "event", "a weights load's checkpoint is being checked before its pause")
+def _(s, c, e):
+    return e.loads_checking
+
+
 @_g("applies_adapter", "event", "the adapter change applied an adapter (not removed it)")
 def _(s, c, e):
     return e.applied

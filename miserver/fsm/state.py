@@ -197,6 +197,9 @@ class Event:
             ``nothing``; ``kept`` (the host refused before it dropped anything: the resident
             is unchanged); ``reloaded`` (the load failed after the previous model was dropped,
             and the host loaded that row back from its files; ``name`` and ``origin`` are its).
+        model_id: ``catalogue_delete``: the catalogue row's id (``name``: its name).
+        loads_checking: ``catalogue_delete``: a weights load's checkpoint is being checked
+            before its pause (the runtime counts those checks).
     """
 
     trigger: str
@@ -213,6 +216,8 @@ class Event:
     same_resident: bool = True
     commits: int | None = None
     after_failure: Literal["nothing", "kept", "reloaded"] = "nothing"
+    model_id: int | None = None
+    loads_checking: bool = False
 
     def short(self) -> str:
         """A compact rendering for traces: ``quiesce(trainer holder)``."""
@@ -234,6 +239,7 @@ class Event:
             "applied",
             "same_resident",
             "after_failure",
+            "loads_checking",
         ):
             if getattr(self, f) != getattr(defaults, f):
                 args.append(f"{f}={getattr(self, f)}")

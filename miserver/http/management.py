@@ -307,35 +307,6 @@ async def register_model(request: web.Request) -> web.Response:
     return ok(row, status=201)
 
 
-#: The pauses during which no catalogue row is deleted: a weights load reads its checkpoint's
-#: folder (or its row's files) inside the pause, a save registers a row whose parent is the
-#: base row. As a management load blocks a delete (contract 3: ``409 MODEL_BUSY`` while a load,
-#: unload, save or weights load runs).
-_DELETE_BLOCKING_PAUSES = ("weights_load", "save")
-
-
-def _refuse_delete_during_pause(app: web.Application, row: CatalogueRow) -> None:
-    """409 MODEL_BUSY (reason ``model_transition``) while a weights load or a save holds the
-    barrier, from the moment the lifecycle accepted it (its drain included) to its end, and
-    while a weights load's checkpoint is being checked before that."""
-    runtime = app.get(keys.WEIGHTS)
-    if runtime is None:
-        return
-    owner = runtime.lifecycle.state.owner
-    if owner not in _DELETE_BLOCKING_PAUSES and runtime.loads_checking:
-        owner = "weights_load"  # its checkpoint is being checked, before its pause
-    if owner not in _DELETE_BLOCKING_PAUSES:
-        return
-    raise ApiError(
-        codes.MODEL_BUSY,
-        f"catalogue row {row.name!r} (id {row.id}) cannot be deleted while "
-        f"{_PAUSE_OWNERS[owner]} is in progress: it reads or registers catalogue rows and their "
-        "folders. Retry when it finishes (GET /api/weights/status shows barrier: serving).",
-        reason="model_transition",
-        details={"model_id": row.id, "pause_owner": owner},
-    )
-
-
 def _same_folder(a: str, b: str) -> bool:
     try:
         return Path(a).resolve() == Path(b).resolve()
@@ -423,7 +394,9 @@ async def delete_model(request: web.Request) -> web.Response:
             reason="model_transition",
             details={"transition": host.transition},
         )
-    _refuse_delete_during_pause(request.app, row)
+    runtime = request.app.get(keys.WEIGHTS)
+    if runtime is not None:  # the table decides (catalogue_delete): no await before the delete
+        runtime.catalogue_delete(row.id, row.name)
     _refuse_delete_of_last_save(request.app, row)
     try:
         request.app[keys.CATALOGUE].delete(row.id)
@@ -470,38 +443,6 @@ async def get_settings(request: web.Request) -> web.Response:
     return ok(_settings_view(request.app))
 
 
-_PAUSE_OWNERS = {
-    "holder": "the attached trainer's quiesce",
-    "save": "a checkpoint save (POST /api/weights/save)",
-    "weights_load": "a weights load (POST /api/weights/load)",
-    "adapter": "an adapter change (/api/weights/adapter)",
-}
-
-
-def _settings_busy(runtime: Any, refusal: ApiError) -> ApiError:
-    """The lifecycle's 409 MODEL_BUSY for PATCH /api/settings, saying why and what to do.
-
-    Contract 1: refused while the barrier is held or weights are writing. ``details`` carries
-    the barrier, its owner and the weights state (the status route's names).
-    """
-    state = runtime.lifecycle.state
-    barrier = "serving" if state.barrier == "serving" else "quiesced"
-    owner = state.owner if state.owner != "none" else None
-    held_by = _PAUSE_OWNERS.get(owner or "", "a pause")
-    if state.weights == "writing":
-        why = "the weights are being written (a commit or a weights load is open)"
-    else:
-        why = f"the weights barrier is held by {held_by}"
-    return ApiError(
-        codes.MODEL_BUSY,
-        f"Serving settings cannot change while {why}. Retry once it is released "
-        "(GET /api/weights/status shows barrier: serving and weights_state: clean).",
-        reason=refusal.reason,
-        details={"barrier": barrier, "pause_owner": owner, "weights_state": state.weights},
-        headers=refusal.headers,
-    )
-
-
 async def patch_settings(request: web.Request) -> web.Response:
     """``PATCH /api/settings``: change any of ``max_concurrent_requests``,
     ``continuous_batching`` (only false: not implemented), ``max_queued_requests``."""
@@ -518,15 +459,10 @@ async def patch_settings(request: web.Request) -> web.Response:
     if patch.max_queued_requests is not msgspec.UNSET:
         kwargs["max_queued"] = patch.max_queued_requests
     concurrency = kwargs.get("max_concurrent", request.app[keys.SCHEDULER].max_concurrent)
-    # The lifecycle decides (409 MODEL_BUSY while the barrier is held or weights are writing;
-    # contract 1) and records the resulting pause availability (weights page: Status).
-    runtime = request.app[keys.WEIGHTS]
-    try:
-        await runtime.settings_change("ok" if concurrency == 1 else "concurrency")
-    except ApiError as exc:
-        if exc.code is codes.MODEL_BUSY:
-            raise _settings_busy(runtime, exc) from None
-        raise
+    # The lifecycle decides (409 MODEL_BUSY while the barrier is held or weights are writing,
+    # its message and details the table's; contract 1) and records the resulting pause
+    # availability (weights page: Status).
+    await request.app[keys.WEIGHTS].settings_change("ok" if concurrency == 1 else "concurrency")
     if kwargs:
         request.app[keys.SCHEDULER].set_limits(**kwargs)
     return ok(_settings_view(request.app))

@@ -187,6 +187,20 @@ class AdmissionMixin:
         if out.kind == "refused":
             raise self._refusal(out)
 
+    def catalogue_delete(self, row_id: int, name: str) -> None:
+        """DELETE /api/models/{id}: may the catalogue row go? The table decides (``catalogue_delete``:
+        409 MODEL_BUSY ``model_transition`` while a weights load or a save holds the barrier,
+        or while a weights load's checkpoint is being checked before its pause, which this
+        runtime counts in :attr:`loads_checking`; contract 3). Raises :class:`ApiError` on a
+        refusal. Synchronous: the caller deletes the row with no ``await`` in between, and the
+        decision changes no lifecycle state (a read of it, as ``GET /api/weights/status``)."""
+        event = Event(
+            "catalogue_delete", name=name, model_id=row_id, loads_checking=self.loads_checking > 0
+        )
+        out = self.decide(event)
+        if out.kind == "refused":
+            raise self._refusal(out)
+
     async def settings_change(self, avail: str) -> Outcome:
         """PATCH /api/settings: the resulting pause availability goes through the table."""
         async with self.lock:

@@ -510,6 +510,7 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                     "adapter_failed",
                     "transition_done",
                     "transition_failed",
+                    "transition_failed",  # as often as before the two variants below came
                     "transition_failed_kept",
                     "transition_failed_reloaded",
                     "transition_abandoned",

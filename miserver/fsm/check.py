@@ -58,6 +58,10 @@ def alphabet(triggers: Iterable[str]) -> tuple[Event, ...]:
             ]
         elif trigger == "quiesce":
             events.append(Event(trigger, caller=HOLDER, queue_full=True))
+        elif trigger == "commit_end":
+            events.append(Event(trigger, caller=HOLDER, received=False))
+        elif trigger == "commit_begin":
+            events.append(Event(trigger, caller=HOLDER, group_ok=False))
         elif trigger == "weights_load":
             events += [Event(trigger, caller=c, in_place=False) for c in (HOLDER, CALLERS[4])]
         elif trigger == "v1":

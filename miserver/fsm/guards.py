@@ -259,6 +259,24 @@ def _(s, c, e):
     return e.loads_checking
 
 
+@_g(
+    "receive_incomplete",
+    "event",
+    "the commit's broadcast into the arena did not complete (contract 10, process-group)",
+)
+def _(s, c, e):
+    return not e.received
+
+
+@_g(
+    "group_unusable",
+    "event",
+    "the attachment's process group failed to form or was destroyed (contract 10)",
+)
+def _(s, c, e):
+    return not e.group_ok
+
+
 @_g("applies_adapter", "event", "the adapter change applied an adapter (not removed it)")
 def _(s, c, e):
     return e.applied

@@ -218,6 +218,48 @@ def _exports_follow_attachment(b: LifecycleState, e: Event, row: Row, a: Lifecyc
     return _iff(Effect.EXPORT_HANDLES, row, gained) and _iff(Effect.RELEASE_EXPORTS, row, lost)
 
 
+def _group_follows_commit(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """The process-group receive is armed by the row that opens an attachment's commit, and the
+    group is destroyed by every row that ends the attachment or tears the set (contract 10)."""
+    opens = b.commit != "mine" and a.commit == "mine"
+    lost = b.attachment != "none" and a.attachment == "none"
+    tears = row.changes.get("weights") == "torn"
+    return _iff(Effect.ARM_RECEIVE, row, opens) and _iff(Effect.DESTROY_GROUP, row, lost or tears)
+
+
+def _incomplete_receive_never_clean(
+    b: LifecycleState, e: Event, row: Row, a: LifecycleState
+) -> bool:
+    """A commit whose broadcast did not complete is never made clean by its commit-end: the
+    arena may be half-written (contract 10)."""
+    return e.received or e.trigger != "commit_end" or row.kind != "accepted"
+
+
+def _unusable_group_never_begins(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """A commit-begin whose process group failed or was destroyed opens no commit, and is
+    refused so only where the holder could otherwise begin: quiesced by it, clean, no pause
+    holding (contract 10; GROUP_UNAVAILABLE is the last check)."""
+    if e.trigger != "commit_begin" or e.group_ok:
+        return True
+    if row.kind == "accepted":
+        return False
+    refuse = row.refuse
+    if refuse is None or refuse.code.name != "GROUP_UNAVAILABLE":
+        return True
+    return (
+        b.owner == "holder" and b.barrier == "quiesced" and b.weights == "clean" and not b.takeover
+    )
+
+
+def _receive_refusal_only_to_the_beginner(
+    b: LifecycleState, e: Event, row: Row, a: LifecycleState
+) -> bool:
+    """Only the commit's own attachment is told its receive did not complete; any other caller
+    is refused as not the holder first (contract 10; the weights page's check order)."""
+    refuse = row.refuse
+    return refuse is None or refuse.reason != "receive_incomplete" or b.commit == "mine"
+
+
 def _held_follow_barrier(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
     """New requests are held from the moment the barrier leaves serving and released when it
     serves again (weights page: The write cycle 2, 5; contract 4)."""
@@ -409,7 +451,8 @@ def _torn_pause_fails(b: LifecycleState, e: Event, row: Row, a: LifecycleState) 
 def _transition_ends(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
     """A model transition's end leaves no transition running and the resident as the end says:
     a completed load or swap leaves its model resident, a completed unload or a failed load
-    leaves nothing resident, a failed unload or an abandoned transition (its drain timed out)
+    leaves nothing resident (unless the host refused before it dropped anything: the resident
+    is unchanged; or it loaded the previous row back: resident), a failed unload or an abandoned transition (its drain timed out)
     leaves the resident as it was (contract 3; decisions: a failed load leaves nothing
     resident; a model load, swap or unload drains first)."""
     ends = ("transition_done", "transition_failed", "transition_abandoned")
@@ -420,7 +463,9 @@ def _transition_ends(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -
     if e.trigger == "transition_done":
         return a.resident == (b.transition == "load")
     if e.trigger == "transition_failed" and b.transition == "load":
-        return not a.resident
+        if e.after_failure == "kept":  # refused before anything was dropped
+            return a.resident == b.resident
+        return a.resident == (e.after_failure == "reloaded")  # the previous row, loaded back
     return a.resident == b.resident
 
 
@@ -510,6 +555,22 @@ EDGE_INVARIANTS: tuple[tuple[str, Callable[..., bool]], ...] = (
     ("refusal_code_and_reason_legal", _refusal_code_legal),
     ("held_requests_never_released_onto_writing_weights", _no_admit_on_writing),
     ("exports_made_by_attach_and_released_when_the_attachment_ends", _exports_follow_attachment),
+    (
+        "receive_armed_by_commit_begin_group_destroyed_by_detach_clear_stale_or_tear",
+        _group_follows_commit,
+    ),
+    (
+        "a_commit_whose_receive_did_not_complete_is_never_made_clean",
+        _incomplete_receive_never_clean,
+    ),
+    (
+        "only_the_commits_beginner_is_refused_receive_incomplete",
+        _receive_refusal_only_to_the_beginner,
+    ),
+    (
+        "an_unusable_group_never_opens_a_commit_and_is_checked_last",
+        _unusable_group_never_begins,
+    ),
     ("requests_held_exactly_while_the_barrier_is_not_serving", _held_follow_barrier),
     ("drain_started_and_cancelled_with_the_barrier", _drain_follows_barrier),
     ("the_row_that_tears_refuses_the_held_requests", _tear_refuses_held),

@@ -120,6 +120,9 @@ _MESSAGES: dict[str, str] = {
     "WEIGHTS_TORN": "The weights are torn. Recover with POST /api/weights/load.",
     "WEIGHTS_UNSAVED": "The resident carries unsaved commits; a load would discard them.",
     "NOT_ATTACHABLE": "The resident model cannot be attached.",
+    "GROUP_UNAVAILABLE": "The attachment's process group failed to form or was destroyed (a "
+    "tear destroys it), so nothing can receive a write: detach, attach again (a new group), "
+    "and recover a torn set with POST /api/weights/load.",
 }
 _REASON_MESSAGES: dict[tuple[str, str], str] = {
     ("NOT_ATTACHABLE", "not_on_gpu"): "The resident model is on the CPU, which is attachable "
@@ -142,6 +145,10 @@ _REASON_MESSAGES: dict[tuple[str, str], str] = {
     "adapter change is in progress: retry when it ends.",
     ("NOT_ATTACHABLE", "weights_writing"): "A commit is still open (the weights are writing): "
     "retry once it ends or the watchdog tears it.",
+    ("WEIGHTS_NOT_CLEAN", "receive_incomplete"): "The commit's broadcast into the arena did "
+    "not complete (the trainer stopped sending, or a rank left the group): the arena may be "
+    "half-written, so the commit cannot end clean; the watchdog tears the set. Detach, attach "
+    "again, and recover with POST /api/weights/load.",
     ("NOT_QUIESCED", "quiesce_in_progress"): "Quiesce is still draining in-flight work; wait "
     "for it to return, then retry.",
     ("MODEL_BUSY", "drain_timeout"): "Running requests did not finish within "

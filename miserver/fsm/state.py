@@ -200,6 +200,11 @@ class Event:
         model_id: ``catalogue_delete``: the catalogue row's id (``name``: its name).
         loads_checking: ``catalogue_delete``: a weights load's checkpoint is being checked
             before its pause (the runtime counts those checks).
+        received: ``commit_end``: the commit's receive completed (contract 10, the
+            process-group transport: every byte of the broadcast landed in the arena); always
+            True for the other transports, whose write the server cannot see.
+        group_ok: ``commit_begin``: the attachment's process group can still receive (it is
+            joining or joined, not failed or destroyed); always True for the other transports.
     """
 
     trigger: str
@@ -218,6 +223,8 @@ class Event:
     after_failure: Literal["nothing", "kept", "reloaded"] = "nothing"
     model_id: int | None = None
     loads_checking: bool = False
+    received: bool = True
+    group_ok: bool = True
 
     def short(self) -> str:
         """A compact rendering for traces: ``quiesce(trainer holder)``."""
@@ -240,6 +247,8 @@ class Event:
             "same_resident",
             "after_failure",
             "loads_checking",
+            "received",
+            "group_ok",
         ):
             if getattr(self, f) != getattr(defaults, f):
                 args.append(f"{f}={getattr(self, f)}")

@@ -48,6 +48,9 @@ class Effect(StrEnum):
     RECORD_HOLD_TIMEOUT = "RECORD_HOLD_TIMEOUT"  # a hold timed out (last_hold_timeout_at)
     RECORD_STALE = "RECORD_STALE"  # the attachment became stale
     APPLY_SETTINGS = "APPLY_SETTINGS"  # PATCH /api/settings takes effect
+    # contract 10 (the process-group transport); nothing for the other transports:
+    ARM_RECEIVE = "ARM_RECEIVE"  # commit-begin: post the broadcast from rank 0 into the arena
+    DESTROY_GROUP = "DESTROY_GROUP"  # detach, clear-stale, a tear: the attachment's group ends
 
 
 E = Effect
@@ -423,13 +426,20 @@ def _give_back(
 
 def _remove_attachment(trigger: str, *, tears: bool) -> list[Row]:
     """Detach (``tears``: a commit still writing becomes torn) or clear-stale (left for the
-    watchdog). Weights page: The write cycle; States; Timers."""
+    watchdog). Weights page: The write cycle; States; Timers. Either ends the attachment's
+    process group (contract 10: ``DESTROY_GROUP``; nothing for the other transports)."""
     gone: dict[str, object] = {"attachment": "none", "heartbeat_armed": False}
     rows = [
         _accept(
             trigger,
             when=("draining", "held_by_holder"),
-            effects=(E.CANCEL_DRAIN, E.RELEASE_HELD, E.RELEASE_EXPORTS, E.ANSWER_PENDING),
+            effects=(
+                E.CANCEL_DRAIN,
+                E.RELEASE_HELD,
+                E.RELEASE_EXPORTS,
+                E.DESTROY_GROUP,
+                E.ANSWER_PENDING,
+            ),
             pending=Answer(409, codes.NOT_ATTACHED),
             barrier="serving",
             owner="none",
@@ -443,7 +453,7 @@ def _remove_attachment(trigger: str, *, tears: bool) -> list[Row]:
             _accept(
                 trigger,
                 when=("writing", "commit_mine"),
-                effects=(E.REFUSE_HELD_TORN, E.RELEASE_HELD, E.RELEASE_EXPORTS),
+                effects=(E.REFUSE_HELD_TORN, E.RELEASE_HELD, E.RELEASE_EXPORTS, E.DESTROY_GROUP),
                 weights="torn",
                 commit="orphan",
                 watchdog_armed=False,
@@ -458,7 +468,7 @@ def _remove_attachment(trigger: str, *, tears: bool) -> list[Row]:
             _accept(
                 trigger,
                 when=("writing", "commit_mine"),
-                effects=(E.RELEASE_EXPORTS,),
+                effects=(E.RELEASE_EXPORTS, E.DESTROY_GROUP),
                 commit="orphan",
                 **gone,
                 note="a commit still open is left for the watchdog (Timers)",
@@ -468,7 +478,7 @@ def _remove_attachment(trigger: str, *, tears: bool) -> list[Row]:
         _accept(
             trigger,
             when=("takeover",),
-            effects=(E.RELEASE_EXPORTS,),
+            effects=(E.RELEASE_EXPORTS, E.DESTROY_GROUP),
             takeover=False,
             **gone,
             note="the running pause has no hold to give back",
@@ -476,7 +486,7 @@ def _remove_attachment(trigger: str, *, tears: bool) -> list[Row]:
         _accept(
             trigger,
             when=("held_by_holder", "commit_mine"),
-            effects=(E.RELEASE_HELD, E.RELEASE_EXPORTS),
+            effects=(E.RELEASE_HELD, E.RELEASE_EXPORTS, E.DESTROY_GROUP),
             barrier="serving",
             owner="none",
             commit="orphan",
@@ -485,7 +495,7 @@ def _remove_attachment(trigger: str, *, tears: bool) -> list[Row]:
         _accept(
             trigger,
             when=("held_by_holder",),
-            effects=(E.RELEASE_HELD, E.RELEASE_EXPORTS),
+            effects=(E.RELEASE_HELD, E.RELEASE_EXPORTS, E.DESTROY_GROUP),
             barrier="serving",
             owner="none",
             hold_armed=False,
@@ -493,9 +503,13 @@ def _remove_attachment(trigger: str, *, tears: bool) -> list[Row]:
             note="releases a clean quiesce; torn stays torn",
         ),
         _accept(
-            trigger, when=("commit_mine",), effects=(E.RELEASE_EXPORTS,), commit="orphan", **gone
+            trigger,
+            when=("commit_mine",),
+            effects=(E.RELEASE_EXPORTS, E.DESTROY_GROUP),
+            commit="orphan",
+            **gone,
         ),
-        _accept(trigger, effects=(E.RELEASE_EXPORTS,), **gone),
+        _accept(trigger, effects=(E.RELEASE_EXPORTS, E.DESTROY_GROUP), **gone),
     ]
     return rows
 
@@ -651,8 +665,15 @@ def build_rows() -> tuple[Row, ...]:
         _refuse(t, codes.NOT_QUIESCED, unless=("held_by_holder", "takeover")),
         _refuse(t, codes.WEIGHTS_NOT_CLEAN, unless=("clean",)),
         *_pause_refusals(t, when=("takeover",)),
+        _refuse(
+            t,
+            codes.GROUP_UNAVAILABLE,
+            when=("group_unusable",),
+            note="contract 10: nothing could receive the write; detach and attach again",
+        ),
         _accept(
             t,
+            effects=(E.ARM_RECEIVE,),
             actions=("begin_commit",),
             weights="writing",
             commit="mine",
@@ -669,6 +690,14 @@ def build_rows() -> tuple[Row, ...]:
             codes.NOT_ATTACHMENT_HOLDER,
             unless=("commit_mine",),
             note="only the attachment that began the commit may end it",
+        ),
+        _refuse(
+            t,
+            codes.WEIGHTS_NOT_CLEAN,
+            "receive_incomplete",
+            when=("receive_incomplete",),
+            note="contract 10: the broadcast into the arena did not complete; the watchdog "
+            "tears the set (a late commit-end cannot repair it)",
         ),
         _accept(
             t,
@@ -731,7 +760,7 @@ def build_rows() -> tuple[Row, ...]:
         _accept(
             t,
             when=("watchdog_armed", "commit_mine"),
-            effects=(E.REFUSE_HELD_TORN, E.RECORD_WATCHDOG),
+            effects=(E.REFUSE_HELD_TORN, E.RECORD_WATCHDOG, E.DESTROY_GROUP),
             actions=("watchdog",),
             weights="torn",
             watchdog_armed=False,
@@ -740,7 +769,7 @@ def build_rows() -> tuple[Row, ...]:
         _accept(
             t,
             when=("watchdog_armed",),
-            effects=(E.REFUSE_HELD_TORN, E.RELEASE_HELD, E.RECORD_WATCHDOG),
+            effects=(E.REFUSE_HELD_TORN, E.RELEASE_HELD, E.RECORD_WATCHDOG, E.DESTROY_GROUP),
             actions=("watchdog",),
             weights="torn",
             watchdog_armed=False,
@@ -829,7 +858,7 @@ def build_rows() -> tuple[Row, ...]:
             ok=False,
             sets={"weights": "torn"},
             when=("writing",),
-            effects=(E.REFUSE_HELD_TORN,),
+            effects=(E.REFUSE_HELD_TORN, E.DESTROY_GROUP),
         ),
         *_give_back("weights_load_failed", "weights_load", ok=False),
         _ignore("weights_load_failed", "no weights load holds the barrier"),
@@ -1051,7 +1080,7 @@ def build_rows() -> tuple[Row, ...]:
         _accept(
             t,
             when=("attached", "commit_open"),
-            effects=(E.REFUSE_HELD_TORN,),
+            effects=(E.REFUSE_HELD_TORN, E.DESTROY_GROUP),
             weights="torn",
             commit="orphan",
             watchdog_armed=False,
@@ -1059,7 +1088,11 @@ def build_rows() -> tuple[Row, ...]:
             note="no late commit-end can repair moved storage",
         ),
         _accept(
-            t, when=("attached",), effects=(E.REFUSE_HELD_TORN,), weights="torn", hold_armed=False
+            t,
+            when=("attached",),
+            effects=(E.REFUSE_HELD_TORN, E.DESTROY_GROUP),
+            weights="torn",
+            hold_armed=False,
         ),
         _ignore(t, "nothing is exported"),
     ]

@@ -31,6 +31,7 @@ from miserver.http.management import decode_body as decode_management_body
 from miserver.serving.audit import CURRENT_CALL, AuditRecord, AuditScope
 from miserver.serving.auth import ATTACHMENT_HEADER, Caller, attachment_ref, identify
 from miserver.serving.weights_runtime import CallResult, WeightsRuntime
+from miserver.serving.weights_transport import group_spec
 from miserver.spec import codes
 from miserver.spec import weights as W
 from miserver.spec.errors import ApiError
@@ -57,13 +58,19 @@ async def decode_body(request: web.Request, struct: type[msgspec.Struct]) -> Any
     """
     raw = await request.read()
     if not raw.strip():
-        if struct is W.EmptyRequest:
-            return _EMPTY  # the barrier calls: no body, nothing to decode
+        empty = _EMPTY.get(struct)
+        if empty is not None:
+            return empty  # the barrier calls: no body, nothing to decode
         raw = b"{}"
     return decode_management_body(raw, struct)
 
 
-_EMPTY = W.EmptyRequest()
+#: The bodies of the routes whose body is optional, as decoded from nothing (never mutated).
+_EMPTY: dict[type, msgspec.Struct] = {
+    W.EmptyRequest: W.EmptyRequest(),
+    W.AttachRequest: W.AttachRequest(),
+    W.CommitBeginRequest: W.CommitBeginRequest(),
+}
 
 
 def audit_refusal(
@@ -109,6 +116,7 @@ def audit_refusal(
                 model=resident.base_name if resident is not None else None,
                 weights_state=state,
                 weights_state_before=before or state,
+                transport=runtime.transport.name,
             )
         )
     except Exception:  # noqa: BLE001 - the audit must not replace the call's own answer
@@ -166,14 +174,17 @@ async def _gated(
     runtime = request.app[RUNTIME]
     caller = _caller(request)
     body = None
+    extra: dict[str, Any] = {}
     if caller.role is not None:  # an unauthenticated call is refused 401 before its body
         body = await decode_body(request, struct)
+        if struct is W.AttachRequest:  # contract 10: the body names the transport
+            extra["group_spec"] = group_spec(body)
     result = await runtime.gated(
         trigger,
         caller,
         request.headers.get(ATTACHMENT_HEADER),
         operation=operation,
-        params={**(params or {}), "body": body},
+        params={**(params or {}), **extra, "body": body},
         **fields,
     )
     return result, body
@@ -188,7 +199,7 @@ def _state(runtime: WeightsRuntime) -> dict[str, Any]:
 @gated_route("weights_attach")
 async def attach(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
-    result, _ = await _gated(request, "attach", "weights_attach")
+    result, _ = await _gated(request, "attach", "weights_attach", struct=W.AttachRequest)
     export = result.outputs["export"]
     view = _state(runtime)
     data = W.AttachResponse(
@@ -261,7 +272,9 @@ async def resume(request: web.Request) -> web.Response:
 @gated_route("weights_commit_begin")
 async def commit_begin(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
-    result, _ = await _gated(request, "commit_begin", "weights_commit_begin")
+    result, _ = await _gated(
+        request, "commit_begin", "weights_commit_begin", struct=W.CommitBeginRequest
+    )
     d = result.outcome.details
     return ok(
         W.CommitBeginResponse(

@@ -31,6 +31,7 @@ from miserver.spec.weights import (
     CpuSharedMemoryStorage,
     CudaIpcStorage,
     ParameterEntry,
+    ProcessGroupStorage,
     Producer,
     Release,
 )
@@ -49,7 +50,7 @@ RELEASE_CONTRACT = (
 class ExportBody(msgspec.Struct, kw_only=True):
     """The handle part of the POST /attach response (weights page "Routes")."""
 
-    storages: list[CudaIpcStorage | CpuSharedMemoryStorage]
+    storages: list[CudaIpcStorage | CpuSharedMemoryStorage | ProcessGroupStorage]
     parameters: list[ParameterEntry]
     producer: Producer
     release: Release
@@ -182,22 +183,9 @@ def _share(arena: ParameterArena, i: int) -> CudaIpcStorage | CpuSharedMemorySto
     )
 
 
-def export_handles(arena: ParameterArena, model: torch.nn.Module) -> ExportBody:
-    """Share every arena storage once and describe every parameter as a view of one.
-
-    Weights page POST /attach (storages, parameters, producer, release, config). Counts one
-    export (:func:`exports_since_start`) and re-records every parameter's address.
-
-    Raises:
-        ParametersMoved: a parameter no longer lives where the arena put it.
-    """
-    global _exports
-    moved = moved_parameters(arena, model)
-    if moved:
-        raise ParametersMoved(moved)
-    with _lock:
-        storages = [_share(arena, i) for i in range(len(arena.storages))]
-        _exports += 1
+def parameter_entries(arena: ParameterArena, model: torch.nn.Module) -> list[ParameterEntry]:
+    """``parameters[]``: every parameter name as a view of one storage (shape, stride and
+    storage offset in elements; tied names share a region). Weights page, POST /attach."""
     params = []
     for name, owner, leaf in base_parameter_slots(model):
         p = owner[leaf]
@@ -214,6 +202,73 @@ def export_handles(arena: ParameterArena, model: torch.nn.Module) -> ExportBody:
                 tied_to=s.tied_to,
             )
         )
+    return params
+
+
+#: The release contract of a process-group attach (contract 10): nothing is exported.
+PROCESS_GROUP_RELEASE = (
+    "Nothing is exported: the trainer writes the arena through the attachment's process group "
+    "(one broadcast from rank 0 per commit). Detach destroys the group; nothing stays pinned."
+)
+
+
+def export_process_group(arena: ParameterArena, model: torch.nn.Module) -> ExportBody:
+    """The POST /attach body of the process-group transport (contract 10): ``storages[]`` of
+    ``kind: process_group`` (size, device, the dtypes laid out in it; no handle), the same
+    ``parameters[]`` as :func:`export_handles`, ``release.pinned_bytes`` 0. Shares nothing and
+    does not count as an export (:func:`exports_since_start`); re-records every parameter's
+    address.
+
+    Raises:
+        ParametersMoved: a parameter no longer lives where the arena put it.
+    """
+    moved = moved_parameters(arena, model)
+    if moved:
+        raise ParametersMoved(moved)
+    params = parameter_entries(arena, model)
+    storages = []
+    for i, st in enumerate(arena.storages):
+        dev = st.device
+        index = dev.index if dev.type == "cuda" else None
+        if dev.type == "cuda" and index is None:
+            index = torch.cuda.current_device()
+        dtypes = sorted({p.dtype for p in params if p.storage == i})
+        storages.append(
+            ProcessGroupStorage(
+                storage_size_bytes=int(st.nbytes()),
+                device_type="cuda" if dev.type == "cuda" else "cpu",
+                device_index=index,
+                device_uuid=device_uuid(index) if index is not None else None,
+                dtypes=dtypes,
+            )
+        )
+    arena.record_addresses(model)
+    return ExportBody(
+        storages=storages,
+        parameters=params,
+        producer=Producer(**producer_info()),
+        release=Release(pinned_bytes=0, contract=PROCESS_GROUP_RELEASE),
+        config=model_config(model),
+    )
+
+
+def export_handles(arena: ParameterArena, model: torch.nn.Module) -> ExportBody:
+    """Share every arena storage once and describe every parameter as a view of one.
+
+    Weights page POST /attach (storages, parameters, producer, release, config). Counts one
+    export (:func:`exports_since_start`) and re-records every parameter's address.
+
+    Raises:
+        ParametersMoved: a parameter no longer lives where the arena put it.
+    """
+    global _exports
+    moved = moved_parameters(arena, model)
+    if moved:
+        raise ParametersMoved(moved)
+    with _lock:
+        storages = [_share(arena, i) for i in range(len(arena.storages))]
+        _exports += 1
+    params = parameter_entries(arena, model)
     arena.record_addresses(model)
     return ExportBody(
         storages=storages,

@@ -85,7 +85,8 @@ def info_line(logger: logging.Logger, msg: str, *args: object) -> None:
 
 
 class AuditRecord(msgspec.Struct, kw_only=True):
-    """One ``weights_audit`` line. ``elapsed_ms`` and ``steps`` are set for a commit-end only."""
+    """One ``weights_audit`` line. ``elapsed_ms`` and ``steps`` are set for a commit-end only;
+    ``transport`` names the attachment's transport (contract 10)."""
 
     operation: str
     outcome: str  # "accepted" | "refused"
@@ -99,6 +100,9 @@ class AuditRecord(msgspec.Struct, kw_only=True):
     weights_state_before: str
     elapsed_ms: float | None = None
     steps: int | None = None
+    #: The attachment's transport (``cuda_ipc``, ``cpu_shared_memory``, ``process_group``;
+    #: contract 10) after the call, or None with nothing attached.
+    transport: str | None = None
     ts: str = ""  # RFC 3339 UTC, like every other time miserver writes
     event: str = "weights_audit"
 

@@ -139,6 +139,25 @@ class Metrics:
             "GPU/shared memory the last export pinned (release.pinned_bytes)",
             registry=r,
         )
+        # The attachment's transport (contract 10).
+        self.attachment_transport = Gauge(
+            "miserver_attachment_transport",
+            "1 for the current attachment's transport (cuda_ipc, cpu_shared_memory, "
+            "process_group); absent with nothing attached",
+            ["transport"],
+            registry=r,
+        )
+        self.process_group_receives = Counter(
+            "miserver_process_group_receives",
+            "Commit receives through an attachment's process group, by outcome (ok, failed)",
+            ["outcome"],
+            registry=r,
+        )
+        self.process_group_received_bytes = Counter(
+            "miserver_process_group_received_bytes",
+            "Bytes received into the arena through an attachment's process group",
+            registry=r,
+        )
         # The decode engine (issue 13): CUDA graphs over a static KV cache.
         self.decode_graph_fallbacks = Counter(
             "miserver_decode_graph_fallbacks",
@@ -200,6 +219,18 @@ class Metrics:
             self.hold_timeouts.inc()
         elif out.trigger in ("attach", "detach", "clear_stale"):
             self.attachments.labels(event=out.trigger).inc()
+
+    def set_transport(self, name: str | None) -> None:
+        """The current attachment's transport (None: nothing attached), contract 10."""
+        self.attachment_transport.clear()
+        if name is not None:
+            self.attachment_transport.labels(transport=name).set(1)
+
+    def process_group_receive(self, ok: bool, nbytes: int) -> None:
+        """Count one commit's receive through a process group (contract 10)."""
+        self.process_group_receives.labels(outcome="ok" if ok else "failed").inc()
+        if ok:
+            self.process_group_received_bytes.inc(nbytes)
 
     def decode_graph_fallback(self, reason: str) -> None:
         """Count one fallback of the decode engine to eager decoding (``reason``: cpu, off,

@@ -46,6 +46,7 @@ class EffectsMixin:
             from miserver.ipc.export import reclaim
 
             reclaim()
+            self.transport.ended()
         elif effect is Effect.HOLD_ADMISSIONS:
             sched.barrier_begin()
         elif effect is Effect.START_DRAIN:
@@ -87,6 +88,10 @@ class EffectsMixin:
             outputs["admission"] = effect
         elif effect is Effect.APPLY_SETTINGS:
             outputs["apply_settings"] = True
+        elif effect is Effect.ARM_RECEIVE:
+            self.transport.arm()
+        elif effect is Effect.DESTROY_GROUP:
+            self.transport.destroy()
         elif effect in (
             Effect.RECORD_OVERRUN,
             Effect.RECORD_WATCHDOG,
@@ -292,13 +297,11 @@ class EffectsMixin:
 
     # --- export -----------------------------------------------------------------------------
     def _export(self) -> Any:
-        from miserver.ipc.export import export_handles
-
         resident = self.host.resident
         arena = getattr(resident, "arena", None)
         if resident is None or arena is None:  # the core checked attachability: a bug
             raise ApiError(codes.INTERNAL_ERROR, "the resident model has no parameter arena")
-        body = export_handles(arena, resident.model)
+        body = self.transport.export(arena, resident.model)  # the attach's transport
         self.last_export = body
         if self.metrics is not None:
             self.metrics.pinned_bytes.set(body.release.pinned_bytes)

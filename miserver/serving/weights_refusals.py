@@ -79,6 +79,11 @@ class RefusalsMixin:
                 f" are already waiting ({waiting} now); retry after Retry-After seconds."
             )
             details = {**(details or {}), "max_queued_requests": bound, "waiting": waiting}
+        elif out.code is codes.GROUP_UNAVAILABLE:
+            group = self.transport.describe() or {}
+            state, error = group.get("group_state"), group.get("error")
+            message = f"{message} The group is {state}" + (f": {error}" if error else ".")
+            details = {**(details or {}), "group_state": state, "error": error}
         return message, details
 
     def _queue_full(self, priority: Priority = Priority.INTERACTIVE) -> bool:

@@ -36,6 +36,7 @@ from miserver.serving.auth import Caller, attachment_ref
 from miserver.serving.weights_admission import AdmissionMixin
 from miserver.serving.weights_effects import EffectsMixin
 from miserver.serving.weights_refusals import RETRY_AFTER_S, RefusalsMixin
+from miserver.serving.weights_transport import AttachmentTransport
 from miserver.serving.weights_views import StatusViewsMixin
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
@@ -136,6 +137,12 @@ class WeightsRuntime(EffectsMixin, AdmissionMixin, RefusalsMixin, StatusViewsMix
         self.last_save: dict[str, Any] | None = None
         self._transition_params: dict[str, Any] = {}
         self.last_export: Any = None
+        #: The attachment's transport and its process group (contract 10).
+        self.transport = AttachmentTransport(
+            join_timeout_s=settings.weights_heartbeat_timeout_s,
+            op_timeout_s=settings.weights_commit_watchdog_ms / 1000.0,
+            metrics=metrics,
+        )
 
     # --- time -------------------------------------------------------------------------------
     def now(self) -> float:
@@ -258,6 +265,15 @@ class WeightsRuntime(EffectsMixin, AdmissionMixin, RefusalsMixin, StatusViewsMix
             label=caller.label,  # type: ignore[arg-type]
             attachment_id=attachment_header,
         )
+        if trigger == "commit_end" and self.transport.receive is not None:
+            # contract 10: commit-end answers once the receive completed (or failed, or the
+            # watchdog passed); the table decides what that means (received=False)
+            event_fields.setdefault(
+                "received",
+                await self.transport.wait_received(
+                    self.lifecycle.context.watchdog_deadline, self.now()
+                ),
+            )
         async with self.lock:
             before = self.lifecycle.state.weights
             ref = attachment_ref(self.lifecycle.context.attachment_id)
@@ -269,7 +285,15 @@ class WeightsRuntime(EffectsMixin, AdmissionMixin, RefusalsMixin, StatusViewsMix
                 event_fields.setdefault("not_attachable", self.not_attachable_reason())
             if trigger == "quiesce":
                 event_fields.setdefault("queue_full", self._queue_full())
+            if trigger == "attach":
+                self.transport.requested = (params or {}).get("group_spec")
+            elif trigger == "commit_begin":
+                body = (params or {}).get("body")
+                self.transport.check_ranges(getattr(body, "ranges", None))
+                event_fields.setdefault("group_ok", self.transport.group_usable())
             out = self.decide(Event(trigger, caller=fsm_caller, **event_fields), params)
+            if trigger == "commit_end" and out.kind == "accepted":
+                self.transport.commit_ended()
             outputs = self._last_outputs
             pending = (
                 self._pending if (out.kind == "accepted" and trigger in PAUSE_TRIGGERS) else None
@@ -364,5 +388,6 @@ class WeightsRuntime(EffectsMixin, AdmissionMixin, RefusalsMixin, StatusViewsMix
                 weights_state_before=before,
                 elapsed_ms=elapsed,
                 steps=steps,
+                transport=self.transport.name,
             )
         )

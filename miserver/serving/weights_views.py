@@ -28,6 +28,8 @@ class StatusViewsMixin:
                 "attached_at": self.stamp(att["attached_at"]),
                 "last_heartbeat_at": self.stamp(att["last_heartbeat_at"]),
                 "stale_since": self.stamp(att["stale_since"]),
+                "transport": self.transport.name,
+                "process_group": self.transport.describe(),
             }
         commit = view["commit"]
         if commit is not None:

@@ -87,7 +87,12 @@ MODEL_BUSY = _c(
     src=W + ": The write cycle 2; contract 1, 3, 4",
 )
 QUEUE_FULL = _c("QUEUE_FULL", 503, t="server_error", src=W + ": The write cycle 2; contract 1")
-WEIGHTS_NOT_CLEAN = _c("WEIGHTS_NOT_CLEAN", 409, src=W + ": The write cycle 2, 3")
+WEIGHTS_NOT_CLEAN = _c(
+    "WEIGHTS_NOT_CLEAN",
+    409,
+    "receive_incomplete",
+    src=W + ": The write cycle 2, 3; contract 10 (commit-end, receive_incomplete)",
+)
 ALREADY_QUIESCED = _c("ALREADY_QUIESCED", 409, src=W + ": The write cycle 2")
 PAUSE_IN_PROGRESS = _c(
     "PAUSE_IN_PROGRESS", 409, "save", "weights_load", "adapter", src=W + ": The write cycle 2, 3"
@@ -144,6 +149,9 @@ ADAPTER_INVALID = _c(
 )
 MODEL_NOT_FOUND = _c("MODEL_NOT_FOUND", 404, t="not_found_error", src=C + " 3, 4")
 INVALID_REQUEST = _c("INVALID_REQUEST", 400, src=C + " 2, 4")
+#: Commit-begin of a process-group attachment whose group failed to form or was destroyed (a
+#: tear): nothing could be received; detach and attach again (contract 10).
+GROUP_UNAVAILABLE = _c("GROUP_UNAVAILABLE", 409, src=C + " 10")
 NOT_FOUND = _c("NOT_FOUND", 404, t="not_found_error", src=C + " 2")
 METHOD_NOT_ALLOWED = _c("METHOD_NOT_ALLOWED", 405, src=C + " 2")
 PAYLOAD_TOO_LARGE = _c("PAYLOAD_TOO_LARGE", 413, src=C + " 1, 2")

@@ -32,8 +32,31 @@ class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 # --- requests -------------------------------------------------------------------------------
 class EmptyRequest(_Request):
-    """The body of attach, detach, heartbeat, quiesce, resume, commit-begin, commit-end and
-    clear-stale: nothing (or ``{}``). The caller is the token and X-miLLM-Attachment."""
+    """The body of detach, heartbeat, quiesce, resume, commit-end and clear-stale: nothing (or
+    ``{}``). The caller is the token and X-miLLM-Attachment. Attach and commit-begin take an
+    optional body (:class:`AttachRequest`, :class:`CommitBeginRequest`)."""
+
+
+class AttachRequest(_Request):
+    """POST /api/weights/attach (contract 10). No body, ``{}`` or ``{"transport": "cuda_ipc"}``:
+    the weights page's attach (``cpu_shared_memory`` storages for a CPU arena, contract 8).
+    ``{"transport": "process_group", "init_method": "tcp://HOST:PORT", "world_size": W,
+    "rank": R}``: the trainer hosts the rendezvous as rank 0 and names this server's rank
+    (1..W-1); the three fields are required then, and refused otherwise."""
+
+    transport: Literal["cuda_ipc", "process_group"] = "cuda_ipc"
+    init_method: str | None = None
+    world_size: int | None = None
+    rank: int | None = None
+
+
+class CommitBeginRequest(_Request):
+    """POST /api/weights/commit-begin. No body or ``{}``: every transport. ``{"ranges":
+    [[offset, length], ...]}`` (process-group attachments only, contract 10): receive only
+    those byte ranges of the arena (offsets into its storages taken in storage order), in that
+    order, instead of every storage whole."""
+
+    ranges: list[list[int]] | None = None
 
 
 class SaveRequest(_Request):
@@ -117,6 +140,19 @@ class CpuSharedMemoryStorage(
     device_uuid: str | None = None
 
 
+class ProcessGroupStorage(msgspec.Struct, kw_only=True, tag_field="kind", tag="process_group"):
+    """One arena storage written by the process-group transport (contract 10): its size, its
+    device and the dtypes laid out in it; no handle (nothing is exported). ``device_type`` is
+    ``cpu`` (the group is gloo) or ``cuda`` (NCCL); ``device_index`` and ``device_uuid`` are
+    null on the CPU."""
+
+    storage_size_bytes: int
+    device_type: Literal["cpu", "cuda"]
+    device_index: int | None
+    device_uuid: str | None
+    dtypes: list[str]
+
+
 class ParameterEntry(msgspec.Struct, kw_only=True):
     """One parameter as a view of ``storages[storage]``: ``dtype`` (``float16`` or
     ``bfloat16``), ``shape``, ``stride`` and ``storage_offset`` in elements. Tied names share a
@@ -140,8 +176,29 @@ class Release(_Body):
     contract: str
 
 
+TransportName = Literal["cuda_ipc", "cpu_shared_memory", "process_group"]
+
+
+class ProcessGroupInfo(_Body):
+    """The attachment's process group (contract 10): the rendezvous it joined, its backend
+    (``gloo`` for a CPU arena, ``nccl`` for a CUDA one), ``group_state`` (``connecting`` until
+    every rank joined, ``ready``, ``failed`` with ``error``, ``destroyed`` after a tear),
+    the receives armed and the bytes received."""
+
+    backend: Literal["gloo", "nccl"]
+    init_method: str
+    world_size: int
+    rank: int
+    group_state: Literal["connecting", "ready", "failed", "destroyed"]
+    error: str | None
+    receives: int
+    received_bytes: int
+
+
 class AttachmentInfo(_Body):
-    """The status route's attachment block; never the attachment ID."""
+    """The status route's attachment block; never the attachment ID. ``transport``: how the
+    trainer writes the weights (``cuda_ipc``, ``cpu_shared_memory``, ``process_group``);
+    ``process_group``: that group, null for the other transports."""
 
     state: AttachmentStateName
     role: Role
@@ -149,6 +206,8 @@ class AttachmentInfo(_Body):
     attached_at: str
     last_heartbeat_at: str | None
     stale_since: str | None
+    transport: TransportName | None = None
+    process_group: ProcessGroupInfo | None = None
 
 
 class CommitInfo(_Body):
@@ -212,7 +271,7 @@ class AttachResponse(_Body):
     steps_since_load: int
     heartbeat: HeartbeatInfo
     producer: Producer
-    storages: list[CudaIpcStorage | CpuSharedMemoryStorage]
+    storages: list[CudaIpcStorage | CpuSharedMemoryStorage | ProcessGroupStorage]
     parameters: list[ParameterEntry]
     release: Release
     config: dict[str, Any] | None
@@ -343,12 +402,12 @@ class CheckpointsResponse(_Body):
 
 #: Route -> (request body, response data) for the docs and the JSON schema generator.
 ROUTES: dict[str, tuple[type[msgspec.Struct] | None, type[msgspec.Struct]]] = {
-    "POST /api/weights/attach": (EmptyRequest, AttachResponse),
+    "POST /api/weights/attach": (AttachRequest, AttachResponse),
     "POST /api/weights/detach": (EmptyRequest, DetachResponse),
     "POST /api/weights/heartbeat": (EmptyRequest, HeartbeatResponse),
     "POST /api/weights/quiesce": (EmptyRequest, QuiesceResponse),
     "POST /api/weights/resume": (EmptyRequest, ResumeResponse),
-    "POST /api/weights/commit-begin": (EmptyRequest, CommitBeginResponse),
+    "POST /api/weights/commit-begin": (CommitBeginRequest, CommitBeginResponse),
     "POST /api/weights/commit-end": (EmptyRequest, CommitEndResponse),
     "POST /api/weights/clear-stale": (EmptyRequest, ClearStaleResponse),
     "GET /api/weights/status": (None, StatusResponse),

@@ -20,6 +20,7 @@ FIELDS = {
     "weights_state_before",
     "elapsed_ms",
     "steps",
+    "transport",  # contract 10: the attachment's transport
     "ts",
     "event",
 }

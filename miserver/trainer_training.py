@@ -20,7 +20,9 @@ def chat_example(
 
     The prompt is ``messages`` through the tokenizer's chat template with the generation prompt,
     tokenized exactly as ``/v1/chat/completions`` does (so the model learns on the prompt it is
-    served). Then the answer and the end-of-turn token the served model stops on
+    served) whenever no message's content holds a special-token string such as ``<|im_end|>``:
+    ``/v1`` tokenizes such a string in content as text, here it stays the control token (the
+    examples are the trainer's own data; docs/decisions.md). Then the answer and the end-of-turn token the served model stops on
     (``tokenizer.eos_token``), so that after training it also stops. ``labels`` is
     ``input_ids`` with every prompt position set to -100 (:data:`IGNORE_INDEX`): the loss is the
     answer's alone.

@@ -80,8 +80,12 @@ def alphabet(triggers: Iterable[str]) -> tuple[Event, ...]:
             events += [Event(trigger, target="resident"), Event(trigger, target="other")]
         elif trigger == "settings_change":
             events += [Event(trigger, avail=a) for a in ("ok", "cbm", "concurrency")]
+        elif trigger == "catalogue_delete":
+            events += [Event(trigger, loads_checking=c) for c in (False, True)]
         elif trigger == "adapter_done":
             events += [Event(trigger, applied=True), Event(trigger, applied=False)]
+        elif trigger == "transition_failed":
+            events += [Event(trigger, after_failure=f) for f in ("nothing", "kept", "reloaded")]
         elif trigger not in ROUTE_AUTH:
             events.append(Event(trigger))
     return tuple(events)

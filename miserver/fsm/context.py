@@ -11,6 +11,26 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class Provenance:
+    """What ``X-miLLM-Model`` said just before the first adapter was applied (weights page:
+    Which weights answered; contract 6), or the checkpoint a save made while it was applied:
+    the served name, its origin and commit count, and ``steps_since_load`` then, so that
+    removing the adapter restores the name and origin and counts the commits made while it
+    was applied (the base tensors carry them)."""
+
+    served_name: str | None
+    origin: str | None
+    commits: int | None
+    steps_since_load: int | None
+
+    def after(self, steps_since_load: int | None) -> int | None:
+        """The commit count of the restored name once ``steps_since_load`` commits exist."""
+        if self.commits is None or self.steps_since_load is None or steps_since_load is None:
+            return None
+        return self.commits + max(0, steps_since_load - self.steps_since_load)
+
+
+@dataclass(frozen=True, slots=True)
 class Context:
     """Concrete values beside a :class:`~miserver.fsm.state.LifecycleState`.
 
@@ -37,6 +57,9 @@ class Context:
             (``model``, ``checkpoint`` or ``adapter``).
         saves: how many saves completed since start.
         exports: how many attaches exported handles since start.
+        before_adapter: while an adapter is applied, the :class:`Provenance` an adapter
+            removal restores (the name served before it, or a save made under it); ``None``
+            while none is applied.
     """
 
     hold_deadline: float | None = None
@@ -63,6 +86,28 @@ class Context:
     served_origin: str | None = None
     saves: int = 0
     exports: int = 0
+    before_adapter: Provenance | None = None
 
     def __repr__(self) -> str:  # never show the attachment ID
         return f"Context(label={self.attachment_label!r}, steps={self.steps_since_load})"
+
+
+def served_after_removal(c: Context, base_name: str | None) -> tuple[str | None, str | None, int]:
+    """What ``X-miLLM-Model`` says once the applied adapter is removed (weights page: Which
+    weights answered; contract 6): ``(name, origin, commits)``. The name and origin recorded
+    before the adapter (``c.before_adapter``: the name served before it, or a save made under
+    it; ``base_name`` when it names none), its commits plus those made while the adapter was
+    applied (they are in the base tensors). When the context no longer serves the adapter's
+    name or holds no record, the name (``base_name`` when none), origin and count stay.
+    ``origin`` is ``model`` or ``checkpoint`` (``None``: inferred, ``model``)."""
+    before = c.before_adapter
+    if before is None or c.served_origin != "adapter":
+        name, origin, commits = c.served_name or base_name, c.served_origin, c.commits_since_name
+    else:
+        name = before.served_name or base_name
+        origin, commits = before.origin, before.after(c.steps_since_load)
+    return (
+        name,
+        origin if origin in ("model", "checkpoint") else None,
+        commits,  # type: ignore[return-value]
+    )

@@ -237,6 +237,29 @@ def _(s, c, e):
 
 
 @_g(
+    "kept_resident",
+    "event",
+    "the failed load was refused before the resident was dropped: it is unchanged",
+)
+def _(s, c, e):
+    return e.after_failure == "kept"
+
+
+@_g(
+    "reloaded_previous",
+    "event",
+    "the load failed after the resident was dropped, and the previous row was loaded back",
+)
+def _(s, c, e):
+    return e.after_failure == "reloaded"
+
+
+@_g("checking_load", "event", "a weights load's checkpoint is being checked before its pause")
+def _(s, c, e):
+    return e.loads_checking
+
+
+@_g(
     "receive_incomplete",
     "event",
     "the commit's broadcast into the arena did not complete (contract 10, process-group)",

@@ -371,6 +371,12 @@ def _cache_dropped(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> 
             and b.weights != "torn"
         )
         or (e.trigger == "transition_done" and b.transition == "load" and a.resident)
+        or (
+            e.trigger == "transition_failed"
+            and b.transition == "load"
+            and a.resident
+            and "load" in row.actions
+        )
     )
     return not (takes or changes) or Effect.DROP_CACHE in row.effects
 
@@ -445,7 +451,8 @@ def _torn_pause_fails(b: LifecycleState, e: Event, row: Row, a: LifecycleState) 
 def _transition_ends(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
     """A model transition's end leaves no transition running and the resident as the end says:
     a completed load or swap leaves its model resident, a completed unload or a failed load
-    leaves nothing resident, a failed unload or an abandoned transition (its drain timed out)
+    leaves nothing resident (unless the host refused before it dropped anything: the resident
+    is unchanged; or it loaded the previous row back: resident), a failed unload or an abandoned transition (its drain timed out)
     leaves the resident as it was (contract 3; decisions: a failed load leaves nothing
     resident; a model load, swap or unload drains first)."""
     ends = ("transition_done", "transition_failed", "transition_abandoned")
@@ -456,7 +463,9 @@ def _transition_ends(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -
     if e.trigger == "transition_done":
         return a.resident == (b.transition == "load")
     if e.trigger == "transition_failed" and b.transition == "load":
-        return not a.resident
+        if e.after_failure == "kept":  # refused before anything was dropped
+            return a.resident == b.resident
+        return a.resident == (e.after_failure == "reloaded")  # the previous row, loaded back
     return a.resident == b.resident
 
 
@@ -513,6 +522,30 @@ def _counters_follow(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -
     return a.resident == b.resident or bool(acts & {"load", "unload"})
 
 
+#: The pauses during which no catalogue row is deleted (contract 3: ``409 MODEL_BUSY`` while a
+#: weights load or a save runs): a weights load reads its checkpoint's folder, a save registers
+#: a row whose parent is the base row.
+_DELETE_BLOCKING = ("weights_load", "save")
+
+
+def _catalogue_delete_blocked(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """A catalogue DELETE is refused exactly while a weights load or a save holds the barrier
+    (its drain included) or a weights load's checkpoint is being checked before its pause, 409
+    MODEL_BUSY ``model_transition`` naming that pause (the barrier's, else the checked load's);
+    accepted it changes nothing and the serving layer does nothing (contract 3)."""
+    if e.trigger != "catalogue_delete":
+        return True
+    blocked = b.owner in _DELETE_BLOCKING or e.loads_checking
+    if row.refuse is None:
+        return not blocked and row.kind == "accepted" and not row.effects and a == b
+    named = b.owner if b.owner in _DELETE_BLOCKING else "weights_load"
+    return (
+        blocked
+        and (row.refuse.code.name, row.refuse.reason) == ("MODEL_BUSY", "model_transition")
+        and row.refuse.pause == named
+    )
+
+
 EDGE_INVARIANTS: tuple[tuple[str, Callable[..., bool]], ...] = (
     ("nothing_served_unless_clean_and_not_held", _served_clean_unheld),
     ("torn_left_only_by_late_commit_end_weights_load_or_unload", _torn_exits),
@@ -557,4 +590,8 @@ EDGE_INVARIANTS: tuple[tuple[str, Callable[..., bool]], ...] = (
     ("an_accepted_settings_change_takes_effect", _settings_applied),
     ("every_accepted_v1_request_is_run_held_or_auto_loaded", _admission_decided),
     ("unsaved_adapter_and_resident_follow_commits_saves_and_loads", _counters_follow),
+    (
+        "a_catalogue_delete_is_refused_exactly_while_a_load_or_save_needs_the_rows",
+        _catalogue_delete_blocked,
+    ),
 )

@@ -47,9 +47,9 @@ from operator import attrgetter
 from typing import Any, Literal
 
 from miserver.fsm.compiled import Compiled, TableError, compile_table
-from miserver.fsm.context import Context
+from miserver.fsm.context import Context, Provenance
 from miserver.fsm.state import NAMED, TIMERS, Event, LifecycleState
-from miserver.fsm.table import TABLE, Answer, Effect, Row
+from miserver.fsm.table import TABLE, Answer, Effect, Refusal, Row, message_values
 from miserver.spec.codes import ErrorCode
 
 __all__ = ["Lifecycle", "Outcome", "Snapshot", "TableError", "Event", "LifecycleState"]
@@ -491,15 +491,19 @@ class Lifecycle:
             elif action == "hold_timeout":
                 ch.update(last_hold_timeout_at=now)
             elif action == "save":
-                ch.update(saved_steps=c.steps_since_load or 0, saves=c.saves + 1)
+                steps = c.steps_since_load or 0
+                ch.update(saved_steps=steps, saves=c.saves + 1)
                 if c.served_origin != "adapter":  # contract 5: the set is the checkpoint now
                     ch.update(
                         served_name=event.name or c.served_name,
                         served_origin="checkpoint",
                         commits_since_name=0,
                     )
-                # else contract 6: the adapter still computes and keeps its name; the checkpoint
-                # holds the base tensors, named once the adapter is removed (the adapter job)
+                else:
+                    # contract 6: the adapter still computes and keeps its name; the checkpoint
+                    # holds the base tensors, the name restored once the adapter is removed,
+                    # its commits counted from this save (finding N1)
+                    ch.update(before_adapter=Provenance(event.name, "checkpoint", 0, steps))
             elif action == "load":
                 inferred = "checkpoint" if event.trigger.startswith("weights_") else "model"
                 ch.update(
@@ -508,6 +512,7 @@ class Lifecycle:
                     commits_since_name=0,
                     served_name=event.name or c.served_name,
                     served_origin=event.origin or inferred,
+                    before_adapter=None,  # a load replaces the adapted model
                 )
             elif action == "unload":
                 ch.update(
@@ -516,15 +521,10 @@ class Lifecycle:
                     commits_since_name=None,
                     served_name=None,
                     served_origin=None,
+                    before_adapter=None,  # the adapter went with the resident
                 )
             elif action == "adapter":
-                ch.update(
-                    served_name=event.name or c.served_name,
-                    served_origin="adapter" if event.applied else (event.origin or "model"),
-                    commits_since_name=(
-                        event.commits if not event.applied and event.commits is not None else 0
-                    ),
-                )
+                ch.update(self._adapter_provenance(event, c))
             else:  # pragma: no cover - a typo in the table
                 raise TableError(f"row {row.id}: unknown action {action!r}")
         # Consequences of the state change itself.
@@ -564,6 +564,33 @@ class Lifecycle:
                     ch[f"{timer}_deadline"] = now + self.durations[timer] if v else None
         return _evolve_context(c, ch)
 
+    @staticmethod
+    def _adapter_provenance(event: Event, c: Context) -> dict[str, Any]:
+        """The served name, origin and commit count an adapter change sets (weights page:
+        Which weights answered; contract 6), and the :class:`Provenance` it records: applied,
+        the adapter's name with origin ``adapter`` and commits from 0, recording what was
+        served before the first adapter (a replacing adapter keeps that record); removed, the
+        event's name, origin and count (the serving layer computes them from the record with
+        :func:`~miserver.fsm.context.served_after_removal`), and the record is dropped."""
+        if event.applied:
+            before = c.before_adapter
+            if before is None:
+                before = Provenance(
+                    c.served_name, c.served_origin, c.commits_since_name, c.steps_since_load
+                )
+            return {
+                "served_name": event.name or c.served_name,
+                "served_origin": "adapter",
+                "commits_since_name": 0,
+                "before_adapter": before,
+            }
+        return {
+            "served_name": event.name or c.served_name,
+            "served_origin": event.origin or "model",
+            "commits_since_name": event.commits if event.commits is not None else 0,
+            "before_adapter": None,
+        }
+
     def _outcome(
         self,
         row: Row,
@@ -576,9 +603,12 @@ class Lifecycle:
     ) -> Outcome:
         if row.refuse is not None:
             ref = row.refuse
-            message = ref.message or _REASON_MESSAGES.get(
-                (ref.code.name, ref.reason or ""), _MESSAGES.get(ref.code.name, ref.code.name)
-            )
+            if ref.message is not None:
+                message = ref.message.format_map(message_values(ref, b, event))
+            else:
+                message = _REASON_MESSAGES.get(
+                    (ref.code.name, ref.reason or ""), _MESSAGES.get(ref.code.name, ref.code.name)
+                )
             return Outcome(
                 "refused",
                 event.trigger,
@@ -586,7 +616,7 @@ class Lifecycle:
                 ref.code,
                 ref.reason,
                 message,
-                self._details(ref.details, b, c_before),
+                self._details(ref, b, c_before, event),
                 (),
                 None,
                 row.id,
@@ -633,7 +663,8 @@ class Lifecycle:
             a,
         )
 
-    def _details(self, kind: str | None, s: LifecycleState, c: Context) -> dict[str, Any]:
+    def _details(self, ref: Refusal, s: LifecycleState, c: Context, event: Event) -> dict[str, Any]:
+        kind = ref.details
         if kind == "holder":
             return {
                 "holder": {
@@ -657,4 +688,12 @@ class Lifecycle:
             }
         if kind == "pause":
             return {"pause": s.owner}
+        if kind == "busy":
+            return {
+                "barrier": "serving" if s.barrier == "serving" else "quiesced",
+                "pause_owner": None if s.owner == "none" else s.owner,
+                "weights_state": s.weights,
+            }
+        if kind == "catalogue_row":
+            return {"model_id": event.model_id, "pause_owner": ref.pause or s.owner}
         return {}

@@ -193,6 +193,13 @@ class Event:
         same_resident: ``v1_confirm``: the resident a waiting ``/v1`` request was admitted for
             (the one it named, or the row its auto-load loaded) is still the resident; False
             when it was unloaded, or replaced by another model, while the request waited.
+        after_failure: ``transition_failed`` of a load: what is resident afterwards:
+            ``nothing``; ``kept`` (the host refused before it dropped anything: the resident
+            is unchanged); ``reloaded`` (the load failed after the previous model was dropped,
+            and the host loaded that row back from its files; ``name`` and ``origin`` are its).
+        model_id: ``catalogue_delete``: the catalogue row's id (``name``: its name).
+        loads_checking: ``catalogue_delete``: a weights load's checkpoint is being checked
+            before its pause (the runtime counts those checks).
         received: ``commit_end``: the commit's receive completed (contract 10, the
             process-group transport: every byte of the broadcast landed in the arena); always
             True for the other transports, whose write the server cannot see.
@@ -213,6 +220,9 @@ class Event:
     origin: Literal["model", "checkpoint"] | None = None
     same_resident: bool = True
     commits: int | None = None
+    after_failure: Literal["nothing", "kept", "reloaded"] = "nothing"
+    model_id: int | None = None
+    loads_checking: bool = False
     received: bool = True
     group_ok: bool = True
 
@@ -235,6 +245,8 @@ class Event:
             "avail",
             "applied",
             "same_resident",
+            "after_failure",
+            "loads_checking",
             "received",
             "group_ok",
         ):

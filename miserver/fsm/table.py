@@ -80,9 +80,14 @@ class Refusal:
 
     ``details`` is one of ``holder`` (the attachment's role, label, state, attached_at),
     ``torn`` (how to recover), ``unsaved`` (served name, unsaved commits, ways forward),
-    ``pause`` (which pause holds the barrier) or ``None``. ``message``: this row's own message
-    (``None``: the code's and reason's usual one). ``retry_after``: the answer carries
-    ``Retry-After`` (always for :data:`RETRY_AFTER_CODES`).
+    ``pause`` (which pause holds the barrier), ``busy`` (the barrier, its owner and the weights
+    state, as the status route names them), ``catalogue_row`` (the event's catalogue row id and
+    the pause that blocks it) or ``None``. ``message``: this row's own message (``None``: the
+    code's and reason's usual one), a template whose ``{fields}`` are filled from
+    :func:`message_values`. ``pause``: the pause this refusal names (``None``: the one that
+    holds the barrier), for a refusal made before its pause holds it (a weights load's
+    checkpoint being checked). ``retry_after``: the answer carries ``Retry-After`` (always for
+    :data:`RETRY_AFTER_CODES`).
     """
 
     code: ErrorCode
@@ -91,6 +96,7 @@ class Refusal:
     details: str | None = None
     message: str | None = None
     retry_after: bool = False
+    pause: str | None = None
 
     @property
     def http_status(self) -> int:
@@ -171,6 +177,7 @@ def _refuse(
     note: str = "",
     message: str | None = None,
     retry_after: bool = False,
+    pause: str | None = None,
 ) -> Row:
     return Row(
         trigger,
@@ -179,7 +186,7 @@ def _refuse(
         (),
         (),
         (),
-        Refusal(code, reason, status, details, message, retry_after),
+        Refusal(code, reason, status, details, message, retry_after, pause),
         False,
         None,
         note,
@@ -191,6 +198,37 @@ def _ignore(trigger: str, note: str = "does not apply in this state") -> Row:
 
 
 PAUSES = ("save", "weights_load", "adapter")
+
+#: How a refusal's message names who holds the barrier (``{pause_label}``, ``{busy}``).
+PAUSE_LABELS: dict[str, str] = {
+    "holder": "the attached trainer's quiesce",
+    "save": "a checkpoint save (POST /api/weights/save)",
+    "weights_load": "a weights load (POST /api/weights/load)",
+    "adapter": "an adapter change (/api/weights/adapter)",
+}
+
+#: ``{busy}``: why the lifecycle is busy: the weights are writing, else who holds the barrier.
+WRITING_BUSY = "the weights are being written (a commit or a weights load is open)"
+
+
+def message_values(refusal: Refusal, state: object, event: object) -> dict[str, object]:
+    """The fields a refusal's message template may name: ``pause`` (the refusal's pause, else
+    the barrier's owner), ``pause_label`` (its :data:`PAUSE_LABELS` wording, ``a pause`` when
+    nothing holds it), ``busy`` (:data:`WRITING_BUSY` while the weights are writing, else
+    ``the weights barrier is held by <pause_label>``), ``name`` and ``model_id`` (the event's
+    catalogue row). ``state`` is a :class:`~miserver.fsm.state.LifecycleState`, ``event`` an
+    :class:`~miserver.fsm.state.Event`."""
+    pause = refusal.pause or getattr(state, "owner", "none")
+    label = PAUSE_LABELS.get(pause, "a pause")
+    writing = getattr(state, "weights", None) == "writing"
+    return {
+        "pause": pause,
+        "pause_label": label,
+        "busy": WRITING_BUSY if writing else f"the weights barrier is held by {label}",
+        "name": getattr(event, "name", None),
+        "model_id": getattr(event, "model_id", None),
+    }
+
 
 #: The auth checks of each gated route, in order (weights page: Authentication and headers).
 #: ``token``: 401 WEIGHTS_UNAUTHORIZED; ``operator``: 403 WEIGHTS_FORBIDDEN for a trainer token;
@@ -915,6 +953,22 @@ def build_rows() -> tuple[Row, ...]:
         _ignore("transition_done", "no model transition is in progress"),
         _accept(
             "transition_failed",
+            when=("loading", "kept_resident"),
+            transition="none",
+            note="the host refused before it dropped the resident: nothing changed",
+        ),
+        _accept(
+            "transition_failed",
+            when=("loading", "reloaded_previous"),
+            effects=(E.DROP_CACHE,),
+            actions=("load",),
+            resident=True,
+            **fresh,
+            note="the load failed after the previous model was dropped, and the host loaded "
+            "that row back from its files: it is resident afresh (breaker finding F16)",
+        ),
+        _accept(
+            "transition_failed",
             when=("loading",),
             actions=("unload",),
             resident=False,
@@ -945,6 +999,9 @@ def build_rows() -> tuple[Row, ...]:
             t,
             codes.MODEL_BUSY,
             unless=("serving",),
+            details="busy",
+            message="Serving settings cannot change while {busy}. Retry once it is released "
+            "(GET /api/weights/status shows barrier: serving and weights_state: clean).",
             note="refused while the barrier is held or weights are writing",
         ),
         *[
@@ -1038,6 +1095,43 @@ def build_rows() -> tuple[Row, ...]:
             hold_armed=False,
         ),
         _ignore(t, "nothing is exported"),
+    ]
+
+    # --- catalogue DELETE (contract 3: 409 MODEL_BUSY while a weights load or save runs) -----
+    # A weights load reads its checkpoint's folder (or its row's files) inside the pause, and
+    # checks it before (the runtime says so: `checking_load`); a save registers a row whose
+    # parent is the base row. Appended last so that no earlier row's id moves.
+    t = "catalogue_delete"
+    busy = (
+        "catalogue row {name!r} (id {model_id}) cannot be deleted while {pause_label} is in "
+        "progress: it reads or registers catalogue rows and their folders. Retry when it "
+        "finishes (GET /api/weights/status shows barrier: serving)."
+    )
+    r += [
+        *[
+            _refuse(
+                t,
+                codes.MODEL_BUSY,
+                "model_transition",
+                when=(f"held_by_{p}",),
+                details="catalogue_row",
+                message=busy,
+                pause=p,
+                note=f"the {p.replace('_', ' ')} holds the barrier, its drain included",
+            )
+            for p in ("weights_load", "save")
+        ],
+        _refuse(
+            t,
+            codes.MODEL_BUSY,
+            "model_transition",
+            when=("checking_load",),
+            details="catalogue_row",
+            message=busy,
+            pause="weights_load",
+            note="a weights load's checkpoint is being checked, before its pause",
+        ),
+        _accept(t, note="the handler deletes the row (no lifecycle state changes)"),
     ]
 
     return tuple(_with_id(row, n) for n, row in enumerate(r))

@@ -62,6 +62,59 @@ def body_limit_middleware(max_bytes: int) -> Any:
     return limit
 
 
+#: What a route's body must be when it has one (a handler's ``body_media`` attribute; the
+#: default is JSON): the media types accepted for it.
+JSON_MEDIA = "application/json"
+
+
+#: "Bytes of no stated type" (RFC 9110 8.3): what a client library sends for a raw body (aiohttp's
+#: ``data=bytes``); read as the route's type, like a body without Content-Type.
+UNTYPED_MEDIA = "application/octet-stream"
+
+
+def _accepts(expected: str, media: str) -> bool:
+    if media == UNTYPED_MEDIA:
+        return True
+    if expected == JSON_MEDIA:  # application/json, or a structured +json type (RFC 6839)
+        return media == JSON_MEDIA or (media.startswith("application/") and media.endswith("+json"))
+    return media == expected
+
+
+@web.middleware
+async def media_type_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Refuse a body whose ``Content-Type`` is present and is not what the route reads: JSON
+    (``application/json`` or an ``application/*+json`` type) everywhere except ``POST
+    /v1/files`` (``multipart/form-data``): 415 UNSUPPORTED_MEDIA_TYPE naming the type expected.
+
+    A body without ``Content-Type``, or typed ``application/octet-stream`` (bytes of no stated
+    type), is read as the route's type (raw sockets, minimal clients, client libraries' raw
+    bodies; neither is a type a browser may send cross-origin without a preflight). ``application/x-www-form-urlencoded`` (what ``curl -d`` and Python's urllib send
+    when no type is given) is refused with a message saying to add the header: it is also what
+    a web page may send cross-origin without a CORS preflight, as are ``text/plain`` and
+    ``multipart/form-data``, so refusing them keeps a browser from driving the open management
+    routes of a server on localhost (docs/decisions.md). A request without a body, or to no
+    route (404/405), is not checked.
+    """
+    media = request.content_type if "Content-Type" in request.headers else ""
+    if not media or not request.body_exists or request.match_info.http_exception is not None:
+        return await handler(request)
+    expected = getattr(request.match_info.handler, "body_media", JSON_MEDIA)
+    if _accepts(expected, media):
+        return await handler(request)
+    hint = (
+        "; curl -d sends application/x-www-form-urlencoded unless told: add "
+        "-H 'Content-Type: application/json'"
+        if media == "application/x-www-form-urlencoded" and expected == JSON_MEDIA
+        else ""
+    )
+    shown = media if len(media) <= 64 and media.isascii() else "this type"
+    raise ApiError(
+        codes.UNSUPPORTED_MEDIA_TYPE,
+        f"{request.method} {request.path} reads a {expected} body, not {shown}{hint}",
+        details={"expected": expected},
+    )
+
+
 async def load_default_model(app: web.Application) -> None:
     """Load ``DEFAULT_MODEL`` (importing the embedded default when it is named and missing).
 
@@ -133,6 +186,7 @@ def create_app(
             shutdown.shutdown_middleware,  # 503 SHUTTING_DOWN while draining (SIGTERM)
             management_auth_middleware,  # MANAGEMENT_AUTH=operator
             body_limit_middleware(settings.max_request_bytes),
+            media_type_middleware,  # 415 for a body that is not the route's type
         ],
         client_max_size=settings.max_request_bytes,
     )

@@ -153,6 +153,9 @@ async def create_file(request: web.Request) -> web.Response:
     return json_response(obj)
 
 
+create_file.body_media = "multipart/form-data"  # type: ignore[attr-defined]
+
+
 async def list_files(request: web.Request) -> web.Response:
     """``GET /v1/files``."""
     limit = _int_query(request, "limit", 10000, 1, 10000)

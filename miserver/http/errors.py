@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
-from aiohttp import web
+from aiohttp import http_exceptions, web
 
 from miserver.spec import codes
 from miserver.spec.codes import ErrorCode
@@ -152,6 +152,51 @@ def refuse_secret_name(app: web.Application, name: Any, field: str = "name") -> 
         )
 
 
+#: The status ``/v1`` gives a request whose client went away (nginx's "client closed request";
+#: http/v1.py): the access line says 499, but nothing is written to the connection, which is
+#: closed (:meth:`miserver.http.protocol.JsonErrorRequestHandler.finish_response`). Not a status
+#: any client is ever sent: it has no reason phrase and no JSON body.
+CLIENT_GONE_STATUS = 499
+
+#: The content codings aiohttp decodes in a request body (more with its optional extras).
+DECODED_CODINGS = ("gzip", "deflate", "br", "zstd")
+
+
+def body_unreadable_error(request: web.BaseRequest, exc: BaseException) -> ApiError:
+    """The 400 for a body aiohttp could not read (``web.RequestPayloadError``): a body that is
+    not what its ``Content-Encoding`` says (gzip that is not gzip), or whose chunked framing or
+    length is wrong. Built from the exception's type and the coding's name only (one of
+    :data:`DECODED_CODINGS`), never from the body's bytes."""
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(cause, http_exceptions.ContentEncodingError):
+        coding = request.headers.get("Content-Encoding", "").strip().lower()
+        name = coding if coding in DECODED_CODINGS else "the declared coding"
+        return ApiError(
+            codes.INVALID_REQUEST,
+            f"the request body is not valid {name} data (Content-Encoding: {name}); send the "
+            f"body compressed with {name}, or uncompressed without a Content-Encoding header",
+            details={"content_encoding": name},
+        )
+    return ApiError(
+        codes.INVALID_REQUEST,
+        "the request body's framing is invalid (its Content-Length, Transfer-Encoding or "
+        "chunk sizes do not match the bytes sent)",
+    )
+
+
+def body_read_timeout_error(timeout_s: float) -> ApiError:
+    """408: no byte of the request body arrived for ``timeout_s`` seconds
+    (``BODY_READ_TIMEOUT_S``); the connection is closed after this answer."""
+    return ApiError(
+        codes.INVALID_REQUEST,
+        f"no byte of the request body arrived for {timeout_s:g} s (BODY_READ_TIMEOUT_S) before "
+        "the length it declared was complete; the connection is closed. Send the whole body "
+        "without pausing",
+        details={"body_read_timeout_s": timeout_s},
+        status=408,
+    )
+
+
 def client_gone_error() -> ApiError:
     """The answer to a request whose client closed the connection before its whole body
     arrived (400; nobody reads it, but the access and audit lines say what happened)."""
@@ -176,6 +221,11 @@ async def json_errors_middleware(request: web.Request, handler: Any) -> web.Stre
     except CLIENT_GONE:
         log.info("%s request: the client closed the connection mid-body", request.method)
         resp = error_response(request.path, client_gone_error())
+    except web.RequestPayloadError as exc:  # a client's bad body: one line, no traceback
+        err = body_unreadable_error(request, exc)
+        path = scrub(request.path, request.app.get(SCRUB_SECRETS, ()))
+        log.warning("%s %s refused with 400: %s", request.method, path, err.message)
+        resp = error_response(request.path, err)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -27,6 +27,7 @@ from miserver.serving.catalogue import (
     DuplicateName,
 )
 from miserver.serving.client_paths import ClientPathError, check_client_path
+from miserver.serving.loader import check_weight_files
 from miserver.serving.weights_jobs import refuse_applied_adapter_name
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
@@ -131,8 +132,9 @@ async def read_body(request: web.Request, type_: type[T], **kw: Any) -> T:
 # --- helpers ---------------------------------------------------------------------------------
 def _row_id(request: web.Request) -> int:
     raw = request.match_info["id"]
-    if not raw.isdigit() or len(raw) > 18:
-        what = "is larger than any row id" if raw.isdigit() else "is not a row id"
+    digits = raw.isascii() and raw.isdigit()  # str.isdigit alone takes "\u0661", "\uff11"
+    if not digits or len(raw) > 18:
+        what = "is larger than any row id" if digits else "is not a row id"
         raise ApiError(
             codes.MODEL_NOT_FOUND,
             f"no catalogue row with id {raw[:40]!r}: it {what}; a row id is a positive "
@@ -182,8 +184,10 @@ def _detect_dtype(config: dict[str, Any]) -> str | None:
 def inspect_model_path(body: RegisterModel) -> dict[str, str]:
     """Validate a ``POST /api/models`` path and detect ``format``, ``dtype``, ``quantization``.
 
-    A directory must hold ``config.json`` and at least one ``*.safetensors`` file; a file must be
-    a GGUF file (magic ``GGUF``). Returns the row's ``{format, dtype, quantization, path}``.
+    A directory must hold ``config.json`` and at least one ``*.safetensors`` file, each with a
+    readable safetensors header whose tensors lie inside the file
+    (:func:`~miserver.serving.loader.check_weight_files`); a file must be a GGUF file (magic
+    ``GGUF``). Returns the row's ``{format, dtype, quantization, path}``.
 
     Raises:
         ApiError: 400 INVALID_REQUEST naming ``path`` (also for a path too long, a symlink loop
@@ -240,6 +244,10 @@ def _inspect_resolved(body: RegisterModel, path: Path) -> dict[str, str]:
             raise ValueError("not an object")
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise _invalid(f"{config_file} is not a readable JSON object ({exc})", "path") from None
+    try:  # breaker finding F16: a garbage weight file is refused here, not at its first load
+        check_weight_files(path)
+    except ValueError as exc:
+        raise _invalid(f"{path}: the weights cannot be read: {exc}", "path") from None
     detected_q = _detect_quantization(config)
     if body.quantization is not None and body.quantization != detected_q:
         raise _invalid(
@@ -297,35 +305,6 @@ async def register_model(request: web.Request) -> web.Response:
     except CatalogueError as exc:
         raise _invalid(str(exc), None) from None
     return ok(row, status=201)
-
-
-#: The pauses during which no catalogue row is deleted: a weights load reads its checkpoint's
-#: folder (or its row's files) inside the pause, a save registers a row whose parent is the
-#: base row. As a management load blocks a delete (contract 3: ``409 MODEL_BUSY`` while a load,
-#: unload, save or weights load runs).
-_DELETE_BLOCKING_PAUSES = ("weights_load", "save")
-
-
-def _refuse_delete_during_pause(app: web.Application, row: CatalogueRow) -> None:
-    """409 MODEL_BUSY (reason ``model_transition``) while a weights load or a save holds the
-    barrier, from the moment the lifecycle accepted it (its drain included) to its end, and
-    while a weights load's checkpoint is being checked before that."""
-    runtime = app.get(keys.WEIGHTS)
-    if runtime is None:
-        return
-    owner = runtime.lifecycle.state.owner
-    if owner not in _DELETE_BLOCKING_PAUSES and runtime.loads_checking:
-        owner = "weights_load"  # its checkpoint is being checked, before its pause
-    if owner not in _DELETE_BLOCKING_PAUSES:
-        return
-    raise ApiError(
-        codes.MODEL_BUSY,
-        f"catalogue row {row.name!r} (id {row.id}) cannot be deleted while "
-        f"{_PAUSE_OWNERS[owner]} is in progress: it reads or registers catalogue rows and their "
-        "folders. Retry when it finishes (GET /api/weights/status shows barrier: serving).",
-        reason="model_transition",
-        details={"model_id": row.id, "pause_owner": owner},
-    )
 
 
 def _same_folder(a: str, b: str) -> bool:
@@ -415,7 +394,9 @@ async def delete_model(request: web.Request) -> web.Response:
             reason="model_transition",
             details={"transition": host.transition},
         )
-    _refuse_delete_during_pause(request.app, row)
+    runtime = request.app.get(keys.WEIGHTS)
+    if runtime is not None:  # the table decides (catalogue_delete): no await before the delete
+        runtime.catalogue_delete(row.id, row.name)
     _refuse_delete_of_last_save(request.app, row)
     try:
         request.app[keys.CATALOGUE].delete(row.id)
@@ -462,38 +443,6 @@ async def get_settings(request: web.Request) -> web.Response:
     return ok(_settings_view(request.app))
 
 
-_PAUSE_OWNERS = {
-    "holder": "the attached trainer's quiesce",
-    "save": "a checkpoint save (POST /api/weights/save)",
-    "weights_load": "a weights load (POST /api/weights/load)",
-    "adapter": "an adapter change (/api/weights/adapter)",
-}
-
-
-def _settings_busy(runtime: Any, refusal: ApiError) -> ApiError:
-    """The lifecycle's 409 MODEL_BUSY for PATCH /api/settings, saying why and what to do.
-
-    Contract 1: refused while the barrier is held or weights are writing. ``details`` carries
-    the barrier, its owner and the weights state (the status route's names).
-    """
-    state = runtime.lifecycle.state
-    barrier = "serving" if state.barrier == "serving" else "quiesced"
-    owner = state.owner if state.owner != "none" else None
-    held_by = _PAUSE_OWNERS.get(owner or "", "a pause")
-    if state.weights == "writing":
-        why = "the weights are being written (a commit or a weights load is open)"
-    else:
-        why = f"the weights barrier is held by {held_by}"
-    return ApiError(
-        codes.MODEL_BUSY,
-        f"Serving settings cannot change while {why}. Retry once it is released "
-        "(GET /api/weights/status shows barrier: serving and weights_state: clean).",
-        reason=refusal.reason,
-        details={"barrier": barrier, "pause_owner": owner, "weights_state": state.weights},
-        headers=refusal.headers,
-    )
-
-
 async def patch_settings(request: web.Request) -> web.Response:
     """``PATCH /api/settings``: change any of ``max_concurrent_requests``,
     ``continuous_batching`` (only false: not implemented), ``max_queued_requests``."""
@@ -510,15 +459,10 @@ async def patch_settings(request: web.Request) -> web.Response:
     if patch.max_queued_requests is not msgspec.UNSET:
         kwargs["max_queued"] = patch.max_queued_requests
     concurrency = kwargs.get("max_concurrent", request.app[keys.SCHEDULER].max_concurrent)
-    # The lifecycle decides (409 MODEL_BUSY while the barrier is held or weights are writing;
-    # contract 1) and records the resulting pause availability (weights page: Status).
-    runtime = request.app[keys.WEIGHTS]
-    try:
-        await runtime.settings_change("ok" if concurrency == 1 else "concurrency")
-    except ApiError as exc:
-        if exc.code is codes.MODEL_BUSY:
-            raise _settings_busy(runtime, exc) from None
-        raise
+    # The lifecycle decides (409 MODEL_BUSY while the barrier is held or weights are writing,
+    # its message and details the table's; contract 1) and records the resulting pause
+    # availability (weights page: Status).
+    await request.app[keys.WEIGHTS].settings_change("ok" if concurrency == 1 else "concurrency")
     if kwargs:
         request.app[keys.SCHEDULER].set_limits(**kwargs)
     return ok(_settings_view(request.app))

@@ -7,7 +7,8 @@ chooses. With ``operator``, every route that changes something outside the weigh
 unknown token is ``401 WEIGHTS_UNAUTHORIZED`` (``WWW-Authenticate: Bearer``), a trainer token
 ``403 WEIGHTS_FORBIDDEN``; every such call, accepted or refused, writes one ``weights_audit``
 line (operation below, role, label, outcome and code). Reads (``GET``) and ``/v1`` inference
-stay open.
+on the resident stay open; a ``/v1`` auto-load needs an operator token too
+(:func:`miserver.http.v1_admission.caller_may_load`, breaker finding F10).
 
 =================================  ====================
 route                              audit ``operation``
@@ -21,7 +22,14 @@ route                              audit ``operation``
 ``DELETE /v1/files/{file_id}``     ``file_delete``
 ``POST /v1/batches``               ``batch_create``
 ``POST /v1/batches/{id}/cancel``   ``batch_cancel``
+``POST /api/weights/adapter``      ``adapter``
+``DELETE /api/weights/adapter``    ``adapter``
 =================================  ====================
+
+An adapter change changes what every client is served (contract 6), so it is gated like the
+other mutating routes (breaker finding F4). Its accepted and refused lines past the token check
+are written by the route itself (:func:`miserver.http.weights.gated_route`, in every mode: the
+weights page's audit operation ``adapter``); here only its token refusals are written.
 """
 
 from __future__ import annotations
@@ -46,8 +54,12 @@ GUARDED: dict[tuple[str, str], str] = {
     ("DELETE", "/v1/files/{file_id}"): "file_delete",
     ("POST", "/v1/batches"): "batch_create",
     ("POST", "/v1/batches/{batch_id}/cancel"): "batch_cancel",
+    ("POST", "/api/weights/adapter"): "adapter",
+    ("DELETE", "/api/weights/adapter"): "adapter",
 }
-OPERATIONS = tuple(GUARDED.values())
+OPERATIONS = tuple(dict.fromkeys(GUARDED.values()))
+#: Operations whose route writes its own audit line once past the token check (one line a call).
+AUDITED_BY_ROUTE = frozenset({"adapter"})
 
 
 def _operation(request: web.Request) -> str | None:
@@ -107,6 +119,8 @@ async def management_auth_middleware(
             )
         _audit(request, operation, caller, err.code.name)
         raise err
+    if operation in AUDITED_BY_ROUTE:
+        return await handler(request)
     try:
         response = await handler(request)
     except ApiError as exc:

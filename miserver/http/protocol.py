@@ -14,7 +14,13 @@ the app through a :class:`~aiohttp.web_protocol.RequestHandler` whose only chang
 :meth:`JsonErrorRequestHandler.handle_error`: the management error envelope, a message that says
 what was wrong and what to do, and a log line that names the fault without the request's bytes.
 The same handler keeps a half-closed connection open until the requests it already carried
-are answered (:meth:`JsonErrorRequestHandler.eof_received`). ``miserver serve`` runs the app
+are answered (:meth:`JsonErrorRequestHandler.eof_received`), bounds the wait for a request's
+head (``HEADER_READ_TIMEOUT_S``) and for each further byte of its body
+(``BODY_READ_TIMEOUT_S``), and never writes the ``499`` of a client that went away. Before
+routing, :func:`screen_request` refuses what aiohttp would accept but misread or answer in
+text: an HTTP version other than 1.0 and 1.1 (505), a transfer coding other than ``chunked``
+(400), a content coding aiohttp does not decode (415), an ``Expect`` other than
+``100-continue`` (417), each as JSON in the route's shape. ``miserver serve`` runs the app
 with this runner.
 """
 
@@ -22,18 +28,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 from collections.abc import Callable
 from typing import Any
 
-from aiohttp import http_exceptions, web
+from aiohttp import compression_utils, http_exceptions, web
+from aiohttp.http import HttpVersion10, HttpVersion11
 from aiohttp.web_protocol import RequestHandler
 
-from miserver.http.errors import json_response, management_error_body
+from miserver.http.errors import (
+    CLIENT_GONE_STATUS,
+    DECODED_CODINGS,
+    SCRUB_SECRETS,
+    body_read_timeout_error,
+    error_response,
+    json_response,
+    management_error_body,
+    scrub,
+)
 from miserver.http.keys import SETTINGS
 from miserver.http.shutdown import SHUTDOWN, drain
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
+
+log = logging.getLogger("miserver.http")
 
 _LIMIT_HINT = (
     "Send long values in the JSON body, not in the URL or a header; an Authorization header "
@@ -65,6 +84,16 @@ def describe_bad_request(exc: BaseException | None) -> tuple[str, dict[str, Any]
         return ("A header line is malformed (not 'Name: value' with a valid name).", None)
     if isinstance(exc, http_exceptions.InvalidURLError):
         return ("The request target is not a valid URL path.", None)
+    if isinstance(exc, http_exceptions.ContentEncodingError):
+        text = str(exc).lower()
+        name = next((c for c in DECODED_CODINGS if c in text), None)
+        if name is not None:
+            return (
+                f"The request body is not valid {name} data (Content-Encoding: {name}), or "
+                f"this server cannot decode {name}; send the body compressed with gzip or "
+                "deflate, or uncompressed without a Content-Encoding header.",
+                {"content_encoding": name},
+            )
     if isinstance(exc, http_exceptions.PayloadEncodingError):
         return (
             "The request body's framing is invalid (its Content-Length, Transfer-Encoding or "
@@ -100,6 +129,122 @@ _HEAD_TIMERS: dict[int, tuple[asyncio.TimerHandle, bool]] = {}
 HEADER_READ_TIMEOUT_S = 20.0
 
 
+#: The default body-read deadline, seconds (``BODY_READ_TIMEOUT_S``): the longest pause
+#: between two bytes of a request body that is still incomplete.
+BODY_READ_TIMEOUT_S = 20.0
+
+
+def _decoded_codings() -> frozenset[str]:
+    """The content codings aiohttp decodes here: gzip and deflate, br and zstd when their
+    optional libraries are installed."""
+    extra = {"br": compression_utils.HAS_BROTLI, "zstd": compression_utils.HAS_ZSTD}
+    return frozenset(c for c in DECODED_CODINGS if extra.get(c, True))
+
+
+def _codings(request: web.BaseRequest, header: str) -> list[str]:
+    """The comma-separated tokens of every ``header`` line, lower case, empty ones dropped."""
+    values = request.headers.getall(header, ())
+    return [c.strip().lower() for v in values for c in v.split(",") if c.strip()]
+
+
+def screen_request(request: web.BaseRequest) -> ApiError | None:
+    """What the server refuses before routing, or None. aiohttp's parser accepts these and then
+    echoes a version it does not speak, ignores a coding, or answers in text/plain:
+
+    - an HTTP version other than 1.0 and 1.1 (``GET / HTTP/2.0``, ``HTTP/0.9``): 505;
+    - ``Transfer-Encoding`` other than exactly ``chunked`` (``gzip, chunked``: aiohttp
+      de-chunks and ignores the gzip, where a proxy honouring it reads another body): 400;
+    - a body whose ``Content-Encoding`` is not one coding aiohttp decodes (``identity``, gzip,
+      deflate; br, zstd with their libraries): aiohttp passes an unknown coding through as if
+      it were none: 415 UNSUPPORTED_MEDIA_TYPE;
+    - an ``Expect`` other than ``100-continue``: 417 (aiohttp's is text/plain).
+
+    No message repeats a header's value (only fixed coding names).
+    """
+    if request.version not in (HttpVersion10, HttpVersion11):
+        return ApiError(
+            codes.INVALID_REQUEST,
+            f"HTTP/{request.version.major}.{request.version.minor} is not supported on this "
+            "port: send HTTP/1.1 (or HTTP/1.0)",
+            details={"supported": ["HTTP/1.1", "HTTP/1.0"]},
+            status=505,
+        )
+    transfer = _codings(request, "Transfer-Encoding")
+    if transfer and transfer != ["chunked"]:
+        return ApiError(
+            codes.INVALID_REQUEST,
+            "Transfer-Encoding may only be chunked: this server applies no other transfer "
+            "coding; send the body chunked (or with a Content-Length), compressed if you like "
+            "with Content-Encoding: gzip",
+            details={"transfer_encoding": "chunked"},
+        )
+    content = _codings(request, "Content-Encoding")
+    decoded = _decoded_codings()
+    coded = [c for c in content if c != "identity"]
+    if request.body_exists and coded and (len(content) > 1 or content[0] not in decoded):
+        return ApiError(
+            codes.UNSUPPORTED_MEDIA_TYPE,
+            "the request body's Content-Encoding is not one this server decodes: send it "
+            f"with one of {', '.join(sorted(decoded))} (one coding), or uncompressed "
+            "without a Content-Encoding header",
+            details={"content_encodings": sorted(decoded)},
+        )
+    expect = request.headers.get("Expect")
+    if expect is not None and expect.strip().lower() != "100-continue":
+        return ApiError(
+            codes.INVALID_REQUEST,
+            "the only Expect this server meets is 100-continue; send the request without "
+            "this Expect header",
+            status=417,
+        )
+    return None
+
+
+def screened(
+    handler: Callable[[web.BaseRequest], Any], secrets: tuple[str, ...] = ()
+) -> Callable[[web.BaseRequest], Any]:
+    """``handler`` (the app's) behind :func:`screen_request`: a refused request is answered
+    as JSON in its route's shape and its connection closed; the rest goes on to the app.
+    ``secrets`` are masked in the log line's path."""
+
+    async def screen(request: web.BaseRequest) -> web.StreamResponse:
+        err = screen_request(request)
+        if err is None:
+            return await handler(request)
+        if err.status == 505:
+            # aiohttp writes the status line in the request's version (``request.version``, a
+            # cached property): answer as HTTP/1.1.
+            request._version = HttpVersion11  # type: ignore[attr-defined]
+            request._cache["version"] = HttpVersion11  # type: ignore[attr-defined]
+        log.warning(
+            "%s %s refused before routing with %d: %s",
+            request.method,
+            scrub(request.path, secrets),
+            err.status,
+            err.message,
+        )
+        resp = error_response(request.path, err)
+        resp.force_close()
+        return resp
+
+    return screen
+
+
+class _BodyWatch:
+    """The body-read deadline of the request body a connection is receiving."""
+
+    __slots__ = ("payload", "last", "timer")
+
+    def __init__(self, payload: Any, last: float) -> None:
+        self.payload = payload
+        self.last = last
+        self.timer: asyncio.TimerHandle | None = None
+
+
+#: id(handler) -> the body it is receiving (see _HEAD_TIMERS for why not an attribute).
+_BODY_WATCH: dict[int, _BodyWatch] = {}
+
+
 def _head_timeout_body(timeout_s: float) -> bytes:
     err = ApiError(
         codes.INVALID_REQUEST,
@@ -118,9 +263,58 @@ class JsonErrorRequestHandler(RequestHandler):
     a later request's head, is answered 408 (JSON, when part of a head came) and closed. aiohttp
     has no such deadline: its keep-alive timeout (75 s) is all that bounds a client trickling
     header bytes (issue 16, item 7; Go's ``ReadHeaderTimeout``, nginx's
-    ``client_header_timeout``)."""
+    ``client_header_timeout``).
+
+    A request body still incomplete with no byte for ``BODY_READ_TIMEOUT_S`` (nginx's
+    ``client_body_timeout``: a pause, not the upload's length, so a large ``POST /v1/files``
+    that keeps flowing is never cut) makes the body's reader raise 408 (JSON, answered by
+    the error middleware in the route's shape) and the connection closes after that answer.
+    A pause while the server itself stopped reading (its buffer full) does not count."""
 
     __slots__ = ()
+
+    def _body_timeout_s(self) -> float:
+        return getattr(self._manager, "body_read_timeout_s", BODY_READ_TIMEOUT_S)
+
+    def _watch_body(self, payload: Any) -> None:
+        self._unwatch_body()
+        watch = _BodyWatch(payload, self._loop.time())
+        watch.timer = self._loop.call_later(self._body_timeout_s(), self._body_check)
+        _BODY_WATCH[id(self)] = watch
+
+    def _unwatch_body(self) -> None:
+        watch = _BODY_WATCH.pop(id(self), None)
+        if watch is not None and watch.timer is not None:
+            watch.timer.cancel()
+
+    def _body_check(self) -> None:
+        watch = _BODY_WATCH.get(id(self))
+        if watch is None:
+            return
+        payload, transport = watch.payload, self.transport
+        if (
+            payload.is_eof()
+            or payload.exception() is not None
+            or transport is None
+            or transport.is_closing()
+        ):
+            _BODY_WATCH.pop(id(self), None)
+            return
+        timeout, now = self._body_timeout_s(), self._loop.time()
+        if getattr(self, "_reading_paused", False) or getattr(self, "_buffer_paused", False):
+            watch.last = now  # the handler has not consumed what came: not the client's pause
+        idle = now - watch.last
+        if idle < timeout:
+            watch.timer = self._loop.call_later(timeout - idle, self._body_check)
+            return
+        _BODY_WATCH.pop(id(self), None)
+        log.warning(
+            "a request body from %s stalled: no byte for %g s (BODY_READ_TIMEOUT_S); answered "
+            "408 and closed",
+            transport.get_extra_info("peername", ("-",))[0],
+            timeout,
+        )
+        payload.set_exception(body_read_timeout_error(timeout))
 
     def _head_timeout_s(self) -> float:
         return getattr(self._manager, "header_read_timeout_s", HEADER_READ_TIMEOUT_S)
@@ -164,8 +358,15 @@ class JsonErrorRequestHandler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         before = self._request_count
         super().data_received(data)
+        watch = _BODY_WATCH.get(id(self))
+        if watch is not None and data:
+            watch.last = self._loop.time()  # the body (or what follows it) is coming
         if self._request_count != before:
             self._disarm_head_timer()  # a whole head arrived
+            if self._messages:  # the newest request's body is the one now arriving
+                payload = self._messages[-1][1]
+                if not payload.is_eof() and payload.exception() is None:
+                    self._watch_body(payload)
         elif (
             data
             and id(self) not in _HEAD_TIMERS
@@ -179,7 +380,37 @@ class JsonErrorRequestHandler(RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm_head_timer()
+        self._unwatch_body()
         super().connection_lost(exc)
+
+    async def finish_response(
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        """aiohttp's, except: the ``499`` of a client that went away
+        (:data:`~miserver.http.errors.CLIENT_GONE_STATUS`) is logged and never written (a
+        status line with no reason phrase and an empty body is no answer; a half-closed
+        client sees the connection end); and a request whose body could not be read (a bad
+        coding, a stalled body: its reader holds the error) closes its connection once the
+        answer is written, instead of aiohttp's lingering read, which would raise that error
+        again and log it as unhandled.
+
+        Returns ``(response, reset)`` as aiohttp's does (``reset``: the client is gone).
+        """
+        if _BODY_WATCH.get(id(self)) is not None and _BODY_WATCH[id(self)].payload is (
+            request.content
+        ):
+            self._unwatch_body()  # answered: what is left of the body is aiohttp's lingering
+        if resp.status == CLIENT_GONE_STATUS:
+            with contextlib.suppress(Exception):
+                request._finish()  # type: ignore[attr-defined]
+            self.log_access(request, resp, start_time)
+            self.force_close()
+            return resp, True
+        result = await super().finish_response(request, resp, start_time)
+        content = request.content
+        if not content.is_eof() and content.exception() is not None:
+            self.force_close()
+        return result
 
     def handle_error(
         self,
@@ -264,6 +495,11 @@ class AppRunner(web.AppRunner):
         settings = self.app.get(SETTINGS) if isinstance(self.app, web.Application) else None
         timeout = getattr(settings, "header_read_timeout_s", HEADER_READ_TIMEOUT_S)
         server.header_read_timeout_s = timeout  # type: ignore[attr-defined]
+        body = getattr(settings, "body_read_timeout_s", BODY_READ_TIMEOUT_S)
+        server.body_read_timeout_s = body  # type: ignore[attr-defined]
+        # Each connection takes the handler at its creation: the screen is in place before any.
+        secrets = self.app.get(SCRUB_SECRETS, ()) if isinstance(self.app, web.Application) else ()
+        server.request_handler = screened(server.request_handler, secrets)
         return server
 
 

@@ -4,12 +4,17 @@ What a Kubernetes or systemd operator expects of a server told to stop:
 
 1. From the signal on, every new request is answered ``503 SHUTTING_DOWN`` with ``Retry-After``
    (a JSON error in the route's shape); the listening socket stays open for the grace, so a
-   client reaching this replica gets an answer it can retry elsewhere, not a reset.
+   client reaching this replica gets an answer it can retry elsewhere, not a reset. Liveness,
+   ``GET /api/health``, still answers 200: the process is alive while it drains (a liveness
+   probe failing now would only get it killed before its grace ends); readiness
+   (``/api/health/detailed``) is 503.
 2. Requests already running or queued (waiting for an execution slot) run to their end, for at
    most ``SHUTDOWN_GRACE_S`` seconds (default 10).
 3. At the end of the grace, what still runs is cancelled: a request whose answer has not started
    gets ``503 SHUTTING_DOWN``; an event stream still open gets one ``error`` event (the OpenAI
-   error object, as a generation failure ends a stream) and is closed.
+   error object, as a generation failure ends a stream) and is closed; both say the request
+   was ended after ``SHUTDOWN_GRACE_S``. A request whose body had not all arrived (a stalled
+   upload) gets the same 503 and its connection is closed at once, not read on.
 4. Then the app's cleanup runs (the batch runner stops: a batch resumes at the next start) and
    the process exits 0. A second signal ends the grace at once.
 """
@@ -50,12 +55,28 @@ class ShutdownState:
         return str(max(1, math.ceil(left)))
 
     def error(self) -> ApiError:
+        """The answer to a request that arrives while draining."""
         return ApiError(
             codes.SHUTTING_DOWN,
             "the server is shutting down (SIGTERM) and takes no new requests; retry after "
             "Retry-After seconds, on this server once restarted or on another replica",
             headers={"Retry-After": self.retry_after()},
         )
+
+    def cut_error(self) -> ApiError:
+        """The answer (or a stream's last event) for a request that was running when the
+        signal came and was still running at the end of the grace."""
+        return ApiError(
+            codes.SHUTTING_DOWN,
+            f"the server is shutting down (SIGTERM): this request was still running "
+            f"{self.grace_s:g} s (SHUTDOWN_GRACE_S) after the signal and was ended unfinished; "
+            "retry it on another replica, or on this server once restarted",
+            headers={"Retry-After": self.retry_after()},
+        )
+
+
+#: Liveness: answered as usual while draining (the process is alive; see the module docstring).
+LIVENESS_PATHS = frozenset({"/api/health"})
 
 
 SHUTDOWN: web.AppKey[ShutdownState] = web.AppKey("miserver_shutdown", ShutdownState)
@@ -72,7 +93,9 @@ async def shutdown_middleware(request: web.Request, handler: web.Handler) -> web
     state = request.app.get(SHUTDOWN)
     if state is None:
         return await handler(request)
-    if state.draining:
+    if state.draining and not (
+        request.path in LIVENESS_PATHS and request.method in ("GET", "HEAD")
+    ):
         raise state.error()
     task = asyncio.current_task()
     assert task is not None
@@ -84,7 +107,11 @@ async def shutdown_middleware(request: web.Request, handler: web.Handler) -> web
             raise
         # Ours (the grace ended) and nothing sent yet: answer, do not drop the connection.
         task.uncancel()
-        err = state.error()
+        err = state.cut_error()
+        if not request.content.is_eof() and request.content.exception() is None:
+            # A body still arriving is abandoned: with the error in its reader the connection
+            # closes after this answer (http/protocol.py), instead of reading on.
+            request.content.set_exception(err)
         body = openai_error_body(err) if _is_v1(request) else management_error_body(err)
         resp = json_response(body, err.status, err.headers)
         resp.force_close()
@@ -141,7 +168,7 @@ async def drain(app: web.Application, *, force: asyncio.Event | None = None) -> 
         log.info("shutting down: every request finished")
         return 0
     state.cancelling = True
-    err = state.error()
+    err = state.cut_error()
     for task, request in cut:
         if _is_v1(request) and request.writer is not None and request.writer.output_size > 0:
             await _end_stream(request, err)

@@ -51,6 +51,7 @@ from miserver.http.v1_admission import (
     RequestCancelled,
     acquire_slot,
     admit,
+    caller_may_load,
     client_disconnected,
     update_queue_gauge,
     wait_for_startup_load,
@@ -70,6 +71,7 @@ from miserver.serving.generation import (
     context_length,
 )
 from miserver.serving.host import Resident
+from miserver.serving.prompts import PromptError, chat_prompt_ids, max_token_chars, render_chat
 from miserver.serving.scheduler import Priority
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
@@ -156,7 +158,29 @@ def _check_context(
     return max_tokens
 
 
+def _check_length(resident: Resident, text: str, prompt_param: str) -> None:
+    """Refuse, before tokenizing, a text too long for any tokenization of it to fit.
+
+    A token covers at most :func:`~miserver.serving.prompts.max_token_chars` characters, so a
+    text of more than ``context * max_token_chars`` characters is more than ``context`` tokens:
+    the 400 the context check would give after tokenizing (~10 CPU-seconds for 8 MB), at once.
+    """
+    per_token = max_token_chars(resident.tokenizer)
+    if per_token is None:
+        return
+    context = context_length(resident.model)
+    if len(text) > context * per_token:
+        raise _bad(
+            f"the prompt is {len(text)} characters, more than the context window of "
+            f"{resident.served_name} ({context} tokens of at most {per_token} characters) "
+            "can hold",
+            prompt_param,
+        )
+
+
 def _chat_prompt(resident: Resident, req: schema.ChatCompletionRequest) -> list[int]:
+    """The prompt ids of a chat request: the chat template, message content as text
+    (:func:`~miserver.serving.prompts.chat_prompt_ids`). Runs in a worker thread."""
     tok = resident.tokenizer
     if getattr(tok, "chat_template", None) is None:
         raise _bad(
@@ -167,17 +191,20 @@ def _chat_prompt(resident: Resident, req: schema.ChatCompletionRequest) -> list[
         for m in req.messages
     ]
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except Exception as exc:  # noqa: BLE001 - a template may refuse a conversation (jinja)
-        raise _bad(
-            f"the chat template refused the messages: {str(exc)[:300]}", "messages"
-        ) from None
-    return list(tok(text, add_special_tokens=False)["input_ids"])
+        text = render_chat(tok, messages)
+        _check_length(resident, text, "messages")
+        return chat_prompt_ids(tok, messages, text)
+    except PromptError as exc:
+        raise _bad(str(exc), "messages") from None
 
 
 def _completion_prompt(resident: Resident, prompt: schema.PromptSpec) -> list[int]:
+    """The prompt ids of a completion request. A string prompt is the caller's raw text, its
+    special-token strings parsed as control tokens (docs/decisions.md). Runs in a worker
+    thread."""
     tok = resident.tokenizer
     if isinstance(prompt, str):
+        _check_length(resident, prompt, "prompt")
         ids = list(tok(prompt)["input_ids"])
     else:
         vocab = len(tok)
@@ -212,9 +239,10 @@ async def _prepare_chat(
     req: schema.ChatCompletionRequest,
     load_policy: str | None,
     priority: Priority = Priority.INTERACTIVE,
+    may_load: bool = True,
 ) -> Job:
     stops = schema.check_chat(req)
-    resident = await admit(app, req.model, load_policy, priority)
+    resident = await admit(app, req.model, load_policy, priority, may_load=may_load)
     adapter = _named_adapter(resident, req.model)
     prompt_ids = await asyncio.to_thread(_chat_prompt, resident, req)
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -240,9 +268,10 @@ async def _prepare_completion(
     req: schema.CompletionRequest,
     load_policy: str | None,
     priority: Priority = Priority.INTERACTIVE,
+    may_load: bool = True,
 ) -> Job:
     prompt, stops = schema.check_completion(req)
-    resident = await admit(app, req.model, load_policy, priority)
+    resident = await admit(app, req.model, load_policy, priority, may_load=may_load)
     adapter = _named_adapter(resident, req.model)
     prompt_ids = await asyncio.to_thread(_completion_prompt, resident, prompt)
     max_tokens = _check_context(
@@ -356,11 +385,12 @@ async def _prepare(
     load_policy: str | None,
     priority: Priority = Priority.INTERACTIVE,
     cancelled: Callable[[], bool] | None = None,
+    may_load: bool = True,
 ) -> Job:
     await wait_for_startup_load(app, cancelled)
     if isinstance(req, schema.ChatCompletionRequest):
-        return await _prepare_chat(app, req, load_policy, priority)
-    return await _prepare_completion(app, req, load_policy, priority)
+        return await _prepare_chat(app, req, load_policy, priority, may_load)
+    return await _prepare_completion(app, req, load_policy, priority, may_load)
 
 
 async def run_completion(
@@ -372,6 +402,7 @@ async def run_completion(
     load_policy: str | None = None,
     cancelled: Callable[[], bool] | None = None,
     check_in_slot: Callable[[Resident], None] | None = None,
+    may_load: bool = True,
 ) -> CompletionResult:
     """Run one chat-completion or completion request to its final, non-streamed answer.
 
@@ -400,6 +431,10 @@ async def run_completion(
         check_in_slot: called with the resident inside the slot, after the lifecycle confirmed
             the request and before the forward pass; whatever it raises propagates, the slot
             given back and nothing generated (the Batch API raises ``RowDeferred`` there).
+        may_load: whether the request may auto-load a row that is not resident (False: an
+            anonymous ``/v1`` request under ``MANAGEMENT_AUTH=operator``,
+            :func:`~miserver.http.v1_admission.caller_may_load`; refused 409
+            MODEL_NOT_LOADED).
 
     Returns:
         :class:`CompletionResult`: the body ``/v1`` answers with status 200 and the
@@ -418,7 +453,7 @@ async def run_completion(
     req = _decode(endpoint, body)
     if req.stream:
         raise _bad("stream must be false or absent: this answer is not streamed", "stream")
-    job = await _prepare(app, req, load_policy, priority, cancelled)
+    job = await _prepare(app, req, load_policy, priority, cancelled, may_load)
     async with _generation(app, job, priority, cancelled, check_in_slot) as (
         _,
         events,
@@ -496,16 +531,22 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
     :func:`run_completion` (the path batch rows take too)."""
     req = _decode(endpoint, await _read_body(request))
     load_policy = request.headers.get(LOAD_POLICY_HEADER)
+    may_load = caller_may_load(request)
 
     def client_gone() -> bool:
         return client_disconnected(request)
 
     if not req.stream:
         result = await run_completion(
-            request.app, endpoint, req, load_policy=load_policy, cancelled=client_gone
+            request.app,
+            endpoint,
+            req,
+            load_policy=load_policy,
+            cancelled=client_gone,
+            may_load=may_load,
         )
         return json_response(result.body, headers=result.headers)
-    job = await _prepare(request.app, req, load_policy, cancelled=client_gone)
+    job = await _prepare(request.app, req, load_policy, cancelled=client_gone, may_load=may_load)
     async with _generation(request.app, job, Priority.INTERACTIVE, client_gone, None) as (
         gen,
         events,

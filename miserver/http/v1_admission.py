@@ -39,11 +39,51 @@ class RequestCancelled(Exception):
 
 
 # --- admission ---------------------------------------------------------------------------------
+def caller_may_load(request: web.Request) -> bool:
+    """Whether this ``/v1`` request may auto-load a catalogue row that is not resident.
+
+    Always, with ``MANAGEMENT_AUTH=none`` (contract 4). With ``MANAGEMENT_AUTH=operator`` only
+    with a valid operator token (``Authorization: Bearer``): an auto-load is the model load
+    that ``POST /api/models/{id}/load`` gates, and it drains every running request (breaker
+    finding F10); reads and inference on the resident stay open.
+    """
+    from miserver.serving.auth import identify
+
+    settings = request.app[keys.SETTINGS]
+    if settings.management_auth != "operator":
+        return True
+    values = request.headers.getall("Authorization", ())
+    if len(values) != 1:  # none, or two (ambiguous: neither is taken, as the weights routes)
+        return False
+    return identify(values[0], settings.weights_tokens).role == "operator"
+
+
+def _operator_gate_refusal(
+    err: ApiError, model: str, row_id: int, resident: str | None
+) -> ApiError:
+    """The table's 409 MODEL_NOT_LOADED for an auto-load the operator gate refused, worded for
+    ``/v1``: which model is served, and how to load the one named."""
+    served = f"the served model is {resident!r}" if resident else "nothing is resident"
+    return ApiError(
+        codes.MODEL_NOT_LOADED,
+        f"model {model!r} is not resident ({served}), and with MANAGEMENT_AUTH=operator a /v1 "
+        f"request loads a model only with an operator token: name the served model, or have "
+        f"an operator load it (POST /api/models/{row_id}/load with an operator token) or send "
+        "this request with one",
+        status=409,
+        details={"model": model, "model_id": row_id, "resident": resident},
+        param="model",
+        headers=err.headers,
+    )
+
+
 async def admit(
     app: web.Application,
     model: str,
     load_policy: str | None = None,
     priority: Priority = Priority.INTERACTIVE,
+    *,
+    may_load: bool = True,
 ) -> Resident:
     """The one ``/v1`` admission decision: which resident serves ``model`` (contract 4).
 
@@ -53,14 +93,18 @@ async def admit(
     request will wait at (a batch row, ``Priority.BATCH``, is never refused QUEUE_FULL). The
     lifecycle table decides (serve / hold / refuse / auto-load, and after an auto-load whether
     the request may go on); the scheduler then holds a held request until the barrier is
-    released.
+    released. ``may_load`` False (:func:`caller_may_load`) refuses an auto-load as the refuse
+    policy does, in the table's same row, with a message naming the served model and how to load.
 
     Raises:
-        ApiError: 404 MODEL_NOT_FOUND, 409 MODEL_NOT_LOADED (policy refuse), 409 MODEL_BUSY
+        ApiError: 404 MODEL_NOT_FOUND, 409 MODEL_NOT_LOADED (policy refuse, or ``may_load``
+            False for a row that is not resident), 409 MODEL_BUSY
             (a load is in progress, or the model was unloaded or changed while the request
             waited for its auto-load: with ``Retry-After``), 400 INVALID_REQUEST (an unknown
             policy), the lifecycle's refusals (409 ALREADY_ATTACHED, 503 WEIGHTS_TORN /
-            QUEUE_FULL, 409 WEIGHTS_UNSAVED), and 500 MODEL_LOAD_FAILED.
+            QUEUE_FULL, 409 WEIGHTS_UNSAVED), 400 MODEL_LOAD_FAILED (the named row's folder
+            failed its check; the resident stays) and 500 MODEL_LOAD_FAILED (its load failed;
+            the previous model was loaded back when it could be).
     """
     host = app[keys.HOST]
     policy = normalize_load_policy(load_policy)
@@ -76,11 +120,17 @@ async def admit(
                 param="model",
             )
         row_id = row.id
+    gated = not may_load and policy != "refuse"
     try:
         return await app[keys.WEIGHTS].admit_v1(
-            refuse_policy=policy == "refuse", row_id=row_id, priority=priority
+            refuse_policy=policy == "refuse" or not may_load, row_id=row_id, priority=priority
         )
     except ApiError as err:
+        if gated and row_id is not None and err.code is codes.MODEL_NOT_LOADED:
+            resident = host.resident
+            raise _operator_gate_refusal(
+                err, model, row_id, resident.served_name if resident is not None else None
+            ) from None
         raise lifecycle_refusal(err) from None
 
 

@@ -7,6 +7,7 @@ OpenAI's two shapes, usage, finish reasons, and the 500 GENERATION_FAILED of a f
 from __future__ import annotations
 
 import asyncio
+import codecs
 import logging
 import time
 import uuid
@@ -46,35 +47,71 @@ def _completion_id(prefix: str) -> str:
 
 # --- logprobs shapes ---------------------------------------------------------------------------
 def _chat_logprob(lp: TokenLogprob) -> dict[str, Any]:
+    """One ``content`` entry of chat logprobs; ``bytes`` (its own and each alternative's) are
+    the token's raw bytes (part of a character for a byte-fragment token, e.g. ``[148]``)."""
     return {
         "token": lp.text,
         "logprob": lp.logprob,
         "bytes": list(lp.bytes),
         "top_logprobs": [
-            {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
-            for _i, text, value in lp.top
+            {"token": text, "logprob": value, "bytes": list(raw)} for _i, text, value, raw in lp.top
         ],
     }
 
 
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of the tokenizer's special tokens (added tokens marked special, and the named
+    ones): the tokens a completion's text leaves out (``skip_special_tokens``)."""
+    ids = {
+        int(i)
+        for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+        if getattr(t, "special", False)
+    }
+    ids.update(int(i) for i in getattr(tokenizer, "all_special_ids", None) or ())
+    return frozenset(ids)
+
+
 class _CompletionLogprobs:
-    """OpenAI's legacy ``logprobs`` object; ``text_offset`` counts characters of ``text``."""
+    """OpenAI's legacy ``logprobs`` object, one block per answer or per streamed chunk.
 
-    def __init__(self, offset: int = 0) -> None:
-        self.offset = offset
+    ``text_offset`` counts characters of the returned ``text`` (echoed prompt and completion),
+    across the blocks of one answer: a token's offset is the number of whole characters its
+    predecessors' bytes make, so the byte-fragment tokens of one character all have that
+    character's offset (OpenAI's rule). A special token stands for its content when the text
+    holds it there (a control token written in an echoed prompt), and for nothing otherwise (a
+    BOS the tokenizer added, a special token generated: the completion's text skips them).
+    """
 
-    def block(self, entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict[str, Any]:
+    def __init__(self, tokenizer: Any) -> None:
+        self._specials = special_token_ids(tokenizer)
+        self._text = ""
+        self._chars = 0  # whole characters the tokens so far make
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def _offset(self, lp: TokenLogprob) -> int:
+        offset = self._chars
+        if lp.token_id in self._specials:
+            if lp.text and self._text.startswith(lp.text, offset):
+                self._chars += len(lp.text)
+        else:
+            self._chars += len(self._utf8.decode(lp.bytes))
+        return min(offset, len(self._text))
+
+    def block(
+        self, entries: tuple[TokenLogprob, ...] | list[TokenLogprob], text: str
+    ) -> dict[str, Any]:
+        """The block of ``entries``, whose text (this block's part of ``text``) is ``text``."""
+        self._text += text
         tokens, token_logprobs, top, offsets = [], [], [], []
         for lp in entries:
             tokens.append(lp.text)
             token_logprobs.append(lp.logprob)
             top.append(
-                {text: value for _i, text, value in lp.top}
+                {text: value for _i, text, value, _b in lp.top}
                 if lp.logprob is not None or lp.top
                 else None
             )
-            offsets.append(self.offset)
-            self.offset += len(lp.text)
+            offsets.append(self._offset(lp))
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
@@ -157,9 +194,9 @@ async def collect(app: web.Application, job: Job, events: Any, first: Started) -
     else:
         logprobs = None
         if job.want_logprobs:
-            block = _CompletionLogprobs()
+            block = _CompletionLogprobs(job.resident.tokenizer)
             entries = list(first.prompt_logprobs or ()) + lps
-            logprobs = block.block(entries)
+            logprobs = block.block(entries, (job.echo_text or "") + text)
         body = {
             "id": _completion_id("cmpl"),
             "object": "text_completion",
@@ -200,7 +237,7 @@ async def stream_response(
     chat = job.kind == "chat"
     cid = _completion_id("chatcmpl" if chat else "cmpl")
     obj = "chat.completion.chunk" if chat else "text_completion"
-    lp_block = _CompletionLogprobs()
+    lp_block = _CompletionLogprobs(job.resident.tokenizer)
 
     def chunk(choice: dict[str, Any] | None, **extra: Any) -> bytes:
         body: dict[str, Any] = {
@@ -232,7 +269,7 @@ async def stream_response(
                 else None
             )
             return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        logprobs = lp_block.block(lps) if job.want_logprobs and (lps or text) else None
+        logprobs = lp_block.block(lps, text) if job.want_logprobs and (lps or text) else None
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     request[OUTCOME] = "served"

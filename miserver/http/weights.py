@@ -460,20 +460,22 @@ async def _adapter_change(request: web.Request, apply: bool) -> web.Response:
         prepare_adapter(runtime.host, body)
     await runtime.gated(
         "adapter_change",
-        Caller("none"),
+        _caller(request),  # MANAGEMENT_AUTH=operator checked the token (management_auth)
         None,
-        operation=None,
+        operation="adapter",
         params={"body": body, "apply": apply},
         applied=apply,
     )
     return ok(runtime.adapter_block())
 
 
+@gated_route("adapter")
 async def post_adapter(request: web.Request) -> web.Response:
     """POST /api/weights/adapter {name, path}: apply a PEFT LoRA adapter, unmerged."""
     return await _adapter_change(request, True)
 
 
+@gated_route("adapter")
 async def delete_adapter(request: web.Request) -> web.Response:
     """DELETE /api/weights/adapter: remove the adapter; outputs return exactly."""
     return await _adapter_change(request, False)

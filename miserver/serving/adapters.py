@@ -355,6 +355,38 @@ def _read_header(folder: Path) -> dict[str, Any]:
         ) from None
 
 
+def _check_finite(folder: Path, header: dict[str, Any]) -> None:
+    """Refuse an adapter whose floating-point tensors hold a NaN or an infinity (breaker finding
+    F3): applied, it would make every ``/v1`` answer a 500 (non-finite logits). Reads each
+    tensor once, in name order, on the CPU; the first non-finite one is named.
+
+    Raises:
+        AdapterInvalid: reason ``incompatible``, details ``{"tensor": name}``; also when a
+            tensor cannot be read (a file cut short).
+    """
+    from safetensors import safe_open
+
+    path = folder / WEIGHTS_NAME
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in sorted(k for k in header if k != "__metadata__"):
+                tensor = f.get_tensor(key)
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    raise AdapterInvalid(
+                        "incompatible",
+                        f"adapter tensor {key!r} holds non-finite values (NaN or infinity);"
+                        " applied, every answer would fail: train or export it again",
+                        path=folder,
+                        details={"tensor": key},
+                    )
+    except AdapterInvalid:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors' own errors: a damaged file
+        raise AdapterInvalid(
+            "incompatible", f"{WEIGHTS_NAME} cannot be read: {e}", path=folder
+        ) from None
+
+
 def inspect_adapter(model: nn.Module, path: str | Path) -> AdapterInfo:
     """Validate an adapter folder against the served model without changing anything.
 
@@ -363,7 +395,8 @@ def inspect_adapter(model: nn.Module, path: str | Path) -> AdapterInfo:
     run code); no ``modules_to_save`` / ``trainable_token_indices`` (they replace or add whole
     base tensors, which an unmerged adapter must not); every adapter tensor sits on a module the
     served model has, with matching dimensions; ``target_modules`` selects (as PEFT matches it)
-    at least one module LoRA can wrap, and every module the file has tensors for.
+    at least one module LoRA can wrap, and every module the file has tensors for; every
+    floating-point tensor is finite (no NaN or infinity).
 
     Raises:
         InvalidAdapterPath: ``path`` is not absolute (``400 INVALID_REQUEST``, as
@@ -439,6 +472,7 @@ def inspect_adapter(model: nn.Module, path: str | Path) -> AdapterInfo:
     header = _read_header(folder)
     _check_shapes(model, folder, header)
     _check_targets(model, folder, config, header)
+    _check_finite(folder, header)
     targets = config.get("target_modules")
     if isinstance(targets, str):
         target_modules = [targets]

@@ -12,8 +12,13 @@ Used by :class:`miserver.serving.generation.Generation`.
 
 from __future__ import annotations
 
+import functools
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
+
+import tokenizers
 
 #: Tokens of prompt context the incremental detokenizer decodes along (vLLM uses the same).
 _DETOKENIZE_CONTEXT = 5
@@ -111,32 +116,70 @@ class StopMatcher:
         return out
 
 
+@functools.cache
 def _byte_decoder() -> dict[str, int]:
-    """GPT-2's printable-character -> byte table (byte-level BPE vocabularies use it)."""
-    bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+    """GPT-2's printable-character -> byte table, which byte-level BPE vocabularies use
+    (``transformers``' ``bytes_to_unicode``, inverted)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
-_BYTE_DECODER = _byte_decoder()
+_byte_level_cache: weakref.WeakKeyDictionary[Any, tuple[bool, dict[int, str]]] = (
+    weakref.WeakKeyDictionary()
+)
+_byte_level_lock = threading.Lock()
+
+
+def _is_byte_level_decoder(decoder: Any) -> bool:
+    if decoder is None:
+        return False
+    if isinstance(decoder, tokenizers.decoders.ByteLevel):
+        return True
+    # A Sequence decoder does not expose its members: its repr names them.
+    return isinstance(decoder, tokenizers.decoders.Sequence) and "ByteLevel" in repr(decoder)
+
+
+def _token_kinds(tokenizer: Any) -> tuple[bool, dict[int, str]]:
+    """``(byte_level, added)``: whether the vocabulary is byte-level BPE (its pieces are bytes
+    written through GPT-2's table, read back by the ``tokenizers`` ``ByteLevel`` decoder), and
+    the added tokens' ids and contents (written as themselves, not through the table). Cached
+    per tokenizer."""
+    with _byte_level_lock:
+        cached = _byte_level_cache.get(tokenizer)
+    if cached is not None:
+        return cached
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    byte_level = _is_byte_level_decoder(getattr(backend, "decoder", None))
+    added = {
+        int(i): t.content
+        for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()
+        if isinstance(getattr(t, "content", None), str)
+    }
+    result = (byte_level, added)
+    with _byte_level_lock:
+        _byte_level_cache[tokenizer] = result
+    return result
 
 
 def token_bytes(tokenizer: Any, token_id: int) -> bytes:
-    """The raw bytes of one token (a byte-level BPE token may hold part of a character)."""
-    piece = tokenizer.convert_ids_to_tokens(int(token_id))
-    if isinstance(piece, str) and piece and all(c in _BYTE_DECODER for c in piece):
-        return bytes(_BYTE_DECODER[c] for c in piece)
-    return tokenizer.decode([int(token_id)], skip_special_tokens=False).encode("utf-8")
+    """The raw bytes of one token (a byte-level BPE token may hold part of a character).
+
+    Byte-level BPE: the token's piece mapped through GPT-2's byte table (``[148]`` for the
+    continuation byte 0x94, where its decoded text is U+FFFD); an added token: its content in
+    UTF-8; any other tokenizer (no byte-level table): the UTF-8 of the token decoded alone.
+    """
+    token_id = int(token_id)
+    byte_level, added = _token_kinds(tokenizer)
+    content = added.get(token_id)
+    if content is not None:
+        return content.encode("utf-8")
+    if byte_level:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        table = _byte_decoder()
+        if isinstance(piece, str) and piece and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+    return tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:

@@ -115,15 +115,17 @@ class SamplingParams:
 class TokenLogprob:
     """One token and its log-probability under the served weights (natural log).
 
-    ``logprob`` is None for the first prompt token (nothing precedes it); ``top`` lists the
-    most likely alternatives at that position as ``(token_id, text, logprob)``, best first.
+    ``text`` is the token decoded alone (U+FFFD for part of a character), ``bytes`` its raw
+    bytes (:func:`token_bytes`). ``logprob`` is None for the first prompt token (nothing
+    precedes it); ``top`` lists the most likely alternatives at that position as
+    ``(token_id, text, logprob, bytes)``, best first.
     """
 
     token_id: int
     text: str
     bytes: bytes
     logprob: float | None
-    top: tuple[tuple[int, str, float], ...] = ()
+    top: tuple[tuple[int, str, float, bytes], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -433,11 +435,11 @@ class Generation:
     def _logprob_entry(self, logprobs_row: torch.Tensor, token_id: int) -> TokenLogprob:
         tok = self.tokenizer
         k = self.params.logprobs or 0
-        top: tuple[tuple[int, str, float], ...] = ()
+        top: tuple[tuple[int, str, float, bytes], ...] = ()
         if k > 0:
             values, ids = torch.topk(logprobs_row, k)
             top = tuple(
-                (int(i), token_text(tok, int(i)), float(v))
+                (int(i), token_text(tok, int(i)), float(v), token_bytes(tok, int(i)))
                 for v, i in zip(values.tolist(), ids.tolist(), strict=True)
             )
         return TokenLogprob(

@@ -173,6 +173,9 @@ class ModelHost:
         catalogue: the catalogue rows are loaded from; its ``resident`` view is kept in step.
         metrics: optional; loads and unloads are counted there.
         loader: the blocking load function (default :func:`miserver.serving.loader.load_model`).
+        preflight: the blocking check of a row before anything is unloaded (default: with the
+            default loader :func:`miserver.serving.loader.preflight`, with another loader
+            :func:`miserver.serving.loader.check_loadable`).
     """
 
     def __init__(
@@ -182,11 +185,15 @@ class ModelHost:
         *,
         metrics: Metrics | None = None,
         loader: Callable[[CatalogueRow, Settings], LoadedModel] | None = None,
+        preflight: Callable[[CatalogueRow], None] | None = None,
     ) -> None:
         self.settings = settings
         self.catalogue = catalogue
         self.metrics = metrics
         self._loader = loader or loader_module.load_model
+        if preflight is None:
+            preflight = loader_module.preflight if loader is None else loader_module.check_loadable
+        self._preflight = preflight
         self._lock = asyncio.Lock()
         self._busy: TransitionKind | None = None
         self._replacing: tuple[int, tuple[str, ...]] | None = None
@@ -274,6 +281,18 @@ class ModelHost:
             )
 
     # --- transitions ----------------------------------------------------------------------------
+    async def check_before_load(self, row_id: int) -> None:
+        """Check catalogue row ``row_id``'s files before a load of it is decided, while the
+        resident still serves (breaker finding F16): config, tokenizer, safetensors headers,
+        shapes (:func:`miserver.serving.loader.preflight`), in a worker thread.
+
+        Raises:
+            ApiError: 404 MODEL_NOT_FOUND, 400 BACKEND_UNAVAILABLE, 400 MODEL_LOAD_FAILED (the
+                folder is not loadable; nothing changed).
+        """
+        row = self._row_or_404(row_id)
+        await asyncio.to_thread(self._preflight, row)
+
     def _row_or_404(self, row_id: int) -> CatalogueRow:
         row = self.catalogue.get(row_id)
         if row is None:
@@ -310,10 +329,18 @@ class ModelHost:
         Loading the resident row is a no-op that returns the resident unchanged, unless
         ``reload`` (a weights load of ``{"model_id": N}``, contract 5, run inside the barrier).
 
+        A swap whose load fails after the previous model was dropped (memory does not hold
+        both) loads the previous row back from its files (breaker finding F16), unless
+        ``reload`` (a weights load: its failure tears the set, contract 5): the error then says
+        so and the log has a warning; that model is resident afresh (its commits since it was
+        loaded and its adapter are not restored). :attr:`resident` tells the caller which
+        happened: the same object (nothing was dropped), another one (loaded back), None.
+
         Raises:
             ApiError: 404 MODEL_NOT_FOUND (no such row), 400 BACKEND_UNAVAILABLE (a gguf row),
                 409 MODEL_BUSY (a transition runs), a lifecycle refusal, 500 MODEL_LOAD_FAILED
-                (the files could not be loaded: nothing is resident afterwards).
+                (the files could not be loaded; ``details.restored`` names the previous row
+                when it was loaded back, else nothing is resident afterwards).
         """
         row = self._row_or_404(row_id)
         self._check_transition(kind, row, load_policy=load_policy)
@@ -323,7 +350,8 @@ class ModelHost:
         self._busy = kind
         try:
             async with self._lock:
-                previous = self.resident.row.name if self.resident else None
+                previous_row = self.resident.row if self.resident else None
+                previous = previous_row.name if previous_row else None
                 self._note_replacing()
                 self._drop_resident()
                 log.info(
@@ -334,36 +362,18 @@ class ModelHost:
                 )
                 started = time.perf_counter()
                 try:
-                    loaded = await run_without_keeping(self._loader, row, self.settings)
-                except BaseException:
+                    await self._load_resident(row)
+                except BaseException as exc:
                     if self.metrics:
                         self.metrics.model_loads.labels(outcome="failed").inc()
                     free_memory()
-                    raise
-                engine, engine_off = await run_without_keeping(self._build_engine, loaded.model)
+                    if reload or previous_row is None or not isinstance(exc, Exception):
+                        raise
+                    raise await self._load_back(previous_row, row, exc) from exc
                 elapsed = time.perf_counter() - started
-                origin = "checkpoint" if row.origin == "checkpoint" else "model"
-                self.resident = Resident(
-                    row=msgspec.structs.replace(row, resident=True),
-                    model=loaded.model,
-                    tokenizer=loaded.tokenizer,
-                    device=loaded.device,
-                    base_name=self._base_name(row),
-                    served_name=row.name,
-                    origin=origin,
-                    commits=0,
-                    attachable=loaded.attachable,
-                    loaded_at=time.time(),
-                    arena=getattr(loaded, "arena", None),
-                    engine=engine,
-                    engine_off_reason=engine_off,
-                )
-                del loaded, engine
-                self.catalogue.set_resident(row.id)
                 if self.metrics:
                     self.metrics.model_loads.labels(outcome="ok").inc()
                     self.metrics.model_load_seconds.observe(elapsed)
-                    self.metrics.set_resident(row.name)
                 log.info(
                     "model %s resident on %s in %.1f s (attachable: %s)",
                     row.name,
@@ -375,6 +385,94 @@ class ModelHost:
         finally:
             self._busy = None
             self._replacing = None
+
+    async def _load_resident(self, row: CatalogueRow) -> Resident:
+        """Read ``row`` (worker threads), build its decode engine, make it :attr:`resident`."""
+        loaded = await run_without_keeping(self._loader, row, self.settings)
+        engine, engine_off = await run_without_keeping(self._build_engine, loaded.model)
+        origin = "checkpoint" if row.origin == "checkpoint" else "model"
+        self.resident = Resident(
+            row=msgspec.structs.replace(row, resident=True),
+            model=loaded.model,
+            tokenizer=loaded.tokenizer,
+            device=loaded.device,
+            base_name=self._base_name(row),
+            served_name=row.name,
+            origin=origin,
+            commits=0,
+            attachable=loaded.attachable,
+            loaded_at=time.time(),
+            arena=getattr(loaded, "arena", None),
+            engine=engine,
+            engine_off_reason=engine_off,
+        )
+        del loaded, engine
+        self.catalogue.set_resident(row.id)
+        if self.metrics:
+            self.metrics.set_resident(row.name)
+        return self.resident
+
+    async def _load_back(
+        self, previous: CatalogueRow, failed: CatalogueRow, exc: Exception
+    ) -> ApiError:
+        """After the load of ``failed`` raised ``exc`` with ``previous`` already dropped: load
+        ``previous`` back (breaker finding F16). Returns the error to raise, which says whether
+        it is resident again (``details.restored``) or nothing is."""
+        if isinstance(exc, ApiError):
+            base = exc
+        else:
+            base = ApiError(
+                codes.MODEL_LOAD_FAILED,
+                f"catalogue row {failed.name!r} could not be loaded: {type(exc).__name__}: "
+                f"{str(exc)[:500]}",
+                details={"model_id": failed.id, "name": failed.name},
+            )
+        clear_traceback_frames(exc)
+        row = self.catalogue.get(previous.id) or previous
+        log.warning(
+            "loading model %s failed; loading the previous model %s (id %s) back",
+            failed.name,
+            row.name,
+            row.id,
+        )
+        try:
+            await self._load_resident(row)
+        except Exception as again:  # noqa: BLE001 - reported in the error and the log
+            clear_traceback_frames(again)
+            free_memory()
+            log.error(
+                "loading the previous model %s back failed too: nothing is resident (%s: %s)",
+                row.name,
+                type(again).__name__,
+                str(again)[:300],
+            )
+            suffix = (
+                f"; loading the previous model {row.name!r} back failed too "
+                f"({type(again).__name__}), so nothing is resident: load a row "
+                "(POST /api/models/{id}/load)"
+            )
+            restored = None
+        else:
+            log.warning(
+                "model %s is resident again after the failed load of %s (its commits since "
+                "its load and its adapter, if any, were not restored)",
+                row.name,
+                failed.name,
+            )
+            suffix = (
+                f"; the previous model {row.name!r} was loaded back from its files and serves "
+                "(commits since its load and an applied adapter, if any, are not restored)"
+            )
+            restored = row.name
+        return ApiError(
+            base.code,
+            base.message.rstrip(".") + suffix,
+            reason=base.reason,
+            details={**(base.details or {}), "restored": restored},
+            status=base.status,
+            param=base.param,
+            headers=base.headers,
+        )
 
     def _build_engine(self, model: torch.nn.Module) -> tuple[Any, str | None]:
         """The decode engine for a freshly loaded model (``DECODE_GRAPHS``), or None and why:

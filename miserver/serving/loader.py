@@ -106,6 +106,180 @@ def check_loadable(row: CatalogueRow) -> None:
         )
 
 
+#: The largest safetensors header read (the format's own limit is 100 MB).
+MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+_SAFETENSORS_DTYPES = frozenset(
+    {"BOOL", "U8", "I8", "U16", "I16", "F16", "BF16", "U32", "I32", "F32", "U64", "I64", "F64"}
+    | {"F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C64", "I4", "U4"}
+)
+
+
+def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The tensors a ``.safetensors`` file declares, ``{name: (dtype, shape)}``, read from its
+    header without loading any tensor; the data each entry points at must lie inside the file.
+
+    Raises:
+        ValueError: the file is not a readable safetensors file (too short, a header length
+            past the end, a header that is not a JSON object of tensor entries, an entry whose
+            data lies outside the file); the message says which.
+        OSError: the file cannot be read.
+    """
+    import json
+    import struct
+
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path.name} is {size} bytes: too short for a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_SAFETENSORS_HEADER or 8 + n > size:
+            raise ValueError(
+                f"{path.name} is not a safetensors file (its header length, {n} bytes, does not "
+                f"fit the file of {size} bytes)"
+            )
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError(
+            f"{path.name} is not a safetensors file (its header is not JSON)"
+        ) from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path.name} is not a safetensors file (its header is not an object)")
+    data_size = size - 8 - n
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        ok = (
+            isinstance(entry, dict)
+            and entry.get("dtype") in _SAFETENSORS_DTYPES
+            and isinstance(entry.get("shape"), list)
+            and all(isinstance(d, int) and d >= 0 for d in entry["shape"])
+            and isinstance(entry.get("data_offsets"), list)
+            and len(entry["data_offsets"]) == 2
+            and all(isinstance(o, int) for o in entry["data_offsets"])
+        )
+        if not ok:
+            raise ValueError(f"{path.name}: the header entry of tensor {name!r} is malformed")
+        start, end = entry["data_offsets"]
+        if not 0 <= start <= end <= data_size:
+            raise ValueError(
+                f"{path.name}: tensor {name!r} lies outside the file (offsets {start}..{end}, "
+                f"{data_size} data bytes): the file is cut short or damaged"
+            )
+        out[name] = (entry["dtype"], tuple(entry["shape"]))
+    if not out:
+        raise ValueError(f"{path.name} holds no tensors")
+    return out
+
+
+def check_weight_files(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Read the header of every ``*.safetensors`` file of a model folder (:func:`read_safetensors_header`)
+    and return all their tensors; with a ``model.safetensors.index.json`` every file it names
+    must be there.
+
+    Raises:
+        ValueError: no weight file, a file the index names is missing, or a file is not a
+            readable safetensors file (the message names it).
+        OSError: a file cannot be read.
+    """
+    import json
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder} has no *.safetensors file")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+            named = set(weight_map.values()) if isinstance(weight_map, dict) else set()
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            raise ValueError(f"{index.name} is not a readable JSON index") from None
+        missing = sorted(str(f) for f in named if not (folder / str(f)).is_file())
+        if missing:
+            raise ValueError(f"{index.name} names weight files that are missing: {missing[:5]}")
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for f in files:
+        tensors.update(read_safetensors_header(f))
+    return tensors
+
+
+def _check_shapes(config: Any, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> str | None:
+    """Compare the file's tensor shapes with the model ``config`` describes (built on the meta
+    device: no memory). Returns the first mismatch in words, or None; None also when the
+    architecture cannot be built this way (transformers' own load decides then)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - an unusual architecture: not checked here
+        return None
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    matched = 0
+    for name, (_, shape) in sorted(tensors.items()):
+        key = name if name in expected else (name.removeprefix(prefix + ".") if prefix else name)
+        if key not in expected and prefix and f"{prefix}.{name}" in expected:
+            key = f"{prefix}.{name}"
+        want = expected.get(key)
+        if want is None:
+            continue
+        matched += 1
+        if want != shape:
+            return (
+                f"tensor {name!r} has shape {list(shape)} in the weight files, but config.json "
+                f"describes {list(want)}"
+            )
+    if matched == 0:
+        return "no tensor of the weight files is a parameter of the model config.json describes"
+    return None
+
+
+def preflight(row: CatalogueRow) -> None:
+    """Check, before anything is unloaded, what can be checked of a row's folder without loading
+    its weights (breaker finding F16): :func:`check_loadable`, ``config.json`` (transformers'
+    ``AutoConfig``), the tokenizer (``AutoTokenizer``), every weight file's safetensors header
+    (:func:`check_weight_files`) and the tensors' shapes against the config. Blocking (the
+    tokenizer is read, about a second at most): run it in a worker thread.
+
+    Raises:
+        ApiError: as :func:`check_loadable`; 400 MODEL_LOAD_FAILED naming the row and the
+            problem (the resident model stays).
+    """
+    check_loadable(row)
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = Path(row.path)
+
+    def refuse(what: str) -> ApiError:
+        return ApiError(
+            codes.MODEL_LOAD_FAILED,
+            f"catalogue row {row.name!r} cannot be loaded from {row.path}: {what}; nothing was "
+            "unloaded (fix or re-register the folder)",
+            status=400,
+            details={"model_id": row.id, "name": row.name, "path": row.path},
+        )
+
+    try:
+        config = AutoConfig.from_pretrained(row.path)
+    except Exception as exc:  # noqa: BLE001 - transformers' errors, reported in words
+        raise refuse(f"config.json: {type(exc).__name__}: {str(exc)[:300]}") from None
+    try:
+        AutoTokenizer.from_pretrained(row.path)
+    except Exception as exc:  # noqa: BLE001
+        raise refuse(f"the tokenizer: {type(exc).__name__}: {str(exc)[:300]}") from None
+    try:
+        tensors = check_weight_files(folder)
+    except (OSError, ValueError) as exc:
+        raise refuse(f"the weights: {exc}") from None
+    mismatch = _check_shapes(config, tensors)
+    if mismatch is not None:
+        raise refuse(mismatch)
+
+
 def make_attachable(
     model: torch.nn.Module, settings: Settings, *, device: torch.device | str | None = None
 ) -> Any:

@@ -50,14 +50,27 @@ class AdmissionMixin:
             check_loadable(row)
         return False
 
+    async def _check_files(self, row_id: int | None) -> None:
+        """Check the files of the row a load or an auto-load would load, before the lifecycle
+        decides and before anything drains or is unloaded (breaker finding F16): a folder that
+        cannot be loaded is refused 400 MODEL_LOAD_FAILED and the resident keeps serving."""
+        check = getattr(self.host, "check_before_load", None)
+        if row_id is not None and check is not None:
+            await check(row_id)
+
     async def model_transition(self, kind: str, row_id: int | None) -> Any:
         """A management load (``model_load``) or unload (``model_unload``) of ``row_id``;
         waits for it and returns what the host returned (the resident, or the unloaded row).
+
+        A load of another row first checks that row's files (:meth:`_check_files`: 400
+        MODEL_LOAD_FAILED, nothing changed).
 
         Raises ApiError with the table's refusal (contract 3), or the load's own error.
         """
         if kind == "model_load":
             targets_resident = self._target(row_id)
+            if not targets_resident:
+                await self._check_files(row_id)
         else:
             targets_resident = True
             row = self.host.catalogue.get(row_id) if row_id is not None else None
@@ -113,12 +126,15 @@ class AdmissionMixin:
                 WEIGHTS_UNSAVED / MODEL_BUSY, 503 WEIGHTS_TORN / QUEUE_FULL; 409 MODEL_BUSY
                 ``model_transition`` with ``Retry-After`` when the model changed while the
                 request waited for its auto-load), 404 MODEL_NOT_FOUND and 400
-                BACKEND_UNAVAILABLE for a row that cannot be loaded, or the auto-load's own
-                error.
+                BACKEND_UNAVAILABLE / MODEL_LOAD_FAILED for a row that cannot be loaded
+                (checked before the table decides, unless ``refuse_policy``), or the
+                auto-load's own error.
         """
         # The refuse policy refuses any swap first (weights page: Unsaved commits), before a
         # check of whether the row could be loaded at all.
         targets_resident = row_id is None or self._target(row_id, check=not refuse_policy)
+        if not targets_resident and not refuse_policy:
+            await self._check_files(row_id)
         async with self.lock:
             self._transition_params = {"row_id": row_id}
             out = self.decide(
@@ -168,6 +184,20 @@ class AdmissionMixin:
             if same and adapter is not None:
                 same = resident.adapter_block is adapter
             out = self.decide(Event("v1_confirm", same_resident=same))
+        if out.kind == "refused":
+            raise self._refusal(out)
+
+    def catalogue_delete(self, row_id: int, name: str) -> None:
+        """DELETE /api/models/{id}: may the catalogue row go? The table decides (``catalogue_delete``:
+        409 MODEL_BUSY ``model_transition`` while a weights load or a save holds the barrier,
+        or while a weights load's checkpoint is being checked before its pause, which this
+        runtime counts in :attr:`loads_checking`; contract 3). Raises :class:`ApiError` on a
+        refusal. Synchronous: the caller deletes the row with no ``await`` in between, and the
+        decision changes no lifecycle state (a read of it, as ``GET /api/weights/status``)."""
+        event = Event(
+            "catalogue_delete", name=name, model_id=row_id, loads_checking=self.loads_checking > 0
+        )
+        out = self.decide(event)
         if out.kind == "refused":
             raise self._refusal(out)
 

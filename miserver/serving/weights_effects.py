@@ -245,7 +245,8 @@ class EffectsMixin:
         Raises:
             ApiError: 409 MODEL_BUSY ``drain_timeout`` when running generations did not finish
                 in time (the table's ``transition_abandoned``: nothing loaded or unloaded),
-                the host's own error (the table's ``transition_failed``).
+                the host's own error (the table's ``transition_failed``, told whether the
+                resident was kept, the previous row loaded back, or nothing is resident).
         """
         timeout_s = self.settings.weights_quiesce_drain_timeout_s
         try:
@@ -259,6 +260,7 @@ class EffectsMixin:
                 ) from None
             raise
         try:
+            before = self.host.resident
             try:
                 if effect is Effect.START_MODEL_LOAD:
                     resident = await self.host.load(params["row_id"])
@@ -269,8 +271,21 @@ class EffectsMixin:
                     result = await self.host.unload(params.get("row_id"))
                     name = origin = None
             except BaseException as exc:
+                after = self.host.resident
+                if after is None:
+                    event = Event("transition_failed")
+                elif after is before:  # refused before anything was dropped
+                    event = Event("transition_failed", after_failure="kept")
+                else:  # the previous row was loaded back (breaker finding F16)
+                    origin = "checkpoint" if after.origin == "checkpoint" else "model"
+                    event = Event(
+                        "transition_failed",
+                        after_failure="reloaded",
+                        name=after.served_name,
+                        origin=origin,
+                    )
                 async with self.lock:
-                    self.decide(Event("transition_failed"))
+                    self.decide(event)
                 if isinstance(exc, ApiError | asyncio.CancelledError):
                     raise
                 raise ApiError(codes.INTERNAL_ERROR, f"the model transition failed: {exc}") from exc

@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 
+from miserver.fsm.context import served_after_removal
 from miserver.serving import adapters, checkpoints
 from miserver.serving.catalogue import CHECKPOINTS_DIR
 from miserver.serving.host import clear_traceback_frames, run_without_keeping
@@ -240,25 +241,6 @@ def _keeping_no_frames(job: Job) -> Job:
     return run
 
 
-@dataclass(frozen=True)
-class Provenance:
-    """What ``X-miLLM-Model`` said just before the first adapter was applied (weights page:
-    Which weights answered): the served name, its origin and commit count, and
-    ``steps_since_load`` then, so that removing the adapter restores the name and origin and
-    counts the commits made while it was applied (the base tensors carry them)."""
-
-    served_name: str | None
-    origin: str | None
-    commits: int | None
-    steps_since_load: int | None
-
-    def after(self, steps_since_load: int | None) -> int | None:
-        """The commit count of the restored name once ``steps_since_load`` commits exist."""
-        if self.commits is None or self.steps_since_load is None or steps_since_load is None:
-            return None
-        return self.commits + max(0, steps_since_load - self.steps_since_load)
-
-
 class WeightsJobs:
     """Registers the save, weights-load and adapter jobs with a runtime.
 
@@ -272,7 +254,6 @@ class WeightsJobs:
         self.host = runtime.host
         self.root = Path(home) / CHECKPOINTS_DIR
         self.applied: adapters.AppliedAdapter | None = None
-        self.before_adapter: Provenance | None = None
         runtime.register_job("save", _keeping_no_frames(self.save))
         runtime.register_job("weights_load", _keeping_no_frames(self.weights_load))
         runtime.register_job("adapter", _keeping_no_frames(self.adapter))
@@ -386,10 +367,9 @@ class WeightsJobs:
             "path": str(saved.path),
         }
         if self.applied is not None:
-            # Contract 6: the adapter still computes, so it keeps the served name (the lifecycle
-            # leaves it); the checkpoint holds the base tensors only, and is the name restored
-            # when the adapter is removed, its commits counted from this save (finding N1).
-            self.before_adapter = Provenance(saved.name, "checkpoint", 0, steps)
+            # Contract 6: the adapter still computes, so it keeps the served name; the
+            # checkpoint holds the base tensors only, and is the name restored when the adapter
+            # is removed (the lifecycle records it: Context.before_adapter, at save_done).
             resident.base_served_name = saved.name
         response = {
             "checkpoint_sha256": saved.checkpoint_sha256,
@@ -446,7 +426,6 @@ class WeightsJobs:
             await self.host.load(plan.row.id, reload=True)
         resident = self.host.resident
         self.applied = None  # a load replaces the adapted model (in place: removed first)
-        self.before_adapter = None
         resident.adapter_block = None
         resident.base_served_name = None
         return {
@@ -457,36 +436,27 @@ class WeightsJobs:
 
     def _forget_adapter(self, _dropped: Any) -> None:
         """The model host dropped the resident (unload, swap): its adapter went with it, and
-        the applied adapter must not keep the dropped model alive."""
+        the applied adapter must not keep the dropped model alive (the lifecycle's unload or
+        load forgets what was served before it)."""
         self.applied = None
-        self.before_adapter = None
-
-    def _provenance(self) -> Provenance:
-        """The served name, origin and commit count the lifecycle holds now."""
-        ctx = self.runtime.lifecycle.context
-        resident = self.host.resident
-        return Provenance(
-            served_name=ctx.served_name or (resident.served_name if resident else None),
-            origin=ctx.served_origin,
-            commits=ctx.commits_since_name,
-            steps_since_load=ctx.steps_since_load,
-        )
 
     async def adapter(self, params: dict[str, Any]) -> dict[str, Any]:
         """Apply or remove the adapter inside the pause (contract 6).
 
         The result names what ``X-miLLM-Model`` says afterwards (weights page: Which weights
-        answered): the adapter's name with origin ``adapter`` and commits from 0 when applied;
-        after a removal, the name and origin from before the adapter (or the checkpoint a save
-        made while it was applied, origin ``checkpoint``), with the commits made before and
-        while it was applied (they are in the base tensors); a removal with no adapter applied
-        changes nothing.
+        answered), which the lifecycle sets at ``adapter_done``: the adapter's name with origin
+        ``adapter`` and commits from 0 when applied (the lifecycle records what was served
+        before it, ``Context.before_adapter``); after a removal, the name and origin that
+        record holds with its commits and those made while the adapter was applied
+        (:func:`~miserver.fsm.context.served_after_removal`); a removal with no adapter
+        applied changes nothing.
         """
         body = params["body"]
         resident = self.host.resident
+        ctx = self.runtime.lifecycle.context
         try:
             if params["apply"]:
-                before = self._provenance() if self.applied is None else self.before_adapter
+                before = ctx.before_adapter if self.applied is not None else None
                 self.applied = await run_without_keeping(
                     adapters.apply_adapter,
                     resident.model,
@@ -495,31 +465,28 @@ class WeightsJobs:
                     now=time.time(),
                     replacing=self.applied,
                 )
-                self.before_adapter = before
                 resident.adapter_block = self.applied.block()
-                resident.base_served_name = before.served_name if before else None
+                resident.base_served_name = (
+                    before.served_name
+                    if before is not None
+                    else ctx.served_name or resident.served_name
+                )
                 return {"served_name": body.name, "applied": True}
-            now = self._provenance()
             if self.applied is None:  # a no-op: the served name, origin and count stay
-                return _served(now.served_name, now.origin, now.commits)
+                return _served(
+                    ctx.served_name or resident.served_name,
+                    ctx.served_origin,
+                    ctx.commits_since_name,
+                )
             resident.model = await run_without_keeping(
                 adapters.remove_adapter, resident.model, self.applied
             )
         except adapters.AdapterRequestError as exc:  # prepare_adapter checked; PEFT may differ
             raise exc.as_api_error() from None
-        before, self.before_adapter = self.before_adapter, None
         self.applied = None
         resident.adapter_block = None
         resident.base_served_name = None
-        if before is None or now.origin != "adapter":
-            # The lifecycle no longer names the adapter (it always does while one is applied; a
-            # save under it keeps it, and records the checkpoint in before_adapter): keep it.
-            return _served(now.served_name or resident.base_name, now.origin, now.commits)
-        return _served(
-            before.served_name or resident.base_name,
-            before.origin,
-            before.after(now.steps_since_load),
-        )
+        return _served(*served_after_removal(ctx, resident.base_name))
 
 
 def _served(name: str | None, origin: str | None, commits: int | None) -> dict[str, Any]:

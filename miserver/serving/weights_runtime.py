@@ -258,7 +258,7 @@ class WeightsRuntime(EffectsMixin, AdmissionMixin, RefusalsMixin, StatusViewsMix
 
         Raises :class:`ApiError` with the table's code, reason and status on a refusal (401s
         carry ``WWW-Authenticate: Bearer``). Weights page: Authentication; The write cycle.
-        ``operation`` names the audit line; None for an ungated call (an adapter change).
+        ``operation`` names the audit line (None: no line).
         """
         fsm_caller = FsmCaller(
             token=caller.token,

@@ -128,8 +128,10 @@ NOT_ATTACHABLE = _c(
 C = "companion contract"
 MODEL_RESIDENT = _c("MODEL_RESIDENT", 409, src=C + " 3")
 BACKEND_UNAVAILABLE = _c("BACKEND_UNAVAILABLE", 400, "gguf", src=C + " 3")
-# A registered row whose files cannot be loaded (deleted, corrupt, unsupported architecture).
-MODEL_LOAD_FAILED = _c("MODEL_LOAD_FAILED", 500, t="server_error", src=C + " 3")
+# A registered row whose files cannot be loaded (deleted, corrupt, unsupported architecture):
+# 400 when a check before the load found it (the resident model stays), 500 when the load
+# itself failed (the previous model is loaded back when it can be).
+MODEL_LOAD_FAILED = _c("MODEL_LOAD_FAILED", 500, t="server_error", src=C + " 3", other=(400,))
 # POST /api/models with a name another catalogue row already has.
 MODEL_EXISTS = _c("MODEL_EXISTS", 409, src=C + " 3")
 CHECKPOINT_CORRUPT = _c("CHECKPOINT_CORRUPT", 400, src=C + " 5")

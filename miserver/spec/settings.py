@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -63,6 +64,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_queued_requests: int = 64
     max_request_bytes: int = 8 * 1024 * 1024
     header_read_timeout_s: float = 20.0
+    body_read_timeout_s: float = 20.0
     shutdown_grace_s: float = 10.0
     management_auth: str = "none"
     log_level: str = "info"
@@ -108,6 +110,7 @@ VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("MAX_QUEUED_REQUESTS", "max_queued_requests", "pos_int"),
     ("MAX_REQUEST_BYTES", "max_request_bytes", "pos_int"),
     ("HEADER_READ_TIMEOUT_S", "header_read_timeout_s", "pos_float"),
+    ("BODY_READ_TIMEOUT_S", "body_read_timeout_s", "pos_float"),
     ("SHUTDOWN_GRACE_S", "shutdown_grace_s", "nonneg_float"),
     ("MANAGEMENT_AUTH", "management_auth", "management_auth"),
     ("LOG_LEVEL", "log_level", "log_level"),
@@ -180,13 +183,18 @@ DESCRIPTIONS: dict[str, str] = {
     "HEADER_READ_TIMEOUT_S": "A connection whose request head (request line and headers) has not "
     "arrived this many seconds after it opened, or after the first byte of a later request's "
     "head, is answered 408 (JSON) and closed. Idle keep-alive connections are not affected.",
+    "BODY_READ_TIMEOUT_S": "A request whose body is still incomplete and from which no byte "
+    "arrived for this many seconds is answered 408 (JSON) and its connection closed. A pause, "
+    "not a total: a large upload that keeps flowing is never cut.",
     "SHUTDOWN_GRACE_S": "After SIGTERM, how long running and queued requests may take to finish "
     "before they are ended with 503 SHUTTING_DOWN (0: end them at once). Keep it below "
     "Kubernetes' `terminationGracePeriodSeconds`.",
     "MANAGEMENT_AUTH": "`none` (the default: management routes are open, as the weights page "
-    "says) or `operator`: every mutating management and batch route needs an operator token "
-    "(401/403 as the weights routes, one audit line per call); needs an operator token in "
-    "`WEIGHTS_TOKENS` (else exit 2).",
+    "says) or `operator`: every mutating management and batch route, the adapter routes "
+    "(`POST`/`DELETE /api/weights/adapter`) included, needs an operator token (401/403 as the "
+    "weights routes, one audit line per call), and a `/v1` request naming a model that is not "
+    "resident is 409 `model_not_loaded` instead of an auto-load unless it carries one; needs "
+    "an operator token in `WEIGHTS_TOKENS` (else exit 2).",
     "CONTINUOUS_BATCHING": "Serve through a continuous-batching engine. Not implemented in this "
     "version: only `0` is accepted.",
     "MAX_QUEUED_REQUESTS": "Interactive requests that may wait (queued plus held by the "
@@ -360,6 +368,50 @@ def parse_tokens(text: str, variable: str) -> list[WeightsToken]:
     return tokens
 
 
+#: The largest ``WEIGHTS_TOKENS_FILE`` read, bytes: thousands of entries; a bound so that a
+#: wrong path (a device, a log) stops the start with one line instead of reading for ever.
+MAX_TOKENS_FILE_BYTES = 1024 * 1024
+
+
+def read_tokens_file(path: str) -> str:
+    """The text of ``WEIGHTS_TOKENS_FILE``: a regular file (a symlink to one, as Kubernetes
+    mounts secrets, is fine) of UTF-8 text, at most :data:`MAX_TOKENS_FILE_BYTES`.
+
+    Raises :class:`ConfigError` naming the variable and the problem (never the file's
+    content: it holds secrets) for a missing or unreadable file, a device, FIFO or directory
+    (``/dev/zero`` would never end; a FIFO would block the start), a larger file, or bytes
+    that are not UTF-8.
+    """
+    variable = "WEIGHTS_TOKENS_FILE"
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise ConfigError(variable, f"cannot read {path}: {exc.strerror}") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+        raise ConfigError(
+            variable, f"{path} is {kind}; it must be a regular file of label:role:secret lines"
+        )
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TOKENS_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(variable, f"cannot read {path}: {exc.strerror}") from None
+    if len(raw) > MAX_TOKENS_FILE_BYTES:
+        raise ConfigError(
+            variable,
+            f"{path} is larger than {MAX_TOKENS_FILE_BYTES} bytes; it must hold only "
+            "label:role:secret lines",
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            variable, f"{path} is not UTF-8 text (line {line}, byte {exc.start + 1})"
+        ) from None
+
+
 def load_settings(
     env: Mapping[str, str] | None = None, overrides: Mapping[str, object] | None = None
 ) -> Settings:
@@ -380,13 +432,7 @@ def load_settings(
     tokens = parse_tokens(env.get("WEIGHTS_TOKENS", ""), "WEIGHTS_TOKENS")
     token_file = env.get("WEIGHTS_TOKENS_FILE", "").strip()
     if token_file:
-        try:
-            text = Path(token_file).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(
-                "WEIGHTS_TOKENS_FILE", f"cannot read {token_file}: {exc.strerror}"
-            ) from None
-        tokens += parse_tokens(text, "WEIGHTS_TOKENS_FILE")
+        tokens += parse_tokens(read_tokens_file(token_file), "WEIGHTS_TOKENS_FILE")
     labels = [t.label for t in tokens]
     dup = sorted({label for label in labels if labels.count(label) > 1})
     if dup:

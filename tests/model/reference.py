@@ -25,6 +25,7 @@ class Reply:
     reason: str | None = None
     pending: tuple[int, str | None, str | None] | None = None
     admission: str | None = None
+    details: dict[str, object] | None = None  # compared with the core's when given
 
 
 def refused(status: int, code: str, reason: str | None = None) -> Reply:
@@ -356,9 +357,29 @@ class Reference:
 
     def settings_change(self, now: float, avail: str) -> Reply:
         if self.barrier != "serving" or self.weights == "writing":
-            return refused(409, "MODEL_BUSY")  # contract 1
+            reply = refused(409, "MODEL_BUSY")  # contract 1
+            reply.details = {  # what holds it, in the status route's names
+                "barrier": "serving" if self.barrier == "serving" else "quiesced",
+                "pause_owner": self.pause,
+                "weights_state": self.weights,
+            }
+            return reply
         self.avail = avail
         return OK
+
+    def catalogue_delete(self, now: float, checking: bool, row_id: int) -> Reply:
+        """Contract 3: a catalogue row is not deleted (409 MODEL_BUSY model_transition) while a
+        weights load (it reads its checkpoint's folder; also while it checks the checkpoint,
+        before its pause) or a save (it registers a row) runs; ``details`` name the row and
+        the pause."""
+        pause = self.pause if self.pause in ("weights_load", "save") else None
+        if pause is None and checking:
+            pause = "weights_load"
+        if pause is None:
+            return OK
+        reply = refused(409, "MODEL_BUSY", "model_transition")
+        reply.details = {"model_id": row_id, "pause_owner": pause}
+        return reply
 
     def v1(self, now: float, target: str, refuse_policy: bool, queue_full: bool) -> Reply:
         if self.resident and target == "resident":
@@ -470,13 +491,19 @@ class Reference:
         self.failed += 1
         return OK
 
-    def transition_done(self, now: float, failed: bool = False) -> Reply:
+    def transition_done(self, now: float, failed: bool = False, after: str = "nothing") -> Reply:
+        """A transition's end. ``after`` (a failed load): ``nothing`` resident, the resident
+        ``kept`` (refused before it was dropped), or the previous row ``reloaded`` (resident
+        afresh, as after a load: breaker finding F16)."""
         if self.transition is None:
             return IGNORED
         kind, self.transition = self.transition, None
         if kind == "unload" and failed:
             return OK
-        self.resident = kind == "load" and not failed
+        if kind == "load" and failed and after == "kept":
+            return OK
+        reloaded = kind == "load" and failed and after == "reloaded"
+        self.resident = (kind == "load" and not failed) or reloaded
         if self.resident:
             self.version += 1
         self.weights, self.commit, self.adapter, self.saved = "clean", None, False, 0

@@ -73,6 +73,10 @@ def _same(out: Outcome, ref: Reply, what: str) -> None:
     want = (want_kind, ref.status, ref.code, ref.reason)
     assert got == want, f"{what}: core {got} ({out.row}), reference {want}"
     assert _pending(out) == ref.pending, f"{what}: pending core {_pending(out)} ref {ref.pending}"
+    if ref.details is not None:
+        assert out.details == ref.details, (
+            f"{what}: details core {out.details} ({out.row}) ref {ref.details}"
+        )
     if out.trigger in ("v1", "v1_confirm") and out.kind == "accepted":
         assert _admission(out) == ref.admission, (
             f"{what}: core {_admission(out)} ({out.row}) reference {ref.admission}"
@@ -506,6 +510,9 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                     "adapter_failed",
                     "transition_done",
                     "transition_failed",
+                    "transition_failed",  # as often as before the two variants below came
+                    "transition_failed_kept",
+                    "transition_failed_reloaded",
                     "transition_abandoned",
                     "address_moved",
                 ]
@@ -545,6 +552,14 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                 "transition_failed": (
                     Event("transition_failed"),
                     lambda: ref.transition_done(now, failed=True),
+                ),
+                "transition_failed_kept": (
+                    Event("transition_failed", after_failure="kept"),
+                    lambda: ref.transition_done(now, failed=True, after="kept"),
+                ),
+                "transition_failed_reloaded": (
+                    Event("transition_failed", after_failure="reloaded"),
+                    lambda: ref.transition_done(now, failed=True, after="reloaded"),
                 ),
                 "transition_abandoned": (
                     Event("transition_abandoned"),
@@ -587,6 +602,16 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                     Event("settings_change", avail=avail),  # type: ignore[arg-type]
                     lambda: ref.settings_change(now, avail),
                 )
+
+        @rule(checking=st.booleans(), row_id=st.sampled_from([3, 7]))
+        def catalogue_delete(self, checking: bool, row_id: int) -> None:
+            """DELETE /api/models/{id}, while a weights load's checkpoint may be being checked
+            (before its pause): refused while a load or save needs the catalogue rows."""
+            ref, now = self.ref, self.now
+            self.both(
+                Event("catalogue_delete", name="ck", model_id=row_id, loads_checking=checking),
+                lambda: ref.catalogue_delete(now, checking, row_id),
+            )
 
         @rule(
             names=st.sampled_from(["resident", "resident", "other"]),

@@ -299,6 +299,38 @@ def test_a_bad_adapter_folder_is_refused_and_the_model_is_unchanged(
     assert torch.equal(logits(model), before)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_an_adapter_with_non_finite_tensors_is_refused_naming_the_first(tmp_path, adapter_dir, bad):
+    """Breaker finding F3: an adapter of NaN (or Inf) was applied, and every /v1 call was
+    then a 500 (non-finite logits)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "nan"
+    shutil.copytree(adapter_dir, folder)
+    tensors = load_file(str(folder / ad.WEIGHTS_NAME))
+    names = sorted(tensors)
+    poisoned = [names[2], names[-1]]  # not the first in name order: the first bad one is named
+    for name in poisoned:
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[1] = bad
+    save_file(tensors, str(folder / ad.WEIGHTS_NAME))
+    model = tiny_model()
+    before = logits(model)
+
+    with pytest.raises(ad.AdapterInvalid) as err:
+        ad.apply_adapter(model, name="nan", path=folder, now=NOW)
+
+    assert err.value.reason == "incompatible"
+    assert err.value.details["tensor"] == poisoned[0]
+    assert repr(poisoned[0]) in err.value.message and "non-finite" in err.value.message
+    api = err.value.as_api_error()
+    assert (api.status, api.code) == (400, codes.ADAPTER_INVALID)
+    assert not ad.has_adapter(model)
+    assert torch.equal(logits(model), before)
+    with pytest.raises(ad.AdapterInvalid):  # the route's check before the pause refuses it too
+        ad.inspect_adapter(model, folder)
+
+
 def test_a_refused_replacement_leaves_the_current_adapter_applied(tmp_path, adapter_dir):
     model = tiny_model()
     current = ad.apply_adapter(model, name="a", path=adapter_dir, now=NOW)

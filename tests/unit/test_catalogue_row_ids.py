@@ -32,3 +32,27 @@ def test_an_id_no_row_can_have_finds_no_row_instead_of_raising(catalogue, row_id
 def test_the_largest_id_is_still_looked_up(catalogue):
     assert catalogue.get(MAX_ROW_ID) is None
     assert catalogue.get(1).name == "base"
+
+
+# --- row ids are ASCII digits only (breaker finding F8) ----------------------------------------
+@pytest.mark.parametrize(
+    "raw", ["%D9%A1", "%EF%BC%91", "%E0%A5%A7", "%F0%9D%9F%8F", "1%EF%BC%91"]
+)  # Arabic-Indic 1, full-width 1, Devanagari 1, mathematical bold 1, "1" + full-width 1
+async def test_a_non_ascii_digit_is_not_a_row_id(tmp_path, raw):
+    from miserver.http import keys
+    from tests.unit.model_free_app import model_free_client, model_free_settings
+
+    client = await model_free_client(model_free_settings(tmp_path, ""))
+    try:
+        client.app[keys.CATALOGUE].register(
+            name="base", format="safetensors", dtype="bfloat16", path=tmp_path / "base"
+        )
+        assert (await client.get("/api/models/1")).status == 200  # the row is there
+        for method, path in (("GET", ""), ("DELETE", ""), ("POST", "/load"), ("POST", "/unload")):
+            resp = await client.request(method, f"/api/models/{raw}{path}")
+            body = await resp.json()
+            assert resp.status == 404, (method, path, body)
+            assert "it is not a row id" in body["error"]["message"], body
+        assert (await client.get("/api/models/1")).status == 200  # nothing was deleted
+    finally:
+        await client.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from miserver.fsm.context import served_after_removal
 from miserver.fsm.machine import Lifecycle, TableError
 from miserver.fsm.state import Caller, Event
 from miserver.fsm.table import Effect, check_order
@@ -260,3 +261,66 @@ def test_from_settings_reads_timers_and_pause_availability(tmp_path) -> None:
     assert core.durations["hold"] == 2.5
     core.handle(Event("attach", caller=Caller("trainer", "t")), 0.0)
     assert core.state.attachment == "none"  # refused: NOT_ATTACHABLE concurrency
+
+
+def _adapter_change(core: Lifecycle, now: float, **done: object) -> None:
+    if done.get("applied") is False:  # what the adapter job sends for a removal
+        name, origin, commits = served_after_removal(core.context, "base-name")
+        done.update(name=name, origin=origin, commits=commits)
+    assert core.handle(Event("adapter_change"), now).kind == "accepted"
+    assert core.handle(Event("drained"), now).kind == "accepted"
+    assert core.handle(Event("adapter_done", **done), now).kind == "accepted"  # type: ignore[arg-type]
+
+
+def test_the_lifecycle_keeps_what_was_served_before_the_adapter() -> None:
+    """Contract 6, weights page Which weights answered: the context records the name served
+    before the first adapter (a replacing adapter keeps it; a save under the adapter records
+    its checkpoint), and a removal restores it, counting the commits made under the adapter."""
+    core = Lifecycle(resident=True, served_name="base")
+    _adapter_change(core, 1.0, name="lora-a", applied=True)
+    ctx = core.context
+    assert (ctx.served_name, ctx.served_origin, ctx.commits_since_name) == ("lora-a", "adapter", 0)
+    assert ctx.before_adapter is not None
+    assert (ctx.before_adapter.served_name, ctx.before_adapter.origin) == ("base", "model")
+    _adapter_change(core, 2.0, name="lora-b", applied=True)  # replacing: the record stays
+    assert core.context.before_adapter.served_name == "base"
+    trainer = Caller("trainer", "t")
+    out = core.handle(Event("attach", caller=trainer), 3.0)
+    holder = Caller("trainer", "t", out.details["attachment_id"])
+    assert core.handle(Event("quiesce", caller=holder), 3.0).kind == "accepted"
+    assert core.handle(Event("drained"), 3.0).pending.status == 200
+    for trigger in ("commit_begin", "commit_end", "resume"):
+        assert core.handle(Event(trigger, caller=holder), 3.0).kind == "accepted", trigger
+    assert core.handle(Event("detach", caller=holder), 3.0).kind == "accepted"
+    assert core.context.commits_since_name == 1
+    _adapter_change(core, 4.0, applied=False)
+    ctx = core.context
+    assert (ctx.served_name, ctx.served_origin, ctx.commits_since_name) == ("base", "model", 1)
+    assert ctx.before_adapter is None
+
+
+def test_a_save_under_an_adapter_is_what_its_removal_restores() -> None:
+    core = Lifecycle(resident=True, served_name="base")
+    _adapter_change(core, 1.0, name="lora", applied=True)
+    trainer = Caller("trainer", "t")
+    out = core.handle(Event("attach", caller=trainer), 2.0)
+    holder = Caller("trainer", "t", out.details["attachment_id"])
+    assert core.handle(Event("quiesce", caller=holder), 2.0).kind == "accepted"
+    assert core.handle(Event("drained"), 2.0).pending.status == 200
+    for trigger in ("commit_begin", "commit_end"):
+        assert core.handle(Event(trigger, caller=holder), 2.0).kind == "accepted", trigger
+    assert core.handle(Event("save", caller=holder), 2.0).kind == "accepted"
+    assert core.handle(Event("save_done", name="ck"), 2.0).kind == "accepted"
+    assert core.context.served_name == "lora"  # the adapter keeps its name
+    assert core.context.before_adapter.served_name == "ck"
+    for trigger in ("commit_begin", "commit_end", "resume"):
+        assert core.handle(Event(trigger, caller=holder), 3.0).kind == "accepted", trigger
+    assert core.handle(Event("detach", caller=holder), 3.0).kind == "accepted"
+    _adapter_change(core, 4.0, applied=False)
+    ctx = core.context
+    assert (ctx.served_name, ctx.served_origin, ctx.commits_since_name) == ("ck", "checkpoint", 1)
+    # a load or an unload forgets the record with the adapter
+    _adapter_change(core, 5.0, name="lora", applied=True)
+    assert core.handle(Event("model_unload"), 6.0).kind == "accepted"
+    assert core.handle(Event("transition_done"), 6.0).kind == "accepted"
+    assert core.context.before_adapter is None

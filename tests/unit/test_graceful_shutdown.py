@@ -145,9 +145,65 @@ async def test_after_the_grace_a_request_gets_503_and_a_stream_an_error_event(tm
             events = await asyncio.wait_for(stream, 10)
             last = json.loads(events[-1])
             assert last["error"]["code"] == "shutting_down", events[-3:]
+            # Both were running: they were ended after the grace, not refused as new ones.
+            for message in (body["error"]["message"], last["error"]["message"]):
+                assert "SHUTDOWN_GRACE_S" in message and "ended" in message, message
+                assert "takes no new requests" not in message, message
         rc, out, err = _exit(proc)
         assert rc == 0 and "exited cleanly" in out, err[-2000:]
         assert time.monotonic() - signalled < 10  # bounded by the grace, not the 30 s requests
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _stalled_body(port: int) -> socket.socket:
+    """A connection that sent a request head and 8 bytes of the 500 its body declares."""
+    conn = socket.create_connection(("127.0.0.1", port), timeout=30)
+    conn.sendall(
+        b"POST /api/models HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 500\r\n\r\n{"name":'
+    )
+    return conn
+
+
+def _read_to_close(conn: socket.socket) -> bytes:
+    data = b""
+    while chunk := conn.recv(65536):
+        data += chunk
+    return data
+
+
+async def test_liveness_answers_while_draining_and_a_stalled_body_is_closed_in_the_grace(
+    tmp_path,
+) -> None:
+    """Breaker finding F7: /api/health is liveness, "200 whenever the process answers", also
+    while the process drains (readiness, /api/health/detailed, is 503). Finding F5: a request
+    whose body stalled holds the drain only until the grace ends, then gets its 503 and its
+    connection closes at once (BODY_READ_TIMEOUT_S, 20 s here, is longer than the grace)."""
+    proc, port = _start(tmp_path, "2")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        conn = await asyncio.to_thread(_stalled_body, port)
+        await asyncio.sleep(0.5)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)
+        async with aiohttp.ClientSession() as fresh:
+            live, _, live_body = await _plain(fresh, f"{base}/api/health")
+            ready, _, ready_body = await _plain(fresh, f"{base}/api/health/detailed")
+        assert live == 200 and live_body["data"]["status"] == "ok", live_body
+        assert ready == 503 and ready_body["error"]["code"] == "SHUTTING_DOWN", ready_body
+        raw = await asyncio.to_thread(_read_to_close, conn)
+        closed_after = time.monotonic() - signalled
+        conn.close()
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 "), raw[:300]
+        assert json.loads(body)["error"]["code"] == "SHUTTING_DOWN", body
+        assert closed_after < 2 + 1.5, closed_after  # the grace, not the body timeout
+        rc, out, err = _exit(proc)
+        assert rc == 0 and "exited cleanly" in out, err[-2000:]
+        assert time.monotonic() - signalled < 2 + 5
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -395,18 +395,28 @@ async def test_load_of_corrupt_weights_is_a_json_error(
     copy = tmp_path / "corrupt"
     shutil.copytree(tiny_model_dir, copy)
     (copy / "model.safetensors").write_bytes(b"\x00" * 64)
-    row = (
+    # Registration refuses it now (breaker finding F16) ...
+    err = error(
         await call(
-            client, "POST", "/api/models", {"name": "corrupt", "path": str(copy)}, status=201
+            client, "POST", "/api/models", {"name": "corrupt", "path": str(copy)}, status=400
         )
-    )["data"]
-    err = error(await call(client, "POST", f"/api/models/{row['id']}/load", status=500))
+    )
+    assert err["code"] == "INVALID_REQUEST" and "model.safetensors" in err["message"]
+    # ... and a row whose folder was damaged after it was registered is refused at its load,
+    # before the resident is dropped
+    host = client.app[keys.HOST]
+    await call(client, "POST", f"/api/models/{rows_by_name(client)['tiny-a']}/load")
+    resident = host.resident
+    assert resident is not None
+    row = client.app[keys.CATALOGUE].register(
+        name="corrupt", format="safetensors", dtype="bfloat16", path=str(copy)
+    )
+    err = error(await call(client, "POST", f"/api/models/{row.id}/load", status=400))
     assert err["code"] == "MODEL_LOAD_FAILED"
     assert "corrupt" in err["message"]
-    host = client.app[keys.HOST]
-    assert host.resident is None and not host.busy
+    assert host.resident is resident and not host.busy
     # the server still loads other rows afterwards
-    await call(client, "POST", f"/api/models/{rows_by_name(client)['tiny-a']}/load")
+    await call(client, "POST", f"/api/models/{rows_by_name(client)['tiny-b']}/load")
 
 
 # --- settings -----------------------------------------------------------------------------------

@@ -30,6 +30,9 @@ ROUTES = [
     ("DELETE", "/v1/files/file-nope", None, "file_delete"),
     ("POST", "/v1/batches", {"input_file_id": "file-nope"}, "batch_create"),
     ("POST", "/v1/batches/batch_nope/cancel", None, "batch_cancel"),
+    # breaker finding F4: an adapter change changes what every client is served
+    ("POST", "/api/weights/adapter", {"name": "a", "path": "/nowhere"}, "adapter"),
+    ("DELETE", "/api/weights/adapter", None, "adapter"),
 ]
 
 
@@ -102,6 +105,25 @@ async def test_the_default_stays_open(tmp_path) -> None:
         assert resp.status == 200, await resp.text()
     finally:
         await c.close()
+
+
+async def test_adapter_changes_are_audited_in_the_default_mode_too(tmp_path) -> None:
+    """Breaker finding F4: adapter changes are among the weights page's audit operations."""
+    c = await model_free_client(
+        model_free_settings(tmp_path, TOKENS, WEIGHTS_AUDIT_LOG=str(tmp_path / "audit.jsonl"))
+    )
+    try:
+        resp = await c.delete("/api/weights/adapter", headers={"Authorization": f"Bearer {OPS}"})
+        assert resp.status == 400, await resp.text()  # nothing is resident
+        resp = await c.post("/api/weights/adapter", json={"name": "a", "path": "relative"})
+        assert resp.status == 400, await resp.text()
+    finally:
+        await c.close()
+    lines = [x for x in await _audit(tmp_path) if x["operation"] == "adapter"]
+    assert [(x["outcome"], x["code"], x["role"], x["label"]) for x in lines] == [
+        ("refused", "MODEL_NOT_LOADED", "operator", "ops"),
+        ("refused", "INVALID_REQUEST", None, None),
+    ]
 
 
 def test_operator_mode_needs_an_operator_token(tmp_path) -> None:

@@ -1,5 +1,6 @@
 """Configuration validation (contract section 1): bad values name the variable, secrets never leak."""
 
+import os
 import subprocess
 import sys
 
@@ -88,3 +89,52 @@ def test_cli_exits_2_with_one_line_naming_the_variable(tmp_path):
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "PORT" in lines[0]
+
+
+# --- WEIGHTS_TOKENS_FILE that is not text, or not a file (breaker finding F9) -----------------
+def _serve_with_tokens_file(tmp_path, path: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "miserver.cli", "serve", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,  # /dev/zero read for ever before the size bound
+        env={
+            "MISERVER_HOME": str(tmp_path / "home"),
+            "PATH": "/usr/bin",
+            "WEIGHTS_TOKENS_FILE": path,
+            "DEFAULT_MODEL": "",
+        },
+    )
+
+
+def test_a_tokens_file_that_is_not_utf8_exits_2_with_one_line(tmp_path):
+    f = tmp_path / "tokens"
+    f.write_bytes(b"\xff\xfe bad utf8 x:trainer:" + SECRET.encode() + b"\n")
+    proc = _serve_with_tokens_file(tmp_path, str(f))
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and "WEIGHTS_TOKENS_FILE" in lines[0] and "UTF-8" in lines[0], lines
+    assert SECRET not in proc.stderr
+
+
+@pytest.mark.parametrize("path", ["/dev/zero", "fifo", "dir"])
+def test_a_tokens_file_that_is_no_regular_file_exits_2_at_once(tmp_path, path):
+    if path == "fifo":
+        os.mkfifo(tmp_path / "fifo")  # opening it would wait for a writer
+        path = str(tmp_path / "fifo")
+    elif path == "dir":
+        path = str(tmp_path)
+    proc = _serve_with_tokens_file(tmp_path, path)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and "WEIGHTS_TOKENS_FILE" in lines[0], lines
+
+
+def test_a_tokens_file_over_the_size_bound_is_refused(tmp_path):
+    from miserver.spec.settings import MAX_TOKENS_FILE_BYTES
+
+    f = tmp_path / "tokens"
+    f.write_bytes(b"# " + b"x" * MAX_TOKENS_FILE_BYTES + b"\n")
+    with pytest.raises(ConfigError, match="larger than") as info:
+        load_settings({"MISERVER_HOME": "/tmp/x", "WEIGHTS_TOKENS_FILE": str(f)})
+    assert info.value.variable == "WEIGHTS_TOKENS_FILE"

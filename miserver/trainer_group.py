@@ -43,6 +43,7 @@ from miserver.ipc.process_group import (
     byte_view,
     resolve_ranges,
 )
+from miserver.trainer_weights import distinct_tensors
 
 __all__ = ["FlatWeights", "GroupUnavailable", "LayoutError", "TrainerGroup"]
 
@@ -89,13 +90,7 @@ class FlatWeights(Mapping[str, torch.Tensor]):
 
     def unique_tensors(self) -> list[torch.Tensor]:
         """Each distinct view once (a tied name is listed under its first name only)."""
-        seen: set[int] = set()
-        out = []
-        for t in self.tensors.values():
-            if id(t) not in seen:
-                seen.add(id(t))
-                out.append(t)
-        return out
+        return distinct_tensors(self.tensors)
 
     def fill_from(self, state: Mapping[str, torch.Tensor]) -> FlatWeights:
         """Copy ``state`` (name -> tensor, e.g. ``model.state_dict()`` or a safetensors file)

@@ -217,6 +217,18 @@ def _view(storages: list[torch.UntypedStorage], p: Mapping[str, Any], j: int) ->
     return t.requires_grad_(bool(p.get("requires_grad", False)))
 
 
+def distinct_tensors(tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors of ``tensors`` each once, in order (a view listed under several names,
+    a tied parameter, comes under its first name only)."""
+    seen: set[int] = set()
+    out = []
+    for t in tensors.values():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
 class AttachedWeights:
     """The rebuilt weights of one attach: one storage per exported storage entry and one view
     per parameter name (tied names map to the same tensor object).
@@ -265,13 +277,7 @@ class AttachedWeights:
     def unique_tensors(self) -> list[torch.Tensor]:
         """Each distinct view once (a tied parameter once), in export order."""
         self._check()
-        seen: set[int] = set()
-        out = []
-        for t in self.tensors.values():
-            if id(t) not in seen:
-                seen.add(id(t))
-                out.append(t)
-        return out
+        return distinct_tensors(self.tensors)
 
     def _check(self) -> None:
         if self.released:

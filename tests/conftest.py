@@ -73,12 +73,16 @@ def default_home() -> str:
 @pytest.fixture
 def home_with_default(default_home: str, tmp_path: Path) -> str:
     """A fresh ``MISERVER_HOME`` (under ``tmp_path``) registering the shared default's rows."""
+    return copy_default_rows(default_home, tmp_path / "home")
+
+
+def copy_default_rows(default_home: str, path: Path) -> str:
+    """Register the shared default home's catalogue rows (their folders, not copies) in a new
+    ``MISERVER_HOME`` at ``path``; returns ``path`` as a string."""
     from miserver.serving.catalogue import Catalogue
 
-    shared = Catalogue(default_home)
-    home = tmp_path / "home"
-    fresh = Catalogue(home)
-    for row in shared.list():
+    fresh = Catalogue(path)
+    for row in Catalogue(default_home).list():
         fresh.register(
             name=row.name,
             format=row.format,
@@ -87,7 +91,7 @@ def home_with_default(default_home: str, tmp_path: Path) -> str:
             quantization=row.quantization,
             origin=row.origin,
         )
-    return str(home)
+    return str(path)
 
 
 TOKENIZER_FILES = (

@@ -110,16 +110,7 @@ async def admit(
     policy = normalize_load_policy(load_policy)
     row_id = None
     if not host.answers_to(model):  # the resident, or the one a running swap replaces
-        row = host.resolve(model)
-        if row is None:
-            available = [r.name for r in host.catalogue.list()]
-            raise ApiError(
-                codes.MODEL_NOT_FOUND,
-                f"model {model!r} is neither resident nor in the catalogue",
-                details={"model": model, "available": available},
-                param="model",
-            )
-        row_id = row.id
+        row_id = host.resolve_or_not_found(model).id
     gated = not may_load and policy != "refuse"
     try:
         return await app[keys.WEIGHTS].admit_v1(

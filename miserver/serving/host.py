@@ -220,6 +220,22 @@ class ModelHost:
         """The catalogue row called ``name``, or None."""
         return self.catalogue.get_by_name(name)
 
+    def resolve_or_not_found(self, name: str) -> CatalogueRow:
+        """The catalogue row called ``name`` (a ``/v1`` request's ``model``).
+
+        Raises:
+            ApiError: 404 MODEL_NOT_FOUND naming the catalogue's rows (contract 4).
+        """
+        row = self.resolve(name)
+        if row is None:
+            raise ApiError(
+                codes.MODEL_NOT_FOUND,
+                f"model {name!r} is neither resident nor in the catalogue",
+                details={"model": name, "available": [r.name for r in self.catalogue.list()]},
+                param="model",
+            )
+        return row
+
     def serves(self, name: str) -> bool:
         """Whether the resident answers to ``name`` (its served name or its base name)."""
         return self.resident is not None and name in self.resident.names()
@@ -604,15 +620,7 @@ class ModelHost:
         normalize_load_policy(load_policy)
         if self.resident is not None and self.serves(name):
             return self.resident
-        row = self.resolve(name)
-        if row is None:
-            available = [r.name for r in self.catalogue.list()]
-            raise ApiError(
-                codes.MODEL_NOT_FOUND,
-                f"model {name!r} is neither resident nor in the catalogue",
-                details={"model": name, "available": available},
-                param="model",
-            )
+        row = self.resolve_or_not_found(name)
         return await self.load(row.id, kind="auto_load", load_policy=load_policy)
 
     def describe(self) -> dict[str, Any] | None:

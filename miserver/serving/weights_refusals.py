@@ -37,11 +37,15 @@ class WeightsTornError(ApiError):
 class RefusalsMixin:
     """Refusals as ApiErrors (mixed into ``WeightsRuntime``)."""
 
-    def _refusal(self, out: Outcome) -> ApiError:
-        headers = {}
+    def _refusal(
+        self, out: Outcome, message: str | None = None, headers: dict[str, str] | None = None
+    ) -> ApiError:
+        """The table's refusal ``out`` as an :class:`ApiError` (``message``: the outcome's own
+        unless given; ``headers`` beside ``Retry-After``, which the row decides)."""
+        headers = dict(headers or {})
         if out.retry_after:
             headers["Retry-After"] = str(RETRY_AFTER_S)
-        message, details = self._with_numbers(out, out.message)
+        message, details = self._with_numbers(out, out.message if message is None else message)
         return ApiError(
             out.code,
             message,

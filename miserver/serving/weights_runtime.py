@@ -35,7 +35,7 @@ from miserver.serving.audit import AuditLog, AuditRecord
 from miserver.serving.auth import Caller, attachment_ref
 from miserver.serving.weights_admission import AdmissionMixin
 from miserver.serving.weights_effects import EffectsMixin
-from miserver.serving.weights_refusals import RETRY_AFTER_S, RefusalsMixin
+from miserver.serving.weights_refusals import RefusalsMixin
 from miserver.serving.weights_transport import AttachmentTransport
 from miserver.serving.weights_views import StatusViewsMixin
 from miserver.spec import codes
@@ -311,17 +311,7 @@ class WeightsRuntime(EffectsMixin, AdmissionMixin, RefusalsMixin, StatusViewsMix
                         " This server has no tokens configured (WEIGHTS_TOKENS is empty), so"
                         " every gated call is refused; set it and restart the server."
                     )
-            if out.retry_after:
-                headers["Retry-After"] = str(RETRY_AFTER_S)
-            message, details = self._with_numbers(out, message)
-            raise ApiError(
-                out.code,
-                message,
-                reason=out.reason,  # type: ignore[arg-type]
-                details=details,
-                status=out.status,
-                headers=headers,
-            )
+            raise self._refusal(out, message, headers)
         answer: Answer | None = None
         if pending is not None:
             answer = await asyncio.shield(pending)

@@ -70,18 +70,10 @@ def home(default_home: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A fresh ``MISERVER_HOME`` with the shared default's rows (no copy) and ``ALIAS``, a
     second row on the same folder (a loadable model that is not resident)."""
     from miserver.serving.catalogue import Catalogue
+    from tests.conftest import copy_default_rows
 
     path = tmp_path_factory.mktemp("e2e-openai-home")
-    fresh = Catalogue(path)
-    for row in Catalogue(default_home).list():
-        fresh.register(
-            name=row.name,
-            format=row.format,
-            dtype=row.dtype,
-            path=row.path,
-            quantization=row.quantization,
-            origin=row.origin,
-        )
+    fresh = Catalogue(copy_default_rows(default_home, path))
     base = fresh.get_by_name(MODEL)
     assert base is not None
     fresh.register(name=ALIAS, format=base.format, dtype=base.dtype, path=base.path)

@@ -147,22 +147,6 @@ def _env() -> dict[str, str]:
     )
 
 
-def _home(default_home: str, path: Path) -> str:
-    from miserver.serving.catalogue import Catalogue
-
-    fresh = Catalogue(path)
-    for row in Catalogue(default_home).list():
-        fresh.register(
-            name=row.name,
-            format=row.format,
-            dtype=row.dtype,
-            path=row.path,
-            quantization=row.quantization,
-            origin=row.origin,
-        )
-    return str(path)
-
-
 def _chat(session, url: str, timeout: float = 120):
     r = session.post(
         url + "/v1/chat/completions",
@@ -184,16 +168,16 @@ def _commits(header: str | None) -> int | None:
 
 @pytest.fixture
 def replicas(default_home: str, tmp_path: Path):
-    import requests
 
-    from tests.e2e.test_train_under_load import free_port
+    from tests.conftest import copy_default_rows
+    from tests.e2e.test_train_under_load import free_port, wait_resident
 
     procs, urls, logs = [], [], []
     for i in (1, 2):
         port = free_port()
         log = tmp_path / f"server{i}.log"
         env = _env() | {
-            "MISERVER_HOME": _home(default_home, tmp_path / f"home{i}"),
+            "MISERVER_HOME": copy_default_rows(default_home, tmp_path / f"home{i}"),
             "PORT": str(port),
             "DEVICE": "cpu",
             "WEIGHTS_CPU_ATTACH": "1",
@@ -218,16 +202,7 @@ def replicas(default_home: str, tmp_path: Path):
     try:
         deadline = time.monotonic() + 240
         for proc, url, log in zip(procs, urls, logs, strict=True):
-            while True:
-                assert proc.poll() is None, log.read_text()[-4000:]
-                assert time.monotonic() < deadline, log.read_text()[-4000:]
-                try:
-                    data = requests.get(url + "/api/health/detailed", timeout=5).json()["data"]
-                    if data["resident"]:
-                        break
-                except (requests.RequestException, ValueError):
-                    pass
-                time.sleep(0.3)
+            wait_resident(proc, url, log, deadline)
         yield urls, tmp_path
     finally:
         for proc in procs:

@@ -133,9 +133,25 @@ def commits_of(header: str | None) -> int | None:
     return item.params.get("commits")
 
 
+def wait_resident(proc: subprocess.Popen, url: str, log: Path, deadline: float) -> None:
+    """Poll ``url``'s ``/api/health/detailed`` until a model is resident; fails (with the
+    server's log tail) if the process exits or ``deadline`` (``time.monotonic()``) passes."""
+    import requests
+
+    while True:
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, log.read_text()[-4000:]
+        try:
+            data = requests.get(url + "/api/health/detailed", timeout=5).json()["data"]
+            if data["resident"]:
+                return
+        except (requests.RequestException, ValueError):
+            pass
+        time.sleep(0.3)
+
+
 @pytest.fixture
 def server(home_with_default: str, tmp_path: Path):
-    import requests
 
     port = free_port()
     log = tmp_path / "server.log"
@@ -159,18 +175,8 @@ def server(home_with_default: str, tmp_path: Path):
         cwd=REPO,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
     try:
-        while True:
-            assert proc.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, log.read_text()[-4000:]
-            try:
-                data = requests.get(url + "/api/health/detailed", timeout=5).json()["data"]
-                if data["resident"]:
-                    break
-            except (requests.RequestException, ValueError):
-                pass
-            time.sleep(0.3)
+        wait_resident(proc, url, log, time.monotonic() + 180)
         yield url, log
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -75,8 +75,9 @@ CHAT_PROMPTS = (
 #: A token that arrives this close to the edge of a write window is not counted as "served
 #: during a commit": it may have been produced before the drain and read a little late.
 EDGE_TOLERANCE_S = 0.1
-#: How long the held probe (a chat sent inside a write) waits to be counted held, seconds.
-PROBE_HELD_WAIT_S = 10.0
+#: How long the held probe (a chat sent inside a write) waits to be counted held, seconds:
+#: generous for a loaded CPU, and with the write well inside the CPU run's 30 s watchdog.
+PROBE_HELD_WAIT_S = 20.0
 DEFAULT_OUT = "train-while-serving-out"
 
 

@@ -78,6 +78,10 @@ EDGE_TOLERANCE_S = 0.1
 #: How long the held probe (a chat sent inside a write) waits to be counted held, seconds:
 #: generous for a loaded CPU, and with the write well inside the CPU run's 30 s watchdog.
 PROBE_HELD_WAIT_S = 20.0
+#: A write window with a held probe in it stays open at least this long, seconds, so that the
+#: served-during-a-commit check always covers a window longer than its two edge margins, however
+#: fast the machine writes (a CPU step of 135M parameters can take under 0.2 s).
+PROBE_MIN_WINDOW_S = 0.5
 DEFAULT_OUT = "train-while-serving-out"
 
 
@@ -738,10 +742,14 @@ class Demo:
         hold_start = time.monotonic()
         probe = None
         with client.commit() as cycle:  # POST /quiesce, POST /commit-begin
+            # the write window: from commit-begin answered to commit-end sent (the server is
+            # committing throughout; no token may be served in it)
+            write_start = time.monotonic()
             if step % s.eval_every == 1 or s.eval_every == 1:
                 probe = self._send_held_probe(step)
-            write_start = time.monotonic()
             opt.step()  # the write: in place, into the served tensors
+            if probe is not None:
+                time.sleep(max(0.0, write_start + PROBE_MIN_WINDOW_S - time.monotonic()))
             write_end = time.monotonic()
         hold_end = time.monotonic()  # POST /commit-end and POST /resume answered
         if probe is not None:

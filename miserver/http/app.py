@@ -30,7 +30,7 @@ from miserver.serving.scheduler import Scheduler
 from miserver.serving.weights_runtime import WeightsRuntime
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
-from miserver.spec.settings import Settings
+from miserver.spec.settings import Settings, resolved_max_batch_size
 
 log = logging.getLogger("miserver.app")
 
@@ -161,8 +161,8 @@ def create_app(
     Args:
         settings: the validated configuration.
         host: the model host (default: a new one over ``catalogue``).
-        scheduler: the execution slots (default: ``MAX_CONCURRENT_REQUESTS`` slots and
-            ``MAX_QUEUED_REQUESTS`` waiting).
+        scheduler: the execution slots (default: ``MAX_CONCURRENT_REQUESTS`` slots,
+            ``MAX_QUEUED_REQUESTS`` waiting, ``MAX_BATCH_SIZE`` sequences a grant).
         catalogue: the catalogue (default: the one in ``settings.home``).
         metrics: the metric families (default: a fresh registry).
         clock: the weights lifecycle's monotonic clock in seconds (default
@@ -178,7 +178,9 @@ def create_app(
     if host.metrics is None:
         host.metrics = metrics
     scheduler = scheduler or Scheduler(
-        max_concurrent=settings.max_concurrent_requests, max_queued=settings.max_queued_requests
+        max_concurrent=settings.max_concurrent_requests,
+        max_queued=settings.max_queued_requests,
+        max_batch_size=resolved_max_batch_size(settings, settings.resolved_device().split(":")[0]),
     )
     app = web.Application(
         middlewares=[

@@ -3,7 +3,7 @@
 Bodies are decoded with msgspec into the Structs below, strictly: a boolean is not an integer, a
 string is not a number, ``1.0`` is not an integer. Fields OpenAI defines that miserver does not
 act on are accepted and ignored (listed per request type in ``IGNORED_*``); any other field is a
-400 naming it. Range checks that need no model (``temperature`` 0..2, ``top_p`` (0, 1], ``n`` 1,
+400 naming it. Range checks that need no model (``temperature`` 0..2, ``top_p`` (0, 1], ``n`` at least 1 (its upper bound, ``MAX_BATCH_SIZE``, is a setting: checked by the route),
 at most 4 non-empty stop sequences, ...) are made here; checks against the model's context window
 are made by :mod:`miserver.http.v1` once the prompt is tokenized.
 
@@ -218,8 +218,8 @@ def check_common(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, .
         raise _bad(f"temperature must be between 0 and 2, got {req.temperature}", "temperature")
     if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
         raise _bad(f"top_p must be greater than 0 and at most 1, got {req.top_p}", "top_p")
-    if req.n is not None and req.n != 1:
-        raise _bad(f"n must be 1 (one choice per request), got {req.n}", "n")
+    if req.n is not None and req.n < 1:
+        raise _bad(f"n must be at least 1, got {req.n}", "n")
     if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
         raise _bad(f"seed must be within [{SEED_MIN}, {SEED_MAX}]", "seed")
     if req.stream_options is not None and not req.stream:

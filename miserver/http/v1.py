@@ -68,11 +68,12 @@ from miserver.serving.generation import (
     GenerationError,
     SamplingParams,
     Started,
+    StaticBatch,
     context_length,
 )
 from miserver.serving.host import Resident
 from miserver.serving.prompts import PromptError, chat_prompt_ids, max_token_chars, render_chat
-from miserver.serving.scheduler import Priority
+from miserver.serving.scheduler import Grant, Priority
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
 
@@ -220,6 +221,22 @@ def _completion_prompt(resident: Resident, prompt: schema.PromptSpec) -> list[in
     return ids
 
 
+def _check_n(app: web.Application, req: Any) -> None:
+    """``n`` within 1..``MAX_BATCH_SIZE`` (contract 4: the choices of one request decode in one
+    static batch), checked before admission.
+
+    Raises:
+        ApiError: 400 INVALID_REQUEST naming ``n``.
+    """
+    limit = app[keys.SCHEDULER].max_batch_size
+    if req.n is not None and not 1 <= req.n <= limit:
+        raise _bad(
+            f"n must be between 1 and {limit} (MAX_BATCH_SIZE: the choices of one request are "
+            f"decoded together in one batch), got {req.n}",
+            "n",
+        )
+
+
 def _sampling(
     req: Any, stops: tuple[str, ...], max_tokens: int, logprobs: int | None, echo: bool
 ) -> SamplingParams:
@@ -260,6 +277,7 @@ async def _prepare_chat(
         None,
         want,
         adapter,
+        req.n or 1,
     )
 
 
@@ -292,16 +310,57 @@ async def _prepare_completion(
         echo_text,
         want,
         adapter,
+        req.n or 1,
     )
 
 
 # --- running ----------------------------------------------------------------------------------
-async def _watch(cancelled: Callable[[], bool], gen: Generation) -> None:
+async def _watch(cancelled: Callable[[], bool], gens: list[Generation]) -> None:
     while True:
         await asyncio.sleep(DISCONNECT_POLL_S)
         if cancelled():
-            gen.cancel()
+            for gen in gens:
+                gen.cancel()
             return
+
+
+@dataclass
+class Running:
+    """A request inside the slot: its ``n`` sequences (choice order), each one's
+    :class:`~miserver.serving.generation.Started`, and the ``X-miLLM-Model`` of the parameter
+    set computing them (the same for every request of the batch: one set per pass)."""
+
+    gens: list[Generation]
+    events: list[AsyncIterator[Any]]
+    firsts: list[Started]
+    header: str
+
+    def cancel(self) -> None:
+        for gen in self.gens:
+            gen.cancel()
+
+    async def wait(self) -> None:
+        for gen in self.gens:
+            await gen.wait()
+
+
+def _join_batch(grant: Grant, job: Job) -> list[Generation]:
+    """Join the static batch of ``grant`` with ``job``'s ``n`` sequences; the batch starts once
+    every member has joined or left (:meth:`~miserver.serving.scheduler.SlotBatch.when_ready`)."""
+    batch = grant.batch
+    if batch.work is None:
+        batch.work = StaticBatch()
+        batch.when_ready(batch.work.start)
+    gens = batch.work.join(
+        job.resident.model,
+        job.resident.tokenizer,
+        job.prompt_ids,
+        job.params,
+        n=job.n,
+        engine=job.resident.engine,
+    )
+    grant.join()
+    return gens
 
 
 @contextlib.asynccontextmanager
@@ -311,56 +370,65 @@ async def _generation(
     priority: Priority,
     cancelled: Callable[[], bool] | None,
     check_in_slot: Callable[[Resident], None] | None,
-) -> AsyncIterator[tuple[Generation, AsyncIterator[Any], Started, str]]:
-    """Hold a slot for the whole generation: yields ``(generation, events, first, header)``.
+) -> AsyncIterator[Running]:
+    """Hold a share of a slot for the whole generation: yields the :class:`Running` request.
 
-    The slot is released when the worker thread has ended, never before, also when the caller
-    is cancelled; leaving the block cancels a generation that is still running.
+    The request joins the static batch its grant belongs to (contract 4); its share of the
+    slot is released when the worker thread is done with all its sequences, never before,
+    also when the caller is cancelled; leaving the block cancels its sequences that still run.
 
     Raises:
         ApiError: the slot's refusals (:func:`acquire_slot`), 500 GENERATION_FAILED before
             the first token.
         RequestCancelled: ``cancelled()`` became true while waiting for the slot.
     """
-    await acquire_slot(app, job.resident, priority, cancelled, job.adapter)
+    grant = await acquire_slot(app, job.resident, priority, cancelled, job.adapter, job.n)
     scheduler = app[keys.SCHEDULER]
 
     def release() -> None:
-        scheduler.release()
+        scheduler.release(grant)
         update_queue_gauge(app)
 
     try:
         if check_in_slot is not None:
             check_in_slot(job.resident)
         header = model_header(job.resident)
-        gen = Generation(
-            job.resident.model,
-            job.resident.tokenizer,
-            job.prompt_ids,
-            job.params,
-            engine=job.resident.engine,
-        )
-        gen.start()
+        gens = _join_batch(grant, job)
     except BaseException:
         release()
         raise
-    gen.add_done_callback(release)
+    left = [len(gens)]
+
+    def one_done() -> None:
+        left[0] -= 1
+        if left[0] == 0:
+            release()
+
+    for gen in gens:
+        gen.add_done_callback(one_done)
     watcher: asyncio.Task[None] | None = None
+    running: Running | None = None
     try:
         if cancelled is not None:
-            watcher = asyncio.ensure_future(_watch(cancelled, gen))
-        events = gen.events()
-        try:
-            first = await events.__anext__()
-        except GenerationError as exc:
-            raise generation_failed(app, job, exc) from exc
-        assert isinstance(first, Started)
-        yield gen, events, first, header
+            watcher = asyncio.ensure_future(_watch(cancelled, gens))
+        events = [gen.events() for gen in gens]
+        firsts = []
+        for stream in events:
+            try:
+                first = await stream.__anext__()
+            except GenerationError as exc:
+                raise generation_failed(app, job, exc) from exc
+            assert isinstance(first, Started)
+            firsts.append(first)
+        running = Running(gens, events, firsts, header)
+        yield running
     finally:
         if watcher is not None:
             watcher.cancel()
-        gen.cancel()  # a no-op once it finished
-        await gen.wait()
+        for gen in gens:
+            gen.cancel()  # a no-op once it finished
+        for gen in gens:
+            await gen.wait()
 
 
 def _decode(
@@ -387,6 +455,7 @@ async def _prepare(
     cancelled: Callable[[], bool] | None = None,
     may_load: bool = True,
 ) -> Job:
+    _check_n(app, req)
     await wait_for_startup_load(app, cancelled)
     if isinstance(req, schema.ChatCompletionRequest):
         return await _prepare_chat(app, req, load_policy, priority, may_load)
@@ -454,14 +523,9 @@ async def run_completion(
     if req.stream:
         raise _bad("stream must be false or absent: this answer is not streamed", "stream")
     job = await _prepare(app, req, load_policy, priority, cancelled, may_load)
-    async with _generation(app, job, priority, cancelled, check_in_slot) as (
-        _,
-        events,
-        first,
-        header,
-    ):
-        answer = await collect(app, job, events, first)
-    return CompletionResult(answer, header)
+    async with _generation(app, job, priority, cancelled, check_in_slot) as running:
+        answer = await collect(app, job, running.events, running.firsts)
+    return CompletionResult(answer, running.header)
 
 
 # --- metrics ----------------------------------------------------------------------------------
@@ -547,13 +611,8 @@ async def _serve(request: web.Request, endpoint: str) -> web.StreamResponse:
         )
         return json_response(result.body, headers=result.headers)
     job = await _prepare(request.app, req, load_policy, cancelled=client_gone, may_load=may_load)
-    async with _generation(request.app, job, Priority.INTERACTIVE, client_gone, None) as (
-        gen,
-        events,
-        first,
-        header,
-    ):
-        return await stream_response(request, job, gen, events, first, header)
+    async with _generation(request.app, job, Priority.INTERACTIVE, client_gone, None) as running:
+        return await stream_response(request, job, running)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

@@ -20,7 +20,7 @@ from aiohttp import web
 from miserver.http import keys
 from miserver.serving.generation import SamplingParams
 from miserver.serving.host import Resident, normalize_load_policy
-from miserver.serving.scheduler import Priority, QueueFull
+from miserver.serving.scheduler import Grant, Priority, QueueFull
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
 
@@ -180,12 +180,21 @@ async def acquire_slot(
     priority: Priority,
     cancelled: Callable[[], bool] | None,
     adapter: dict[str, Any] | None = None,
-) -> None:
+    size: int = 1,
+) -> Grant:
     """Wait for a slot at ``priority``, giving up (and leaving no trace) once ``cancelled()``.
+
+    The request waits in the static batch's group of ``resident`` and ``adapter``
+    (:class:`~miserver.serving.scheduler.SlotBatch`): a grant takes the group's waiting
+    requests along, up to ``MAX_BATCH_SIZE`` sequences; ``size`` is this request's (its ``n``).
 
     ``adapter``: the adapter block of the applied adapter the request named (see
     :class:`Job`); a request for an adapter removed or replaced while it waited is refused as
     one for a model that went away (409 MODEL_BUSY ``model_transition``, issue 16 item 8).
+
+    Returns:
+        the request's :class:`~miserver.serving.scheduler.Grant`; release it with
+        ``scheduler.release(grant)``.
 
     Raises:
         ApiError: 503 QUEUE_FULL with ``Retry-After`` (interactive only); the lifecycle's
@@ -197,7 +206,8 @@ async def acquire_slot(
     scheduler = app[keys.SCHEDULER]
     metrics = app.get(keys.METRICS)
     held = scheduler.barrier_held or scheduler.barrier_draining
-    task = asyncio.ensure_future(scheduler.acquire(priority))
+    group = (id(resident), (adapter or {}).get("name"))
+    task = asyncio.ensure_future(scheduler.acquire(priority, group=group, size=size))
     update_queue_gauge(app)
     try:
         while True:
@@ -211,7 +221,7 @@ async def acquire_slot(
                     await task
                 raise RequestCancelled
         try:
-            task.result()
+            grant = task.result()
         except QueueFull as exc:
             raise ApiError(
                 codes.QUEUE_FULL,
@@ -224,6 +234,8 @@ async def acquire_slot(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        elif not task.cancelled() and task.exception() is None and not task.result().released:
+            scheduler.release(task.result())  # granted as the wait was given up
         raise
     finally:
         update_queue_gauge(app)
@@ -234,11 +246,12 @@ async def acquire_slot(
         # been unloaded or swapped, or the set torn, while it waited; weights page: States).
         await app[keys.WEIGHTS].confirm_v1(resident, adapter=adapter)
     except ApiError as err:
-        scheduler.release()
+        scheduler.release(grant)
         raise lifecycle_refusal(err) from None
     except BaseException:
-        scheduler.release()
+        scheduler.release(grant)
         raise
+    return grant
 
 
 def update_queue_gauge(app: web.Application) -> None:
@@ -264,6 +277,8 @@ class Job:
     #: The adapter block of the applied adapter the request named (by its served name), or
     #: None: the request is for that application of the adapter, not for the base tensors.
     adapter: dict[str, Any] | None = None
+    #: Choices to generate (OpenAI's ``n``, 1..``MAX_BATCH_SIZE``): sequences of the batch.
+    n: int = 1
 
 
 async def wait_for_startup_load(

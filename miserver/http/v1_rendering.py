@@ -11,6 +11,7 @@ import codecs
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -22,7 +23,6 @@ from miserver.http.model_header import HEADER, model_header
 from miserver.http.v1_admission import Job, RequestCancelled
 from miserver.serving.generation import (
     Finished,
-    Generation,
     GenerationError,
     NonFiniteLogits,
     Started,
@@ -120,11 +120,14 @@ class _CompletionLogprobs:
         }
 
 
-def _usage(fin: Finished) -> dict[str, int]:
+def _usage(fins: list[Finished]) -> dict[str, int]:
+    """OpenAI's usage of one request: the prompt once, the completion tokens of every choice."""
+    prompt = fins[0].prompt_tokens
+    completion = sum(fin.completion_tokens for fin in fins)
     return {
-        "prompt_tokens": fin.prompt_tokens,
-        "completion_tokens": fin.completion_tokens,
-        "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
 
 
@@ -153,76 +156,123 @@ def generation_failed(app: web.Application, job: Job, exc: GenerationError) -> A
     return ApiError(codes.GENERATION_FAILED, str(exc), reason=reason)
 
 
-async def collect(app: web.Application, job: Job, events: Any, first: Started) -> dict[str, Any]:
+async def _choice(events: Any) -> tuple[str, list[TokenLogprob], Finished]:
     text_parts: list[str] = []
     lps: list[TokenLogprob] = []
     fin: Finished | None = None
+    async for ev in events:
+        if isinstance(ev, TextDelta):
+            text_parts.append(ev.text)
+            lps.extend(ev.logprobs)
+        elif isinstance(ev, Finished):
+            fin = ev
+    assert fin is not None
+    return "".join(text_parts), lps, fin
+
+
+async def collect(
+    app: web.Application, job: Job, events: list[Any], firsts: list[Started]
+) -> dict[str, Any]:
+    """The non-streamed body of a request: one choice per sequence (``choices[i].index`` is
+    ``i``), usage summed over the choices (contract 4).
+
+    Raises:
+        ApiError: 500 GENERATION_FAILED.
+        RequestCancelled: a choice was cancelled (the client went away).
+    """
     try:
-        async for ev in events:
-            if isinstance(ev, TextDelta):
-                text_parts.append(ev.text)
-                lps.extend(ev.logprobs)
-            elif isinstance(ev, Finished):
-                fin = ev
+        results = await asyncio.gather(*(_choice(stream) for stream in events))
     except GenerationError as exc:
         raise generation_failed(app, job, exc) from exc
-    assert fin is not None
-    if fin.finish_reason == "cancelled":
+    if any(fin.finish_reason == "cancelled" for _t, _l, fin in results):
         raise RequestCancelled
-    text = "".join(text_parts)
     created = int(time.time())
     name = job.resident.served_name
-    if job.kind == "chat":
-        body = {
-            "id": _completion_id("chatcmpl"),
-            "object": "chat.completion",
-            "created": created,
-            "model": name,
-            "system_fingerprint": None,
-            "choices": [
+    fins = [fin for _t, _l, fin in results]
+    choices = []
+    for index, ((text, lps, fin), first) in enumerate(zip(results, firsts, strict=True)):
+        if job.kind == "chat":
+            choices.append(
                 {
-                    "index": 0,
+                    "index": index,
                     "message": {"role": "assistant", "content": text, "refusal": None},
                     "logprobs": {"content": [_chat_logprob(lp) for lp in lps], "refusal": None}
                     if job.want_logprobs
                     else None,
                     "finish_reason": _finish_reason(fin),
                 }
-            ],
-            "usage": _usage(fin),
-        }
-    else:
+            )
+            continue
         logprobs = None
         if job.want_logprobs:
             block = _CompletionLogprobs(job.resident.tokenizer)
             entries = list(first.prompt_logprobs or ()) + lps
             logprobs = block.block(entries, (job.echo_text or "") + text)
-        body = {
-            "id": _completion_id("cmpl"),
-            "object": "text_completion",
-            "created": created,
-            "model": name,
-            "system_fingerprint": None,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": (job.echo_text or "") + text,
-                    "logprobs": logprobs,
-                    "finish_reason": _finish_reason(fin),
-                }
-            ],
-            "usage": _usage(fin),
-        }
-    return body
+        choices.append(
+            {
+                "index": index,
+                "text": (job.echo_text or "") + text,
+                "logprobs": logprobs,
+                "finish_reason": _finish_reason(fin),
+            }
+        )
+    chat = job.kind == "chat"
+    return {
+        "id": _completion_id("chatcmpl" if chat else "cmpl"),
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": name,
+        "system_fingerprint": None,
+        "choices": choices,
+        "usage": _usage(fins),
+    }
 
 
 def _sse(payload: Any) -> bytes:
     return b"data: " + _encoder.encode(payload) + b"\n\n"
 
 
-async def stream_response(
-    request: web.Request, job: Job, gen: Generation, events: Any, first: Started, header: str
-) -> web.StreamResponse:
+async def _merged(events: list[Any]) -> AsyncIterator[tuple[int, Any]]:
+    """The events of every choice as ``(index, event)``, in the order they come; a choice's
+    :class:`GenerationError` is raised (the others are stopped by the caller)."""
+    if len(events) == 1:
+        async for ev in events[0]:
+            yield 0, ev
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    end = object()
+
+    async def pump(index: int, stream: Any) -> None:
+        try:
+            async for ev in stream:
+                await queue.put((index, ev))
+        except GenerationError as exc:
+            await queue.put((index, exc))
+        await queue.put((index, end))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(events)]
+    try:
+        open_streams = len(tasks)
+        while open_streams:
+            index, ev = await queue.get()
+            if ev is end:
+                open_streams -= 1
+            elif isinstance(ev, GenerationError):
+                raise ev
+            else:
+                yield index, ev
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def stream_response(request: web.Request, job: Job, running: Any) -> web.StreamResponse:
+    """Stream a request's choices as server-sent events (contract 4): each chunk carries one
+    choice's ``index``; each choice ends with its own chunk carrying its ``finish_reason`` and
+    ``millm_model``; then the usage chunk (``stream_options.include_usage``, summed over the
+    choices) and ``data: [DONE]``. A generation error ends the stream with one error event."""
+    header = running.header
+    firsts: list[Started] = running.firsts
     resp = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream; charset=utf-8",
@@ -237,7 +287,7 @@ async def stream_response(
     chat = job.kind == "chat"
     cid = _completion_id("chatcmpl" if chat else "cmpl")
     obj = "chat.completion.chunk" if chat else "text_completion"
-    lp_block = _CompletionLogprobs(job.resident.tokenizer)
+    lp_blocks = [_CompletionLogprobs(job.resident.tokenizer) for _ in firsts]
 
     def chunk(choice: dict[str, Any] | None, **extra: Any) -> bytes:
         body: dict[str, Any] = {
@@ -252,6 +302,7 @@ async def stream_response(
         return _sse(body)
 
     def delta_choice(
+        index: int,
         text: str,
         lps: tuple[TokenLogprob, ...] | list[TokenLogprob],
         finish: str | None = None,
@@ -268,49 +319,59 @@ async def stream_response(
                 if job.want_logprobs and lps
                 else None
             )
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        logprobs = lp_block.block(lps, text) if job.want_logprobs and (lps or text) else None
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        block = lp_blocks[index]
+        logprobs = block.block(lps, text) if job.want_logprobs and (lps or text) else None
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     request[OUTCOME] = "served"
     try:
-        if chat:
-            await resp.write(chunk(delta_choice("", (), role=True)))
-        elif job.echo_text is not None:
-            await resp.write(chunk(delta_choice(job.echo_text, first.prompt_logprobs or ())))
-        fin: Finished | None = None
+        for index, first in enumerate(firsts):
+            if chat:
+                await resp.write(chunk(delta_choice(index, "", (), role=True)))
+            elif job.echo_text is not None:
+                await resp.write(
+                    chunk(delta_choice(index, job.echo_text, first.prompt_logprobs or ()))
+                )
+        fins: dict[int, Finished] = {}
         try:
-            async for ev in events:
+            async for index, ev in _merged(running.events):
                 if isinstance(ev, TextDelta):
                     if ev.text or ev.logprobs:
-                        await resp.write(chunk(delta_choice(ev.text, ev.logprobs)))
+                        await resp.write(chunk(delta_choice(index, ev.text, ev.logprobs)))
                 elif isinstance(ev, Finished):
-                    fin = ev
+                    fins[index] = ev
+                    if ev.finish_reason == "cancelled":
+                        break
+                    if len(fins) == len(firsts):
+                        await running.wait()  # the slot is free before the client sees the end
+                    final = delta_choice(index, "", (), finish=_finish_reason(ev))
+                    if not chat:
+                        final["logprobs"] = None
+                    await resp.write(chunk(final, millm_model=header))
         except GenerationError as exc:
             err = generation_failed(request.app, job, exc)
             log.warning("stream ended by a generation error: %s", exc)
             request[OUTCOME] = codes.GENERATION_FAILED.name
-            await gen.wait()  # the slot is free before the client sees the end
+            running.cancel()
+            await running.wait()  # the slot is free before the client sees the end
             await resp.write(_sse(openai_error_body(err)))
             await resp.write_eof()
             return resp
-        assert fin is not None
-        if fin.finish_reason == "cancelled":
+        if any(fin.finish_reason == "cancelled" for fin in fins.values()):
+            running.cancel()
             request[OUTCOME] = DISCONNECTED
             return resp
-        await gen.wait()  # the slot is free before the client sees the end
-        final = delta_choice("", (), finish=_finish_reason(fin))
-        if not chat:
-            final["logprobs"] = None
-        await resp.write(chunk(final, millm_model=header))
         if job.include_usage:
-            await resp.write(chunk(None, usage=_usage(fin), millm_model=header))
+            await resp.write(
+                chunk(None, usage=_usage([fins[i] for i in sorted(fins)]), millm_model=header)
+            )
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
     except ConnectionError:  # the client went away mid-stream
-        gen.cancel()
+        running.cancel()
         request[OUTCOME] = DISCONNECTED
     except asyncio.CancelledError:
-        gen.cancel()
+        running.cancel()
         raise
     return resp

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
@@ -350,17 +351,24 @@ class Generation:
         self._queue: asyncio.Queue[Event | _Failed] | None = None
         self._done: asyncio.Future[None] | None = None
         self._started = False
+        self._finished = False  # its Finished was sent (thread side)
+        self._prefill_group: object | None = None  # sequences of one request share a prefill
 
     # --- event-loop side ----------------------------------------------------------------------
-    def start(self) -> None:
-        """Start the generation on a worker thread (call on the event loop)."""
+    def bind(self) -> None:
+        """Make the event queue on the running loop, before the thread starts (a static batch
+        binds each of its sequences, then runs them in one thread: :class:`StaticBatch`)."""
         if self._started:
             raise RuntimeError("already started")
         self._loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
         self._done = self._loop.create_future()
         self._started = True
-        _WORKERS.submit(self._run)
+
+    def start(self) -> None:
+        """Start the generation alone on a worker thread (call on the event loop)."""
+        self.bind()
+        _WORKERS.submit(lambda: _run_sequences([self]))
 
     def cancel(self) -> None:
         """Ask the thread to stop before its next decode step (thread-safe, idempotent)."""
@@ -388,13 +396,16 @@ class Generation:
                 return
 
     def add_done_callback(self, callback: Any) -> None:
-        """Call ``callback()`` on the event loop once the worker thread has ended (at once if it
-        has). The scheduler slot is released this way, whatever happens to the caller."""
+        """Call ``callback()`` on the event loop once the worker thread is done with this
+        sequence (at once if it is). The scheduler slot is released this way, whatever happens
+        to the caller."""
         assert self._done is not None, "start() first"
         self._done.add_done_callback(lambda _f: callback())
 
     async def wait(self) -> None:
-        """Wait until the worker thread has ended (it is never left running)."""
+        """Wait until the worker thread is done with this sequence (it is never left running:
+        a sequence of a static batch is done when it finished and the thread will not touch
+        it again; the thread may go on decoding the batch's other sequences)."""
         assert self._done is not None, "start() first"
         await asyncio.shield(self._done)
 
@@ -416,21 +427,6 @@ class Generation:
 
         with contextlib.suppress(RuntimeError):  # the loop is closed
             self._loop.call_soon_threadsafe(_set)
-
-    def _run(self) -> None:
-        import time
-
-        self.timing.started = time.perf_counter()
-        self.timing.thread = threading.current_thread().name
-        try:
-            with torch.inference_mode():
-                self._generate()
-        except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
-            log.warning("generation failed: %s: %s", type(exc).__name__, exc)
-            self._emit(_Failed(exc))
-        finally:
-            self.timing.ended = time.perf_counter()
-            self._finish_thread()
 
     def _logprob_entry(self, logprobs_row: torch.Tensor, token_id: int) -> TokenLogprob:
         tok = self.tokenizer
@@ -461,131 +457,329 @@ class Generation:
                 entries.append(self._logprob_entry(rows[j], ids[start + j + 1]))
         return tuple(entries)
 
-    def _generate(self) -> None:
-        params = self.params
-        model = self.model
-        device = next(model.parameters()).device
-        generator: SeedStream | None = None
-        if params.seed is not None and params.temperature > 0:
-            generator = SeedStream(params.seed)
-        want_logprobs = params.logprobs is not None
-        score_prompt = params.echo and want_logprobs
-        ends = end_token_ids(model, self.tokenizer)
-        with self._decoder(model, device) as decoder:
-            self.timing.extra["decoder"] = decoder.kind
-            self._decode(decoder, generator, ends, score_prompt, want_logprobs)
 
-    @contextlib.contextmanager
-    def _decoder(self, model: Any, device: torch.device) -> Any:
-        """The resident's decode engine if it is free, else an eager decoder."""
-        if self.engine is not None:
-            with self.engine.session(model) as session:
-                if session is not None:
-                    yield _GraphDecoder(session)
-                    return
-        yield _EagerDecoder(model, device)
+class StaticBatch:
+    """The sequences one grant of the slot decodes together (a static batch, contract 4).
 
-    def _decode(
+    On the event loop, each member of the grant :meth:`join` s with its prompt, sampling and
+    ``n``; once every member has joined or left, :meth:`start` runs all the sequences in one
+    worker thread, one forward pass a token for all of them
+    (:class:`~miserver.serving.static_batch.BatchDecoder`). Each sequence is a
+    :class:`Generation` of its own: its events, its cancellation, its end (a sequence that
+    stops, reaches its length or is cancelled leaves the batch; the others go on). The batch
+    ends when its last sequence ends.
+    """
+
+    def __init__(self) -> None:
+        self._sequences: list[Generation] = []
+        self._started = False
+
+    @property
+    def sequences(self) -> int:
+        """Sequences joined so far."""
+        return len(self._sequences)
+
+    def join(
         self,
-        decoder: Any,
-        generator: SeedStream | None,
-        ends: frozenset[int],
-        score_prompt: bool,
-        want_logprobs: bool,
-    ) -> None:
-        params = self.params
-        prompt_logits = decoder.prefill(self.prompt_ids, all_logits=score_prompt)
-        prompt_lp = self._prompt_logprobs(prompt_logits[:-1]) if score_prompt else None
-        logits = prompt_logits[-1].float()
-        del prompt_logits
-        self._emit(Started(len(self.prompt_ids), prompt_lp))
+        model: Any,
+        tokenizer: Any,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        n: int = 1,
+        engine: Any = None,
+    ) -> list[Generation]:
+        """Add one request's ``n`` sequences (call on the event loop, before :meth:`start`).
 
-        detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
-        stopper = StopMatcher(params.stop)
+        Choice ``i`` samples with :func:`~miserver.serving.static_batch.choice_seed` of the
+        request's seed; the ``n`` sequences share one prefill. Returns their
+        :class:`Generation` s, bound to the running loop, in choice order.
+
+        Raises:
+            RuntimeError: the batch has started.
+            ValueError: ``n`` is below 1, the prompt is empty, or ``model`` is not the model
+                of the sequences already joined.
+        """
+        from miserver.serving.static_batch import choice_seed
+
+        if self._started:
+            raise RuntimeError("the batch has started")
+        if n < 1:
+            raise ValueError(f"n must be at least 1, got {n}")
+        if self._sequences and self._sequences[0].model is not model:
+            raise ValueError("a static batch decodes one model")
+        prefill = object()  # the n sequences of one request share its prefill
+        gens = []
+        for i in range(n):
+            gen = Generation(
+                model,
+                tokenizer,
+                prompt_ids,
+                dataclasses.replace(params, seed=choice_seed(params.seed, i)),
+                engine=engine,
+            )
+            gen._prefill_group = prefill
+            gen.bind()
+            gens.append(gen)
+        self._sequences.extend(gens)
+        return gens
+
+    def start(self) -> None:
+        """Run every joined sequence in one worker thread (idempotent; nothing when none)."""
+        if self._started:
+            return
+        self._started = True
+        if self._sequences:
+            sequences = list(self._sequences)
+            _WORKERS.submit(lambda: _run_sequences(sequences))
+
+
+# --- the worker ------------------------------------------------------------------------------
+def _run_sequences(gens: list[Generation]) -> None:
+    """Decode ``gens`` together in this thread (one sequence: the generation alone)."""
+    import time
+
+    now = time.perf_counter()
+    for gen in gens:
+        gen.timing.started = now
+        gen.timing.thread = threading.current_thread().name
+    try:
+        with torch.inference_mode():
+            _decode_sequences(gens)
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
+        log.warning("generation failed: %s: %s", type(exc).__name__, exc)
+        for gen in gens:
+            if not gen._finished:
+                gen._emit(_Failed(exc))
+    finally:
+        now = time.perf_counter()
+        for gen in gens:
+            if not gen.timing.ended:
+                gen.timing.ended = now
+            gen._finish_thread()
+
+
+class _Sequence:
+    """One sequence's decoding state on the worker thread: sampling, logprobs, text released
+    only when final (UTF-8 and stop sequences), cancellation (contract 4)."""
+
+    def __init__(self, gen: Generation, ends: frozenset[int]) -> None:
+        params = gen.params
+        self.gen = gen
+        self.params = params
+        self.ends = ends
+        self.generator: SeedStream | None = None
+        if params.seed is not None and params.temperature > 0:
+            self.generator = SeedStream(params.seed)
+        self.want_logprobs = params.logprobs is not None
+        self.detok = IncrementalDetokenizer(gen.tokenizer, gen.prompt_ids)
+        self.stopper = StopMatcher(params.stop)
         # Logprob entries wait with their token's start offset in the completion's text and go
         # out with the first text that reaches that offset: a token held back by the stop
         # matcher, or cut off by a stop sequence, is reported only if its text is (contract 4).
-        pending_lp: list[tuple[int, TokenLogprob]] = []
-        decoded = 0  # characters the detokenizer has produced
-        released = 0  # characters of completion text sent
-        generated = 0
-        finish = "length"
-        matched_stop = False
-        while True:
-            if self._cancel.is_set():
-                finish = "cancelled"
-                break
-            token = pick_token(logits, params, generator)
-            generated += 1
-            self.timing.steps = generated
-            if token in ends:
-                finish = "stop"
-                break
-            if want_logprobs:
-                entry = self._logprob_entry(torch.log_softmax(logits, dim=-1), token)
-                pending_lp.append((decoded, entry))
-            piece = detok.add(token)
-            decoded += len(piece)
-            text, matched_stop = stopper.feed(piece)
-            released += len(text)
-            ready = tuple(e for start, e in pending_lp if start < released)
-            if ready:
-                pending_lp = [(start, e) for start, e in pending_lp if start >= released]
-            if text or ready:
-                self._emit(TextDelta(text, ready))
-            if matched_stop:
-                finish = "stop"
-                break
-            if generated >= params.max_tokens or decoder.full:
-                break
-            logits = decoder.step(token)
+        self.pending_lp: list[tuple[int, TokenLogprob]] = []
+        self.decoded = 0  # characters the detokenizer has produced
+        self.released = 0  # characters of completion text sent
+        self.generated = 0
+
+    def begin(self, prompt_lp: tuple[TokenLogprob, ...] | None) -> None:
+        self.gen._emit(Started(len(self.gen.prompt_ids), prompt_lp))
+
+    def advance(self, logits: torch.Tensor, full: bool) -> int | None:
+        """Take the next token from ``logits`` (float32 ``[vocab]``); returns it when the
+        sequence goes on (``full``: no further position fits), None when it ended (its
+        :class:`Finished` sent)."""
+        gen = self.gen
+        if gen._cancel.is_set():
+            return self._end("cancelled", matched_stop=False)
+        token = pick_token(logits, self.params, self.generator)
+        self.generated += 1
+        gen.timing.steps = self.generated
+        if token in self.ends:
+            return self._end("stop", matched_stop=False)
+        if self.want_logprobs:
+            entry = gen._logprob_entry(torch.log_softmax(logits, dim=-1), token)
+            self.pending_lp.append((self.decoded, entry))
+        piece = self.detok.add(token)
+        self.decoded += len(piece)
+        text, matched_stop = self.stopper.feed(piece)
+        self.released += len(text)
+        ready = tuple(e for start, e in self.pending_lp if start < self.released)
+        if ready:
+            self.pending_lp = [(start, e) for start, e in self.pending_lp if start >= self.released]
+        if text or ready:
+            gen._emit(TextDelta(text, ready))
+        if matched_stop:
+            return self._end("stop", matched_stop=True)
+        if self.generated >= self.params.max_tokens or full:
+            return self._end("length", matched_stop=False)
+        return token
+
+    def _end(self, finish: str, matched_stop: bool) -> None:
+        gen = self.gen
         if not matched_stop:
             # Text still held: an incomplete character, or a tail that could have begun a stop
             # sequence. The stream ended, so it is ordinary text unless a stop matches in it.
-            tail, matched_stop = stopper.feed(detok.flush())
+            tail, matched_stop = self.stopper.feed(self.detok.flush())
             if matched_stop:
                 finish = "stop"
             else:
-                tail += stopper.flush()
-            released += len(tail)
-            ready = tuple(e for start, e in pending_lp if not matched_stop or start < released)
+                tail += self.stopper.flush()
+            self.released += len(tail)
+            ready = tuple(
+                e for start, e in self.pending_lp if not matched_stop or start < self.released
+            )
             if tail or ready:
-                self._emit(TextDelta(tail, ready))
-        self._emit(Finished(finish, len(self.prompt_ids), generated))
+                gen._emit(TextDelta(tail, ready))
+        gen._emit(Finished(finish, len(gen.prompt_ids), self.generated))
+        gen._finished = True
+        return None
+
+
+def _decode_sequences(gens: list[Generation]) -> None:
+    """Prefill each distinct prompt alone, then decode every sequence together, one forward
+    pass a step, until the last one ends (module docstring; :mod:`miserver.serving.static_batch`)."""
+    first = gens[0]
+    model = first.model
+    ends = end_token_ids(model, first.tokenizer)
+    groups: dict[int, list[_Sequence]] = {}
+    for gen in gens:
+        groups.setdefault(id(gen._prefill_group or gen), []).append(_Sequence(gen, ends))
+    with _decoder(gens) as decoder:
+        for gen in gens:
+            gen.timing.extra["decoder"] = decoder.kind
+        sources: list[int] = []
+        active: list[_Sequence] = []
+        tokens: list[int] = []
+        for index, group in enumerate(groups.values()):
+            lead = group[0]
+            score = lead.params.echo and lead.want_logprobs
+            prompt_logits = decoder.prefill(lead.gen.prompt_ids, all_logits=score)
+            prompt_lp = lead.gen._prompt_logprobs(prompt_logits[:-1]) if score else None
+            logits = prompt_logits[-1].float()
+            del prompt_logits
+            for seq in group:
+                seq.begin(prompt_lp)
+                token = seq.advance(logits, decoder.full(0))
+                if token is not None:
+                    sources.append(index)
+                    active.append(seq)
+                    tokens.append(token)
+        if not active:
+            return
+        for group in groups.values():
+            for seq in group:
+                if seq.gen._finished:  # ended at its first token; the others go on
+                    seq.gen._finish_thread()
+        decoder.begin(sources)
+        while active:
+            logits = decoder.step(tokens)
+            kept: list[int] = []
+            still: list[_Sequence] = []
+            tokens = []
+            for row, seq in enumerate(active):
+                token = seq.advance(logits[row], decoder.full(row))
+                if token is None:
+                    continue
+                kept.append(row)
+                still.append(seq)
+                tokens.append(token)
+            if still:
+                for seq in active:
+                    if seq.gen._finished:  # the others go on: this one is done with
+                        seq.gen._finish_thread()
+                decoder.keep(kept)
+            active = still
+
+
+@contextlib.contextmanager
+def _decoder(gens: list[Generation]) -> Any:
+    """The resident's decode engine for a lone sequence when it is free, else the eager
+    (batched) decoder."""
+    first = gens[0]
+    model = first.model
+    if len(gens) == 1 and first.engine is not None:
+        with first.engine.session(model) as session:
+            if session is not None:
+                yield _Rows(_GraphDecoder(session))
+                return
+    from miserver.serving.static_batch import BatchDecoder
+
+    device = next(model.parameters()).device
+    yield _BatchRows(BatchDecoder(model, device, cache_kwarg(model)))
 
 
 # --- decoders ---------------------------------------------------------------------------------
 class _EagerDecoder:
-    """Today's path: one eager forward per token with the model's dynamic KV cache."""
+    """The eager decode of one sequence, as the server runs it (a :class:`BatchDecoder` of
+    one row): ``prefill(ids)`` then ``step(token)``, each returning logits."""
 
     kind = "eager"
     full = False
 
     def __init__(self, model: Any, device: torch.device) -> None:
-        self._model = model
-        self._device = device
-        self._cache_name = cache_kwarg(model)
-        self._past: Any = None
+        from miserver.serving.static_batch import BatchDecoder
+
+        self._batch = BatchDecoder(model, device, cache_kwarg(model))
 
     def prefill(self, prompt_ids: Sequence[int], *, all_logits: bool) -> torch.Tensor:
         """Logits ``[n, vocab]`` (``all_logits``) or ``[1, vocab]`` of the prompt."""
-        input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self._device)
-        kwargs: dict[str, Any] = {"use_cache": True}
-        if not all_logits:
-            kwargs["logits_to_keep"] = 1
-        out = self._model(input_ids=input_ids, **kwargs)
-        self._past = _cache_of(out)
-        return out.logits[0]
+        logits = self._batch.prefill(prompt_ids, all_logits=all_logits)
+        self._batch.begin([0])
+        return logits
 
     def step(self, token: int) -> torch.Tensor:
         """The next position's logits, float32 ``[vocab]``."""
-        out = self._model(
-            input_ids=torch.tensor([[token]], dtype=torch.long, device=self._device),
-            use_cache=True,
-            **{self._cache_name: self._past},
-        )
-        self._past = _cache_of(out)
-        return out.logits[0, -1].float()
+        return self._batch.step([token])[0]
+
+
+class _BatchRows:
+    """:class:`BatchDecoder` as the batch loop uses it (the eager path never fills: the
+    context check at admission bounds every sequence)."""
+
+    def __init__(self, decoder: Any) -> None:
+        self._d = decoder
+        self.kind = decoder.kind
+
+    def prefill(self, prompt_ids: Sequence[int], *, all_logits: bool) -> torch.Tensor:
+        return self._d.prefill(prompt_ids, all_logits=all_logits)
+
+    def begin(self, sources: Sequence[int]) -> None:
+        self._d.begin(sources)
+
+    def step(self, tokens: Sequence[int]) -> torch.Tensor:
+        return self._d.step(tokens)
+
+    def keep(self, rows: Sequence[int]) -> None:
+        self._d.keep(rows)
+
+    def full(self, row: int) -> bool:
+        return False
+
+
+class _Rows:
+    """A one-sequence decoder (``prefill``, ``step(token)``, ``full``) as the batch loop uses
+    it: one row."""
+
+    def __init__(self, decoder: Any) -> None:
+        self._d = decoder
+        self.kind = decoder.kind
+
+    def prefill(self, prompt_ids: Sequence[int], *, all_logits: bool) -> torch.Tensor:
+        return self._d.prefill(prompt_ids, all_logits=all_logits)
+
+    def begin(self, sources: Sequence[int]) -> None:
+        if list(sources) != [0]:
+            raise ValueError("a one-sequence decoder decodes one row")
+
+    def step(self, tokens: Sequence[int]) -> torch.Tensor:
+        return self._d.step(tokens[0])[None]
+
+    def keep(self, rows: Sequence[int]) -> None:
+        if list(rows) not in ([], [0]):
+            raise ValueError("a one-sequence decoder decodes one row")
+
+    def full(self, row: int) -> bool:
+        return bool(self._d.full)
 
 
 class _GraphDecoder:

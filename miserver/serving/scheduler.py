@@ -4,6 +4,16 @@ Companion contract 1 and 4, weights page "The write cycle" 2. A forward pass run
 caller holds a slot. Waiters are granted in priority order (:class:`Priority`: the barrier first,
 then interactive requests, then batch chunks), first come first served within a priority.
 
+**The static batch** (contract 4, issue 14). A waiter may name a ``group`` (the resident and
+adapter it is computed on) and a ``size`` (the sequences it decodes: a request's ``n``). When a
+slot is granted to a grouped waiter, the waiting work of that group joins it, in priority order
+(interactive first, then batch chunks; first come first served within a priority), up to
+``max_batch_size`` sequences: one :class:`SlotBatch`, one holder of the slot. Every member gets
+its own :class:`Grant`; the slot is free again when the last member released its grant. A
+member tells the batch it is ready with :meth:`Grant.join` (or leaves it by releasing); once
+every member has joined or left, the batch's ``when_ready`` callbacks run (the generation
+starts). Work that arrives meanwhile waits for the next grant, as it waits for the slot.
+
 The step barrier is built on :meth:`Scheduler.barrier_acquire`: it stops granting slots, waits
 until every running holder has released its slot (the drain), then holds all of them. Waiters
 that arrive meanwhile are *held*, not failed; :meth:`Scheduler.barrier_release` lets them run in
@@ -18,10 +28,11 @@ import asyncio
 import heapq
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Hashable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any
 
 log = logging.getLogger("miserver.scheduler")
 
@@ -72,13 +83,89 @@ class HeldCounts:
     queued: int
 
 
-class _Waiter:
-    __slots__ = ("priority", "seq", "future")
+class SlotBatch:
+    """The work one grant of a slot runs together: one holder of the slot (a static batch).
 
-    def __init__(self, priority: Priority, seq: int, future: asyncio.Future[None]) -> None:
+    Attributes:
+        grants: every member's :class:`Grant`, in the order they were taken (the leader first).
+        sequences: the sequences the members decode together (the sum of their sizes).
+        work: a place for the members' shared work (the generation that decodes them); the
+            scheduler never reads it.
+    """
+
+    def __init__(self) -> None:
+        self.grants: list[Grant] = []
+        self.sequences = 0
+        self.work: Any = None
+        self._pending: set[int] = set()  # members that have neither joined nor left
+        self._holding: set[int] = set()  # members that have not released their grant
+        self._ready_callbacks: list[Callable[[], None]] = []
+        self._ready = False
+
+    def _add(self, grant: Grant) -> None:
+        self.grants.append(grant)
+        self.sequences += grant.size
+        self._pending.add(id(grant))
+        self._holding.add(id(grant))
+
+    def when_ready(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once every member has joined or left (at once if so already)."""
+        if self._ready:
+            callback()
+        else:
+            self._ready_callbacks.append(callback)
+
+    def _settle(self, grant: Grant) -> None:
+        self._pending.discard(id(grant))
+        if self._pending or self._ready:
+            return
+        self._ready = True
+        callbacks, self._ready_callbacks = self._ready_callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - one member's failure must not strand the others
+                log.exception("static batch: a when_ready callback raised")
+
+
+class Grant:
+    """One waiter's share of a granted slot (:meth:`Scheduler.acquire`).
+
+    Attributes:
+        batch: the :class:`SlotBatch` it belongs to.
+        size: the sequences it decodes (>= 1).
+        priority: the priority it waited at.
+    """
+
+    __slots__ = ("batch", "size", "priority", "released")
+
+    def __init__(self, batch: SlotBatch, size: int, priority: Priority) -> None:
+        self.batch = batch
+        self.size = size
+        self.priority = priority
+        self.released = False
+
+    def join(self) -> None:
+        """This member is ready to decode with the batch (idempotent)."""
+        self.batch._settle(self)
+
+
+class _Waiter:
+    __slots__ = ("priority", "seq", "future", "group", "size")
+
+    def __init__(
+        self,
+        priority: Priority,
+        seq: int,
+        future: asyncio.Future[Grant],
+        group: Hashable | None = None,
+        size: int = 1,
+    ) -> None:
         self.priority = priority
         self.seq = seq
         self.future = future
+        self.group = group
+        self.size = size
 
     def __lt__(self, other: _Waiter) -> bool:
         return (self.priority, self.seq) < (other.priority, other.seq)
@@ -86,7 +173,8 @@ class _Waiter:
 
 class Scheduler:
     """``max_concurrent`` execution slots behind a priority queue of at most ``max_queued``
-    waiting interactive requests.
+    waiting interactive requests; a grant of a slot takes up to ``max_batch_size`` sequences of
+    one group (:class:`SlotBatch`).
 
     Use :meth:`slot` around every forward pass::
 
@@ -96,9 +184,17 @@ class Scheduler:
     Raises ``ValueError`` for a limit below 1.
     """
 
-    def __init__(self, max_concurrent: int = 1, max_queued: int = 64) -> None:
+    def __init__(
+        self, max_concurrent: int = 1, max_queued: int = 64, max_batch_size: int = 1
+    ) -> None:
         self._max_concurrent = 1
         self._max_queued = 1
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
+            raise ValueError(f"max_batch_size must be an integer, got {max_batch_size!r}")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        #: The most sequences one grant of a slot decodes together (``MAX_BATCH_SIZE``).
+        self.max_batch_size = max_batch_size
         self.set_limits(max_concurrent=max_concurrent, max_queued=max_queued)
         self._running = 0
         self._heap: list[_Waiter] = []
@@ -166,24 +262,37 @@ class Scheduler:
         )
 
     # --- slots --------------------------------------------------------------------------------
-    async def acquire(self, priority: Priority) -> None:
+    async def acquire(
+        self, priority: Priority, *, group: Hashable | None = None, size: int = 1
+    ) -> Grant:
         """Wait for a slot. Pair with :meth:`release`; prefer :meth:`slot`.
 
+        ``group`` (any hashable: the resident and adapter a request is computed on) lets the
+        grant join a static batch: a grouped waiter granted a slot takes the waiting work of its
+        group along, up to ``max_batch_size`` sequences; ``size`` is how many sequences this
+        waiter decodes (1..``max_batch_size``). Without a group the grant is a batch of one.
+
         Raises :class:`QueueFull` at once (nothing queued) when an interactive request would
-        make more than ``max_queued`` interactive requests wait. Cancelled while waiting, it
-        leaves no trace (a slot granted in that instant is handed on).
+        make more than ``max_queued`` interactive requests wait, and ``ValueError`` for a
+        ``size`` outside 1..``max_batch_size``. Cancelled while waiting, it leaves no trace (a
+        slot granted in that instant is handed on).
         """
         priority = Priority(priority)
+        if (
+            isinstance(size, bool)
+            or not isinstance(size, int)
+            or not (1 <= size <= self.max_batch_size)
+        ):
+            raise ValueError(f"size must be within 1..{self.max_batch_size}, got {size!r}")
         if self._can_grant_now(priority):
-            self._running += 1
-            return
+            return self._new_batch(priority, size)
         if priority == Priority.INTERACTIVE and self._waiting_interactive() >= self._max_queued:
             raise QueueFull(self._max_queued)
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(priority, next(self._seq), loop.create_future())
+        waiter = _Waiter(priority, next(self._seq), loop.create_future(), group, size)
         heapq.heappush(self._heap, waiter)
         try:
-            await waiter.future
+            return await waiter.future
         except BaseException:
             if (
                 waiter.future.done()
@@ -191,13 +300,31 @@ class Scheduler:
                 and waiter.future.exception() is None
             ):
                 # Granted, then cancelled before we could use it: hand the slot on.
-                self.release()
+                self.release(waiter.future.result())
             else:
                 self._remove(waiter)
             raise
 
-    def release(self) -> None:
-        """Give a slot back and grant the next waiter. Raises ``RuntimeError`` if none is held."""
+    def _new_batch(self, priority: Priority, size: int) -> Grant:
+        self._running += 1
+        batch = SlotBatch()
+        grant = Grant(batch, size, priority)
+        batch._add(grant)
+        return grant
+
+    def release(self, grant: Grant | None = None) -> None:
+        """Give a grant back; the slot is free once every member of its batch released, and the
+        next waiter is granted. ``grant`` None releases a batch of one (a waiter without a
+        group). Raises ``RuntimeError`` if no slot is held or the grant was released already."""
+        if grant is not None:
+            if grant.released:
+                raise RuntimeError("release() of a grant already released")
+            grant.released = True
+            batch = grant.batch
+            batch._holding.discard(id(grant))
+            batch._settle(grant)
+            if batch._holding:
+                return  # other members still decode: the batch holds the slot
         if self._running <= 0:
             raise RuntimeError("release() without a held slot")
         self._running -= 1
@@ -208,11 +335,11 @@ class Scheduler:
     @asynccontextmanager
     async def slot(self, priority: Priority = Priority.INTERACTIVE) -> AsyncIterator[None]:
         """Hold one slot for the body of the ``async with`` (see :meth:`acquire`)."""
-        await self.acquire(priority)
+        grant = await self.acquire(priority)
         try:
             yield
         finally:
-            self.release()
+            self.release(grant)
 
     def _blocked(self) -> bool:
         return self._barrier_held or self._barrier_draining
@@ -236,7 +363,26 @@ class Scheduler:
             if waiter.future.done():  # cancelled or failed: already gone
                 continue
             self._running += 1
-            waiter.future.set_result(None)
+            batch = SlotBatch()
+            members = [waiter]
+            if waiter.group is not None and self.max_batch_size > 1:
+                room = self.max_batch_size - waiter.size
+                for other in sorted(self._heap):  # priority order, first come first served
+                    if room <= 0:
+                        break
+                    if other.future.done() or other.group != waiter.group or other.size > room:
+                        continue
+                    members.append(other)
+                    room -= other.size
+                if len(members) > 1:
+                    taken = {id(m) for m in members}
+                    self._heap = [w for w in self._heap if id(w) not in taken]
+                    heapq.heapify(self._heap)
+            grants = [Grant(batch, m.size, m.priority) for m in members]
+            for grant in grants:
+                batch._add(grant)
+            for member, grant in zip(members, grants, strict=True):
+                member.future.set_result(grant)
 
     # --- the barrier --------------------------------------------------------------------------
     def barrier_begin(self) -> None:

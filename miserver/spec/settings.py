@@ -59,6 +59,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     weights_cpu_attach: bool = False
     weights_audit_log: str | None = None
     max_concurrent_requests: int = 1
+    #: None: ``auto``, the measured default of the device (8 on the CPU, 32 on CUDA).
+    max_batch_size: int | None = None
     decode_graphs: str = "captured"
     continuous_batching: bool = False
     max_queued_requests: int = 64
@@ -105,6 +107,7 @@ VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("WEIGHTS_CPU_ATTACH", "weights_cpu_attach", "bool"),
     ("WEIGHTS_AUDIT_LOG", "weights_audit_log", "opt_path"),
     ("MAX_CONCURRENT_REQUESTS", "max_concurrent_requests", "pos_int"),
+    ("MAX_BATCH_SIZE", "max_batch_size", "batch_size"),
     ("DECODE_GRAPHS", "decode_graphs", "decode_graphs"),
     ("CONTINUOUS_BATCHING", "continuous_batching", "bool"),
     ("MAX_QUEUED_REQUESTS", "max_queued_requests", "pos_int"),
@@ -132,6 +135,7 @@ KIND_FORMATS: dict[str, str] = {
     "log_level": "`debug`, `info`, `warning`, `error` or `critical`",
     "log_format": "`json` or `text`",
     "decode_graphs": "`captured`, `compiled` or `off` (case-insensitive)",
+    "batch_size": "`auto` or an integer 1 to 256",
     "nonneg_float": "a number, at least 0",
     "management_auth": "`none` or `operator`",
 }
@@ -174,6 +178,13 @@ DESCRIPTIONS: dict[str, str] = {
     "MAX_CONCURRENT_REQUESTS": "Forward passes that may run at once. The step barrier needs 1 "
     "(otherwise quiesce is 409 BARRIER_UNAVAILABLE, reason `concurrency`). Also changeable at "
     "run time with `PATCH /api/settings`.",
+    "MAX_BATCH_SIZE": "Sequences one pass of the slot decodes together (a static batch, "
+    "contract 4): when the slot is granted it takes the waiting requests of the resident model, "
+    "interactive first, then batch rows, up to this many sequences (a request with `n` counts "
+    "`n`), and decodes them one forward pass a token until the last one ends; it is also the "
+    "largest `n` a request may ask for. `auto`: 8 on the CPU (two cores: 16 chats of 32 tokens "
+    "finish about 4x sooner than at 1, each token about 1.4x slower), 32 on CUDA. A batch is one "
+    "holder of the slot: a quiesce drains it as it drains one request.",
     "DECODE_GRAPHS": "How a CUDA resident runs its decode step: `captured` (the default: one "
     "CUDA graph per KV-cache length bucket, replayed over the served storages, captured at load), "
     "`compiled` (the same through `torch.compile`: faster steps, a compile per bucket at load, "
@@ -269,6 +280,20 @@ def default_home() -> str:
     return str(Path(platformdirs.user_data_dir()) / "miserver")
 
 
+#: The largest ``MAX_BATCH_SIZE`` accepted.
+MAX_BATCH_SIZE_LIMIT = 256
+#: ``MAX_BATCH_SIZE=auto`` on each device type (measured: docs/benchmarks.md, "Static batch").
+DEFAULT_MAX_BATCH_SIZE = {"cpu": 8, "cuda": 32}
+
+
+def resolved_max_batch_size(settings: Settings, device_type: str) -> int:
+    """``MAX_BATCH_SIZE`` for a server whose models load on ``device_type`` (``cpu`` or
+    ``cuda``): the setting, or the device's default when it is ``auto``."""
+    if settings.max_batch_size is not None:
+        return settings.max_batch_size
+    return DEFAULT_MAX_BATCH_SIZE.get(device_type, DEFAULT_MAX_BATCH_SIZE["cpu"])
+
+
 def _convert(variable: str, kind: str, raw: str) -> object:
     raw = raw.strip()
     if kind in ("str", "path") and not raw:
@@ -326,6 +351,16 @@ def _convert(variable: str, kind: str, raw: str) -> object:
         raise ConfigError(
             variable, f"expected debug, info, warning, error or critical, got {raw!r}"
         )
+    if kind == "batch_size":
+        if raw.lower() in ("", "auto"):
+            return None
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ConfigError(variable, f"expected auto or an integer, got {raw!r}") from None
+        if not 1 <= value <= MAX_BATCH_SIZE_LIMIT:
+            raise ConfigError(variable, f"must be auto or 1 to {MAX_BATCH_SIZE_LIMIT}, got {value}")
+        return value
     if kind == "decode_graphs":
         low = raw.lower()
         if low in ("captured", "compiled", "off"):

@@ -75,12 +75,13 @@ async def test_batch_priority_reaches_the_scheduler(client: TestClient):
     granted: list[Priority] = []
     real_acquire = scheduler.acquire
 
-    async def spy(priority: Priority) -> None:
-        await real_acquire(priority)
+    async def spy(priority: Priority, **kw: Any) -> Any:
+        grant = await real_acquire(priority, **kw)
         granted.append(Priority(priority))
+        return grant
 
     scheduler.acquire = spy  # type: ignore[method-assign]
-    await scheduler.acquire(Priority.INTERACTIVE)  # hold the one slot
+    held = await scheduler.acquire(Priority.INTERACTIVE)  # hold the one slot
     granted.clear()
     try:
         batch = asyncio.create_task(
@@ -90,7 +91,7 @@ async def test_batch_priority_reaches_the_scheduler(client: TestClient):
         interactive = asyncio.create_task(run_completion(app, CHAT, chat("now")))
         await wait_until(lambda: scheduler.counts().queued == 2)
     finally:
-        scheduler.release()
+        scheduler.release(held)
     results = await asyncio.gather(batch, interactive)
     assert granted == [Priority.INTERACTIVE, Priority.BATCH]  # the later interactive first
     for result in results:

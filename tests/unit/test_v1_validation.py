@@ -115,7 +115,9 @@ def assert_openai_error(
         (CHAT, {"model": "m", "messages": MSG, "temperature": -0.1}, "temperature"),
         (CHAT, {"model": "m", "messages": MSG, "top_p": 0}, "top_p"),
         (CHAT, {"model": "m", "messages": MSG, "top_p": 1.01}, "top_p"),
-        (CHAT, {"model": "m", "messages": MSG, "n": 2}, "n"),
+        (CHAT, {"model": "m", "messages": MSG, "n": 0}, "n"),
+        (CHAT, {"model": "m", "messages": MSG, "n": 10_000}, "n"),  # above MAX_BATCH_SIZE
+        (COMP, {"model": "m", "prompt": "x", "n": 257}, "n"),
         (CHAT, {"model": "m", "messages": MSG, "max_tokens": 0}, "max_tokens"),
         (
             CHAT,

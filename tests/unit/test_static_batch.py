@@ -1,0 +1,404 @@
+"""The static batch (issue 14; companion contract 4): the scheduler's grants, and the default
+model decoding several requests in one pass exactly as it decodes each alone.
+
+The scheduler tests need no model. The others serve SmolLM2-135M-Instruct (bfloat16, CPU) with
+``MAX_BATCH_SIZE=8``; a batch is forced by holding the slot while the requests queue, then
+releasing it, so every queued request joins one grant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import pytest
+
+from miserver.http import keys
+from miserver.serving.generation import StaticBatch
+from miserver.serving.scheduler import Priority, Scheduler
+from miserver.serving.static_batch import choice_seed
+from tests.waiting import eventually
+
+
+# --- the scheduler ---------------------------------------------------------------------------
+async def _queued(scheduler: Scheduler, n: int) -> None:
+    await eventually(lambda: scheduler.counts().queued == n, f"{n} waiting")
+
+
+async def test_a_grant_takes_its_groups_waiting_work_in_priority_order_up_to_the_size() -> None:
+    scheduler = Scheduler(max_batch_size=4)
+    held = await scheduler.acquire(Priority.INTERACTIVE)  # the slot is busy: the others wait
+    specs = [  # (name, priority, group, size), in arrival order
+        ("batch-a", Priority.BATCH, "a", 1),
+        ("a1", Priority.INTERACTIVE, "a", 1),
+        ("b1", Priority.INTERACTIVE, "b", 1),
+        ("a4", Priority.INTERACTIVE, "a", 4),  # does not fit after a1: waits for the next
+        ("a2", Priority.INTERACTIVE, "a", 2),
+        ("plain", Priority.INTERACTIVE, None, 1),
+    ]
+    tasks = {
+        name: asyncio.ensure_future(scheduler.acquire(p, group=g, size=size))
+        for name, p, g, size in specs
+    }
+    await _queued(scheduler, len(specs))
+    scheduler.release(held)
+    await asyncio.sleep(0)
+    granted = {name for name, t in tasks.items() if t.done()}
+    # a1 leads (the first interactive of the best priority), a2 fits, then batch-a: 4 sequences
+    assert granted == {"a1", "a2", "batch-a"}, granted
+    first = tasks["a1"].result().batch
+    assert [g.size for g in first.grants] == [1, 2, 1]
+    assert [g.priority for g in first.grants] == [
+        Priority.INTERACTIVE,
+        Priority.INTERACTIVE,
+        Priority.BATCH,
+    ]
+    assert first.sequences == 4 and all(
+        t.result().batch is first for n, t in tasks.items() if n in granted
+    )
+    assert scheduler.counts().running == 1  # one holder of the slot
+    # the slot is free only when every member released; then b1 leads (arrived before a4)
+    for name in ("a1", "batch-a"):
+        scheduler.release(tasks[name].result())
+        await asyncio.sleep(0)
+        assert not tasks["b1"].done()
+    scheduler.release(tasks["a2"].result())
+    await asyncio.sleep(0)
+    assert tasks["b1"].done() and not tasks["a4"].done()
+    assert tasks["b1"].result().batch.grants == [tasks["b1"].result()]
+    scheduler.release(tasks["b1"].result())
+    await asyncio.sleep(0)
+    assert tasks["a4"].done() and not tasks["plain"].done()
+    scheduler.release(tasks["a4"].result())
+    await asyncio.sleep(0)
+    scheduler.release(tasks["plain"].result())
+    assert scheduler.counts().running == 0
+    with pytest.raises(RuntimeError):
+        scheduler.release(tasks["plain"].result())  # released twice
+
+
+async def test_a_size_beyond_the_batch_is_refused_and_a_batch_of_one_takes_nobody() -> None:
+    scheduler = Scheduler(max_batch_size=2)
+    for size in (0, 3, True):
+        with pytest.raises(ValueError):
+            await scheduler.acquire(Priority.INTERACTIVE, group="a", size=size)
+    single = Scheduler()  # max_batch_size 1: every grant is its own
+    held = await single.acquire(Priority.INTERACTIVE)
+    a = asyncio.ensure_future(single.acquire(Priority.INTERACTIVE, group="a"))
+    b = asyncio.ensure_future(single.acquire(Priority.INTERACTIVE, group="a"))
+    await _queued(single, 2)
+    single.release(held)
+    await asyncio.sleep(0)
+    assert a.done() and not b.done()
+    single.release(a.result())
+    await asyncio.sleep(0)
+    single.release(b.result())
+
+
+async def test_when_ready_waits_for_every_member_to_join_or_leave() -> None:
+    scheduler = Scheduler(max_batch_size=8)
+    held = await scheduler.acquire(Priority.INTERACTIVE)
+    tasks = [
+        asyncio.ensure_future(scheduler.acquire(Priority.INTERACTIVE, group="g")) for _ in range(3)
+    ]
+    await _queued(scheduler, 3)
+    scheduler.release(held)
+    await asyncio.sleep(0)
+    grants = [t.result() for t in tasks]
+    batch = grants[0].batch
+    ready: list[int] = []
+    batch.when_ready(lambda: ready.append(1))
+    grants[0].join()
+    assert not ready
+    scheduler.release(grants[1])  # leaves without joining (a refusal inside the slot)
+    assert not ready
+    grants[2].join()
+    assert ready == [1]
+    batch.when_ready(lambda: ready.append(2))  # already ready: at once
+    assert ready == [1, 2]
+    # the barrier drains the whole batch: it holds only once the last member released
+    scheduler.barrier_begin()
+    drained = asyncio.ensure_future(scheduler.barrier_wait_drained())
+    scheduler.release(grants[0])
+    await asyncio.sleep(0.01)
+    assert not drained.done()
+    scheduler.release(grants[2])
+    counts = await asyncio.wait_for(drained, 1)
+    assert counts.running == 0 and scheduler.barrier_held
+    scheduler.barrier_release()
+
+
+async def test_a_member_cancelled_as_it_is_granted_leaves_the_batch() -> None:
+    scheduler = Scheduler(max_batch_size=8)
+    held = await scheduler.acquire(Priority.INTERACTIVE)
+    kept = asyncio.ensure_future(scheduler.acquire(Priority.INTERACTIVE, group="g"))
+    gone = asyncio.ensure_future(scheduler.acquire(Priority.INTERACTIVE, group="g"))
+    await _queued(scheduler, 2)
+    scheduler.release(held)  # both granted in this instant ...
+    gone.cancel()  # ... and one is cancelled before it runs: it hands its share back
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    grant = await kept
+    ready: list[int] = []
+    grant.batch.when_ready(lambda: ready.append(1))
+    grant.join()
+    assert ready == [1]
+    scheduler.release(grant)
+    assert scheduler.counts().running == 0
+
+
+def test_choice_seeds_are_the_seed_then_distinct_and_stable() -> None:
+    assert choice_seed(None, 5) is None
+    assert choice_seed(42, 0) == 42
+    seeds = [choice_seed(42, i) for i in range(1, 64)]
+    assert len(set(seeds)) == 63 and 42 not in seeds
+    assert all(0 <= s < 2**64 for s in seeds)
+    assert choice_seed(42, 1) == choice_seed(42, 1) != choice_seed(43, 1)
+
+
+# --- the default model ------------------------------------------------------------------------
+@pytest.fixture
+async def client(default_home: str, tmp_path):
+    from miserver.serving.default_model import model_dir
+    from tests.unit.test_weights_routes import make_client
+
+    c = await make_client(tmp_path, str(model_dir(default_home)), MAX_BATCH_SIZE="8")
+    assert c.server.app[keys.SCHEDULER].max_batch_size == 8
+    yield c
+    await c.close()
+
+
+@pytest.fixture
+def batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sequences of every static batch that starts."""
+    sizes: list[int] = []
+    real = StaticBatch.start
+
+    def spy(self: StaticBatch) -> None:
+        if not self._started:
+            sizes.append(self.sequences)
+        real(self)
+
+    monkeypatch.setattr(StaticBatch, "start", spy)
+    return sizes
+
+
+async def post(client: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    resp = await client.post(path, json=body)
+    data = await resp.json()
+    assert resp.status == 200, data
+    return data
+
+
+async def together(client: Any, calls: list[Any]) -> list[Any]:
+    """Run ``calls`` (coroutine functions) with the slot held until all of them wait, so they
+    form one static batch when it is released."""
+    scheduler = client.server.app[keys.SCHEDULER]
+    held = await scheduler.acquire(Priority.INTERACTIVE)
+    try:
+        tasks = [asyncio.ensure_future(call()) for call in calls]
+        await eventually(lambda: scheduler.counts().queued == len(calls), "all queued", timeout=60)
+    finally:
+        scheduler.release(held)
+    return await asyncio.gather(*tasks)
+
+
+def chat(text: str, **kw: Any) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": text}],
+        "temperature": 0,
+        **kw,
+    }
+
+
+REQUESTS = [  # mixed prompt lengths, stops, max_tokens, both routes
+    ("/v1/chat/completions", chat("What is the capital of France?", max_tokens=20)),
+    ("/v1/chat/completions", chat("Hi", max_tokens=32)),
+    (
+        "/v1/chat/completions",
+        chat("Explain recursion to a five year old child in a few simple words.", max_tokens=28),
+    ),
+    ("/v1/chat/completions", chat("List three colors.", max_tokens=24, stop=["\n2"])),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 30, "temperature": 0},
+    ),
+    (
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": "def add(a, b):",
+            "max_tokens": 5,
+            "temperature": 0,
+            "stop": [")"],
+        },
+    ),
+]
+
+
+def answer(body: dict[str, Any]) -> list[tuple[str, str]]:
+    out = []
+    for choice in body["choices"]:
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        out.append((text, choice["finish_reason"]))
+    return out
+
+
+async def test_batched_greedy_answers_equal_the_same_requests_run_alone(
+    client: Any, batches: list[int]
+) -> None:
+    alone = [answer(await post(client, path, body)) for path, body in REQUESTS]
+    assert batches == [1] * len(REQUESTS)  # each ran by itself
+    batches.clear()
+    together_bodies = await together(
+        client, [lambda p=p, b=b: post(client, p, b) for p, b in REQUESTS]
+    )
+    assert batches == [len(REQUESTS)], batches  # one pass decoded all of them
+    assert [answer(b) for b in together_bodies] == alone
+    # the stop sequences and lengths really ended them differently
+    assert {a[0][1] for a in alone} >= {"stop", "length"}
+    assert all("\n2" not in text for (text, _f) in alone[3])
+    headers = set()
+    for body in together_bodies:
+        assert body["usage"]["total_tokens"] > 0
+    for path, body in REQUESTS[:2]:
+        resp = await client.post(path, json=body)
+        headers.add(resp.headers["X-miLLM-Model"])
+    assert len(headers) == 1
+
+
+async def test_n_gives_n_choices_each_reproducible_with_its_seed(
+    client: Any, batches: list[int]
+) -> None:
+    body = chat("Tell me a short story.", max_tokens=16, temperature=1.0, seed=123, n=4)
+    out = await post(client, "/v1/chat/completions", body)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert batches == [4]
+    texts = [c["message"]["content"] for c in out["choices"]]
+    assert len(set(texts)) > 1  # sampled: the choices differ
+    usage = out["usage"]
+    assert usage["completion_tokens"] >= 4
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    one = await post(client, "/v1/chat/completions", {**body, "n": 1})
+    assert one["usage"]["prompt_tokens"] == usage["prompt_tokens"]  # the prompt counted once
+    for i, text in enumerate(texts):
+        alone = await post(
+            client, "/v1/chat/completions", {**body, "n": 1, "seed": choice_seed(123, i)}
+        )
+        assert alone["choices"][0]["message"]["content"] == text, i
+    # completions too, and n above MAX_BATCH_SIZE is refused naming n
+    comp = await post(
+        client,
+        "/v1/completions",
+        {"model": "tiny", "prompt": "The sea", "max_tokens": 6, "n": 3, "seed": 5},
+    )
+    assert [c["index"] for c in comp["choices"]] == [0, 1, 2]
+    resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "n": 9})
+    err = (await resp.json())["error"]
+    assert resp.status == 400 and err["param"] == "n" and "MAX_BATCH_SIZE" in err["message"]
+
+
+async def sse(client: Any, path: str, body: dict[str, Any]) -> list[Any]:
+    resp = await client.post(path, json={**body, "stream": True})
+    assert resp.status == 200
+    raw = (await resp.read()).decode()
+    return [
+        "[DONE]" if b[6:] == "[DONE]" else json.loads(b[6:]) for b in raw.split("\n\n") if b.strip()
+    ]
+
+
+async def test_a_streamed_n_carries_each_choice_by_index(client: Any) -> None:
+    body = chat(
+        "Name a fruit.",
+        max_tokens=12,
+        temperature=1.0,
+        seed=9,
+        n=3,
+        stream_options={"include_usage": True},
+    )
+    events = await sse(client, "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    texts = {0: "", 1: "", 2: ""}
+    finished = {}
+    for ev in events[:-1]:
+        for choice in ev["choices"]:
+            texts[choice["index"]] += choice["delta"].get("content", "")
+            if choice["finish_reason"] is not None:
+                finished[choice["index"]] = ev["millm_model"]
+    assert set(finished) == {0, 1, 2}
+    usage = events[-2]["usage"]
+    plain = await post(
+        client, "/v1/chat/completions", {**body, "stream": False, "stream_options": None}
+    )
+    assert [texts[i] for i in range(3)] == [c["message"]["content"] for c in plain["choices"]]
+    assert usage == plain["usage"]
+
+
+async def test_a_client_that_disconnects_ends_only_its_own_sequence(
+    client: Any, batches: list[int]
+) -> None:
+    long = chat("Write a long poem about the sea.", max_tokens=80)
+    other = chat("Describe a forest in detail.", max_tokens=40)
+    alone = answer(await post(client, "/v1/chat/completions", other))
+    batches.clear()
+
+    async def hang_up() -> str:
+        resp = await client.post("/v1/chat/completions", json={**long, "stream": True})
+        await resp.content.readuntil(b"\n\n")
+        await resp.content.readuntil(b"\n\n")
+        resp.close()
+        return "gone"
+
+    results = await together(client, [hang_up, lambda: post(client, "/v1/chat/completions", other)])
+    assert batches == [2]
+    assert answer(results[1]) == alone
+    scheduler = client.server.app[keys.SCHEDULER]
+    await eventually(lambda: scheduler.counts().running == 0, "the slot is free")
+
+
+async def test_a_quiesce_sent_during_a_batch_returns_after_the_whole_batch(
+    client: Any, batches: list[int]
+) -> None:
+    from tests.unit.test_weights_routes import TRN, auth
+    from tests.unit.test_weights_routes import post as wpost
+
+    st, body, _ = await wpost(client, "/api/weights/attach", auth(TRN))
+    assert st == 200, body
+    h = auth(TRN, body["data"]["attachment_id"])
+    tokens: list[float] = []
+    first_token = asyncio.Event()
+
+    async def stream(max_tokens: int) -> None:
+        body = chat("Count slowly from one to fifty.", max_tokens=max_tokens, stream=True)
+        resp = await client.post("/v1/chat/completions", json=body)
+        async for line in resp.content:
+            if line.startswith(b"data: {") and b'"content"' in line:
+                tokens.append(time.monotonic())
+                first_token.set()
+
+    async def quiesce_when_serving() -> tuple[float, int]:
+        await first_token.wait()
+        st, _b, _h = await wpost(client, "/api/weights/quiesce", h)
+        return time.monotonic(), st
+
+    quiesce = asyncio.ensure_future(quiesce_when_serving())
+    await together(client, [lambda n=n: stream(n) for n in (8, 24, 48)])
+    assert batches[-1] == 3
+    answered, st = await quiesce
+    assert st == 200
+    assert max(tokens) <= answered  # every sequence of the batch ended before the quiesce
+    # nothing is produced inside the write; a chat sent meanwhile waits, then is answered
+    assert (await wpost(client, "/api/weights/commit-begin", h))[0] == 200
+    begun = time.monotonic()
+    held = asyncio.ensure_future(post(client, "/v1/chat/completions", chat("Hi", max_tokens=3)))
+    await asyncio.sleep(0.3)
+    assert not held.done()
+    ended = time.monotonic()
+    assert (await wpost(client, "/api/weights/commit-end", h))[0] == 200
+    assert not any(begun <= t <= ended for t in tokens)
+    assert (await wpost(client, "/api/weights/resume", h))[0] == 200
+    assert (await held)["choices"][0]["finish_reason"] in ("stop", "length")
+    assert (await wpost(client, "/api/weights/detach", h))[0] == 200

@@ -1,10 +1,14 @@
 """Token generation in a worker thread, streamed back to the event loop.
 
-Companion contract 4 and the design notes ("Serving"). One :class:`Generation` runs one request:
-a prefill of the prompt, then a decode loop with the model's KV cache, one token per forward
-pass, in its own thread (torch releases the GIL inside its kernels, so ``MAX_CONCURRENT_REQUESTS``
-generations really run at once). Between two decode steps it checks its cancellation flag, so a
-disconnected client stops costing compute within one step.
+Companion contract 4 and the design notes ("Serving"). A :class:`Generation` is one sequence:
+a prefill of the prompt, then a decode loop, in a worker thread (torch releases the GIL inside
+its kernels, so ``MAX_CONCURRENT_REQUESTS`` slots really run at once). A :class:`StaticBatch`
+runs the sequences of one grant of the slot (the requests of a static batch, ``n`` each) in one
+thread, one forward pass a token for all of them
+(:class:`~miserver.serving.static_batch.BatchDecoder`); a lone sequence on a CUDA resident
+decodes through the decode engine's graphs. Between two decode steps each sequence checks its
+cancellation flag, so a disconnected client stops costing compute within one step, and a
+sequence that ends leaves the batch while the others go on.
 
 Text is released to the caller only when it is final:
 

@@ -12,14 +12,16 @@ head_dim]`` per layer:
 - **One cache, left-padded.** The prefilled keys and values are laid side by side, shorter
   prompts padded on the left to the longest; a sequence that ends is dropped from the cache
   (its row), so the pass shrinks as sequences finish.
-- **Attention by row.** The padding is never attended to: while a batched step runs, the
+- **Attention by row (CPU).** The padding is never attended to: while a batched step runs, the
   ``sdpa`` attention function of transformers (``AttentionInterface``, the extension point
   transformers documents for replacing an attention function) computes each row over its own
   keys only, with no mask: the very call a request run alone makes. The override is keyed to
   the calling thread (a thread-local set for the step), so every other forward in the process,
   the trainer's included, runs the stock function. A model whose attention is not ``sdpa``,
-  or that uses a sliding window, gets a padding mask instead (correct, not bit-identical).
-- **At least two rows.** Matrix products on the CPU (oneDNN, bfloat16) give a row the same bits
+  or that uses a sliding window, gets a padding mask instead (correct, not bit-identical), and
+  so does every model on CUDA (one attention call a layer; a call per row would make a step of
+  64 sequences thousands of kernel launches).
+- **At least two rows (CPU).** Matrix products on the CPU (oneDNN, bfloat16) give a row the same bits
   whatever other rows share the product, as long as there are at least two; a product of one
   row takes another kernel whose sums round differently (measured 2026-12-02, torch 2.13,
   SmolLM2-135M's ``down_proj``: up to 1 ulp, which greedy decoding turns into a different text
@@ -100,7 +102,9 @@ def install_row_attention() -> None:
         AttentionInterface.register("sdpa", sdpa_by_row)
 
 
-def _by_row_ok(model: Any) -> bool:
+def _by_row_ok(model: Any, device: torch.device) -> bool:
+    if device.type != "cpu":
+        return False  # one masked attention call a layer: a call per row would be launch-bound
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) != "sdpa":
         return False
@@ -142,7 +146,8 @@ class BatchDecoder:
         self._model = model
         self._device = device
         self._cache_name = cache_name
-        self._by_row = _by_row_ok(model)
+        self._by_row = _by_row_ok(model, device)
+        self._min_rows = MIN_ROWS if device.type == "cpu" else 1
         self._prefilled: list[tuple[Any, int]] = []
         self._cache: Any = None
         self._starts: list[int] = []  # per cache row: its first real position
@@ -175,8 +180,8 @@ class BatchDecoder:
             raise ValueError("a batch needs at least one row")
         rows = list(sources)
         self._real = len(rows)
-        if len(rows) < MIN_ROWS:
-            rows += [rows[-1]] * (MIN_ROWS - len(rows))
+        if len(rows) < self._min_rows:
+            rows += [rows[-1]] * (self._min_rows - len(rows))
         lengths = [self._prefilled[i][1] for i in rows]
         width = max(lengths)
         per_prefill = [_layers_kv(cache) for cache, _n in self._prefilled]
@@ -211,7 +216,7 @@ class BatchDecoder:
         }
         if self._by_row:
             _ROWS.starts = self._starts
-        else:
+        elif any(self._starts):  # rows of equal length need no mask (one sequence: none)
             mask = torch.ones(len(ids), self._width + 1, dtype=torch.long, device=self._device)
             for r, start in enumerate(self._starts):
                 mask[r, :start] = 0
@@ -234,8 +239,8 @@ class BatchDecoder:
         if not rows:
             self._cache = None
             return
-        if len(rows) < MIN_ROWS:
-            rows += [rows[-1]] * (MIN_ROWS - len(rows))
+        if len(rows) < self._min_rows:
+            rows += [rows[-1]] * (self._min_rows - len(rows))
         index = torch.tensor(rows, dtype=torch.long, device=self._device)
         select = getattr(self._cache, "batch_select_indices", None)
         if select is not None:

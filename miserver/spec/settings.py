@@ -182,8 +182,9 @@ DESCRIPTIONS: dict[str, str] = {
     "contract 4): when the slot is granted it takes the waiting requests of the resident model, "
     "interactive first, then batch rows, up to this many sequences (a request with `n` counts "
     "`n`), and decodes them one forward pass a token until the last one ends; it is also the "
-    "largest `n` a request may ask for. `auto`: 8 on the CPU (two cores: 16 chats of 32 tokens "
-    "finish about 4x sooner than at 1, each token about 1.4x slower), 32 on CUDA. A batch is one "
+    "largest `n` a request may ask for. `auto`: 8 on the CPU (two cores: 16 concurrent chats of "
+    "32 tokens finished 3.5x sooner than at 1, a step of 8 sequences 1.4x a step of one), 32 on "
+    "CUDA (not yet measured there: docs/benchmarks.md). A batch is one "
     "holder of the slot: a quiesce drains it as it drains one request.",
     "DECODE_GRAPHS": "How a CUDA resident runs its decode step: `captured` (the default: one "
     "CUDA graph per KV-cache length bucket, replayed over the served storages, captured at load), "

@@ -402,3 +402,48 @@ async def test_a_quiesce_sent_during_a_batch_returns_after_the_whole_batch(
     assert (await wpost(client, "/api/weights/resume", h))[0] == 200
     assert (await held)["choices"][0]["finish_reason"] in ("stop", "length")
     assert (await wpost(client, "/api/weights/detach", h))[0] == 200
+
+
+# --- the decoder, on a tiny float32 model (no server) ------------------------------------------
+@pytest.mark.parametrize("by_row", [True, False], ids=["attention-by-row", "padding-mask"])
+def test_the_batch_decoder_follows_each_sequence_as_it_decodes_alone(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, by_row: bool
+) -> None:
+    """Rows of different lengths, rows leaving (the cache shrinks and its shared padding is
+    cropped): every row's logits stay those of its sequence decoded alone (float32 products are
+    not batch-invariant on the CPU, so to rounding here; the default model's bfloat16 test above
+    checks the bits)."""
+    import torch
+
+    from miserver.serving import static_batch
+    from miserver.serving.generation import _EagerDecoder, cache_kwarg
+    from tests.unit.v1_fixtures import cached_tokenizer, tiny_model
+
+    model = tiny_model(cached_tokenizer(tmp_path.parent / "miserver-v1-cache"))
+    monkeypatch.setattr(static_batch, "_by_row_ok", lambda m, d: by_row)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17], [18]]
+    forced = [[20 + i + r for i in range(6)] for r in range(len(prompts))]  # tokens fed per row
+    with torch.inference_mode():
+        alone = []
+        for prompt, tokens in zip(prompts, forced, strict=True):
+            dec = _EagerDecoder(model, torch.device("cpu"))
+            rows = [dec.prefill(prompt, all_logits=False)[-1].float()]
+            rows += [dec.step(t).clone() for t in tokens]
+            alone.append(rows)
+        batch = static_batch.BatchDecoder(model, torch.device("cpu"), cache_kwarg(model))
+        firsts = [batch.prefill(p, all_logits=False)[-1].float() for p in prompts]
+        batch.begin([0, 1, 2, 3])
+        live = [0, 1, 2, 3]
+        for r in live:
+            torch.testing.assert_close(firsts[r], alone[r][0], rtol=0, atol=0)  # prefill alone
+        for step in range(6):
+            logits = batch.step([forced[r][step] for r in live])
+            for i, r in enumerate(live):
+                torch.testing.assert_close(logits[i], alone[r][step + 1], rtol=1e-4, atol=1e-4)
+            if step == 1:  # the longest prompt leaves: the padding all rows share is cropped
+                batch.keep([1, 2, 3])
+                live = [1, 2, 3]
+            if step == 3:  # down to one sequence (computed as two rows)
+                batch.keep([1])
+                live = [2]
+        assert batch.rows == 1

@@ -344,13 +344,20 @@ class Running:
             await gen.wait()
 
 
-def _join_batch(grant: Grant, job: Job) -> list[Generation]:
+def _join_batch(app: web.Application, grant: Grant, job: Job) -> list[Generation]:
     """Join the static batch of ``grant`` with ``job``'s ``n`` sequences; the batch starts once
     every member has joined or left (:meth:`~miserver.serving.scheduler.SlotBatch.when_ready`)."""
     batch = grant.batch
     if batch.work is None:
-        batch.work = StaticBatch()
-        batch.when_ready(batch.work.start)
+        work = batch.work = StaticBatch()
+        metrics = app.get(keys.METRICS)
+
+        def start() -> None:
+            if metrics is not None and work.sequences:
+                metrics.batch_sequences.observe(work.sequences)
+            work.start()
+
+        batch.when_ready(start)
     gens = batch.work.join(
         job.resident.model,
         job.resident.tokenizer,
@@ -393,7 +400,7 @@ async def _generation(
         if check_in_slot is not None:
             check_in_slot(job.resident)
         header = model_header(job.resident)
-        gens = _join_batch(grant, job)
+        gens = _join_batch(app, grant, job)
     except BaseException:
         release()
         raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import logging
 import time
 import uuid
@@ -335,20 +336,21 @@ async def stream_response(request: web.Request, job: Job, running: Any) -> web.S
                 )
         fins: dict[int, Finished] = {}
         try:
-            async for index, ev in _merged(running.events):
-                if isinstance(ev, TextDelta):
-                    if ev.text or ev.logprobs:
-                        await resp.write(chunk(delta_choice(index, ev.text, ev.logprobs)))
-                elif isinstance(ev, Finished):
-                    fins[index] = ev
-                    if ev.finish_reason == "cancelled":
-                        break
-                    if len(fins) == len(firsts):
-                        await running.wait()  # the slot is free before the client sees the end
-                    final = delta_choice(index, "", (), finish=_finish_reason(ev))
-                    if not chat:
-                        final["logprobs"] = None
-                    await resp.write(chunk(final, millm_model=header))
+            async with contextlib.aclosing(_merged(running.events)) as merged:
+                async for index, ev in merged:
+                    if isinstance(ev, TextDelta):
+                        if ev.text or ev.logprobs:
+                            await resp.write(chunk(delta_choice(index, ev.text, ev.logprobs)))
+                    elif isinstance(ev, Finished):
+                        fins[index] = ev
+                        if ev.finish_reason == "cancelled":
+                            break
+                        if len(fins) == len(firsts):
+                            await running.wait()  # the slot is free before the client sees the end
+                        final = delta_choice(index, "", (), finish=_finish_reason(ev))
+                        if not chat:
+                            final["logprobs"] = None
+                        await resp.write(chunk(final, millm_model=header))
         except GenerationError as exc:
             err = generation_failed(request.app, job, exc)
             log.warning("stream ended by a generation error: %s", exc)

@@ -70,6 +70,13 @@ class Metrics:
             buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
+        self.batch_sequences = Histogram(
+            "miserver_static_batch_sequences",
+            "Sequences each static batch decoded together (one grant of the slot; MAX_BATCH_SIZE"
+            " bounds it)",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
+        )
         self.generation_failures = Counter(
             "miserver_generation_failures",
             "Generations that failed (500 GENERATION_FAILED), by reason: non_finite_logits"

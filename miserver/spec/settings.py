@@ -261,6 +261,8 @@ def format_default(field: str, kind: str) -> str:
     if field == "home":
         return "the platform's user data dir + `/miserver`"
     value = setting_default(field)
+    if value is None and kind == "batch_size":
+        return "auto"
     if value is None or value == "":
         return "empty"
     if isinstance(value, bool):

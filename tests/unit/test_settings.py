@@ -138,3 +138,23 @@ def test_a_tokens_file_over_the_size_bound_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="larger than") as info:
         load_settings({"MISERVER_HOME": "/tmp/x", "WEIGHTS_TOKENS_FILE": str(f)})
     assert info.value.variable == "WEIGHTS_TOKENS_FILE"
+
+
+def test_max_batch_size_is_auto_or_1_to_256_and_auto_takes_the_devices_default() -> None:
+    from miserver.spec.settings import resolved_max_batch_size
+
+    auto = load_settings({"MISERVER_HOME": "/x"})
+    assert auto.max_batch_size is None
+    assert resolved_max_batch_size(auto, "cpu") == 8 and resolved_max_batch_size(auto, "cuda") == 32
+    for raw, value in (("auto", None), ("AUTO", None), ("1", 1), ("64", 64), ("256", 256)):
+        got = load_settings({"MISERVER_HOME": "/x", "MAX_BATCH_SIZE": raw})
+        assert got.max_batch_size == value
+    assert (
+        resolved_max_batch_size(
+            load_settings({"MISERVER_HOME": "/x", "MAX_BATCH_SIZE": "3"}), "cuda"
+        )
+        == 3
+    )
+    for bad in ("0", "257", "-1", "eight", "1.5"):
+        with pytest.raises(ConfigError, match="MAX_BATCH_SIZE"):
+            load_settings({"MISERVER_HOME": "/x", "MAX_BATCH_SIZE": bad})

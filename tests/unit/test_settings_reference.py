@@ -37,13 +37,13 @@ def test_every_setting_has_a_row_with_its_real_default_format_and_effect() -> No
             if isinstance(value, bool):
                 assert shown == ("1" if value else "0")
             elif value is None:
-                assert shown == "empty"
+                assert shown == ("auto" if kind == "batch_size" else "empty")
             elif isinstance(value, float):
                 assert float(shown) == value
             else:
                 assert shown == str(value)
             # the default written as shown is accepted and gives the same value
-            if shown != "empty":
+            if shown != "empty":  # (auto, too, reads back as None)
                 again = load_settings({"MISERVER_HOME": "/x", variable: shown})
                 assert getattr(again, field) == value
         assert cells[3] == settings.KIND_FORMATS[kind].replace("|", "\\|")
@@ -54,15 +54,15 @@ def test_every_setting_has_a_row_with_its_real_default_format_and_effect() -> No
 
 
 def test_a_setting_added_to_the_definition_appears_by_itself(monkeypatch) -> None:
-    extra = ("MAX_BATCH_SIZE", "max_queued_requests", "pos_int")
+    extra = ("MAX_DRAFT_TOKENS", "max_queued_requests", "pos_int")
     monkeypatch.setattr(settings, "VARIABLES", (*VARIABLES, extra))
     text = settings_reference.render()
-    row = next(ln for ln in text.splitlines() if ln.startswith("| `MAX_BATCH_SIZE` |"))
-    assert "`--max-batch-size`" in row and settings_reference.UNDESCRIBED in row
-    monkeypatch.setitem(settings.DESCRIPTIONS, "MAX_BATCH_SIZE", "Sequences decoded together.")
-    assert "Sequences decoded together." in settings_reference.render()
+    row = next(ln for ln in text.splitlines() if ln.startswith("| `MAX_DRAFT_TOKENS` |"))
+    assert "`--max-draft-tokens`" in row and settings_reference.UNDESCRIBED in row
+    monkeypatch.setitem(settings.DESCRIPTIONS, "MAX_DRAFT_TOKENS", "Draft tokens per step.")
+    assert "Draft tokens per step." in settings_reference.render()
     serve_help = _serve_help()
-    assert "--max-batch-size" in serve_help and "Sequences decoded together" in serve_help
+    assert "--max-draft-tokens" in serve_help and "Draft tokens per step" in serve_help
 
 
 def _serve_help() -> str:

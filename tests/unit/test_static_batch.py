@@ -277,6 +277,9 @@ async def test_n_gives_n_choices_each_reproducible_with_its_seed(
     out = await post(client, "/v1/chat/completions", body)
     assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
     assert batches == [4]
+    metric = client.server.app[keys.METRICS].batch_sequences.collect()[0]
+    sums = {s.name: s.value for s in metric.samples}
+    assert sums["miserver_static_batch_sequences_sum"] == 4  # one batch of four observed
     texts = [c["message"]["content"] for c in out["choices"]]
     assert len(set(texts)) > 1  # sampled: the choices differ
     usage = out["usage"]

@@ -308,7 +308,8 @@ def check_completion(req: CompletionRequest) -> tuple[PromptSpec, tuple[str, ...
             raise _bad("prompt must not be an empty list", "prompt")
         if all(isinstance(t, str) for t in prompt) or all(isinstance(t, list) for t in prompt):
             raise _bad(
-                "prompt: one prompt per request (n is 1); send the prompts as separate requests",
+                "prompt: one prompt per request (n asks for several choices of it); send the prompts "
+                "as separate requests",
                 "prompt",
             )
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):

@@ -618,6 +618,21 @@ class _Sequence:
             return self._end("length", matched_stop=False)
         return token
 
+    def advance_or_fail(self, logits: torch.Tensor, full: bool) -> int | None:
+        """:meth:`advance`; a failure of this sequence alone (its sampling, e.g. non-finite
+        logits in its row) ends it with the failure, and the batch's other sequences go on."""
+        try:
+            return self.advance(logits, full)
+        except Exception as exc:  # noqa: BLE001 - reported to this sequence's caller
+            log.warning("generation failed: %s: %s", type(exc).__name__, exc)
+            self.fail(exc)
+            return None
+
+    def fail(self, exc: BaseException) -> None:
+        """End this sequence with ``exc`` (raised from its :meth:`Generation.events`)."""
+        self.gen._emit(_Failed(exc))
+        self.gen._finished = True
+
     def _end(self, finish: str, matched_stop: bool) -> None:
         gen = self.gen
         if not matched_stop:
@@ -654,16 +669,27 @@ def _decode_sequences(gens: list[Generation]) -> None:
         sources: list[int] = []
         active: list[_Sequence] = []
         tokens: list[int] = []
-        for index, group in enumerate(groups.values()):
+        prefilled = 0
+        for group in groups.values():
             lead = group[0]
             score = lead.params.echo and lead.want_logprobs
-            prompt_logits = decoder.prefill(lead.gen.prompt_ids, all_logits=score)
-            prompt_lp = lead.gen._prompt_logprobs(prompt_logits[:-1]) if score else None
+            try:
+                prompt_logits = decoder.prefill(lead.gen.prompt_ids, all_logits=score)
+                prompt_lp = lead.gen._prompt_logprobs(prompt_logits[:-1]) if score else None
+            except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
+                if len(groups) == 1:
+                    raise
+                log.warning("generation failed: %s: %s", type(exc).__name__, exc)
+                for seq in group:
+                    seq.fail(exc)
+                continue
+            index = prefilled
+            prefilled += 1
             logits = prompt_logits[-1].float()
             del prompt_logits
             for seq in group:
                 seq.begin(prompt_lp)
-                token = seq.advance(logits, decoder.full(0))
+                token = seq.advance_or_fail(logits, decoder.full(0))
                 if token is not None:
                     sources.append(index)
                     active.append(seq)
@@ -681,7 +707,7 @@ def _decode_sequences(gens: list[Generation]) -> None:
             still: list[_Sequence] = []
             tokens = []
             for row, seq in enumerate(active):
-                token = seq.advance(logits[row], decoder.full(row))
+                token = seq.advance_or_fail(logits[row], decoder.full(row))
                 if token is None:
                     continue
                 kept.append(row)

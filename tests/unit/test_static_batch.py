@@ -450,3 +450,53 @@ def test_the_batch_decoder_follows_each_sequence_as_it_decodes_alone(
                 batch.keep([1])
                 live = [2]
         assert batch.rows == 1
+
+
+async def test_one_sequence_that_fails_ends_alone_and_the_batch_goes_on(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sequence whose sampling fails (here: non-finite logits in its row, injected) gets its
+    GenerationError; the other sequences of the batch finish as they would have alone."""
+    from miserver.serving import generation
+    from miserver.serving.generation import (
+        Finished,
+        GenerationError,
+        NonFiniteLogits,
+        SamplingParams,
+        TextDelta,
+    )
+    from tests.unit.v1_fixtures import cached_tokenizer, tiny_model
+
+    tok = cached_tokenizer(tmp_path.parent / "miserver-v1-cache")
+    model = tiny_model(tok)
+    real = generation.pick_token
+
+    def pick(logits, params, generator):  # noqa: ANN001, ANN202
+        if params.max_tokens == 7:
+            raise NonFiniteLogits()
+        return real(logits, params, generator)
+
+    async def text_of(gen) -> tuple[str, str]:  # noqa: ANN001
+        parts, finish = [], None
+        async for ev in gen.events():
+            if isinstance(ev, TextDelta):
+                parts.append(ev.text)
+            elif isinstance(ev, Finished):
+                finish = ev.finish_reason
+        return "".join(parts), finish
+
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    batch = StaticBatch()
+    (ok,) = batch.join(model, tok, [5, 6, 7], greedy)
+    (bad,) = batch.join(model, tok, [8, 9], SamplingParams(max_tokens=7, temperature=0))
+    monkeypatch.setattr(generation, "pick_token", pick)
+    batch.start()
+    with pytest.raises(GenerationError) as info:
+        await text_of(bad)
+    assert isinstance(info.value.__cause__, NonFiniteLogits)
+    batched = await text_of(ok)
+    await ok.wait()
+    alone = StaticBatch()
+    (again,) = alone.join(model, tok, [5, 6, 7], greedy)
+    alone.start()
+    assert await text_of(again) == batched and batched[1] == "length"

@@ -41,11 +41,6 @@ import contextlib
 import io
 import json
 import math
-import os
-import secrets
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -55,8 +50,23 @@ from pathlib import Path
 from typing import Any
 
 import requests
+from _shared import (
+    MODEL,
+    LocalServer,
+    SetupError,
+    StopRequest,
+    add_server_args,
+    check_attachment,
+    check_server_args,
+    connect,
+    fused_if_supported,
+    json_or_raise,
+    out_dir,
+    parse_served_by,
+    percentile,
+    resolve_device,
+)
 
-MODEL = "smollm2-135m-instruct"
 QUESTION = "Recite the Zen of Python."
 CONTROL_QUESTION = "What is the capital of France?"
 CONTROL_ANSWER = "The capital of France is Paris."
@@ -154,125 +164,6 @@ SCHEDULES = {
 }
 
 
-# --- the server --------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class LocalServer:
-    """``miserver serve`` in a child process with a generated trainer token (never printed).
-
-    Args:
-        device: ``DEVICE`` for the server (``auto``, ``cpu``, ``cuda:0``, ...).
-        home: ``MISERVER_HOME``, or None for the environment's (else miserver's default).
-        log_path: where the server's output goes.
-        watchdog_ms: ``WEIGHTS_COMMIT_WATCHDOG_MS``, or None for the server's default.
-        audit_path: ``WEIGHTS_AUDIT_LOG``.
-        port: the port on 127.0.0.1 to serve on; None or 0 for a free one.
-    """
-
-    def __init__(
-        self,
-        *,
-        device: str,
-        home: str | None,
-        log_path: Path,
-        watchdog_ms: int | None,
-        audit_path: Path,
-        port: int | None = None,
-    ) -> None:
-        self.token = secrets.token_urlsafe(32)
-        self.port = port or free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
-        env.update(
-            HOST="127.0.0.1",
-            PORT=str(self.port),
-            DEVICE=device,
-            DEFAULT_MODEL=MODEL,
-            WEIGHTS_TOKENS=f"demo-trainer:trainer:{self.token}",
-            WEIGHTS_AUDIT_LOG=str(audit_path),
-            LOG_FORMAT="json",
-            LOG_LEVEL="info",
-            MAX_CONCURRENT_REQUESTS="1",
-            CONTINUOUS_BATCHING="0",
-        )
-        if device == "cpu":
-            env["WEIGHTS_CPU_ATTACH"] = "1"
-        if watchdog_ms is not None:
-            env["WEIGHTS_COMMIT_WATCHDOG_MS"] = str(watchdog_ms)
-        if home:
-            env["MISERVER_HOME"] = home
-        self._env = env
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> LocalServer:
-        with self.log_path.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "miserver.cli", "serve"],
-                env=self._env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        return self
-
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def check_alive(self) -> None:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise SetupError(
-                f"the server exited with status {self.proc.returncode}; its log "
-                f"({self.log_path}) ends with:\n{self.log_tail()}"
-            )
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
-class SetupError(RuntimeError):
-    """The demo cannot run (no server, the wrong model, a torn set): exit status 2."""
-
-
-def wait_until_ready(
-    base: str, timeout_s: float, server: LocalServer | None = None, stop: StopRequest | None = None
-) -> None:
-    """Wait until ``MODEL`` is resident (the first start imports it, a minute or two).
-    Raises KeyboardInterrupt when a stop was requested meanwhile."""
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while time.monotonic() < deadline:
-        if stop is not None and stop.requested:
-            raise KeyboardInterrupt
-        if server is not None:
-            server.check_alive()
-        try:
-            status = requests.get(f"{base}/api/weights/status", timeout=5).json()["data"]
-            resident = status.get("resident_model")
-            if resident is not None:
-                return
-            last = "nothing resident yet"
-        except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
-            last = type(exc).__name__
-        time.sleep(1.0)
-    raise SetupError(
-        f"the server at {base} did not have a model resident within {timeout_s:.0f} s ({last})"
-    )
-
-
 # --- talking to /v1 ------------------------------------------------------------------------------
 class V1:
     """The few ``/v1`` calls the demo makes (plain HTTP, one session per thread)."""
@@ -294,7 +185,7 @@ class V1:
                 "messages": [{"role": "user", "content": question}],
             },
         )
-        body = _json_or_raise(r)
+        body = json_or_raise(r)
         name, origin, commits = parse_served_by(r.headers.get("X-miLLM-Model"))
         return {
             "text": body["choices"][0]["message"]["content"],
@@ -319,38 +210,13 @@ class V1:
                 "temperature": 0,
             },
         )
-        body = _json_or_raise(r)
+        body = json_or_raise(r)
         lps = body["choices"][0]["logprobs"]["token_logprobs"]
         part = lps[len(prompt_ids) : len(prompt_ids) + len(target_ids)]
         if len(part) != len(target_ids) or any(v is None for v in part):
             raise SetupError("the server's echo/logprobs answer does not cover the reference")
         _, _, commits = parse_served_by(r.headers.get("X-miLLM-Model"))
         return {"nll": -sum(part) / len(part), "commits": commits}
-
-
-def _json_or_raise(r: requests.Response) -> dict[str, Any]:
-    try:
-        body = r.json()
-    except ValueError:
-        body = None
-    if r.status_code != 200 or not isinstance(body, dict):
-        err = body.get("error") if isinstance(body, dict) else None
-        raise SetupError(
-            f"{r.request.method} {r.url} answered {r.status_code}: {err or r.text[:300]}"
-        )
-    return body
-
-
-def parse_served_by(value: str | None) -> tuple[str | None, str | None, int | None]:
-    """``X-miLLM-Model`` -> (served name, origin, commits); Nones when absent or malformed."""
-    if not value:
-        return None, None, None
-    from miserver.http.model_header import parse_model_header
-
-    try:
-        return parse_model_header(value)
-    except ValueError:
-        return None, None, None
 
 
 # --- the load generator --------------------------------------------------------------------------
@@ -518,41 +384,7 @@ def held_by_commits(records: Sequence[ChatRecord], commits: Sequence[CommitRecor
     return sum(any(held_through(rec, c) for c in commits) for rec in records)
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0-100, nearest rank); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
-    return ordered[k]
-
-
 # --- the demo ------------------------------------------------------------------------------------
-class StopRequest:
-    """SIGINT/SIGTERM: the first asks the run to stop after the current step (the commit in
-    progress ends cleanly and the trainer detaches); a second one aborts at once."""
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.requested:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            raise KeyboardInterrupt
-        self.requested = True
-        print(
-            f"\n{signal.Signals(signum).name}: stopping after this step (again to abort)",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
 class Demo:
     """One run: evaluate, attach, train in place under chat load, save, report."""
 
@@ -663,21 +495,7 @@ class Demo:
         try:
             with WeightsClient(self.base, self.token) as client:
                 att = client.attach()
-                if att.model_ref.get("name") != MODEL:
-                    raise SetupError(
-                        f"the server serves {att.model_ref.get('name')!r}; this "
-                        f"demo teaches {MODEL!r} (load it first)"
-                    )
-                if att.weights_state != "clean":
-                    raise SetupError(
-                        f"the served weights are {att.weights_state}; recover "
-                        "with POST /api/weights/load first (docs/operations.md)"
-                    )
-                if att.steps_since_load:
-                    self.notes.append(
-                        f"the served weights already carried "
-                        f"{att.steps_since_load} commits when the demo attached"
-                    )
+                check_attachment(att, self.notes, "this demo teaches")
                 model = att.build_model()
                 model.train()
                 device = next(model.parameters()).device
@@ -691,7 +509,7 @@ class Demo:
                 if s.keep_control:
                     batches.append(self._batch(ctl_prompt, ctl_target, device))
                 opt = torch.optim.AdamW(
-                    model.parameters(), lr=s.lr, weight_decay=0.0, **_fused_if_supported(device)
+                    model.parameters(), lr=s.lr, weight_decay=0.0, **fused_if_supported(device)
                 )
                 # its state now: allocated inside the first commit it would overrun the watchdog
                 from miserver.trainer import init_optimizer_state
@@ -975,12 +793,6 @@ class Demo:
         }
 
 
-def _fused_if_supported(device: Any) -> dict[str, bool]:
-    """``fused=True`` for AdamW where torch has the fused kernel (CPU and CUDA): on the CPU the
-    fused step over bfloat16 parameters is several times faster than the foreach one."""
-    return {"fused": True} if device.type in ("cpu", "cuda") else {}
-
-
 # --- output ----------------------------------------------------------------------------------------
 def results_table(results: dict[str, Any]) -> str:
     """The per-evaluation table and the summary, as plain text."""
@@ -1179,40 +991,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--server", help="attach to this miserver (http://host:port) instead of starting one"
-    )
-    p.add_argument(
-        "--port",
-        type=int,
-        default=0,
-        help="the port on 127.0.0.1 of the server the demo starts (default: a free one, "
-        "printed at the start; while it runs, curl or an OpenAI client can use it too)",
-    )
-    p.add_argument(
-        "--token-file",
-        help="with --server: a file holding the trainer token's "
-        "secret (the secret alone, not label:role:secret)",
-    )
+    add_server_args(p, DEFAULT_OUT)
     p.add_argument(
         "--schedule",
         choices=sorted(SCHEDULES),
         default=None,
         help="short (CPU, stops once learned) or full (GPU); default: short on the "
         "CPU, full on CUDA",
-    )
-    p.add_argument(
-        "--device",
-        default="auto",
-        help="where the self-started server loads the "
-        "model: auto (CUDA when available), cpu, cuda, cuda:N. The trainer computes "
-        "where the served weights are",
-    )
-    p.add_argument(
-        "--out",
-        default=DEFAULT_OUT,
-        help="folder for results.json, the plot, the server and audit logs "
-        "(default: ./%(default)s, or in the home directory when . is read-only)",
     )
     p.add_argument("--max-steps", type=int, help="override the schedule's step count")
     p.add_argument(
@@ -1221,42 +1006,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="train on the Zen alone (by default the control answer is a second "
         "example of every step, so the model keeps it)",
     )
-    p.add_argument(
-        "--start-timeout",
-        type=float,
-        default=900.0,
-        help="seconds to wait for the model to be resident",
-    )
     args = p.parse_args(argv)
-    if args.server and not args.token_file:
-        p.error("--server needs --token-file")
-    if args.token_file and not args.server:
-        p.error("--token-file goes with --server")
-    if args.port and args.server:
-        p.error("--port is for the server the demo starts; --server names its own")
-    if not 0 <= args.port <= 65535:
-        p.error(f"--port {args.port}: not a port (1 to 65535, or 0 for a free one)")
+    check_server_args(p, args)
     return args
-
-
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return "cuda:0" if device == "cuda" else device
-    import torch
-
-    return "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except PermissionError:
-        if args.out != DEFAULT_OUT:
-            raise
-        out = Path.home() / DEFAULT_OUT  # a read-only working directory (the container image)
-        out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(args.out, DEFAULT_OUT)
     device = resolve_device(args.device)
     name = args.schedule or ("full" if device.startswith("cuda") else "short")
     schedule = SCHEDULES[name]
@@ -1264,38 +1021,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         schedule = Schedule(**{**asdict(schedule), "max_steps": args.max_steps})
     if args.no_control_example:
         schedule = Schedule(**{**asdict(schedule), "keep_control": False})
-    from miserver.spec.settings import default_home
-
-    home = os.environ.get("MISERVER_HOME") or default_home()
     stop = StopRequest()
     stop.install()
     try:
         with contextlib.ExitStack() as stack:
-            server = None
-            if args.server:
-                base = args.server.rstrip("/")
-                token = Path(args.token_file).read_text().strip()
-                if not token:
-                    raise SetupError(f"{args.token_file} is empty")
-                home = None  # the server's home is not ours to read
-            else:
-                server = stack.enter_context(
-                    LocalServer(
-                        device=device,
-                        home=home,
-                        log_path=out / "server.log",
-                        watchdog_ms=30_000 if device == "cpu" else None,
-                        audit_path=out / "audit.jsonl",
-                        port=args.port,
-                    )
-                )
-                base, token = server.base, server.token
-                print(
-                    f"started miserver on {base} (device {device}, log {out / 'server.log'})",
-                    flush=True,
-                )
-            wait_until_ready(base, args.start_timeout, server, stop)
-            demo = Demo(base, token, schedule, out, home, server, stop)
+            conn = connect(stack, args, out, device, stop)
+            demo = Demo(conn.base, conn.token, schedule, out, conn.home, conn.server, stop)
             results = demo.run()
     except SetupError as exc:
         print(f"train_while_serving: {exc}", file=sys.stderr)

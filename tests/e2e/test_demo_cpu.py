@@ -30,6 +30,9 @@ SCRIPT = REPO / "examples" / "train_while_serving.py"
 
 
 def _load_demo():
+    # the demo imports its helpers from examples/_shared.py, as a script run from there does
+    if str(SCRIPT.parent) not in sys.path:
+        sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("train_while_serving", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve their module by name

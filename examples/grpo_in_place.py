@@ -246,7 +246,7 @@ SCHEDULES = {
         max_steps=30,
         questions_per_step=4,
         group_size=8,
-        lr=5e-5,
+        lr=1e-4,
         eval_every=5,
         target=0.75,
         target_sampled=0.5,
@@ -347,7 +347,7 @@ class StepRecord:
     reward: float  # mean over the step's sampled answers
     group_rewards: list[float]
     ended: float  # share of the answers that ended within MAX_TOKENS
-    completion_tokens: float  # mean, as the server counted them
+    completion_tokens: float  # mean tokens of the answers' text (the end-of-turn not counted)
     served_commits: list[int | None]  # X-miLLM-Model commits of each group's answer
     in_loss: int  # answers with a nonzero advantage
     left_out: int  # answers whose token ids could not be recovered
@@ -818,14 +818,26 @@ def plot(results: dict[str, Any], path: Path) -> None:
         markersize=8,
         label=f"held-out greedy score ({s['held_out']} questions)",
     )
-    top.axhline(s["target"], ls="--", color="tab:green", label=f"target {s['target']:.2f}")
+    top.axhline(
+        s["target"], ls="--", color="tab:orange", lw=1, label=f"held-out target {s['target']:.2f}"
+    )
+    top.axhline(
+        s["target_sampled"],
+        ls=":",
+        color="tab:blue",
+        lw=1,
+        label=f"sampled target {s['target_sampled']:.2f} (mean since the evaluation before)",
+    )
     top.set_ylim(-0.05, 1.05)
     top.xaxis.get_major_locator().set_params(integer=True)
     top.set_xlabel("training step (commits)")
     top.set_ylabel("reward")
+    final_sampled = s["final_sampled_reward"]
     top.set_title(
-        f"GRPO in place, served reward ({s['schedule']} schedule): held-out "
-        f"{s['untrained_held_out']:.2f} -> {s['final_held_out']:.2f}"
+        f"GRPO in place, the served reward ({s['schedule']} schedule): held-out greedy "
+        f"{s['untrained_held_out']:.2f} -> {s['final_held_out']:.2f}, sampled "
+        f"{s['untrained_sampled_reward']:.2f} -> "
+        + ("-" if final_sampled is None else f"{final_sampled:.2f}")
     )
     top.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize="small")
 

@@ -287,8 +287,10 @@ def test_the_plot_draws_both_rewards_and_the_target(tmp_path: Path, monkeypatch)
     held = next(ln for k, ln in labels.items() if k.startswith("held-out greedy score"))
     assert list(held.get_ydata()) == [1 / 16, 7 / 16, 13 / 16]
     assert list(labels["sampled reward"].get_ydata()) == [0.1, 0.3, 0.6, 0.8]
-    target = next(ln for k, ln in labels.items() if k.startswith("target"))
+    target = next(ln for k, ln in labels.items() if k.startswith("held-out target"))
     assert list(target.get_ydata()) == [0.75, 0.75]
+    target = next(ln for k, ln in labels.items() if k.startswith("sampled target"))
+    assert list(target.get_ydata()) == [0.5, 0.5]
 
 
 def test_usage_errors_exit_2() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import secrets
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,26 @@ def add_server_args(p: argparse.ArgumentParser, default_out: str) -> None:
     )
 
 
+def example_parser(
+    doc: str, default_out: str, schedules: Sequence[str], short_help: str
+) -> argparse.ArgumentParser:
+    """An example's command line: its docstring's first paragraph as the description, the
+    :func:`add_server_args` options, ``--schedule`` (``short`` on the CPU, ``full`` on CUDA by
+    default; ``short_help`` says what the short one does) and ``--max-steps``."""
+    p = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_server_args(p, default_out)
+    p.add_argument(
+        "--schedule",
+        choices=sorted(schedules),
+        default=None,
+        help=f"short ({short_help}) or full (GPU); default: short on the CPU, full on CUDA",
+    )
+    p.add_argument("--max-steps", type=int, help="override the schedule's step count")
+    return p
+
+
 def check_server_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Usage errors of :func:`add_server_args`' options (``p.error``: exit status 2)."""
     if args.server and not args.token_file:
@@ -314,6 +335,51 @@ def connect(
     return Connection(base, token, server, home)
 
 
+def run_example(
+    name: str,
+    out: Path,
+    device: str,
+    train: Callable[[StopRequest], dict[str, Any]],
+    plot: Callable[[dict[str, Any], Path], None],
+    table: Callable[[dict[str, Any]], str],
+    epilogue: Callable[[dict[str, Any]], str] | None = None,
+) -> int:
+    """Run ``train`` (it starts or reaches the server and returns the results) under a
+    :class:`StopRequest`, then write ``results.json`` and ``<name>.png`` to ``out``, print the
+    table, the notes and ``epilogue``'s text.
+
+    Returns the exit status: 0 when ``results["summary"]["passed"]``, 1 when not, 2 on a
+    SetupError (printed as ``name: message``), 130 when interrupted.
+    """
+    stop = StopRequest()
+    stop.install()
+    try:
+        results = train(stop)
+    except SetupError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
+    results["summary"]["device"] = device
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    png = out / f"{name}.png"
+    try:
+        plot(results, png)
+        wrote = f"{out / 'results.json'} and {png}"
+    except ImportError:
+        wrote = f"{out / 'results.json'} (no plot: pip install matplotlib)"
+    print(table(results))
+    for note in results["summary"]["notes"]:
+        print(f"note: {note}")
+    if epilogue is not None:
+        print(epilogue(results))
+    print(f"wrote {wrote}")
+    if results["summary"]["interrupted"]:
+        return 130
+    return 0 if results["summary"]["passed"] else 1
+
+
 # --- the trainer's side ------------------------------------------------------------------------
 def check_attachment(att: Any, notes: list[str], what: str) -> None:
     """Refuse an attachment the example cannot train (another model, a torn set) with a
@@ -366,6 +432,21 @@ def parse_served_by(value: str | None) -> tuple[str | None, str | None, int | No
         return parse_model_header(value)
     except ValueError:
         return None, None, None
+
+
+def fmt(v: Any, unit: str = "", digits: int = 3) -> str:
+    """A table cell: "-" for None, a float with ``digits`` decimals, anything else as is;
+    ``unit`` appended."""
+    if v is None:
+        return "-"
+    return f"{v:.{digits}f}{unit}" if isinstance(v, float) else f"{v}{unit}"
+
+
+def table_text(rows: Sequence[str], summary: Sequence[tuple[str, str]]) -> str:
+    """A results table: ``rows``, a blank line, then the summary's ``(label, value)`` pairs
+    with the values aligned."""
+    width = max(len(k) for k, _ in summary)
+    return "\n".join([*rows, "", *(f"{k:<{width}}  {v}" for k, v in summary)])
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

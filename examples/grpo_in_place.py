@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import random
 import re
 import statistics
@@ -76,16 +75,19 @@ from _shared import (
     MODEL,
     SetupError,
     StopRequest,
-    add_server_args,
     check_attachment,
     check_server_args,
     connect,
+    example_parser,
+    fmt,
     fused_if_supported,
     json_or_raise,
     out_dir,
     parse_served_by,
     percentile,
     resolve_device,
+    run_example,
+    table_text,
 )
 
 DEFAULT_OUT = "grpo-in-place-out"
@@ -749,11 +751,6 @@ def results_table(results: dict[str, Any]) -> str:
             f"{e['ended']:>3}/{e['total']:<2}  {example[:36]!r}"
         )
 
-    def fmt(v: Any, unit: str = "", digits: int = 3) -> str:
-        if v is None:
-            return "-"
-        return f"{v:.{digits}f}{unit}" if isinstance(v, float) else f"{v}{unit}"
-
     summary = [
         ("task", s["task"]),
         ("reward", s["reward_rule"]),
@@ -791,8 +788,7 @@ def results_table(results: dict[str, Any]) -> str:
         ("wall time", fmt(s["wall_s"], " s", 1)),
         ("result", "PASS" if s["passed"] else "FAIL"),
     ]
-    width = max(len(k) for k, _ in summary)
-    return "\n".join(rows + [""] + [f"{k:<{width}}  {v}" for k, v in summary])
+    return table_text(rows, summary)
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -880,20 +876,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 # --- the command line -------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_server_args(p, DEFAULT_OUT)
-    p.add_argument(
-        "--schedule",
-        choices=sorted(SCHEDULES),
-        default=None,
-        help="short (CPU, stops at the target) or full (GPU); default: short on the CPU, "
-        "full on CUDA",
-    )
-    p.add_argument("--max-steps", type=int, help="override the schedule's step count")
+    p = example_parser(__doc__, DEFAULT_OUT, SCHEDULES, "CPU, stops at the targets")
     p.add_argument("--group-size", type=int, help="override the schedule's n (2 or more)")
     p.add_argument("--lr", type=float, help="override the schedule's AdamW learning rate")
+    p.add_argument(
+        "--no-early-stop",
+        action="store_true",
+        help="run every step of the schedule (the short one stops when both targets are met)",
+    )
     args = p.parse_args(argv)
     check_server_args(p, args)
     if args.max_steps is not None and args.max_steps < 1:
@@ -917,36 +907,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = out_dir(args.out, DEFAULT_OUT)
     device = resolve_device(args.device)
     schedule = SCHEDULES[args.schedule or ("full" if device.startswith("cuda") else "short")]
-    overrides = {"max_steps": args.max_steps, "group_size": args.group_size, "lr": args.lr}
+    overrides = {
+        "max_steps": args.max_steps,
+        "group_size": args.group_size,
+        "lr": args.lr,
+        "stop_when_reached": False if args.no_early_stop else None,
+    }
     schedule = Schedule(
         **{**asdict(schedule), **{k: v for k, v in overrides.items() if v is not None}}
     )
-    stop = StopRequest()
-    stop.install()
-    try:
+
+    def train(stop: StopRequest) -> dict[str, Any]:
         with contextlib.ExitStack() as stack:
             conn = connect(stack, args, out, device, stop, server_settings(schedule))
-            results = Run(conn.base, conn.token, schedule, stop).run()
-    except SetupError as exc:
-        print(f"grpo_in_place: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("grpo_in_place: interrupted", file=sys.stderr)
-        return 130
-    results["summary"]["device"] = device
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    try:
-        plot(results, out / "grpo_in_place.png")
-        wrote = f"{out / 'results.json'} and {out / 'grpo_in_place.png'}"
-    except ImportError:
-        wrote = f"{out / 'results.json'} (no plot: pip install matplotlib)"
-    print(results_table(results))
-    for note in results["summary"]["notes"]:
-        print(f"note: {note}")
-    print(f"wrote {wrote}")
-    if results["summary"]["interrupted"]:
-        return 130
-    return 0 if results["summary"]["passed"] else 1
+            return Run(conn.base, conn.token, schedule, stop).run()
+
+    return run_example("grpo_in_place", out, device, train, plot, results_table)
 
 
 if __name__ == "__main__":

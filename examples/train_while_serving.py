@@ -55,16 +55,19 @@ from _shared import (
     LocalServer,
     SetupError,
     StopRequest,
-    add_server_args,
     check_attachment,
     check_server_args,
     connect,
+    example_parser,
+    fmt,
     fused_if_supported,
     json_or_raise,
     out_dir,
     parse_served_by,
     percentile,
     resolve_device,
+    run_example,
+    table_text,
 )
 
 QUESTION = "Recite the Zen of Python."
@@ -809,9 +812,6 @@ def results_table(results: dict[str, Any]) -> str:
             f"{e['lines']:>3}/{n:<3} {e['nll']:>10.4f}  {control}"
         )
 
-    def fmt(v: Any, unit: str = "") -> str:
-        return "-" if v is None else (f"{v:.3f}{unit}" if isinstance(v, float) else f"{v}{unit}")
-
     ck = s["checkpoint"] or {}
     summary = [
         ("training steps (commits)", fmt(s["steps"])),
@@ -859,8 +859,7 @@ def results_table(results: dict[str, Any]) -> str:
         ("wall time", fmt(s["wall_s"], " s")),
         ("result", "PASS" if s["passed"] else "FAIL"),
     ]
-    width = max(len(k) for k, _ in summary)
-    return "\n".join(rows + [""] + [f"{k:<{width}}  {v}" for k, v in summary])
+    return table_text(rows, summary)
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -988,18 +987,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 # --- the command line -------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_server_args(p, DEFAULT_OUT)
-    p.add_argument(
-        "--schedule",
-        choices=sorted(SCHEDULES),
-        default=None,
-        help="short (CPU, stops once learned) or full (GPU); default: short on the "
-        "CPU, full on CUDA",
-    )
-    p.add_argument("--max-steps", type=int, help="override the schedule's step count")
+    p = example_parser(__doc__, DEFAULT_OUT, SCHEDULES, "CPU, stops once learned")
     p.add_argument(
         "--no-control-example",
         action="store_true",
@@ -1021,37 +1009,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         schedule = Schedule(**{**asdict(schedule), "max_steps": args.max_steps})
     if args.no_control_example:
         schedule = Schedule(**{**asdict(schedule), "keep_control": False})
-    stop = StopRequest()
-    stop.install()
-    try:
+
+    def train(stop: StopRequest) -> dict[str, Any]:
         with contextlib.ExitStack() as stack:
             conn = connect(stack, args, out, device, stop)
             demo = Demo(conn.base, conn.token, schedule, out, conn.home, conn.server, stop)
-            results = demo.run()
-    except SetupError as exc:
-        print(f"train_while_serving: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("train_while_serving: interrupted", file=sys.stderr)
-        return 130
-    results["summary"]["device"] = device
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    try:
-        plot(results, out / "train_while_serving.png")
-        wrote = f"{out / 'results.json'} and {out / 'train_while_serving.png'}"
-    except ImportError:
-        wrote = f"{out / 'results.json'} (no plot: pip install matplotlib)"
-    print(results_table(results))
-    for note in results["summary"]["notes"]:
-        print(f"note: {note}")
-    print(
-        f"\nfinal served recital (commits={results['evals'][-1]['commits']}):\n"
-        f"{results['evals'][-1]['recital']}\n"
-    )
-    print(f"wrote {wrote}")
-    if results["summary"]["interrupted"]:
-        return 130
-    return 0 if results["summary"]["passed"] else 1
+            return demo.run()
+
+    def epilogue(results: dict[str, Any]) -> str:
+        last = results["evals"][-1]
+        return f"\nfinal served recital (commits={last['commits']}):\n{last['recital']}\n"
+
+    return run_example("train_while_serving", out, device, train, plot, results_table, epilogue)
 
 
 if __name__ == "__main__":

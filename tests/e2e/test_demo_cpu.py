@@ -16,31 +16,14 @@ records, so a detector that could never fire would fail here.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "examples" / "train_while_serving.py"
+from tests.example_scripts import load_example, run_short_on_cpu
 
-
-def _load_demo():
-    # the demo imports its helpers from examples/_shared.py, as a script run from there does
-    if str(SCRIPT.parent) not in sys.path:
-        sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("train_while_serving", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-demo = _load_demo()
+demo = load_example("train_while_serving")
 
 
 # --- the demo's parts --------------------------------------------------------------------------
@@ -147,22 +130,7 @@ def test_cpu_demo_teaches_the_served_model_all_19_lines_under_chat_load(
     home_with_default: str, tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
-    env.update(
-        MISERVER_HOME=home_with_default,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    )
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--schedule", "short", "--device", "cpu", "--out", str(out)],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=2300,
-    )
-    log = proc.stdout[-6000:] + "\n--- stderr ---\n" + proc.stderr[-6000:]
-    assert (out / "results.json").is_file(), log
-    results = json.loads((out / "results.json").read_text())
+    proc, log, results = run_short_on_cpu("train_while_serving", home_with_default, out)
     s = results["summary"]
     evals = results["evals"]
     ck = s["checkpoint"]

@@ -18,32 +18,15 @@ of them could pass while wrong.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "examples" / "grpo_in_place.py"
+from tests.example_scripts import load_example, run_short_on_cpu
 
-
-def _load_example():
-    # the example imports its helpers from examples/_shared.py, as a script run from there does
-    if str(SCRIPT.parent) not in sys.path:
-        sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("grpo_in_place", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-grpo = _load_example()
+grpo = load_example("grpo_in_place")
 
 
 # --- the task ----------------------------------------------------------------------------------
@@ -331,22 +314,7 @@ def test_cpu_grpo_raises_the_served_reward_to_the_target(
     home_with_default: str, tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
-    env.update(
-        MISERVER_HOME=home_with_default,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    )
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--schedule", "short", "--device", "cpu", "--out", str(out)],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=2300,
-    )
-    log = proc.stdout[-6000:] + "\n--- stderr ---\n" + proc.stderr[-6000:]
-    assert (out / "results.json").is_file(), log
-    results = json.loads((out / "results.json").read_text())
+    proc, log, results = run_short_on_cpu("grpo_in_place", home_with_default, out)
     s = results["summary"]
     steps, evals = results["steps"], results["evals"]
     target = s["target"]

@@ -480,10 +480,12 @@ class Run:
 
     # --- sampling -----------------------------------------------------------------------------
     def sample(self, step: int) -> list[Group]:
-        """The step's questions, each asked ``group_size`` times in one request (``n``)."""
+        """The step's questions, each asked ``group_size`` times in one request (``n``), the
+        request's seed ``seed * 10**6 + 1000 * step + j`` for the step's ``j``-th question (the
+        server derives each choice's seed from it)."""
         s = self.schedule
         pairs = self.rng.sample(self.train_pairs, s.questions_per_step)
-        seeds = [s.seed + 1000 * step + j for j in range(len(pairs))]
+        seeds = [s.seed * 1_000_000 + 1000 * step + j for j in range(len(pairs))]
         bodies = self._requests(
             [
                 (
@@ -880,6 +882,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, help="override the schedule's n (2 or more)")
     p.add_argument("--lr", type=float, help="override the schedule's AdamW learning rate")
     p.add_argument(
+        "--seed",
+        type=int,
+        help="override the schedule's seed (the questions drawn and every request's seed)",
+    )
+    p.add_argument(
         "--no-early-stop",
         action="store_true",
         help="run every step of the schedule (the short one stops when both targets are met)",
@@ -911,6 +918,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "max_steps": args.max_steps,
         "group_size": args.group_size,
         "lr": args.lr,
+        "seed": args.seed,
         "stop_when_reached": False if args.no_early_stop else None,
     }
     schedule = Schedule(

@@ -4,7 +4,8 @@
 A trainer attaches to the weights the server is serving (``miserver.trainer.WeightsClient``) and
 builds the model on the served tensors, as ``train_while_serving.py`` does. Then, every step, it
 asks the server for a group of ``n`` answers to each of a few questions (``/v1/completions``
-with ``n``: one static batch per group, sampled at temperature 1 with a ``seed``), scores every
+with ``n``, one request a question, sampled at temperature 1 with a ``seed``; the step's requests
+are sent together and decode as one static batch), scores every
 answer with a program, turns the scores into group-relative advantages (GRPO: the reward minus
 the group's mean, divided by the group's standard deviation plus 1e-4), computes the
 policy-gradient loss ``-(advantage * the sum of the answer's token log-probabilities)`` on its
@@ -15,14 +16,25 @@ weights just written: on-policy, with no copy of the weights anywhere.
 The task: single-digit multiplication, asked as a chat ("What is 7 x 8?"). The reward is 1 when
 the answer ends (the model's end-of-turn token) within 20 tokens and the last number in it is
 the product, else 0. Why this one: untrained, the model knows most of these products but rarely
-says one and stops; it explains, digresses, or runs out of tokens. Measured with plain
-transformers before this example was written (temperature 1, 80 answers): 5 to 10 in 80 earn
-the reward, and a greedy answer earns it on 2 of the 16 held-out questions. So most groups of 8
-hold a rewarded answer (a policy gradient needs some) and the behaviour to learn, "7 x 8 = 56"
-and stop, is within reach of a few dozen steps: in that exploration (4 questions x 8 answers a
-step, AdamW at 5e-5 on the bfloat16 weights) the held-out greedy score went 2/16 -> 9/16 after 5
-steps and 13/16 after 20. Harder tasks (two-digit sums, a number sequence's next term) started
-at 0 to 1 rewarded answer in 64: nothing for a group to learn from.
+says one and stops; it explains ("To calculate 7 x 8, you multiply 7 by itself, ..."), digresses
+("4 x 2 = 8\n\nIn mathematics, 4 x 2 is a fundamental"), or runs out of tokens. So the reward
+starts low but not at zero: with plain transformers before this example was written, 5 of 80
+answers at temperature 1 earned it (about 1 in 16, so a group of 8 holds a rewarded answer about
+40 % of the time, and a step's four groups usually hold one: a policy gradient needs some);
+here the untrained greedy answer earns it on 1 of the 16 held-out questions and the first step's
+sampled answers on 1 or 2 of 32. The behaviour to learn, "7 x 8 = 56." and stop, is a small
+move for the policy, and the arithmetic is mostly known already. Tasks tried and dropped: sums
+of two two-digit numbers, the next term of an arithmetic sequence, counting words, and any
+"answer with the number only" variant: 0 or 1 rewarded answer in 64, nothing for a group to
+learn from; one-digit sums: the greedy answer was already right on 7 of 8.
+
+Measured with this example on two shared CPU cores (the short schedule, docs/grpo-results.md):
+both targets reached at step 10 for the seeds 0, 1 and 2 (held-out greedy 1/16 -> 13-15/16,
+sampled reward 0.03-0.06 -> 0.54-0.81), 120-196 s from the start; run on to 30 steps (seed 0)
+the sampled reward reaches 0.96 and the held-out score stays at 14-15/16 from step 15. The
+optimizer is AdamW (no weight decay) on the bfloat16 served weights themselves, the gradient's
+norm clipped to 1: at lr 1e-4 as above; 5e-5 learned too, about half as fast (the exploration);
+3e-4 wrecked the model in its first step (every answer "2 x 4." from then on).
 
 The 64 questions (a, b in 2..9) are split once, with a fixed seed: 16 are held out and only
 asked greedily in the evaluation, every ``eval_every`` steps; training draws from the other 48.
@@ -242,7 +254,8 @@ class Schedule:
 
 
 SCHEDULES = {
-    # CPU, two cores (CI): stops at the first evaluation that reaches the target.
+    # CPU, two cores (CI): stops at the first evaluation that reaches both targets (measured:
+    # at step 10 for the seeds 0, 1 and 2, in 120-196 s; docs/grpo-results.md)
     "short": Schedule(
         "short",
         max_steps=30,
@@ -254,16 +267,17 @@ SCHEDULES = {
         target_sampled=0.5,
         stop_when_reached=True,
     ),
-    # GPU: a fixed run, bigger groups, more questions a step (not yet measured on the H200).
+    # GPU: a fixed run, four times the answers a step (8 questions x n=16, one static batch of
+    # 128), the targets those the CPU run held from step 15 to 30 of 30 (not yet run on the H200)
     "full": Schedule(
         "full",
-        max_steps=60,
+        max_steps=40,
         questions_per_step=8,
         group_size=16,
-        lr=5e-5,
+        lr=1e-4,
         eval_every=5,
-        target=0.9,
-        target_sampled=0.8,
+        target=0.8,
+        target_sampled=0.85,
         stop_when_reached=False,
     ),
 }

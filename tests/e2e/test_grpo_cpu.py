@@ -187,6 +187,53 @@ def test_the_loss_is_minus_advantage_times_the_answers_log_probability() -> None
     assert gap == pytest.approx(sum(diffs) / len(diffs), rel=1e-4)
 
 
+# --- talking to the server ------------------------------------------------------------------
+def _answer(status: int, body: dict, header: str | None = None):
+    import requests
+
+    r = requests.Response()
+    r.status_code = status
+    r._content = json.dumps(body).encode()
+    r.url = "http://127.0.0.1:1/v1/completions"
+    r.request = requests.Request("POST", r.url).prepare()
+    if header:
+        r.headers["X-miLLM-Model"] = header
+    return r
+
+
+def test_a_refused_n_is_a_setup_error_and_another_refusal_a_failed_request(monkeypatch) -> None:
+    v1 = grpo.V1("http://127.0.0.1:1")
+    sent = []
+
+    class Session:
+        def __init__(self, answer):
+            self.answer = answer
+
+        def post(self, url, timeout, json):
+            sent.append(json)
+            return self.answer
+
+    def answering(answer):
+        monkeypatch.setattr(v1, "_session", lambda: Session(answer))
+
+    refused_n = {"error": {"code": "INVALID_REQUEST", "param": "n", "message": "n must be..."}}
+    answering(_answer(400, refused_n))
+    with pytest.raises(grpo.SetupError, match="MAX_BATCH_SIZE=8"):
+        v1.complete([1, 2], n=8, max_tokens=20)
+    assert sent[-1] == {"model": grpo.MODEL, "prompt": [1, 2], "n": 8, "max_tokens": 20}
+    other = {"error": {"code": "INVALID_REQUEST", "param": "max_tokens", "message": "too many"}}
+    answering(_answer(400, other))
+    with pytest.raises(grpo.RequestFailed, match="400"):
+        v1.complete([1, 2], n=8)
+    answering(_answer(503, {"error": {"code": "MODEL_NOT_LOADED", "message": "x"}}))
+    with pytest.raises(grpo.RequestFailed, match="503"):
+        v1.complete([1, 2])
+    ok = {"choices": [{"index": 0, "text": "6", "finish_reason": "stop"}], "usage": {}}
+    answering(_answer(200, ok, '"smollm2-135m-instruct";origin=model;commits=7'))
+    body = v1.complete([1, 2], n=1)
+    assert body["commits"] == 7 and body["choices"] == ok["choices"]
+
+
 # --- the report ----------------------------------------------------------------------------------
 def _results() -> dict:
     steps = [

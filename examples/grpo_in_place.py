@@ -605,9 +605,9 @@ class Run:
             )
             before = self.evaluate(step=0)
             print(
-                f"untrained: held-out greedy {before.correct}/{before.total} "
-                f"(target {s.target:.0%}), e.g. {before.answers[0]['question']!r} -> "
-                f"{before.answers[0]['answer']!r}",
+                f"untrained: held-out greedy {before.correct}/{before.total} (targets: "
+                f"held-out {s.target:.2f}, sampled {s.target_sampled:.2f}), e.g. "
+                f"{before.answers[0]['question']!r} -> {before.answers[0]['answer']!r}",
                 flush=True,
             )
             opt = torch.optim.AdamW(

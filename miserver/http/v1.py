@@ -493,8 +493,8 @@ async def run_completion(
             request Struct of ``endpoint``. ``stream`` must be false or absent.
         priority: ``Priority.INTERACTIVE`` (``/v1``) or ``Priority.BATCH`` (Batch API rows:
             granted after every waiting interactive request, held by a quiesce and counted in
-            ``held_batch_chunks``, once per ``unit``; contract 7). ``MAX_QUEUED_REQUESTS`` bounds the
-            interactive requests that wait (queued or held); a batch row is never refused
+            ``held_batch_chunks``, once per ``unit``; contract 7). ``MAX_QUEUED_REQUESTS``
+            bounds the interactive requests that wait (queued or held); a batch row is never refused
             503 QUEUE_FULL, and batch rows do not count toward that bound.
         load_policy: the ``X-miLLM-Load-Policy`` value, ``"auto"`` (None) or ``"refuse"`` (a
             batch never loads a model, so its rows pass ``"refuse"``).

@@ -270,9 +270,9 @@ class ServerRowExecutor:
     model) and at ``Priority.BATCH``: behind every interactive request, held by a quiesce
     (``held_batch_chunks``, one per chunk), in the row's ``unit`` (its chunk, whose rows the
     scheduler grants together: one static batch). Refusals come back as ``(status, headers,
-    OpenAI error body)`` (the runner turns the "not now" ones into waiting, :func:`~miserver.serving.batch_runner.
-    deferral_of`); a row found blocked inside the slot raises
-    :class:`~miserver.serving.batch_runner.RowDeferred`.
+    OpenAI error body)`` (the runner turns the "not now" ones into waiting,
+    :func:`~miserver.serving.batch_runner.deferral_of`); a row found blocked inside the slot
+    raises :class:`~miserver.serving.batch_runner.RowDeferred`.
     """
 
     def __init__(self, app: web.Application) -> None:

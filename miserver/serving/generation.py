@@ -672,6 +672,12 @@ def _decode_sequences(gens: list[Generation]) -> None:
         prefilled = 0
         for group in groups.values():
             lead = group[0]
+            if all(seq.gen._cancel.is_set() for seq in group):
+                # Its client went away while the batch formed: no prefill for nobody to read.
+                for seq in group:
+                    seq.begin(None)
+                    seq._end("cancelled", matched_stop=False)
+                continue
             score = lead.params.echo and lead.want_logprobs
             try:
                 prompt_logits = decoder.prefill(lead.gen.prompt_ids, all_logits=score)

@@ -677,6 +677,7 @@ def _decode_sequences(gens: list[Generation]) -> None:
                 for seq in group:
                     seq.begin(None)
                     seq._end("cancelled", matched_stop=False)
+                    seq.gen._finish_thread()
                 continue
             score = lead.params.echo and lead.want_logprobs
             try:
@@ -688,6 +689,7 @@ def _decode_sequences(gens: list[Generation]) -> None:
                 log.warning("generation failed: %s: %s", type(exc).__name__, exc)
                 for seq in group:
                     seq.fail(exc)
+                    seq.gen._finish_thread()
                 continue
             index = prefilled
             prefilled += 1
@@ -696,16 +698,14 @@ def _decode_sequences(gens: list[Generation]) -> None:
             for seq in group:
                 seq.begin(prompt_lp)
                 token = seq.advance_or_fail(logits, decoder.full(0))
-                if token is not None:
-                    sources.append(index)
-                    active.append(seq)
-                    tokens.append(token)
+                if token is None:  # ended at its first token: done now, not after every prefill
+                    seq.gen._finish_thread()
+                    continue
+                sources.append(index)
+                active.append(seq)
+                tokens.append(token)
         if not active:
             return
-        for group in groups.values():
-            for seq in group:
-                if seq.gen._finished:  # ended at its first token; the others go on
-                    seq.gen._finish_thread()
         decoder.begin(sources)
         while active:
             logits = decoder.step(tokens)

@@ -539,3 +539,27 @@ async def test_a_request_cancelled_before_the_batch_starts_costs_no_prefill(tmp_
     alone.start()
     assert await run(again) == answered
 
+
+
+async def test_a_sequence_that_ends_at_its_first_token_is_done_before_the_next_prefill(
+    tmp_path,
+) -> None:
+    """``max_tokens=1`` in a batch: its answer is complete once its own prefill gave its token;
+    the request is done then (its share of the slot given back, its answer sent), not after
+    the prefills of every other member (breaker14)."""
+    from miserver.serving.generation import SamplingParams
+    from tests.unit.v1_fixtures import SlowModel, cached_tokenizer, tiny_model
+
+    tok = cached_tokenizer(tmp_path.parent / "miserver-v1-cache")
+    model = SlowModel(tiny_model(tok), delay=0.2)
+    batch = StaticBatch()
+    (short,) = batch.join(model, tok, [5, 6, 7], SamplingParams(max_tokens=1, temperature=0))
+    for i in range(3):
+        batch.join(model, tok, [8 + i, 9, 10], SamplingParams(max_tokens=2, temperature=0))
+    done_at: list[int] = []
+    short.add_done_callback(lambda: done_at.append(model.calls))
+    batch.start()
+    await short.wait()
+    assert done_at and done_at[0] <= 2, done_at  # before the third prefill, not after all four
+    for gen in batch._sequences:
+        await gen.wait()

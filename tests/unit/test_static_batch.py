@@ -540,7 +540,6 @@ async def test_a_request_cancelled_before_the_batch_starts_costs_no_prefill(tmp_
     assert await run(again) == answered
 
 
-
 async def test_a_sequence_that_ends_at_its_first_token_is_done_before_the_next_prefill(
     tmp_path,
 ) -> None:

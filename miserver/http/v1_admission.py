@@ -185,7 +185,7 @@ async def acquire_slot(
 ) -> Grant:
     """Wait for a slot at ``priority``, giving up (and leaving no trace) once ``cancelled()``.
 
-    The request waits in the static batch's group of ``resident`` and ``adapter``
+    The request waits in the static batch's group of ``resident``
     (:class:`~miserver.serving.scheduler.SlotBatch`): a grant takes the group's waiting
     requests along, up to ``MAX_BATCH_SIZE`` sequences; ``size`` is this request's (its ``n``).
     ``unit``: the :class:`~miserver.serving.scheduler.Unit` (a Batch API chunk) the request
@@ -210,7 +210,9 @@ async def acquire_slot(
     scheduler = app[keys.SCHEDULER]
     metrics = app.get(keys.METRICS)
     held = scheduler.barrier_held or scheduler.barrier_draining
-    group = (id(resident), (adapter or {}).get("name"))
+    # One group per resident: a request naming the applied adapter and one naming the base are
+    # computed by the same modules (the adapter is applied to the resident, not per request).
+    group = id(resident)
     task = asyncio.ensure_future(scheduler.acquire(priority, group=group, size=size, unit=unit))
     update_queue_gauge(app)
     try:

@@ -260,6 +260,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.set_limits(max_concurrent=max_concurrent, max_queued=max_queued)
         self._running = 0
+        self._running_requests = 0  # grants not yet released, over every running batch
         self._heap: list[_Waiter] = []
         self._seq = itertools.count()
         self._barrier_draining = False
@@ -337,7 +338,7 @@ class Scheduler:
     ) -> Grant:
         """Wait for a slot. Pair with :meth:`release`; prefer :meth:`slot`.
 
-        ``group`` (any hashable: the resident and adapter a request is computed on) lets the
+        ``group`` (any hashable: the resident a request is computed on) lets the
         grant join a static batch: a grouped waiter granted a slot takes the waiting work of its
         group along, up to ``max_batch_size`` sequences; ``size`` is how many sequences this
         waiter decodes (1..``max_batch_size``). Without a group the grant is a batch of one.
@@ -393,8 +394,15 @@ class Scheduler:
             unit._gathered = True
             self._grant()
 
+    def running_requests(self) -> int:
+        """Requests inside the slots now: the members of the running static batches that have
+        not released their grant (a batch of eight requests is one running slot, eight running
+        requests). What a drain waits for, counted as the drain timeout's message counts it."""
+        return self._running_requests
+
     def _new_batch(self, priority: Priority, size: int) -> Grant:
         self._running += 1
+        self._running_requests += 1
         batch = SlotBatch()
         grant = Grant(batch, size, priority)
         batch._add(grant)
@@ -408,6 +416,7 @@ class Scheduler:
             if grant.released:
                 raise RuntimeError("release() of a grant already released")
             grant.released = True
+            self._running_requests -= 1
             batch = grant.batch
             batch._holding.discard(id(grant))
             batch._settle(grant)
@@ -415,6 +424,8 @@ class Scheduler:
                 return  # other members still decode: the batch holds the slot
         if self._running <= 0:
             raise RuntimeError("release() without a held slot")
+        if grant is None:
+            self._running_requests -= 1
         self._running -= 1
         if self._running == 0 and self._drained is not None:
             self._drained.set()
@@ -471,6 +482,7 @@ class Scheduler:
                     self._heap = [w for w in self._heap if id(w) not in taken]
                     heapq.heapify(self._heap)
             grants = [Grant(batch, m.size, m.priority) for m in members]
+            self._running_requests += len(grants)
             for grant in grants:
                 batch._add(grant)
             for member, grant in zip(members, grants, strict=True):
@@ -541,7 +553,7 @@ class Scheduler:
         try:
             return await asyncio.wait_for(self.barrier_wait_drained(), timeout_s)
         except TimeoutError:
-            running = self._running
+            running = self._running_requests
             self._abandon_drain()
             raise DrainTimeout(timeout_s, running) from None
 

@@ -130,6 +130,29 @@ async def test_when_ready_waits_for_every_member_to_join_or_leave() -> None:
     scheduler.barrier_release()
 
 
+async def test_a_drain_timeout_counts_the_requests_of_the_batch_not_its_slot() -> None:
+    from miserver.serving.scheduler import DrainTimeout
+
+    scheduler = Scheduler(max_batch_size=8)
+    held = await scheduler.acquire(Priority.INTERACTIVE)
+    tasks = [
+        asyncio.ensure_future(scheduler.acquire(Priority.INTERACTIVE, group="g")) for _ in range(3)
+    ]
+    await _queued(scheduler, 3)
+    scheduler.release(held)
+    await asyncio.sleep(0)
+    grants = [t.result() for t in tasks]
+    assert scheduler.counts().running == 1 and scheduler.running_requests() == 3
+    with pytest.raises(DrainTimeout) as info:
+        await scheduler.barrier_acquire(0.01)
+    assert info.value.running == 3 and "3 running request(s)" in str(info.value)
+    scheduler.release(grants[0])
+    assert scheduler.running_requests() == 2
+    for grant in grants[1:]:
+        scheduler.release(grant)
+    assert scheduler.running_requests() == 0 and scheduler.counts().running == 0
+
+
 async def test_a_member_cancelled_as_it_is_granted_leaves_the_batch() -> None:
     scheduler = Scheduler(max_batch_size=8)
     held = await scheduler.acquire(Priority.INTERACTIVE)

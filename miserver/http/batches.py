@@ -32,7 +32,7 @@ from miserver.serving.batch_input import BatchRequestError
 from miserver.serving.batch_runner import BLOCKING_REASONS, BatchRunner, RowDeferred, RowExecutor
 from miserver.serving.batch_store import BatchStore
 from miserver.serving.host import Resident
-from miserver.serving.scheduler import Priority
+from miserver.serving.scheduler import Priority, Unit
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
 from miserver.spec.json_syntax import decode_error_message
@@ -268,10 +268,11 @@ class ServerRowExecutor:
     non-streamed ``/v1`` request (the same strict schema, admission, context checks, generation,
     response body and ``X-miLLM-Model``), with the refuse load policy (a batch never loads a
     model) and at ``Priority.BATCH``: behind every interactive request, held by a quiesce
-    (``held_batch_chunks``). Refusals come back as ``(status, headers, OpenAI error body)``
-    (the runner turns the "not now" ones into waiting, :func:`~miserver.serving.batch_runner.
-    deferral_of`); a row found blocked inside the slot raises
-    :class:`~miserver.serving.batch_runner.RowDeferred`.
+    (``held_batch_chunks``, one per chunk), in the row's ``unit`` (its chunk, whose rows the
+    scheduler grants together: one static batch). Refusals come back as ``(status, headers,
+    OpenAI error body)`` (the runner turns the "not now" ones into waiting,
+    :func:`~miserver.serving.batch_runner.deferral_of`); a row found blocked inside the slot
+    raises :class:`~miserver.serving.batch_runner.RowDeferred`.
     """
 
     def __init__(self, app: web.Application) -> None:
@@ -305,7 +306,7 @@ class ServerRowExecutor:
             raise RowDeferred(reason)
 
     async def execute_row(
-        self, method: str, url: str, body: dict[str, Any]
+        self, method: str, url: str, body: dict[str, Any], *, unit: Unit | None = None
     ) -> tuple[int, dict[str, str], dict[str, Any]]:
         try:
             result = await run_completion(
@@ -315,6 +316,7 @@ class ServerRowExecutor:
                 priority=Priority.BATCH,
                 load_policy="refuse",
                 check_in_slot=self._check_in_slot,
+                unit=unit,
             )
         except ApiError as err:
             return err.status, dict(err.headers), openai_error_body(err)
@@ -335,8 +337,11 @@ def setup_routes(
     ``home`` is ``MISERVER_HOME`` (``batches.sqlite3`` and ``files/`` live there; default
     ``app[keys.SETTINGS].home``). ``executor`` is the runtime seam, or a function of the app
     returning it, called at start-up; default :class:`ServerRowExecutor`. ``max_upload_bytes``
-    caps an uploaded file (default ``MAX_REQUEST_BYTES``). The runner starts with the app and
-    stops before the app's later cleanup hooks; a row it was running runs again after a restart.
+    caps an uploaded file (default ``MAX_REQUEST_BYTES``). ``chunk_size`` is the most rows the
+    runner starts together; it is raised to the scheduler's ``max_batch_size``
+    (``MAX_BATCH_SIZE``, when ``app[keys.SCHEDULER]`` is set) so a chunk can fill a static
+    batch. The runner starts with the app and stops before the app's later cleanup hooks; the
+    rows it was running run again after a restart.
     """
     settings = app.get(keys.SETTINGS)
     if home is None:
@@ -345,6 +350,9 @@ def setup_routes(
         home = settings.home
     if max_upload_bytes is None:
         max_upload_bytes = settings.max_request_bytes if settings is not None else 8 << 20
+    scheduler = app.get(keys.SCHEDULER)
+    if scheduler is not None:
+        chunk_size = max(chunk_size, scheduler.max_batch_size)
     store = BatchStore(home)
     runner = BatchRunner(store, None, chunk_size=chunk_size, poll_s=poll_s)
     app[BATCH_STORE] = store

@@ -73,7 +73,7 @@ from miserver.serving.generation import (
 )
 from miserver.serving.host import Resident
 from miserver.serving.prompts import PromptError, chat_prompt_ids, max_token_chars, render_chat
-from miserver.serving.scheduler import Grant, Priority
+from miserver.serving.scheduler import Grant, Priority, Unit
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
 
@@ -377,6 +377,7 @@ async def _generation(
     priority: Priority,
     cancelled: Callable[[], bool] | None,
     check_in_slot: Callable[[Resident], None] | None,
+    unit: Unit | None = None,
 ) -> AsyncIterator[Running]:
     """Hold a share of a slot for the whole generation: yields the :class:`Running` request.
 
@@ -389,7 +390,9 @@ async def _generation(
             the first token.
         RequestCancelled: ``cancelled()`` became true while waiting for the slot.
     """
-    grant = await acquire_slot(app, job.resident, priority, cancelled, job.adapter, job.n)
+    grant = await acquire_slot(
+        app, job.resident, priority, cancelled, job.adapter, job.n, unit=unit
+    )
     scheduler = app[keys.SCHEDULER]
 
     def release() -> None:
@@ -479,6 +482,7 @@ async def run_completion(
     cancelled: Callable[[], bool] | None = None,
     check_in_slot: Callable[[Resident], None] | None = None,
     may_load: bool = True,
+    unit: Unit | None = None,
 ) -> CompletionResult:
     """Run one chat-completion or completion request to its final, non-streamed answer.
 
@@ -495,9 +499,9 @@ async def run_completion(
         body: the request body: JSON bytes, a decoded JSON object, or the already decoded
             request Struct of ``endpoint``. ``stream`` must be false or absent.
         priority: ``Priority.INTERACTIVE`` (``/v1``) or ``Priority.BATCH`` (Batch API rows:
-            granted after every waiting interactive request, held by a quiesce as a
-            ``held_batch_chunks`` chunk; contract 7). ``MAX_QUEUED_REQUESTS`` bounds the
-            interactive requests that wait (queued or held); a batch row is never refused
+            granted after every waiting interactive request, held by a quiesce and counted in
+            ``held_batch_chunks``, once per ``unit``; contract 7). ``MAX_QUEUED_REQUESTS``
+            bounds the interactive requests that wait (queued or held); a batch row is never refused
             503 QUEUE_FULL, and batch rows do not count toward that bound.
         load_policy: the ``X-miLLM-Load-Policy`` value, ``"auto"`` (None) or ``"refuse"`` (a
             batch never loads a model, so its rows pass ``"refuse"``).
@@ -511,6 +515,11 @@ async def run_completion(
             anonymous ``/v1`` request under ``MANAGEMENT_AUTH=operator``,
             :func:`~miserver.http.v1_admission.caller_may_load`; refused 409
             MODEL_NOT_LOADED).
+        unit: the :class:`~miserver.serving.scheduler.Unit` the request waits in (a Batch API
+            chunk): a held chunk counts once in ``held_batch_chunks``, and the rows of a unit
+            made with ``members`` are granted together (one static batch). The caller makes
+            the unit's member leave (:meth:`~miserver.serving.scheduler.Unit.leave`) once this
+            call has returned or raised. None: the request waits alone.
 
     Returns:
         :class:`CompletionResult`: the body ``/v1`` answers with status 200 and the
@@ -530,7 +539,7 @@ async def run_completion(
     if req.stream:
         raise _bad("stream must be false or absent: this answer is not streamed", "stream")
     job = await _prepare(app, req, load_policy, priority, cancelled, may_load)
-    async with _generation(app, job, priority, cancelled, check_in_slot) as running:
+    async with _generation(app, job, priority, cancelled, check_in_slot, unit) as running:
         answer = await collect(app, job, running.events, running.firsts)
     return CompletionResult(answer, running.header)
 

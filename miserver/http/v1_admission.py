@@ -20,7 +20,7 @@ from aiohttp import web
 from miserver.http import keys
 from miserver.serving.generation import SamplingParams
 from miserver.serving.host import Resident, normalize_load_policy
-from miserver.serving.scheduler import Grant, Priority, QueueFull
+from miserver.serving.scheduler import Grant, Priority, QueueFull, Unit
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
 
@@ -181,12 +181,16 @@ async def acquire_slot(
     cancelled: Callable[[], bool] | None,
     adapter: dict[str, Any] | None = None,
     size: int = 1,
+    unit: Unit | None = None,
 ) -> Grant:
     """Wait for a slot at ``priority``, giving up (and leaving no trace) once ``cancelled()``.
 
-    The request waits in the static batch's group of ``resident`` and ``adapter``
+    The request waits in the static batch's group of ``resident``
     (:class:`~miserver.serving.scheduler.SlotBatch`): a grant takes the group's waiting
     requests along, up to ``MAX_BATCH_SIZE`` sequences; ``size`` is this request's (its ``n``).
+    ``unit``: the :class:`~miserver.serving.scheduler.Unit` (a Batch API chunk) the request
+    belongs to, passed to the scheduler: held, the chunk counts once in ``held_batch_chunks``,
+    and its rows are granted together.
 
     ``adapter``: the adapter block of the applied adapter the request named (see
     :class:`Job`); a request for an adapter removed or replaced while it waited is refused as
@@ -206,8 +210,10 @@ async def acquire_slot(
     scheduler = app[keys.SCHEDULER]
     metrics = app.get(keys.METRICS)
     held = scheduler.barrier_held or scheduler.barrier_draining
-    group = (id(resident), (adapter or {}).get("name"))
-    task = asyncio.ensure_future(scheduler.acquire(priority, group=group, size=size))
+    # One group per resident: a request naming the applied adapter and one naming the base are
+    # computed by the same modules (the adapter is applied to the resident, not per request).
+    group = id(resident)
+    task = asyncio.ensure_future(scheduler.acquire(priority, group=group, size=size, unit=unit))
     update_queue_gauge(app)
     try:
         while True:

@@ -1,15 +1,18 @@
 """The Batch API's runner: runs the rows of every active batch through a :class:`RowExecutor`,
-one at a time, below interactive traffic, and never fails a row because the server cannot run it
-now (contract 7; the weights page: States, The write cycle 2).
+a chunk at a time (the chunk's rows together, so they decode in one static batch), below
+interactive traffic, and never fails a row because the server cannot run it now (contract 7;
+the weights page: States, The write cycle 2).
 
 The runner depends on the serving runtime through one narrow seam, :class:`RowExecutor`:
 ``waiting_reason(model)`` (why a row for ``model`` cannot run now) and
-``execute_row(method, url, body)`` (run one request line as ``/v1`` would, at batch priority).
+``execute_row(method, url, body, unit=...)`` (run one request line as ``/v1`` would, at batch
+priority, in the chunk's :class:`~miserver.serving.scheduler.Unit`).
 A batch never loads a model: rows for a model that is not resident wait (``model_not_resident``);
 while the weights are torn the batch waits (``weights_torn``); while the barrier is held the next
 chunk is held in the scheduler (``quiesced``). Only the completion window (``24h``) ends a waiting
-batch, as ``expired``. At start the runner takes the home's lock file (one runner per home); a
-row that was running at a crash kept no result and runs again (:mod:`miserver.serving.batch_store`).
+batch, as ``expired``. At start the runner takes the home's lock file (one runner per home); the
+rows that were running at a crash (at most one chunk) kept no result and run again
+(:mod:`miserver.serving.batch_store`).
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import asyncio
 import contextlib
 import fcntl
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, Any, Protocol
 
 from miserver.serving.batch_db import new_id
 from miserver.serving.batch_store import BatchStore, PendingRow
+from miserver.serving.scheduler import Unit
 from miserver.spec import codes
 
 log = logging.getLogger("miserver.batches")
@@ -58,9 +62,14 @@ class RowExecutor(Protocol):
         ...
 
     async def execute_row(
-        self, method: str, url: str, body: dict[str, Any]
+        self, method: str, url: str, body: dict[str, Any], *, unit: Unit | None = None
     ) -> tuple[int, dict[str, str], dict[str, Any]]:
         """Run one request line as ``/v1`` would, at batch priority, never loading a model.
+
+        ``unit`` is the row's chunk (:class:`~miserver.serving.scheduler.Unit`, ``members``
+        the chunk's rows, all started together): the row waits for the slot in it, so a held
+        chunk counts once in ``held_batch_chunks`` and the chunk's rows are granted together.
+        The runner makes the row leave the unit once this call has returned or raised.
 
         Returns ``(status_code, headers, json_body)``: the body of a 2xx is the completion, any
         other an OpenAI error body. ``headers`` carries ``X-miLLM-Model`` for a served request.
@@ -104,13 +113,33 @@ def deferral_of(status: int, body: Mapping[str, Any]) -> str | None:
     return DEFERRING_CODES.get(code) if isinstance(code, str) else None
 
 
+class _Chunk:
+    """The rows of one batch and model that run together, and what became of them."""
+
+    def __init__(self, batch_id: str, model: str, unit: Unit) -> None:
+        self.batch_id = batch_id
+        self.model = model
+        self.unit = unit
+        self.tasks: list[asyncio.Task[bool]] = []
+        self.stopped: set[asyncio.Task[bool]] = set()  # the row tasks cancel() stopped
+        self.inside = 0  # rows inside execute_row
+        self.stopping = False  # a row was deferred or crashed: rows not begun do not begin
+        self.deferred = False  # some row was deferred: the batch keeps its waiting reason
+
+
 class BatchRunner:
     """Runs the rows of every active batch through a :class:`RowExecutor` (contract 7).
 
     One asyncio task (:meth:`start` / :meth:`stop`). It takes the oldest batch with a runnable
-    row, claims a chunk of up to ``chunk_size`` rows of one model, and runs them one at a time
-    (each through the scheduler's slot at batch priority, inside ``execute_row``), re-checking
-    the waiting reason before each row. Each result is recorded before the next row starts.
+    row, re-checks the waiting reason, claims a chunk of up to ``chunk_size`` rows of one model
+    and starts them all at once, each row its own task inside ``execute_row`` (each through
+    the scheduler's slot at batch priority, the chunk one
+    :class:`~miserver.serving.scheduler.Unit` whose rows are granted together, so they decode
+    in one static batch); the next chunk starts when every row of this one has ended. Each
+    result is recorded as soon as its row finishes, in one transaction of the store (a crash
+    loses no finished row and runs none twice; the rows still running then keep no result and
+    run again). A row that is deferred (:class:`RowDeferred`, :func:`deferral_of`) keeps no
+    result and waits; the rows still running go on, rows not begun yet do not begin.
     ``poll_s`` is how often a waiting batch re-checks its reason. A row whose execution raises
     is tried :data:`MAX_ATTEMPTS` times (``retry_s`` apart, growing) before its error line is
     written, so a transient fault does not fail a whole batch in a burst. ``executor`` may be
@@ -126,6 +155,8 @@ class BatchRunner:
         poll_s: float = 0.5,
         retry_s: float = 1.0,
     ) -> None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be an integer of at least 1, got {chunk_size!r}")
         self.store = store
         self.executor = executor
         self.chunk_size = chunk_size
@@ -136,9 +167,8 @@ class BatchRunner:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.rows_run = 0
-        self._current: tuple[str, str] | None = None  # (batch_id, model) inside execute_row
-        self._row_task: asyncio.Future[tuple[int, dict[str, str], dict[str, Any]]] | None = None
-        self._stopping_row: asyncio.Future[Any] | None = None  # the row cancel() stopped
+        self._chunks = 0
+        self._chunk: _Chunk | None = None  # the chunk whose rows run now
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -152,7 +182,7 @@ class BatchRunner:
             )
 
     async def stop(self) -> None:
-        """Stop the task. A row that was running keeps no result and runs after the restart."""
+        """Stop the task. The rows that were running keep no result and run after the restart."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -166,16 +196,19 @@ class BatchRunner:
     def cancel(self, batch_id: str) -> None:
         """Act on a cancel now (call it after :meth:`BatchStore.cancel_batch`).
 
-        A row of ``batch_id`` inside ``execute_row`` (held in the scheduler by a quiesce, or
-        generating) is stopped: its task is cancelled, it keeps no result, and its slot or its
-        place in the queue is given back; the batch then ends ``cancelled`` with the results
-        recorded so far, without waiting for the quiesce to end or the row to finish. Rows of
-        other batches are not touched. Wakes the runner.
+        Every row of ``batch_id`` inside ``execute_row`` (held in the scheduler by a quiesce,
+        or generating) is stopped: its task is cancelled, it keeps no result, and its slot or
+        its place in the queue is given back; the batch then ends ``cancelled`` with the
+        results recorded so far, without waiting for the quiesce to end or the rows to finish.
+        Rows of other batches are not touched. Wakes the runner.
         """
-        task, current = self._row_task, self._current
-        if task is not None and not task.done() and current is not None and current[0] == batch_id:
-            self._stopping_row = task
-            task.cancel()
+        chunk = self._chunk
+        if chunk is not None and chunk.batch_id == batch_id:
+            chunk.stopping = True
+            for task in chunk.tasks:
+                if not task.done():
+                    chunk.stopped.add(task)
+                    task.cancel()
         self.wake()
 
     def waiting_reason(self, batch_id: str) -> str | None:
@@ -185,10 +218,15 @@ class BatchRunner:
         reason is probed live, so a set that tears while the chunk is held reads
         ``weights_torn``, not the ``quiesced`` it was held under.
         """
-        current = self._current
-        if current is not None and current[0] == batch_id and self.executor is not None:
+        chunk = self._chunk
+        if (
+            chunk is not None
+            and chunk.batch_id == batch_id
+            and chunk.inside
+            and self.executor is not None
+        ):
             try:
-                return self.executor.waiting_reason(current[1])
+                return self.executor.waiting_reason(chunk.model)
             except Exception:  # noqa: BLE001 - a status read must not fail
                 log.exception("waiting_reason probe failed")
         return self._waiting.get(batch_id)
@@ -283,75 +321,119 @@ class BatchRunner:
         return False
 
     async def _run_chunk(self, batch_id: str, model: str) -> bool:
+        """Run one chunk of ``batch_id``'s rows for ``model``, all at once; True when it made
+        progress (a result recorded, a row to retry, a cancel acted on)."""
+        rows = self.store.pending_rows(batch_id, model, self.chunk_size)
+        if not rows:
+            return False
+        if self.store.batch_status(batch_id) != "in_progress":
+            return True  # cancelled meanwhile: finish it on the next step
+        assert self.executor is not None
+        reason = self.executor.waiting_reason(model)
+        self._waiting[batch_id] = reason
+        if reason in BLOCKING_REASONS:
+            return False
+        self._chunks += 1
+        unit = Unit(members=len(rows), name=f"{batch_id}#{self._chunks}")
+        chunk = self._chunk = _Chunk(batch_id, model, unit)
         try:
-            return await self._run_rows(batch_id, model)
-        finally:
-            self._current = None
+            for row in rows:
+                left = [False]
 
-    async def _run_rows(self, batch_id: str, model: str) -> bool:
-        ran = False
-        for row in self.store.pending_rows(batch_id, model, self.chunk_size):
-            if self.store.batch_status(batch_id) != "in_progress":
-                return True  # cancelled meanwhile: finish it on the next step
-            reason = self.executor.waiting_reason(model)
-            self._waiting[batch_id] = reason
-            if reason in BLOCKING_REASONS:
-                return ran
-            self._current = (batch_id, model)
-            task = self._row_task = asyncio.ensure_future(
-                self.executor.execute_row(row.method, row.url, dict(row.body))
-            )
+                def leave(_task: Any = None, left: list[bool] = left) -> None:
+                    if not left[0]:  # once per row: after execute_row, or when its task ends
+                        left[0] = True
+                        unit.leave()
+
+                task = asyncio.ensure_future(self._run_row(chunk, row, leave))
+                task.add_done_callback(leave)
+                chunk.tasks.append(task)
             try:
-                status, headers, body = await task
-            except RowDeferred as exc:
-                self._waiting[batch_id] = exc.reason or None
-                return ran
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if self._stopping_row is task and (current is None or not current.cancelling()):
-                    return True  # cancel(): the row keeps no result; the next step finishes
-                raise
-            except Exception as exc:  # noqa: BLE001 - a bug in one row must not stop the batch
-                key = (batch_id, row.idx)
-                tries = self._attempts[key] = self._attempts.get(key, 0) + 1
-                log.exception(
-                    "batch %s row %s failed (try %d of %d)",
-                    batch_id,
-                    row.custom_id,
-                    tries,
-                    MAX_ATTEMPTS,
-                )
-                if tries < MAX_ATTEMPTS:
-                    await asyncio.sleep(self.retry_s * tries)
-                    return True
-                status, headers, body = (
-                    500,
-                    {},
-                    {
-                        "error": {
-                            "message": f"the row could not be run: {type(exc).__name__} "
-                            f"({MAX_ATTEMPTS} tries; see the server log)",
-                            "type": codes.INTERNAL_ERROR.openai_type,
-                            "param": None,
-                            "code": codes.INTERNAL_ERROR.wire,
-                        }
-                    },
+                await asyncio.wait(chunk.tasks, return_when=asyncio.FIRST_EXCEPTION)
+            finally:
+                running = [t for t in chunk.tasks if not t.done()]
+                for task in running:  # stop() or a crash of one row: the others keep no result
+                    task.cancel()
+                if running:
+                    await asyncio.wait(running)
+            for task in chunk.tasks:
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            progressed = False
+            for task in chunk.tasks:
+                if task.cancelled():
+                    if task not in chunk.stopped:
+                        raise asyncio.CancelledError
+                    progressed = True  # cancel(): the row kept no result; the next step ends it
+                else:
+                    progressed = task.result() or progressed
+            return progressed
+        finally:
+            self._chunk = None
+
+    async def _run_row(self, chunk: _Chunk, row: PendingRow, leave: Callable[[], None]) -> bool:
+        """One row of ``chunk``: execute it, record its result; True when it made progress."""
+        assert self.executor is not None
+        batch_id = chunk.batch_id
+        if chunk.stopping:
+            return False  # a row of the chunk was deferred (or crashed) before this one began
+        if self.store.batch_status(batch_id) != "in_progress":
+            return True  # cancelled before this row began: finish it on the next step
+        chunk.inside += 1
+        try:
+            try:
+                status, headers, body = await self.executor.execute_row(
+                    row.method, row.url, dict(row.body), unit=chunk.unit
                 )
             finally:
-                self._row_task = self._stopping_row = None
-            deferred = deferral_of(status, body)
-            if deferred is not None:
-                self._waiting[batch_id] = deferred or None
-                return ran
-            self._current = None
-            self._waiting[batch_id] = None
-            self._attempts.pop((batch_id, row.idx), None)
-            self.store.record_result(
-                row, ok=200 <= status < 300, line=output_line(row, status, headers, body)
+                chunk.inside -= 1
+                leave()  # it waits in the scheduler no more: the chunk's others need not wait
+        except RowDeferred as exc:
+            chunk.stopping = chunk.deferred = True
+            self._waiting[batch_id] = exc.reason or None
+            return False
+        except Exception as exc:  # noqa: BLE001 - a bug in one row must not stop the batch
+            key = (batch_id, row.idx)
+            tries = self._attempts[key] = self._attempts.get(key, 0) + 1
+            log.exception(
+                "batch %s row %s failed (try %d of %d)",
+                batch_id,
+                row.custom_id,
+                tries,
+                MAX_ATTEMPTS,
             )
-            self.rows_run += 1
-            ran = True
-        return ran
+            if tries < MAX_ATTEMPTS:
+                await asyncio.sleep(self.retry_s * tries)
+                return True  # the row stays pending: a later chunk tries it again
+            status, headers, body = (
+                500,
+                {},
+                {
+                    "error": {
+                        "message": f"the row could not be run: {type(exc).__name__} "
+                        f"({MAX_ATTEMPTS} tries; see the server log)",
+                        "type": codes.INTERNAL_ERROR.openai_type,
+                        "param": None,
+                        "code": codes.INTERNAL_ERROR.wire,
+                    }
+                },
+            )
+        except BaseException:  # cancelled, or the process is going down: no result
+            chunk.stopping = True
+            raise
+        deferred = deferral_of(status, body)
+        if deferred is not None:
+            chunk.stopping = chunk.deferred = True
+            self._waiting[batch_id] = deferred or None
+            return False
+        if not chunk.deferred:
+            self._waiting[batch_id] = None
+        self._attempts.pop((batch_id, row.idx), None)
+        self.store.record_result(
+            row, ok=200 <= status < 300, line=output_line(row, status, headers, body)
+        )
+        self.rows_run += 1
+        return True
 
 
 def output_line(

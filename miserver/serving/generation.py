@@ -670,8 +670,29 @@ def _decode_sequences(gens: list[Generation]) -> None:
         active: list[_Sequence] = []
         tokens: list[int] = []
         prefilled = 0
-        for group in groups.values():
+        ended: list[_Sequence] = []  # ended before the decode, not yet told done
+
+        def done_now(more: bool) -> None:
+            # Sequences that ended while a prefill is still to come are done at once (another
+            # member still holds the slot); the last ones are done once the thread is through
+            # with the model (below, or by _run_sequences).
+            if more:
+                for seq in ended:
+                    seq.gen._finish_thread()
+                ended.clear()
+
+        order = list(groups.values())
+        for number, group in enumerate(order, start=1):
             lead = group[0]
+            more = number < len(order)
+            if all(seq.gen._cancel.is_set() for seq in group):
+                # Its client went away while the batch formed: no prefill for nobody to read.
+                for seq in group:
+                    seq.begin(None)
+                    seq._end("cancelled", matched_stop=False)
+                    ended.append(seq)
+                done_now(more)
+                continue
             score = lead.params.echo and lead.want_logprobs
             try:
                 prompt_logits = decoder.prefill(lead.gen.prompt_ids, all_logits=score)
@@ -682,6 +703,8 @@ def _decode_sequences(gens: list[Generation]) -> None:
                 log.warning("generation failed: %s: %s", type(exc).__name__, exc)
                 for seq in group:
                     seq.fail(exc)
+                    ended.append(seq)
+                done_now(more)
                 continue
             index = prefilled
             prefilled += 1
@@ -690,16 +713,17 @@ def _decode_sequences(gens: list[Generation]) -> None:
             for seq in group:
                 seq.begin(prompt_lp)
                 token = seq.advance_or_fail(logits, decoder.full(0))
-                if token is not None:
-                    sources.append(index)
-                    active.append(seq)
-                    tokens.append(token)
+                if token is None:  # ended at its first token: done before the next prefill
+                    ended.append(seq)
+                    continue
+                sources.append(index)
+                active.append(seq)
+                tokens.append(token)
+            done_now(more)
         if not active:
             return
-        for group in groups.values():
-            for seq in group:
-                if seq.gen._finished:  # ended at its first token; the others go on
-                    seq.gen._finish_thread()
+        for seq in ended:  # the others go on
+            seq.gen._finish_thread()
         decoder.begin(sources)
         while active:
             logits = decoder.step(tokens)

@@ -14,6 +14,12 @@ member tells the batch it is ready with :meth:`Grant.join` (or leaves it by rele
 every member has joined or left, the batch's ``when_ready`` callbacks run (the generation
 starts). Work that arrives meanwhile waits for the next grant, as it waits for the slot.
 
+**Units** (a Batch API chunk). A waiter may belong to a :class:`Unit`: the held counts count a
+unit's held batch waiters once (``held_batch`` is chunks, not rows), and a unit made with
+``members`` gathers: none of its waiters is granted until every member is waiting or has left
+it, so the rows of a chunk that reach the queue at different moments are granted together, in
+one static batch, and never the first alone.
+
 The step barrier is built on :meth:`Scheduler.barrier_acquire`: it stops granting slots, waits
 until every running holder has released its slot (the drain), then holds all of them. Waiters
 that arrive meanwhile are *held*, not failed; :meth:`Scheduler.barrier_release` lets them run in
@@ -72,7 +78,9 @@ class HeldCounts:
 
     Attributes:
         held_interactive: interactive requests waiting because the barrier is held or draining.
-        held_batch: batch chunks waiting because the barrier is held or draining.
+        held_batch: batch chunks waiting because the barrier is held or draining: the distinct
+            :class:`Unit` of the held batch waiters, a batch waiter without a unit counting
+            alone.
         running: slots held by requests (the barrier's own hold is not counted).
         queued: requests waiting for a slot while the barrier is neither held nor draining.
     """
@@ -81,6 +89,55 @@ class HeldCounts:
     held_batch: int
     running: int
     queued: int
+
+
+class Unit:
+    """Waiters that belong together (a Batch API chunk): :meth:`Scheduler.acquire`'s ``unit``.
+
+    ``HeldCounts.held_batch`` counts the held batch waiters of one unit once. With ``members``
+    (how many waiters the unit will have, >= 1) the unit *gathers*: the scheduler grants none
+    of its waiters until each member is waiting in the queue or has left the unit
+    (:meth:`leave`); then they are granted as waiters are (the best first, its group joining
+    it up to ``max_batch_size`` sequences), so they share one :class:`SlotBatch`. A member that
+    is refused before it reaches the queue must leave, or the others wait for it. ``members``
+    None: a tag only, nothing gathers. ``name`` is for logs. Hashed by identity.
+
+    Raises ``ValueError`` for ``members`` below 1.
+    """
+
+    __slots__ = ("members", "name", "_left", "_gathered", "_listeners")
+
+    def __init__(self, members: int | None = None, name: str = "") -> None:
+        if members is not None and (
+            isinstance(members, bool) or not isinstance(members, int) or members < 1
+        ):
+            raise ValueError(f"members must be an integer of at least 1, got {members!r}")
+        self.members = members
+        self.name = name
+        self._left = 0
+        self._gathered = members is None
+        self._listeners: list[Callable[[Unit], None]] = []
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name!r}, members={self.members}, left={self._left})"
+
+    @property
+    def gathering(self) -> bool:
+        """Its waiters are still kept from a grant (some member neither waits nor left)."""
+        return not self._gathered
+
+    def leave(self) -> None:
+        """One member will not wait (any more): it ended, was refused before it reached the
+        queue, or stopped waiting. Call it once per member; it may end the gathering."""
+        self._left += 1
+        if self._gathered:
+            return
+        for listener in list(self._listeners):
+            listener(self)
+
+    def _watch(self, listener: Callable[[Unit], None]) -> None:
+        if listener not in self._listeners:
+            self._listeners.append(listener)
 
 
 class SlotBatch:
@@ -151,7 +208,7 @@ class Grant:
 
 
 class _Waiter:
-    __slots__ = ("priority", "seq", "future", "group", "size")
+    __slots__ = ("priority", "seq", "future", "group", "size", "unit")
 
     def __init__(
         self,
@@ -160,12 +217,18 @@ class _Waiter:
         future: asyncio.Future[Grant],
         group: Hashable | None = None,
         size: int = 1,
+        unit: Unit | None = None,
     ) -> None:
         self.priority = priority
         self.seq = seq
         self.future = future
         self.group = group
         self.size = size
+        self.unit = unit
+
+    def ready(self) -> bool:
+        """Still waiting, and not kept back by a gathering unit."""
+        return not self.future.done() and (self.unit is None or not self.unit.gathering)
 
     def __lt__(self, other: _Waiter) -> bool:
         return (self.priority, self.seq) < (other.priority, other.seq)
@@ -197,6 +260,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.set_limits(max_concurrent=max_concurrent, max_queued=max_queued)
         self._running = 0
+        self._running_requests = 0  # grants not yet released, over every running batch
         self._heap: list[_Waiter] = []
         self._seq = itertools.count()
         self._barrier_draining = False
@@ -246,9 +310,11 @@ class Scheduler:
         """The current :class:`HeldCounts`."""
         waiting = [w for w in self._heap if not w.future.done()]
         inter = sum(1 for w in waiting if w.priority == Priority.INTERACTIVE)
-        batch = sum(1 for w in waiting if w.priority == Priority.BATCH)
+        batch = [w for w in waiting if w.priority == Priority.BATCH]
         if self._barrier_held or self._barrier_draining:
-            return HeldCounts(inter, batch, self._running, len(waiting) - inter - batch)
+            chunks = len({id(w.unit) for w in batch if w.unit is not None})
+            chunks += sum(1 for w in batch if w.unit is None)
+            return HeldCounts(inter, chunks, self._running, len(waiting) - inter - len(batch))
         return HeldCounts(0, 0, self._running, len(waiting))
 
     def interactive_waiting(self) -> int:
@@ -263,14 +329,22 @@ class Scheduler:
 
     # --- slots --------------------------------------------------------------------------------
     async def acquire(
-        self, priority: Priority, *, group: Hashable | None = None, size: int = 1
+        self,
+        priority: Priority,
+        *,
+        group: Hashable | None = None,
+        size: int = 1,
+        unit: Unit | None = None,
     ) -> Grant:
         """Wait for a slot. Pair with :meth:`release`; prefer :meth:`slot`.
 
-        ``group`` (any hashable: the resident and adapter a request is computed on) lets the
+        ``group`` (any hashable: the resident a request is computed on) lets the
         grant join a static batch: a grouped waiter granted a slot takes the waiting work of its
         group along, up to ``max_batch_size`` sequences; ``size`` is how many sequences this
         waiter decodes (1..``max_batch_size``). Without a group the grant is a batch of one.
+        ``unit`` (a :class:`Unit`, a Batch API chunk): the waiter is counted once with the
+        unit's other held batch waiters, and while the unit gathers it waits even for a free
+        slot.
 
         Raises :class:`QueueFull` at once (nothing queued) when an interactive request would
         make more than ``max_queued`` interactive requests wait, and ``ValueError`` for a
@@ -284,13 +358,18 @@ class Scheduler:
             or not (1 <= size <= self.max_batch_size)
         ):
             raise ValueError(f"size must be within 1..{self.max_batch_size}, got {size!r}")
-        if self._can_grant_now(priority):
+        gathering = unit is not None and unit.gathering
+        if not gathering and self._can_grant_now(priority):
             return self._new_batch(priority, size)
         if priority == Priority.INTERACTIVE and self._waiting_interactive() >= self._max_queued:
             raise QueueFull(self._max_queued)
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(priority, next(self._seq), loop.create_future(), group, size)
+        waiter = _Waiter(priority, next(self._seq), loop.create_future(), group, size, unit)
         heapq.heappush(self._heap, waiter)
+        if gathering:
+            assert unit is not None
+            unit._watch(self._unit_changed)
+            self._unit_changed(unit)  # this arrival may be the last one awaited
         try:
             return await waiter.future
         except BaseException:
@@ -305,8 +384,25 @@ class Scheduler:
                 self._remove(waiter)
             raise
 
+    def _unit_changed(self, unit: Unit) -> None:
+        """A member of a gathering ``unit`` arrived or left: end the gathering once every
+        member waits or has left, and grant."""
+        if unit._gathered or unit.members is None:
+            return
+        waiting = sum(1 for w in self._heap if w.unit is unit and not w.future.done())
+        if waiting + unit._left >= unit.members:
+            unit._gathered = True
+            self._grant()
+
+    def running_requests(self) -> int:
+        """Requests inside the slots now: the members of the running static batches that have
+        not released their grant (a batch of eight requests is one running slot, eight running
+        requests). What a drain waits for, counted as the drain timeout's message counts it."""
+        return self._running_requests
+
     def _new_batch(self, priority: Priority, size: int) -> Grant:
         self._running += 1
+        self._running_requests += 1
         batch = SlotBatch()
         grant = Grant(batch, size, priority)
         batch._add(grant)
@@ -320,6 +416,7 @@ class Scheduler:
             if grant.released:
                 raise RuntimeError("release() of a grant already released")
             grant.released = True
+            self._running_requests -= 1
             batch = grant.batch
             batch._holding.discard(id(grant))
             batch._settle(grant)
@@ -327,6 +424,8 @@ class Scheduler:
                 return  # other members still decode: the batch holds the slot
         if self._running <= 0:
             raise RuntimeError("release() without a held slot")
+        if grant is None:
+            self._running_requests -= 1
         self._running -= 1
         if self._running == 0 and self._drained is not None:
             self._drained.set()
@@ -358,9 +457,13 @@ class Scheduler:
         heapq.heapify(self._heap)
 
     def _grant(self) -> None:
+        kept: list[_Waiter] = []  # held back by a gathering unit: they stay queued
         while self._heap and not self._blocked() and self._running < self._max_concurrent:
             waiter = heapq.heappop(self._heap)
             if waiter.future.done():  # cancelled or failed: already gone
+                continue
+            if not waiter.ready():
+                kept.append(waiter)
                 continue
             self._running += 1
             batch = SlotBatch()
@@ -370,7 +473,7 @@ class Scheduler:
                 for other in sorted(self._heap):  # priority order, first come first served
                     if room <= 0:
                         break
-                    if other.future.done() or other.group != waiter.group or other.size > room:
+                    if not other.ready() or other.group != waiter.group or other.size > room:
                         continue
                     members.append(other)
                     room -= other.size
@@ -379,10 +482,13 @@ class Scheduler:
                     self._heap = [w for w in self._heap if id(w) not in taken]
                     heapq.heapify(self._heap)
             grants = [Grant(batch, m.size, m.priority) for m in members]
+            self._running_requests += len(grants)
             for grant in grants:
                 batch._add(grant)
             for member, grant in zip(members, grants, strict=True):
                 member.future.set_result(grant)
+        for waiter in kept:
+            heapq.heappush(self._heap, waiter)
 
     # --- the barrier --------------------------------------------------------------------------
     def barrier_begin(self) -> None:
@@ -447,7 +553,7 @@ class Scheduler:
         try:
             return await asyncio.wait_for(self.barrier_wait_drained(), timeout_s)
         except TimeoutError:
-            running = self._running
+            running = self._running_requests
             self._abandon_drain()
             raise DrainTimeout(timeout_s, running) from None
 

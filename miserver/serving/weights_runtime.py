@@ -329,7 +329,7 @@ class WeightsRuntime(EffectsMixin, AdmissionMixin, RefusalsMixin, StatusViewsMix
             if isinstance(err, ApiError):
                 raise err
             if answer.code is codes.MODEL_BUSY and answer.reason == "drain_timeout":
-                running = self.scheduler.counts().running
+                running = self.scheduler.running_requests()
                 raise self._drain_timeout_error(answer, running, "nothing is held")
             message = out.message or answer.code.name
             raise ApiError(answer.code, message, reason=answer.reason, status=answer.status)

@@ -28,6 +28,7 @@ from miserver.http.errors import json_errors_middleware
 from miserver.serving.batch_input import BatchRequestError, parse_batch_input
 from miserver.serving.batch_runner import BatchRunner, RowDeferred
 from miserver.serving.batch_store import BatchStore
+from miserver.serving.scheduler import HeldCounts
 from tests.waiting import eventually
 
 MODEL = "smollm2-135m-instruct"
@@ -61,7 +62,7 @@ class FakeExecutor:
         return self.global_reason or self.reasons.get(model)
 
     async def execute_row(
-        self, method: str, url: str, body: dict[str, Any]
+        self, method: str, url: str, body: dict[str, Any], *, unit: Any = None
     ) -> tuple[int, dict[str, str], dict[str, Any]]:
         assert method == "POST"
         prompt = body["messages"][0]["content"]
@@ -358,7 +359,7 @@ async def test_quiesced_rows_still_go_to_the_scheduler_and_report_it(store: Batc
     seen: list[str | None] = []
     runner = BatchRunner(store, ex)
 
-    async def held(method: str, url: str, body: dict[str, Any]):
+    async def held(method: str, url: str, body: dict[str, Any], unit: Any = None):
         seen.append(runner.waiting_reason(b["id"]))
         await gate.wait()  # the scheduler holds the chunk until resume
         return await FakeExecutor.execute_row(ex, method, url, body)
@@ -418,7 +419,7 @@ async def test_a_seam_exception_fails_only_that_row(store: BatchStore):
 
     tries: Counter[str] = Counter()
 
-    async def flaky(method, url, body):
+    async def flaky(method, url, body, unit=None):
         if body["messages"][0]["content"] == "boom":
             tries["boom"] += 1
             raise RuntimeError("bug")
@@ -439,7 +440,7 @@ async def test_a_transient_seam_fault_is_retried_not_failed(store: BatchStore):
     real = ex.execute_row
     faults = [RuntimeError("blip"), RuntimeError("blip")]
 
-    async def blip(method, url, body):
+    async def blip(method, url, body, unit=None):
         if faults:
             raise faults.pop()
         return await real(method, url, body)
@@ -456,7 +457,7 @@ async def test_cancel_keeps_results_so_far(store: BatchStore):
     runner = BatchRunner(store, ex)
     real = ex.execute_row
 
-    async def cancel_after_b(method, url, body):
+    async def cancel_after_b(method, url, body, unit=None):
         result = await real(method, url, body)
         if body["messages"][0]["content"] == "b":
             assert store.cancel_batch(b["id"])["status"] == "cancelling"
@@ -474,39 +475,86 @@ async def test_cancel_keeps_results_so_far(store: BatchStore):
         store.cancel_batch(other["id"])
 
 
-async def test_a_cancel_stops_the_row_in_flight_and_only_that_batch(store: BatchStore):
-    """A row held in the scheduler (or generating) when its batch is cancelled stops at once:
-    no result, the batch ends cancelled; a row of another batch is not touched."""
-    b = new_batch(store, [line("held"), line("never")])
+async def test_a_chunks_rows_run_concurrently_each_recorded_as_it_finishes(store: BatchStore):
+    """The rows of a chunk are inside execute_row together, in one Unit of the chunk's size;
+    a row's result is recorded as soon as it finishes, while the others still run."""
+    cids = [f"r{i}" for i in range(5)]
+    b = new_batch(store, [line(c) for c in cids])
+    ex = FakeExecutor()
+    real = ex.execute_row
+    inside: set[str] = set()
+    most = [0]
+    units: dict[str, Any] = {}
+    gates = {c: asyncio.Event() for c in cids}
+
+    async def gated(method, url, body, unit=None):
+        cid = body["messages"][0]["content"]
+        inside.add(cid)
+        most[0] = max(most[0], len(inside))
+        units[cid] = unit
+        try:
+            await asyncio.wait_for(gates[cid].wait(), 30)
+        finally:
+            inside.discard(cid)
+        return await real(method, url, body)
+
+    ex.execute_row = gated  # type: ignore[method-assign]
+    runner = BatchRunner(store, ex, chunk_size=4)
+    task = asyncio.create_task(runner.run_until_idle())
+    await eventually(lambda: len(inside) == 4, "the chunk's four rows inside execute_row at once")
+    gates["r2"].set()  # the third row ends first
+    await eventually(lambda: "r2" in store.done_results(b["id"]), "r2 recorded")
+    assert inside == {"r0", "r1", "r3"}  # recorded while the rest of its chunk still runs
+    assert store.get_batch(b["id"])["request_counts"]["completed"] == 1
+    for gate in gates.values():
+        gate.set()
+    await asyncio.wait_for(task, 30)
+    assert most[0] == 4 and ex.calls == Counter(cids)
+    first = units["r0"]
+    assert all(units[c] is first for c in cids[:4]) and first.members == 4
+    assert units["r4"] is not first and units["r4"].members == 1  # the second chunk
+    out, err = output(store, b)
+    assert err == [] and [x["custom_id"] for x in out] == cids  # in file order
+
+
+async def test_a_cancel_stops_every_row_in_flight_and_only_that_batch(store: BatchStore):
+    """The rows of a chunk held in the scheduler (or generating) when their batch is cancelled
+    all stop at once: no result, the batch ends cancelled with the rows finished before; a
+    cancel of another batch touches none of them."""
+    b = new_batch(store, [line("quick"), line("held1"), line("held2")])
     ex = FakeExecutor()
     runner = BatchRunner(store, ex, poll_s=0.01)
-    started, stopped = asyncio.Event(), asyncio.Event()
+    started: list[str] = []
+    stopped: list[str] = []
     real = ex.execute_row
 
-    async def held(method, url, body):
-        if body["messages"][0]["content"] == "held":
-            started.set()
+    async def held(method, url, body, unit=None):
+        cid = body["messages"][0]["content"]
+        if cid.startswith("held"):
+            started.append(cid)
             try:
                 await asyncio.Event().wait()  # a quiesce that never ends
             except asyncio.CancelledError:
-                stopped.set()
+                stopped.append(cid)
                 raise
         return await real(method, url, body)
 
     ex.execute_row = held  # type: ignore[method-assign]
     task = asyncio.create_task(runner.run_until_idle())
-    await asyncio.wait_for(started.wait(), 5)
-    runner.cancel("batch_other")  # another batch's cancel leaves the row running
+    await eventually(lambda: len(started) == 2, "both held rows inside execute_row")
+    await eventually(lambda: store.done_results(b["id"]), "the quick row recorded")
+    runner.cancel("batch_other")  # another batch's cancel leaves the rows running
     await asyncio.sleep(0.05)
-    assert not stopped.is_set() and not task.done()
+    assert not stopped and not task.done()
     assert store.cancel_batch(b["id"])["status"] == "cancelling"
     runner.cancel(b["id"])
     await asyncio.wait_for(task, 30)
-    assert stopped.is_set()
+    assert sorted(stopped) == ["held1", "held2"]
     done = store.get_batch(b["id"])
     assert done["status"] == "cancelled"
-    assert done["request_counts"] == {"total": 2, "completed": 0, "failed": 0}
-    assert ex.calls == Counter()  # neither row produced an answer
+    assert done["request_counts"] == {"total": 3, "completed": 1, "failed": 0}
+    assert [x["custom_id"] for x in output(store, b)[0]] == ["quick"]
+    assert ex.calls == Counter({"quick": 1})  # neither held row produced an answer
     other = new_batch(store, [line("z")])
     await runner.run_until_idle()
     assert store.get_batch(other["id"])["status"] == "completed"
@@ -518,7 +566,7 @@ async def test_stopping_the_runner_is_not_a_cancel(store: BatchStore):
     runner = BatchRunner(store, ex)
     started = asyncio.Event()
 
-    async def held(method, url, body):
+    async def held(method, url, body, unit=None):
         started.set()
         await asyncio.Event().wait()
 
@@ -638,7 +686,7 @@ _CHILD = textwrap.dedent("""
     class Slow:
         def waiting_reason(self, model):
             return None
-        async def execute_row(self, method, url, body):
+        async def execute_row(self, method, url, body, unit=None):
             cid = body["messages"][0]["content"]
             with open(log, "a") as fh:
                 fh.write(cid + "\\n"); fh.flush(); os.fsync(fh.fileno())
@@ -673,7 +721,8 @@ def test_kill_9_mid_batch_then_restart_runs_every_row_exactly_once(tmp_path: Pat
             assert x == before[x["custom_id"]]  # recorded before the kill: never run again
     executed = Counter(log.read_text().split())
     assert all(executed[c] == 1 for c in before)
-    assert sum(executed.values()) - len(cids) <= 1  # at most the row that was running at the kill
+    # at most the rows that were running at the kill: one chunk (chunk_size=3), run together
+    assert sum(executed.values()) - len(cids) <= 3
     store.close()
 
 
@@ -950,15 +999,71 @@ async def test_a_batch_never_loads_a_model(live):
     assert [x["custom_id"] for x in await _lines(live, done["output_file_id"])] == ["a"]
 
 
+def _spy_arrivals(scheduler: Any) -> list[Any]:
+    """The ``unit`` of every batch-priority waiter that reaches ``scheduler.acquire``."""
+    from miserver.serving.scheduler import Priority
+
+    arrived: list[Any] = []
+    real = scheduler.acquire
+
+    async def spy(priority: Any, **kw: Any) -> Any:
+        if priority == Priority.BATCH:
+            arrived.append(kw.get("unit"))
+        return await real(priority, **kw)
+
+    scheduler.acquire = spy
+    return arrived
+
+
+@pytest.fixture
+def static_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sequences of every static batch that starts (as tests/unit/test_static_batch.py)."""
+    from miserver.serving.generation import StaticBatch
+
+    sizes: list[int] = []
+    real = StaticBatch.start
+
+    def spy(self: StaticBatch) -> None:
+        if not self._started:
+            sizes.append(self.sequences)
+        real(self)
+
+    monkeypatch.setattr(StaticBatch, "start", spy)
+    return sizes
+
+
+async def test_a_chunks_rows_decode_in_one_static_batch_on_an_idle_server(live, static_batches):
+    """The chunk's rows reach the scheduler at different moments (each tokenizes in a thread);
+    the chunk's Unit keeps the free slot from the first until all are waiting, so they decode
+    in one pass, not the first alone and the rest after. Each answer is the one the same row
+    gets alone over /v1 (greedy)."""
+    from miserver.http import keys
+
+    assert live.server.app[batch_routes.BATCH_RUNNER].chunk_size >= 5
+    assert live.server.app[keys.SCHEDULER].max_batch_size >= 5
+    rows = [_tiny_chat(f"r{i}", max_tokens=2 + i) for i in range(5)]
+    b = await _start(live, rows)
+    done = await _poll(live, b["id"], lambda x: x["status"] == "completed")
+    assert static_batches == [5], static_batches  # one pass decoded the whole chunk
+    out = await _lines(live, done["output_file_id"])
+    assert [x["custom_id"] for x in out] == [f"r{i}" for i in range(5)]
+    for row, x in zip(rows, out, strict=True):
+        alone = await (await live.post("/v1/chat/completions", json=row["body"])).json()
+        got = x["response"]["body"]["choices"][0]
+        assert got["message"] == alone["choices"][0]["message"]
+        assert got["finish_reason"] == alone["choices"][0]["finish_reason"]
+
+
 async def test_a_quiesce_holds_the_next_chunk_in_the_scheduler(live):
     from miserver.http import keys
 
     scheduler = live.server.app[keys.SCHEDULER]
+    arrived = _spy_arrivals(scheduler)
     await scheduler.barrier_acquire(5.0)
     try:
         b = await _start(live, [_tiny_chat("a"), _tiny_chat("b")])
         held = await _poll(live, b["id"], lambda x: x["waiting_reason"] == "quiesced")
-        await asyncio.sleep(0.05)
+        await eventually(lambda: len(arrived) == 2, "both rows of the chunk wait for the slot")
         assert scheduler.counts().held_batch == 1  # held_batch_chunks of POST /quiesce
         assert held["request_counts"]["completed"] == 0
     finally:
@@ -983,6 +1088,27 @@ async def test_a_cancel_releases_a_chunk_held_by_a_quiesce(live):
         done = await _poll(live, b["id"], lambda x: x["status"] == "cancelled")
         assert scheduler.barrier_held and scheduler.counts().held_batch == 0
         assert done["request_counts"] == {"total": 2, "completed": 0, "failed": 0}
+    finally:
+        scheduler.barrier_release()
+    assert scheduler.counts().running == 0
+
+
+async def test_a_cancel_stops_every_row_of_a_chunk_held_by_a_quiesce(live):
+    """All five rows of the chunk wait in the scheduler; a cancel removes every one of them from
+    the queue at once (nothing left waiting, nothing run), and the slot is free after."""
+    from miserver.http import keys
+
+    scheduler = live.server.app[keys.SCHEDULER]
+    arrived = _spy_arrivals(scheduler)
+    await scheduler.barrier_acquire(5.0)
+    try:
+        b = await _start(live, [_tiny_chat(f"r{i}") for i in range(5)])
+        await eventually(lambda: len(arrived) == 5, "the five rows wait for the slot")
+        assert scheduler.counts().held_batch == 1
+        assert (await live.post(f"/v1/batches/{b['id']}/cancel")).status == 200
+        done = await _poll(live, b["id"], lambda x: x["status"] == "cancelled")
+        assert scheduler.counts() == HeldCounts(0, 0, 0, 0)  # no row left in the queue
+        assert done["request_counts"] == {"total": 5, "completed": 0, "failed": 0}
     finally:
         scheduler.barrier_release()
     assert scheduler.counts().running == 0
@@ -1115,6 +1241,70 @@ async def test_the_real_lifecycle_quiesce_then_torn_then_recovered(
         for x in await _lines(client, done["output_file_id"]):
             name, origin, commits = parse_model_header(x["response"]["headers"]["X-miLLM-Model"])
             assert (name, origin, commits) == ("tiny", "model", 1)
+    finally:
+        await client.close()
+
+
+async def test_a_quiesce_reports_a_held_chunk_of_five_rows_as_one(
+    tmp_path: Path, tiny_model_dir: str, static_batches: list[int]
+):
+    """POST /api/weights/quiesce sent while a chunk of five rows waits for the slot answers
+    held_batch_chunks 1 (chunks, not rows; companion contract 7); after resume the five rows
+    decode in one static batch."""
+    from miserver.http import keys
+    from miserver.http.app import create_app
+    from miserver.serving.catalogue import Catalogue
+    from miserver.serving.scheduler import Priority
+    from miserver.spec.settings import load_settings
+
+    secret = "trainer-secret-0123456789"
+    home = tmp_path / "home"
+    Catalogue(str(home)).register(
+        name="tiny", format="safetensors", dtype="bfloat16", path=tiny_model_dir
+    )
+    app = create_app(
+        load_settings(
+            {
+                "MISERVER_HOME": str(home),
+                "DEFAULT_MODEL": "tiny",
+                "DEVICE": "cpu",
+                "MAX_BATCH_SIZE": "8",
+                "WEIGHTS_TOKENS": f"trn:trainer:{secret}",
+                "WEIGHTS_CPU_ATTACH": "1",
+                "WEIGHTS_HOLD_TIMEOUT_S": "60",
+            }
+        )
+    )
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    try:
+        await app[keys.STARTUP_LOAD]
+        app[batch_routes.BATCH_RUNNER].poll_s = 0.02
+        scheduler = app[keys.SCHEDULER]
+        arrived = _spy_arrivals(scheduler)
+        auth = {"Authorization": f"Bearer {secret}"}
+        r = await client.post("/api/weights/attach", headers=auth)
+        assert r.status == 200, await r.text()
+        h = {**auth, "X-miLLM-Attachment": (await r.json())["data"]["attachment_id"]}
+
+        running = await scheduler.acquire(Priority.INTERACTIVE)  # a request holds the slot
+        b = await _start(client, [_tiny_chat(f"r{i}", model="tiny") for i in range(5)])
+        await eventually(lambda: len(arrived) == 5, "the chunk's five rows wait for the slot")
+        assert len({id(u) for u in arrived}) == 1  # one unit: the chunk
+        quiesce = asyncio.create_task(client.post("/api/weights/quiesce", headers=h))
+        await eventually(lambda: scheduler.barrier_draining, "the quiesce drains")
+        scheduler.release(running)  # the running request ends; the barrier holds
+        r = await asyncio.wait_for(quiesce, 30)
+        assert r.status == 200, await r.text()
+        data = (await r.json())["data"]
+        assert (data["held_batch_chunks"], data["held_requests"]) == (1, 0)
+        health = await (await client.get("/api/health/detailed")).json()
+        assert health["data"]["queue"]["held_batch_chunks"] == 1
+        assert static_batches == []  # nothing ran inside the hold
+        assert (await client.post("/api/weights/resume", headers=h)).status == 200
+        done = await _poll(client, b["id"], lambda x: x["status"] == "completed")
+        assert done["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
+        assert static_batches == [5]
     finally:
         await client.close()
 

@@ -12,6 +12,7 @@ from miserver.serving.scheduler import (
     Priority,
     QueueFull,
     Scheduler,
+    Unit,
 )
 
 
@@ -292,3 +293,83 @@ async def test_drop_caches_runs_every_hook_even_after_a_failure() -> None:
 def test_release_without_slot_is_an_error() -> None:
     with pytest.raises(RuntimeError):
         Scheduler().release()
+
+
+async def test_held_batch_counts_a_unit_once_and_a_waiter_without_one_alone() -> None:
+    s = Scheduler(1, 10, max_batch_size=8)
+    await s.barrier_acquire(1.0)
+    chunk, other = Unit(), Unit()
+    tasks = [
+        asyncio.create_task(s.acquire(Priority.BATCH, group="g", unit=unit))
+        for unit in (chunk, chunk, chunk, other, None, None)
+    ]
+    tasks.append(asyncio.create_task(s.acquire(Priority.INTERACTIVE, group="g")))
+    await _spin()
+    assert s.counts() == HeldCounts(1, 4, 0, 0)  # chunk, other and the two alone; six rows
+    s.barrier_release()
+    await _spin()
+    assert s.counts() == HeldCounts(0, 0, 1, 0)  # one static batch took all seven
+    grants = [t.result() for t in tasks]
+    assert len({id(g.batch) for g in grants}) == 1 and grants[0].batch.sequences == 7
+    for grant in grants:
+        s.release(grant)
+    assert s.counts() == HeldCounts(0, 0, 0, 0)
+
+
+async def test_a_gathering_unit_is_granted_together_once_every_member_waits_or_left() -> None:
+    """Members reach the queue at different moments; none is granted on the free slot until
+    each member is waiting or has left, then they share one grant."""
+    s = Scheduler(1, 10, max_batch_size=8)
+    chunk = Unit(members=4, name="chunk")
+    first = asyncio.create_task(s.acquire(Priority.BATCH, group="g", unit=chunk))
+    await _spin()
+    assert not first.done() and chunk.gathering  # the slot is free, but the chunk gathers
+    assert s.counts() == HeldCounts(0, 0, 0, 1)
+    now = asyncio.create_task(s.acquire(Priority.INTERACTIVE, group="g"))
+    await _spin()
+    assert now.done() and now.result().batch.sequences == 1  # interactive work is not held
+    s.release(now.result())
+    second = asyncio.create_task(s.acquire(Priority.BATCH, group="g", unit=chunk))
+    await _spin()
+    assert not first.done() and not second.done()
+    chunk.leave()  # a member refused before it reached the queue
+    await _spin()
+    assert not first.done()
+    third = asyncio.create_task(s.acquire(Priority.BATCH, group="g", unit=chunk))
+    await _spin()  # the last member awaited arrived: one grant for the three waiting
+    assert not chunk.gathering
+    grants = [t.result() for t in (first, second, third)]
+    assert all(g.batch is grants[0].batch for g in grants) and grants[0].batch.sequences == 3
+    assert s.counts() == HeldCounts(0, 0, 1, 0)
+    late = asyncio.create_task(s.acquire(Priority.BATCH, group="g", unit=chunk))
+    await _spin()
+    assert not late.done()  # the unit gathered: a later waiter waits for the slot as any
+    for grant in grants:
+        s.release(grant)
+    await _spin()
+    assert late.done()
+    s.release(late.result())
+
+
+async def test_a_member_cancelled_while_its_unit_gathers_leaves_no_trace() -> None:
+    s = Scheduler(1, 10, max_batch_size=8)
+    chunk = Unit(members=2)
+    a = asyncio.create_task(s.acquire(Priority.BATCH, group="g", unit=chunk))
+    await _spin()
+    a.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await a
+    assert s.counts() == HeldCounts(0, 0, 0, 0)
+    chunk.leave()  # its caller leaves the unit (the batch runner does, as the row ends)
+    assert chunk.gathering  # the other member neither waits nor left yet
+    b = asyncio.create_task(s.acquire(Priority.BATCH, group="g", unit=chunk))
+    await _spin()
+    assert not chunk.gathering and b.done() and b.result().batch.sequences == 1
+    s.release(b.result())
+    assert s.counts() == HeldCounts(0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("members", [0, -1, True, 1.5])
+def test_a_unit_needs_at_least_one_member(members: object) -> None:
+    with pytest.raises(ValueError, match="members"):
+        Unit(members=members)  # type: ignore[arg-type]

@@ -130,6 +130,29 @@ async def test_when_ready_waits_for_every_member_to_join_or_leave() -> None:
     scheduler.barrier_release()
 
 
+async def test_a_drain_timeout_counts_the_requests_of_the_batch_not_its_slot() -> None:
+    from miserver.serving.scheduler import DrainTimeout
+
+    scheduler = Scheduler(max_batch_size=8)
+    held = await scheduler.acquire(Priority.INTERACTIVE)
+    tasks = [
+        asyncio.ensure_future(scheduler.acquire(Priority.INTERACTIVE, group="g")) for _ in range(3)
+    ]
+    await _queued(scheduler, 3)
+    scheduler.release(held)
+    await asyncio.sleep(0)
+    grants = [t.result() for t in tasks]
+    assert scheduler.counts().running == 1 and scheduler.running_requests() == 3
+    with pytest.raises(DrainTimeout) as info:
+        await scheduler.barrier_acquire(0.01)
+    assert info.value.running == 3 and "3 running request(s)" in str(info.value)
+    scheduler.release(grants[0])
+    assert scheduler.running_requests() == 2
+    for grant in grants[1:]:
+        scheduler.release(grant)
+    assert scheduler.running_requests() == 0 and scheduler.counts().running == 0
+
+
 async def test_a_member_cancelled_as_it_is_granted_leaves_the_batch() -> None:
     scheduler = Scheduler(max_batch_size=8)
     held = await scheduler.acquire(Priority.INTERACTIVE)
@@ -500,3 +523,65 @@ async def test_one_sequence_that_fails_ends_alone_and_the_batch_goes_on(
     (again,) = alone.join(model, tok, [5, 6, 7], greedy)
     alone.start()
     assert await text_of(again) == batched and batched[1] == "length"
+
+
+async def test_a_request_cancelled_before_the_batch_starts_costs_no_prefill(tmp_path) -> None:
+    """A client gone while its request waited for the batch to start (the others' prefill):
+    its sequences end ``cancelled`` without a prefill of their own, and the others' answers are
+    what they would have been (breaker14: the prompt was prefilled anyway, a whole prefill of
+    the shared thread spent on an answer nobody reads before anyone's next token)."""
+    from miserver.serving.generation import Finished, SamplingParams, Started, TextDelta
+    from tests.unit.v1_fixtures import SlowModel, cached_tokenizer, tiny_model
+
+    tok = cached_tokenizer(tmp_path.parent / "miserver-v1-cache")
+    model = SlowModel(tiny_model(tok))
+
+    async def run(gen) -> tuple[str, str]:  # noqa: ANN001
+        parts, finish = [], None
+        async for ev in gen.events():
+            if isinstance(ev, TextDelta):
+                parts.append(ev.text)
+            elif isinstance(ev, Finished):
+                finish = ev.finish_reason
+            else:
+                assert isinstance(ev, Started)
+        return "".join(parts), finish
+
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    batch = StaticBatch()
+    (ok,) = batch.join(model, tok, [5, 6, 7], greedy)
+    gone = batch.join(model, tok, list(range(10, 60)), greedy, n=2)
+    for gen in gone:
+        gen.cancel()
+    batch.start()
+    answered = await run(ok)
+    assert [await run(gen) for gen in gone] == [("", "cancelled")] * 2
+    assert sum(model.prefills) == 1  # the cancelled request's 50-token prompt was not prefilled
+    alone = StaticBatch()
+    (again,) = alone.join(model, tok, [5, 6, 7], greedy)
+    alone.start()
+    assert await run(again) == answered
+
+
+async def test_a_sequence_that_ends_at_its_first_token_is_done_before_the_next_prefill(
+    tmp_path,
+) -> None:
+    """``max_tokens=1`` in a batch: its answer is complete once its own prefill gave its token;
+    the request is done then (its share of the slot given back, its answer sent), not after
+    the prefills of every other member (breaker14)."""
+    from miserver.serving.generation import SamplingParams
+    from tests.unit.v1_fixtures import SlowModel, cached_tokenizer, tiny_model
+
+    tok = cached_tokenizer(tmp_path.parent / "miserver-v1-cache")
+    model = SlowModel(tiny_model(tok), delay=0.2)
+    batch = StaticBatch()
+    (short,) = batch.join(model, tok, [5, 6, 7], SamplingParams(max_tokens=1, temperature=0))
+    for i in range(3):
+        batch.join(model, tok, [8 + i, 9, 10], SamplingParams(max_tokens=2, temperature=0))
+    done_at: list[int] = []
+    short.add_done_callback(lambda: done_at.append(model.calls))
+    batch.start()
+    await short.wait()
+    assert done_at and done_at[0] <= 2, done_at  # before the third prefill, not after all four
+    for gen in batch._sequences:
+        await gen.wait()

@@ -71,6 +71,7 @@ def test_cli_check_json(
     assert "totality" in data["invariants"] and "determinism" in data["invariants"]
 
 
+@pytest.mark.full  # seconds to tens of seconds: left out of make quick
 def test_check_reusing_memoised_steps_reports_exactly_what_a_plain_check_does(
     report: Report,
 ) -> None:

@@ -63,6 +63,7 @@ def test_equivalents_file_lists_mutants_of_the_table_each_with_a_reason(everythi
 NOT_SAME_STEPS = {"drop_effect:save#106:DROP_CACHE"}
 
 
+@pytest.mark.full  # seconds to tens of seconds: left out of make quick
 def test_listed_equivalents_take_every_reachable_step_as_the_table_does(everything) -> None:
     """The reasons of the equivalents file are claims about the reachable states; the tester
     checks the claim they come to: in every reachable (state, event) of the checker, the
@@ -87,6 +88,7 @@ def test_ci_sample_is_a_seeded_draw_of_each_kind(everything) -> None:
     assert stratified_sample(everything, seed=CI_SEED + 1) != chosen  # it is a draw
 
 
+@pytest.mark.full  # seconds to tens of seconds: left out of make quick
 def test_ci_sample_kills_every_non_equivalent_mutant(everything) -> None:
     """The CI sample (:func:`stratified_sample`: CI_PER_KIND of each kind, seed CI_SEED):
     every mutant in it is killed, by the checker or the stateful test, unless the equivalents

@@ -45,6 +45,7 @@ def test_the_lookup_decides_as_the_machine_in_every_reachable_state_and_event():
     assert _compare(TABLE) > 10_000
 
 
+@pytest.mark.full  # seconds to tens of seconds: left out of make quick
 def test_the_lookup_follows_a_changed_table_row_order_and_a_dropped_row():
     # a mutated table (issue 19 mutates it): the lookup is read out of its own machine
     quiesce = [i for i, r in enumerate(TABLE) if r.trigger == "quiesce"]
@@ -87,6 +88,7 @@ def test_the_server_decides_through_the_lookup_and_the_checker_through_the_machi
     assert calls == {"fire": 1, "decide": 1}
 
 
+@pytest.mark.full  # seconds to tens of seconds: left out of make quick
 def test_the_checker_reports_a_lookup_that_disagrees_with_the_machine(monkeypatch):
     table = TABLE
     compiled = compile_table(table)

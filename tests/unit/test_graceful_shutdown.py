@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 SERVER = textwrap.dedent(
     """
@@ -101,6 +102,7 @@ def _exit(proc: subprocess.Popen) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
+@pytest.mark.full  # seconds to tens of seconds: left out of make quick
 async def test_running_requests_finish_and_new_ones_get_503(tmp_path) -> None:
     proc, port = _start(tmp_path, "10")
     base = f"http://127.0.0.1:{port}"
@@ -129,6 +131,7 @@ async def test_running_requests_finish_and_new_ones_get_503(tmp_path) -> None:
             proc.kill()
 
 
+@pytest.mark.full  # seconds to tens of seconds: left out of make quick
 async def test_after_the_grace_a_request_gets_503_and_a_stream_an_error_event(tmp_path) -> None:
     proc, port = _start(tmp_path, "1")
     base = f"http://127.0.0.1:{port}"
@@ -174,6 +177,7 @@ def _read_to_close(conn: socket.socket) -> bytes:
     return data
 
 
+@pytest.mark.full  # seconds to tens of seconds: left out of make quick
 async def test_liveness_answers_while_draining_and_a_stalled_body_is_closed_in_the_grace(
     tmp_path,
 ) -> None:

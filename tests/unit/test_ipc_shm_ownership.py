@@ -97,6 +97,7 @@ def server_run() -> tuple[int, dict, str]:
     return out.returncode, (json.loads(lines[-1]) if lines else {}), out.stderr[-2000:]
 
 
+@pytest.mark.full  # seconds to tens of seconds: left out of make quick
 def test_rebuilds_in_two_processes_and_a_kept_body_never_remove_the_servers_file(server_run):
     rc, report, err = server_run
     assert rc == 0, f"the server process ended with {rc}: {err}"
@@ -140,6 +141,7 @@ def _mine(sid: str) -> list[str]:
     return sorted(f for f in os.listdir("/dev/shm") if sid in f)
 
 
+@pytest.mark.full  # seconds to tens of seconds: left out of make quick
 def test_start_removes_what_a_dead_server_left_and_never_a_live_servers_files():
     dead = subprocess.run(
         [sys.executable, "-c", HOLDER, "crash"], text=True, capture_output=True, timeout=120

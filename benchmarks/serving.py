@@ -96,9 +96,16 @@ def _post(url: str, body: dict, stream: bool) -> tuple[float, float, int, str]:
         return ttft or total, total, tokens, "".join(text)
 
 
-def _start_server(
-    home: str, device: str, decode_graphs: str = "captured"
+def start_server(
+    home: str,
+    device: str,
+    decode_graphs: str = "captured",
+    extra_env: dict[str, str] | None = None,
+    ready_timeout_s: float = 300,
 ) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``miserver serve`` on a free port with ``home`` and ``device`` (plus
+    ``extra_env``) and wait until a model is resident; returns ``(process, base URL)``.
+    Exits (SystemExit) when it stops or is not ready within ``ready_timeout_s`` seconds."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
     env.update(
@@ -110,6 +117,7 @@ def _start_server(
         LOG_FORMAT="text",
         DECODE_GRAPHS=decode_graphs,
     )
+    env.update(extra_env or {})
     proc = subprocess.Popen(
         [sys.executable, "-m", "miserver.cli", "serve"],
         env=env,
@@ -117,7 +125,7 @@ def _start_server(
         stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"miserver serve exited with {proc.returncode}")
@@ -179,7 +187,7 @@ def main() -> int:
     modes = [m for m in args.decode_graphs.split(",") if m]
     if not device.startswith("cuda"):
         modes = ["off"]  # the CPU is always eager
-    servers = {mode: _start_server(home, device, mode) for mode in modes}
+    servers = {mode: start_server(home, device, mode) for mode in modes}
     url_of = {mode: f"{base}/v1/chat/completions" for mode, (_p, base) in servers.items()}
     body = {
         "model": "smollm2-135m-instruct",

@@ -25,16 +25,18 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serving import start_server  # noqa: E402 - the sibling benchmark's server start
 
 TOPICS = (
     "the sea",
@@ -56,45 +58,13 @@ TOPICS = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(home: str, device: str, size: int) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
-    env.update(
-        MISERVER_HOME=home,
-        PORT=str(port),
-        HOST="127.0.0.1",
-        DEVICE=device,
-        MAX_BATCH_SIZE=str(size),
-        MAX_QUEUED_REQUESTS="1024",
-        LOG_LEVEL="warning",
-        LOG_FORMAT="text",
+    return start_server(
+        home,
+        device,
+        extra_env={"MAX_BATCH_SIZE": str(size), "MAX_QUEUED_REQUESTS": "1024"},
+        ready_timeout_s=600,
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "miserver.cli", "serve"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"miserver serve exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{base}/v1/models", timeout=2) as r:
-                if any(m.get("resident") for m in json.loads(r.read())["data"]):
-                    return proc, base
-        except OSError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("miserver serve did not become ready")
 
 
 def _messages(i: int) -> list[dict[str, str]]:

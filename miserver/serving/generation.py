@@ -215,11 +215,6 @@ def cache_kwarg(model: Any) -> str:
     return "past_key_values"
 
 
-def _cache_of(output: Any) -> Any:
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else getattr(output, "past_key_values", None)
-
-
 class SeedStream:
     """The random draws of one request's ``seed``: every accepted seed its own stream.
 
@@ -759,7 +754,7 @@ def _decoder(gens: list[Generation]) -> Any:
     from miserver.serving.static_batch import BatchDecoder
 
     device = next(model.parameters()).device
-    yield _BatchRows(BatchDecoder(model, device, cache_kwarg(model)))
+    yield BatchDecoder(model, device, cache_kwarg(model))
 
 
 # --- decoders ---------------------------------------------------------------------------------
@@ -784,30 +779,6 @@ class _EagerDecoder:
     def step(self, token: int) -> torch.Tensor:
         """The next position's logits, float32 ``[vocab]``."""
         return self._batch.step([token])[0]
-
-
-class _BatchRows:
-    """:class:`BatchDecoder` as the batch loop uses it (the eager path never fills: the
-    context check at admission bounds every sequence)."""
-
-    def __init__(self, decoder: Any) -> None:
-        self._d = decoder
-        self.kind = decoder.kind
-
-    def prefill(self, prompt_ids: Sequence[int], *, all_logits: bool) -> torch.Tensor:
-        return self._d.prefill(prompt_ids, all_logits=all_logits)
-
-    def begin(self, sources: Sequence[int]) -> None:
-        self._d.begin(sources)
-
-    def step(self, tokens: Sequence[int]) -> torch.Tensor:
-        return self._d.step(tokens)
-
-    def keep(self, rows: Sequence[int]) -> None:
-        self._d.keep(rows)
-
-    def full(self, row: int) -> bool:
-        return False
 
 
 class _Rows:

@@ -160,6 +160,11 @@ class BatchDecoder:
         """Sequences still decoding."""
         return self._real
 
+    def full(self, row: int) -> bool:
+        """Whether ``row`` has no further position: never (the context check at admission
+        bounds every sequence; the cache grows)."""
+        return False
+
     def prefill(self, prompt_ids: Sequence[int], *, all_logits: bool) -> torch.Tensor:
         """Prefill one prompt alone; returns its logits ``[len(prompt_ids), vocab]``
         (``all_logits``) or ``[1, vocab]``, in the model's dtype. Call before :meth:`begin`."""

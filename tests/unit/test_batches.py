@@ -1017,19 +1017,10 @@ def _spy_arrivals(scheduler: Any) -> list[Any]:
 
 @pytest.fixture
 def static_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sequences of every static batch that starts (as tests/unit/test_static_batch.py)."""
-    from miserver.serving.generation import StaticBatch
+    """The sequences of every static batch that starts."""
+    from tests.unit.v1_fixtures import spy_batch_starts
 
-    sizes: list[int] = []
-    real = StaticBatch.start
-
-    def spy(self: StaticBatch) -> None:
-        if not self._started:
-            sizes.append(self.sequences)
-        real(self)
-
-    monkeypatch.setattr(StaticBatch, "start", spy)
-    return sizes
+    return spy_batch_starts(monkeypatch)
 
 
 async def test_a_chunks_rows_decode_in_one_static_batch_on_an_idle_server(live, static_batches):
@@ -1252,37 +1243,18 @@ async def test_a_quiesce_reports_a_held_chunk_of_five_rows_as_one(
     held_batch_chunks 1 (chunks, not rows; companion contract 7); after resume the five rows
     decode in one static batch."""
     from miserver.http import keys
-    from miserver.http.app import create_app
-    from miserver.serving.catalogue import Catalogue
     from miserver.serving.scheduler import Priority
-    from miserver.spec.settings import load_settings
+    from tests.unit.test_weights_routes import TRN, make_client
 
-    secret = "trainer-secret-0123456789"
-    home = tmp_path / "home"
-    Catalogue(str(home)).register(
-        name="tiny", format="safetensors", dtype="bfloat16", path=tiny_model_dir
+    client = await make_client(
+        tmp_path, tiny_model_dir, MAX_BATCH_SIZE="8", WEIGHTS_HOLD_TIMEOUT_S="60"
     )
-    app = create_app(
-        load_settings(
-            {
-                "MISERVER_HOME": str(home),
-                "DEFAULT_MODEL": "tiny",
-                "DEVICE": "cpu",
-                "MAX_BATCH_SIZE": "8",
-                "WEIGHTS_TOKENS": f"trn:trainer:{secret}",
-                "WEIGHTS_CPU_ATTACH": "1",
-                "WEIGHTS_HOLD_TIMEOUT_S": "60",
-            }
-        )
-    )
-    client = TestClient(TestServer(app))
-    await client.start_server()
+    app = client.server.app
     try:
-        await app[keys.STARTUP_LOAD]
         app[batch_routes.BATCH_RUNNER].poll_s = 0.02
         scheduler = app[keys.SCHEDULER]
         arrived = _spy_arrivals(scheduler)
-        auth = {"Authorization": f"Bearer {secret}"}
+        auth = {"Authorization": f"Bearer {TRN}"}
         r = await client.post("/api/weights/attach", headers=auth)
         assert r.status == 200, await r.text()
         h = {**auth, "X-miLLM-Attachment": (await r.json())["data"]["attachment_id"]}

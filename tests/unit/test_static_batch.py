@@ -19,12 +19,25 @@ from miserver.http import keys
 from miserver.serving.generation import StaticBatch
 from miserver.serving.scheduler import Priority, Scheduler
 from miserver.serving.static_batch import choice_seed
+from tests.unit.v1_fixtures import spy_batch_starts
 from tests.waiting import eventually
 
 
 # --- the scheduler ---------------------------------------------------------------------------
 async def _queued(scheduler: Scheduler, n: int) -> None:
     await eventually(lambda: scheduler.counts().queued == n, f"{n} waiting")
+
+
+async def _one_batch_of(scheduler: Scheduler, k: int) -> list[Any]:
+    """``k`` grants of one group, granted together as one batch (the slot held meanwhile)."""
+    held = await scheduler.acquire(Priority.INTERACTIVE)
+    tasks = [
+        asyncio.ensure_future(scheduler.acquire(Priority.INTERACTIVE, group="g")) for _ in range(k)
+    ]
+    await _queued(scheduler, k)
+    scheduler.release(held)
+    await asyncio.sleep(0)
+    return [t.result() for t in tasks]
 
 
 async def test_a_grant_takes_its_groups_waiting_work_in_priority_order_up_to_the_size() -> None:
@@ -99,14 +112,7 @@ async def test_a_size_beyond_the_batch_is_refused_and_a_batch_of_one_takes_nobod
 
 async def test_when_ready_waits_for_every_member_to_join_or_leave() -> None:
     scheduler = Scheduler(max_batch_size=8)
-    held = await scheduler.acquire(Priority.INTERACTIVE)
-    tasks = [
-        asyncio.ensure_future(scheduler.acquire(Priority.INTERACTIVE, group="g")) for _ in range(3)
-    ]
-    await _queued(scheduler, 3)
-    scheduler.release(held)
-    await asyncio.sleep(0)
-    grants = [t.result() for t in tasks]
+    grants = await _one_batch_of(scheduler, 3)
     batch = grants[0].batch
     ready: list[int] = []
     batch.when_ready(lambda: ready.append(1))
@@ -134,14 +140,7 @@ async def test_a_drain_timeout_counts_the_requests_of_the_batch_not_its_slot() -
     from miserver.serving.scheduler import DrainTimeout
 
     scheduler = Scheduler(max_batch_size=8)
-    held = await scheduler.acquire(Priority.INTERACTIVE)
-    tasks = [
-        asyncio.ensure_future(scheduler.acquire(Priority.INTERACTIVE, group="g")) for _ in range(3)
-    ]
-    await _queued(scheduler, 3)
-    scheduler.release(held)
-    await asyncio.sleep(0)
-    grants = [t.result() for t in tasks]
+    grants = await _one_batch_of(scheduler, 3)
     assert scheduler.counts().running == 1 and scheduler.running_requests() == 3
     with pytest.raises(DrainTimeout) as info:
         await scheduler.barrier_acquire(0.01)
@@ -196,16 +195,7 @@ async def client(default_home: str, tmp_path):
 @pytest.fixture
 def batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The sequences of every static batch that starts."""
-    sizes: list[int] = []
-    real = StaticBatch.start
-
-    def spy(self: StaticBatch) -> None:
-        if not self._started:
-            sizes.append(self.sequences)
-        real(self)
-
-    monkeypatch.setattr(StaticBatch, "start", spy)
-    return sizes
+    return spy_batch_starts(monkeypatch)
 
 
 async def post(client: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -386,15 +376,25 @@ async def test_a_client_that_disconnects_ends_only_its_own_sequence(
 
 
 async def test_a_quiesce_sent_during_a_batch_returns_after_the_whole_batch(
-    client: Any, batches: list[int]
+    client: Any, batches: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from miserver.serving import generation
     from tests.unit.test_weights_routes import TRN, auth
     from tests.unit.test_weights_routes import post as wpost
 
     st, body, _ = await wpost(client, "/api/weights/attach", auth(TRN))
     assert st == 200, body
     h = auth(TRN, body["data"]["attachment_id"])
+    # when each token is taken, on the decoding thread: what the server did, not when this
+    # loaded event loop got round to reading it
     tokens: list[float] = []
+    advance = generation._Sequence.advance
+
+    def timed(self: Any, logits: Any, full: bool) -> int | None:
+        tokens.append(time.monotonic())
+        return advance(self, logits, full)
+
+    monkeypatch.setattr(generation._Sequence, "advance", timed)
     first_token = asyncio.Event()
 
     async def stream(max_tokens: int) -> None:
@@ -402,7 +402,6 @@ async def test_a_quiesce_sent_during_a_batch_returns_after_the_whole_batch(
         resp = await client.post("/v1/chat/completions", json=body)
         async for line in resp.content:
             if line.startswith(b"data: {") and b'"content"' in line:
-                tokens.append(time.monotonic())
                 first_token.set()
 
     async def quiesce_when_serving() -> tuple[float, int]:

@@ -106,3 +106,21 @@ class SlowModel:
                 return out
 
         return _Slow()
+
+
+def spy_batch_starts(monkeypatch: Any) -> list[int]:
+    """Record the sequences of every static batch that starts
+    (:meth:`miserver.serving.generation.StaticBatch.start`), through ``monkeypatch``; returns
+    the list it appends to."""
+    from miserver.serving.generation import StaticBatch
+
+    sizes: list[int] = []
+    real = StaticBatch.start
+
+    def spy(self: StaticBatch) -> None:
+        if not self._started:
+            sizes.append(self.sequences)
+        real(self)
+
+    monkeypatch.setattr(StaticBatch, "start", spy)
+    return sizes

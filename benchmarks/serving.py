@@ -102,10 +102,12 @@ def start_server(
     decode_graphs: str = "captured",
     extra_env: dict[str, str] | None = None,
     ready_timeout_s: float = 300,
+    log_path: str | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Start ``miserver serve`` on a free port with ``home`` and ``device`` (plus
     ``extra_env``) and wait until a model is resident; returns ``(process, base URL)``.
-    Exits (SystemExit) when it stops or is not ready within ``ready_timeout_s`` seconds."""
+    Exits (SystemExit) when it stops or is not ready within ``ready_timeout_s`` seconds.
+    ``log_path``: append the server's log there (default: discarded)."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
     env.update(
@@ -122,7 +124,7 @@ def start_server(
         [sys.executable, "-m", "miserver.cli", "serve"],
         env=env,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=open(log_path, "ab") if log_path else subprocess.DEVNULL,  # noqa: SIM115
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + ready_timeout_s

@@ -17,6 +17,14 @@ Each size's figures are also given as a ratio to the first size's (``--sizes`` s
     python benchmarks/static_batch.py --device cuda --sizes 1,8,32,64 --clients 64 \\
         --batch-rows 512 --row-tokens 128 [--model ROW]                # the H200 run
 
+``--shape 0.5b`` serves a model of Qwen2.5-0.5B's layers (24 x 896, 14 heads, 2 key-value
+heads) with SmolLM2's tokenizer and vocabulary (49152: the only tokenizer on the offline GPU
+machine), random bfloat16 weights, saved into the home and registered in its catalogue.
+``--first-rows`` runs fewer Batch API rows at the first size (its rate, rows a second, is that
+of rows run one after another; said in the table). ``--in-process`` adds the decode step alone:
+ms a step and tokens a second at each size, through the one-sequence graphs (1), the batched
+graphs and the eager batched decoder (CUDA).
+
 ``--home`` is a ``MISERVER_HOME`` (default: a temporary one importing the default).
 """
 
@@ -58,13 +66,123 @@ TOPICS = (
 )
 
 
-def _start(home: str, device: str, size: int) -> tuple[subprocess.Popen[bytes], str]:
+SHAPE_05B = dict(
+    model_type="qwen2",
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=49152,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+
+
+def _start(
+    home: str, device: str, size: int, model: str, log_path: str | None
+) -> tuple[subprocess.Popen[bytes], str]:
     return start_server(
         home,
         device,
-        extra_env={"MAX_BATCH_SIZE": str(size), "MAX_QUEUED_REQUESTS": "1024"},
+        extra_env={
+            "MAX_BATCH_SIZE": str(size),
+            "MAX_QUEUED_REQUESTS": "1024",
+            "DEFAULT_MODEL": model,
+        },
         ready_timeout_s=600,
+        log_path=log_path,
     )
+
+
+def make_shape(home: str, name: str) -> None:
+    """Save a random model of :data:`SHAPE_05B` with the default model's tokenizer into
+    ``home`` and register it as ``name`` (nothing when the row exists)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from miserver.serving.catalogue import Catalogue
+    from miserver.serving.default_model import model_dir
+
+    catalogue = Catalogue(home)
+    if catalogue.get_by_name(name) is not None:
+        return
+    folder = Path(home) / "bench-models" / name
+    tokenizer = AutoTokenizer.from_pretrained(model_dir(home))
+    config = AutoConfig.for_model(
+        **SHAPE_05B,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)  # greedy decoding well defined
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    catalogue.register(name=name, format="safetensors", dtype="bfloat16", path=folder)
+
+
+def in_process(home: str, model_name: str, sizes: list[int], tokens: int) -> list[dict]:
+    """ms per decode step at each size: one-sequence graphs (1), batched graphs, eager batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from miserver.serving.catalogue import Catalogue
+    from miserver.serving.decode_graphs import DecodeEngine
+    from miserver.serving.generation import _GraphDecoder, cache_kwarg
+    from miserver.serving.static_batch import BatchDecoder
+
+    row = Catalogue(home).get_by_name(model_name)
+    model = AutoModelForCausalLM.from_pretrained(row.path, dtype=torch.bfloat16).eval().cuda()
+    device = torch.device("cuda:0")
+    g = torch.Generator().manual_seed(1)
+    prompts = [
+        torch.randint(10, 40000, (30 + 7 * (i % 9),), generator=g).tolist()
+        for i in range(max(sizes))
+    ]
+    out = []
+    with torch.inference_mode():
+        engine = DecodeEngine(model, "captured", 1024, max_rows=max(sizes))
+        engine.warm()
+
+        def timed(step, rows: int) -> float:
+            for _ in range(3):
+                step(rows)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(tokens):
+                step(rows)
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t0) * 1000 / tokens
+
+        for size in sizes:
+            result = {"rows": size}
+            batch = prompts[:size]
+            if size == 1:
+                with engine.session(model) as session:
+                    dec = _GraphDecoder(session)
+                    dec.prefill(batch[0], all_logits=False)
+                    result["graphs_ms"] = timed(lambda _r, d=dec: int(d.step(7).argmax()), 1)
+            else:
+                with engine.batch_session(model, size, 200 + tokens * 2) as bs:
+                    bs.expect(batch)
+                    for p in batch:
+                        bs.prefill(p, all_logits=False)
+                    bs.begin(list(range(size)))
+                    result["graphs_ms"] = timed(
+                        lambda r: bs.step([7] * r).argmax(-1).tolist(), size
+                    )
+            eager = BatchDecoder(model, device, cache_kwarg(model))
+            for p in batch:
+                eager.prefill(p, all_logits=False)
+            eager.begin(list(range(size)))
+            result["eager_ms"] = timed(lambda r, e=eager: e.step([7] * r).argmax(-1).tolist(), size)
+            out.append(result)
+            print(f"in process, {size} rows: {result}", file=sys.stderr, flush=True)
+    del engine, model
+    torch.cuda.empty_cache()
+    return out
 
 
 def _messages(i: int) -> list[dict[str, str]]:
@@ -136,6 +254,10 @@ def main() -> int:
     ap.add_argument("--batch-rows", type=int, default=0)
     ap.add_argument("--row-tokens", type=int, default=128)
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--shape", choices=("default", "0.5b"), default="default")
+    ap.add_argument("--first-rows", type=int, default=0, help="Batch API rows at the first size")
+    ap.add_argument("--in-process", action="store_true", help="also time the decode step alone")
+    ap.add_argument("--server-log", help="append the servers' logs to this file")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     from openai import OpenAI
@@ -146,17 +268,24 @@ def main() -> int:
 
         home = tempfile.mkdtemp(prefix="miserver-bench-")
         import_default(home, progress=False)
+    if args.shape == "0.5b":
+        args.model = "qwen2.5-0.5b-shape"
+        make_shape(home, args.model)
+    steps = in_process(home, args.model, sizes, 64) if args.in_process else []
     results = []
-    for size in sizes:
-        proc, base = _start(home, args.device, size)
+    for index, size in enumerate(sizes):
+        proc, base = _start(home, args.device, size, args.model, args.server_log)
         try:
             client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=3600)
             chats(client, args.model, 1, 4)  # warm-up
             wall, used = chats(client, args.model, args.clients, args.tokens)
             row = {"max_batch_size": size, "chat_wall_s": wall, "chat_tokens": used}
             if args.batch_rows:
-                bwall, bused = batch_job(client, args.model, args.batch_rows, args.row_tokens)
-                row.update(batch_wall_s=bwall, batch_tokens=bused)
+                rows = args.batch_rows
+                if index == 0 and args.first_rows:
+                    rows = min(rows, args.first_rows)
+                bwall, bused = batch_job(client, args.model, rows, args.row_tokens)
+                row.update(batch_wall_s=bwall, batch_tokens=bused, batch_rows=rows)
             results.append(row)
             print(f"MAX_BATCH_SIZE={size}: {row}", file=sys.stderr, flush=True)
         finally:
@@ -186,16 +315,29 @@ def main() -> int:
             f"{base_row['chat_wall_s'] / row['chat_wall_s']:>6.2f}"
         )
         if args.batch_rows:
-            rows_s = args.batch_rows / row["batch_wall_s"]
+            rows_s = row["batch_rows"] / row["batch_wall_s"]
+            base_rate = base_row["batch_rows"] / base_row["batch_wall_s"]
             line += (
                 f" {row['batch_wall_s']:>9.2f} {rows_s:>8.2f} "
                 f"{row['batch_tokens'] / row['batch_wall_s']:>8.1f} "
-                f"{base_row['batch_wall_s'] / row['batch_wall_s']:>6.2f}"
+                f"{rows_s / base_rate:>6.2f}"
             )
+            if row["batch_rows"] != args.batch_rows:
+                line += f"  ({row['batch_rows']} rows)"
         print(line)
+    if steps:
+        print("decode step alone (in process, 64 steps after 3): ms a step, tokens/s, x 1 row")
+        one = steps[0]["graphs_ms"]
+        for st in steps:
+            rate = st["rows"] * 1000 / st["graphs_ms"]
+            print(
+                f"{st['rows']:>5} rows  graphs {st['graphs_ms']:7.2f} ms {rate:9.0f} tok/s "
+                f"x{rate / (1000 / one):6.1f}   eager batch {st['eager_ms']:7.2f} ms "
+                f"{st['rows'] * 1000 / st['eager_ms']:9.0f} tok/s"
+            )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=2)
+            json.dump({"args": vars(args), "results": results, "steps": steps}, f, indent=2)
     return 0
 
 

@@ -59,6 +59,11 @@ MODES = ("captured", "compiled", "off")
 SMALLEST_BUCKET = 256
 #: Room kept free on the card beyond the cache, for the graphs' private pool and activations.
 GRAPH_POOL_MARGIN_BYTES = 256 * 2**20
+#: The share of the card's free memory (after the weights and the one-sequence cache, at load)
+#: that the static batch's cache may take; its rows are cut to fit (issue 14).
+BATCH_CACHE_FRACTION = 0.25
+#: The most padded prompt positions prefilled in one forward pass of a static batch.
+BATCH_PREFILL_POSITIONS = 16384
 
 
 class EngineUnavailable(RuntimeError):
@@ -89,6 +94,27 @@ def bucket_lengths(context: int, smallest: int = SMALLEST_BUCKET) -> tuple[int, 
         out.append(length)
         length *= 2
     out.append(context)
+    return tuple(out)
+
+
+def row_buckets(rows: int) -> tuple[int, ...]:
+    """The batch sizes that get graphs of their own: powers of two from 2 below ``rows``, then
+    ``rows`` itself (none below 2: one sequence decodes through the one-sequence graphs).
+
+    >>> row_buckets(32)
+    (2, 4, 8, 16, 32)
+    >>> row_buckets(24)
+    (2, 4, 8, 16, 24)
+    >>> row_buckets(1)
+    ()
+    """
+    out: list[int] = []
+    size = 2
+    while size < rows:
+        out.append(size)
+        size *= 2
+    if rows >= 2:
+        out.append(rows)
     return tuple(out)
 
 
@@ -130,6 +156,11 @@ class EngineStats:
     replays: int = 0
     invalidations: int = 0
     fallbacks: int = 0
+    batch_rows: int = 0  # the most sequences a batched graph decodes (0: batches decode eagerly)
+    batch_cache_bytes: int = 0  # of cache_bytes, the static batch's cache
+    batch_captured: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, L) -> ms
+    batch_replays: int = 0
+    batch_note: str = ""  # why there are no batched graphs, when there are none
 
 
 def device_of(model: Any) -> torch.device:
@@ -164,6 +195,9 @@ class DecodeEngine:
             is set to it unless already set).
         graphs: False runs every step eagerly over the static cache (the path a bucket whose
             capture failed takes; on any device: the CPU tests check the cache logic with it).
+        max_rows: ``MAX_BATCH_SIZE``; from 2 on, a second static cache of up to that many rows
+            (cut to :data:`BATCH_CACHE_FRACTION` of the free memory) decodes a static batch
+            through graphs per (rows, length) bucket (:meth:`batch_session`).
 
     Raises:
         EngineUnavailable: the model's cache layout is not one static layer per decoder layer
@@ -181,6 +215,7 @@ class DecodeEngine:
         on_fallback: Any = None,
         compile_cache_dir: str | None = None,
         graphs: bool = True,
+        max_rows: int = 1,
     ) -> None:
         if mode not in ("captured", "compiled"):
             raise EngineUnavailable("off", f"decode graphs are {mode}")
@@ -207,8 +242,16 @@ class DecodeEngine:
         self._compiled: Any = None
         if mode == "compiled" and compile_cache_dir:
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir)
+        self.batch_rows = 0
+        self.batch_buckets: tuple[int, ...] = ()
+        self._bgraphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
+        self._bcaches: dict[tuple[int, int], Any] = {}
+        self._bkeys: list[torch.Tensor] = []
+        self._bvalues: list[torch.Tensor] = []
+        self._bused = (0, 0)  # (rows, positions) written since the last zeroing
         with torch.inference_mode():
             self._allocate()
+            self._allocate_batch(max_rows)
 
     # --- building ---------------------------------------------------------------------------
     def _allocate(self) -> None:
@@ -261,6 +304,7 @@ class DecodeEngine:
         ]
         # One write position per layer, shared by every bucket (views of one tensor).
         self._positions = torch.zeros(len(shapes), dtype=torch.long, device=self.device)
+        self._shapes = shapes
         self.stats.cache_bytes = need
         self._caches = {length: self._bucket_cache(length) for length in self.buckets}
         self._ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
@@ -275,22 +319,81 @@ class DecodeEngine:
         self._positions.zero_()
         return int(out.logits.shape[-1])
 
-    def _bucket_cache(self, length: int) -> Any:
+    def _allocate_batch(self, max_rows: int) -> None:
+        """The static batch's cache: per layer ``[rows, kv_heads, context, head_dim]``, an additive
+        attention mask ``[rows, 1, 1, context]`` (0 where a row attends, the dtype's minimum
+        elsewhere: a row's padding and unwritten positions), each row's next position id, its
+        next input token and its logits ``[rows, vocab]`` float32."""
+        if max_rows < 2:
+            return
+        per_row = self.stats.cache_bytes  # one row of the whole context
+        free = self._free_bytes()
+        if free is None:  # the CPU (graphs=False): no card to fit
+            free = per_row * max_rows * 4
+        rows = min(max_rows, int(max(0, free) * BATCH_CACHE_FRACTION) // max(per_row, 1))
+        if rows < 2:
+            self.stats.batch_note = (
+                f"a static batch's cache of 2 rows needs {2 * per_row / 2**20:.0f} MiB, more "
+                f"than {BATCH_CACHE_FRACTION:.0%} of the {max(0, free) / 2**20:.0f} MiB free: "
+                "batches decode eagerly"
+            )
+            return
+        if rows < max_rows:
+            self.stats.batch_note = (
+                f"batched graphs decode up to {rows} of MAX_BATCH_SIZE={max_rows} sequences "
+                f"(a cache of {BATCH_CACHE_FRACTION:.0%} of the free memory); larger batches "
+                "decode eagerly"
+            )
+        dtype = self._shapes[0][3]
+        self._bkeys = [
+            torch.zeros((rows, h, self.context, kd), dtype=dt, device=self.device)
+            for h, kd, _vd, dt in self._shapes
+        ]
+        self._bvalues = [
+            torch.zeros((rows, h, self.context, vd), dtype=dt, device=self.device)
+            for h, _kd, vd, dt in self._shapes
+        ]
+        self._bpositions = torch.zeros(len(self._shapes), dtype=torch.long, device=self.device)
+        self._bmask = torch.full(
+            (rows, 1, 1, self.context), torch.finfo(dtype).min, dtype=dtype, device=self.device
+        )
+        self._bids = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
+        self._bpos = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
+        self._blogits = torch.zeros(
+            (rows, self._logits.shape[0]), dtype=torch.float32, device=self.device
+        )
+        self.batch_rows = rows
+        self.batch_buckets = row_buckets(rows)
+        self.stats.batch_rows = rows
+        self.stats.batch_cache_bytes = rows * per_row
+        self.stats.cache_bytes += rows * per_row
+
+    def _free_bytes(self) -> int | None:
+        """Free memory on the card less the graphs' margin (None off CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.mem_get_info(self.device)[0] - GRAPH_POOL_MARGIN_BYTES
+
+    def _bucket_cache(self, length: int, rows: int = 0) -> Any:
+        """A ``StaticCache`` over the first ``length`` positions of the one-sequence cache
+        (``rows`` 0) or of the first ``rows`` rows of the static batch's cache."""
         from transformers import StaticCache
 
         cache = StaticCache(config=self.model.config, max_cache_len=length)
+        keys_of, values_of = (self._bkeys, self._bvalues) if rows else (self._keys, self._values)
+        positions = self._bpositions if rows else self._positions
         for i, layer in enumerate(cache.layers):
-            keys = self._keys[i][:, :, :length, :]
-            values = self._values[i][:, :, :length, :]
+            keys = keys_of[i][: rows or 1, :, :length, :]
+            values = values_of[i][: rows or 1, :, :length, :]
             layer.device = self.device
             layer.batch_size, layer.num_heads = keys.shape[:2]
             layer.k_head_dim = keys.shape[-1]
             layer.v_head_dim = values.shape[-1]
             layer.keys = keys
             layer.values = values
-            layer.cumulative_length = self._positions[i]
+            layer.cumulative_length = positions[i]
             layer.is_initialized = True
-            if self.mode == "compiled":
+            if self.mode == "compiled" and not rows:
                 # One compile per bucket: the mask's length is the cache's Python-int length, so a
                 # symbolic length (mark_dynamic) is refused (ConstraintViolationError, H200 run
                 # of 2026-12-01). Static addresses let inductor treat the cache as fixed.
@@ -319,33 +422,89 @@ class DecodeEngine:
         lie at or after the current position, which the next real step overwrites before any
         step attends to them (the causal mask hides later positions)."""
         started = time.perf_counter()
-        step = self._step_fn(length)
         saved = self._positions.clone()
-        try:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            reserved = torch.cuda.memory_reserved(self.device)
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(3 if self.mode == "compiled" else 2):
-                    step()
-                    self._positions.copy_(saved)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                step()
+
+        def restore() -> None:
             self._positions.copy_(saved)
-            self._graphs[length] = graph
-            self.stats.graph_pool_bytes += max(
-                0, torch.cuda.memory_reserved(self.device) - reserved
-            )
+
+        try:
+            self._graphs[length] = self._record(self._step_fn(length), restore)
             self.stats.captured[length] = (time.perf_counter() - started) * 1000
         except Exception as exc:  # a capture failure never fails the request
-            self._positions.copy_(saved)
+            restore()
             self._graphs[length] = None
             self.stats.eager_buckets.add(length)
             self._fallback("capture", f"bucket {length}: {type(exc).__name__}: {exc}")
+
+    def _record(self, step: Any, restore: Any) -> torch.cuda.CUDAGraph:
+        """Warm ``step`` up on a side stream, then record it into the engine's pool; ``restore``
+        undoes each run's writes to the positions, ids and mask."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        reserved = torch.cuda.memory_reserved(self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(3 if self.mode == "compiled" else 2):
+                step()
+                restore()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            step()
+        restore()
+        self.stats.graph_pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
+        return graph
+
+    # --- the static batch ------------------------------------------------------------------
+    def _batch_step_fn(self, rows: int, length: int) -> Any:
+        """One decode step of the first ``rows`` rows over the first ``length`` positions: the
+        new position becomes attendable in every row, the forward writes its keys and values
+        there and the logits of each row into the static buffer, and each row's position id
+        advances. Eager forward (``compiled`` compiles the one-sequence step only: a compile
+        per (rows, length) pair would take minutes)."""
+        key = (rows, length)
+        cache = self._bcaches.get(key)
+        if cache is None:
+            cache = self._bcaches[key] = self._bucket_cache(length, rows)
+        mask = self._bmask[:rows]
+        view = mask[:, :, :, :length]
+        ids, pos, logits = self._bids[:rows], self._bpos[:rows], self._blogits[:rows]
+        column = self._bpositions[:1]
+
+        def step() -> None:
+            mask.index_fill_(3, column, 0.0)
+            out = self.model(
+                input_ids=ids,
+                position_ids=pos,
+                attention_mask=view,
+                use_cache=True,
+                **{self._cache_name: cache},
+            )
+            logits.copy_(out.logits[:, -1])
+            pos.add_(1)
+
+        return step
+
+    def _capture_batch(self, rows: int, length: int) -> None:
+        started = time.perf_counter()
+        saved = (self._bpositions.clone(), self._bpos[:rows].clone(), self._bmask[:rows].clone())
+
+        def restore() -> None:
+            self._bpositions.copy_(saved[0])
+            self._bpos[:rows].copy_(saved[1])
+            self._bmask[:rows].copy_(saved[2])
+
+        try:
+            graph = self._record(self._batch_step_fn(rows, length), restore)
+            self._bgraphs[(rows, length)] = graph
+            self.stats.batch_captured[(rows, length)] = (time.perf_counter() - started) * 1000
+        except Exception as exc:  # a capture failure never fails the request
+            restore()
+            self._bgraphs[(rows, length)] = None
+            self._fallback(
+                "capture", f"batch of {rows}, bucket {length}: {type(exc).__name__}: {exc}"
+            )
 
     def _fallback(self, reason: str, message: str) -> None:
         self.stats.fallbacks += 1
@@ -416,6 +575,8 @@ class DecodeEngine:
             self._caches = {}
             self._keys = []
             self._values = []
+            self._bkeys = []
+            self._bvalues = []
             self._closed = True
 
     def _drop_graphs_locked(self) -> None:
@@ -426,12 +587,20 @@ class DecodeEngine:
         self.stats.graph_pool_bytes = 0
         self._pool = None
         self._compiled = None
+        self._bgraphs.clear()
+        self._bcaches.clear()  # built over the model of their capture
+        self.stats.batch_captured.clear()
 
     def _zero_locked(self) -> None:
         with torch.inference_mode():  # the cache tensors are inference tensors
             for t in (*self._keys, *self._values):
                 t.zero_()
             self._positions.zero_()
+            rows, positions = self._bused
+            if rows and positions:  # the batch cache: only what a batch wrote since
+                for t in (*self._bkeys, *self._bvalues):
+                    t[:rows, :, :positions].zero_()
+            self._bused = (0, 0)
 
     @property
     def closed(self) -> bool:
@@ -443,13 +612,33 @@ class DecodeEngine:
         generation then decodes eagerly). ``model`` is the resident's model now: an engine built
         for another module tree (PEFT wraps the base model when an adapter is applied) rebinds
         to it and drops its graphs."""
-        if not self._lock.acquire(blocking=False):
+        with self._use(model) as ok:
+            yield DecodeSession(self) if ok else None
+
+    @contextlib.contextmanager
+    def batch_session(
+        self, model: Any, rows: int, positions: int
+    ) -> Iterator[BatchGraphSession | None]:
+        """A static batch's use of the engine: ``rows`` sequences (2 to :attr:`batch_rows`)
+        whose prompts padded to the longest plus the most tokens any may generate need
+        ``positions`` (at most the context). None when the batch does not fit, or the engine
+        is busy or closed: the batch then decodes eagerly
+        (:class:`~miserver.serving.static_batch.BatchDecoder`)."""
+        if not 2 <= rows <= self.batch_rows or positions > self.context:
             yield None
+            return
+        with self._use(model) as ok:
+            yield BatchGraphSession(self) if ok else None
+
+    @contextlib.contextmanager
+    def _use(self, model: Any) -> Iterator[bool]:
+        if not self._lock.acquire(blocking=False):
+            yield False
             return
         try:
             self._apply_pending_locked()
             if self._closed:
-                yield None
+                yield False
                 return
             with self._state:
                 zero, self._reset_pending = self._reset_pending, False
@@ -460,7 +649,7 @@ class DecodeEngine:
                 self._cache_name = _cache_kwarg(model)
                 self._drop_graphs_locked()
                 self._caches = {length: self._bucket_cache(length) for length in self.buckets}
-            yield DecodeSession(self)
+            yield True
         finally:
             try:
                 self._apply_pending_locked()
@@ -524,6 +713,227 @@ class DecodeSession:
         return e._logits
 
 
+class BatchGraphSession:
+    """A static batch's prefill and decode steps over the engine's batch cache, with the
+    :class:`~miserver.serving.static_batch.BatchDecoder` interface (``prefill``, ``begin``,
+    ``step``, ``keep``, ``full``, ``rows``), obtained from :meth:`DecodeEngine.batch_session`.
+
+    - **Prefill, padded together.** :meth:`expect` names the batch's distinct prompts; the first
+      :meth:`prefill` runs them left-padded through one eager forward pass per
+      :data:`BATCH_PREFILL_POSITIONS` padded positions (a pass per prompt would be launch-bound
+      on a GPU), and each :meth:`prefill` returns its prompt's last logits. A prompt that wants
+      every position's logits (echo with logprobs), or one whose padded pass failed, is
+      prefilled alone.
+    - **One write column.** Row ``r`` holds its prompt's keys and values at the positions just
+      before the shared write column, padded on the left; the additive mask of row ``r`` opens
+      its own positions only, and each step opens the new column in every row (inside the
+      graph). Position ids are per row.
+    - **Graphs per (rows, length) bucket.** A step replays the graph of the smallest row bucket
+      holding the live rows (:func:`row_buckets`) and the smallest length bucket holding the
+      next column, captured at its first use (a capture is two warm-up steps and one recorded
+      one; capturing every pair at load would cost tens of seconds for pairs most servers never
+      use). Rows whose sequences ended stay in place (their results unread) until at most half
+      the bucket is live; then the live rows are moved to the front and a smaller bucket
+      decodes them.
+
+    On CUDA a batched answer equals the same request decoded alone to rounding (other kernels,
+    a padded prefill), not bit for bit: greedy texts agree except at near-ties
+    (tests/gpu/test_static_batch_cuda.py).
+    """
+
+    def __init__(self, engine: DecodeEngine) -> None:
+        self._e = engine
+        self.kind = "graphs:captured"
+        self._expected: list[list[int]] = []
+        self._prefilled: list[tuple[Any, int, int, int]] = []  # (kv, index, length, width)
+        self._batched: dict[tuple[int, ...], tuple[Any, int, int, torch.Tensor]] | None = None
+        self._phys: list[int] = []  # per live row: its row in the cache
+        self._bucket = 0  # rows of the graph that decodes
+        self._column = 0  # the shared write column
+
+    @property
+    def rows(self) -> int:
+        """Sequences still decoding."""
+        return len(self._phys)
+
+    def full(self, row: int) -> bool:
+        """Never: the batch was admitted only if its longest need fits the context."""
+        return False
+
+    def expect(self, prompts: Sequence[Sequence[int]]) -> None:
+        """The distinct prompts the batch will prefill (before the first :meth:`prefill`)."""
+        self._expected = [list(p) for p in prompts]
+
+    def _prefill_together(self) -> None:
+        from transformers import DynamicCache
+
+        e = self._e
+        self._batched = {}
+        prompts = list({tuple(p): None for p in self._expected})
+        chunk: list[tuple[int, ...]] = []
+        chunks: list[list[tuple[int, ...]]] = []
+        for p in sorted(prompts, key=len):
+            if chunk and len(p) * (len(chunk) + 1) > BATCH_PREFILL_POSITIONS:
+                chunks.append(chunk)
+                chunk = []
+            chunk.append(p)
+        if chunk:
+            chunks.append(chunk)
+        for chunk in chunks:
+            width = max(len(p) for p in chunk)
+            ids = torch.zeros((len(chunk), width), dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            pos = torch.zeros((len(chunk), width), dtype=torch.long)
+            for j, p in enumerate(chunk):
+                start = width - len(p)
+                ids[j, start:] = torch.tensor(p, dtype=torch.long)
+                mask[j, start:] = 1
+                pos[j, start:] = torch.arange(len(p))
+            cache = DynamicCache()
+            out = e.model(
+                input_ids=ids.to(e.device),
+                attention_mask=mask.to(e.device),
+                position_ids=pos.to(e.device),
+                use_cache=True,
+                logits_to_keep=1,
+                **{e._cache_name: cache},
+            )
+            padding = (mask == 0).to(e.device)[:, None, :, None]
+            kv = [
+                (k.masked_fill(padding, 0), v.masked_fill(padding, 0))  # no NaN of a pad row
+                for k, v in _kv_layers(cache)  # updated in place by the forward
+            ]
+            for j, p in enumerate(chunk):
+                self._batched[p] = (kv, j, width, out.logits[j : j + 1, -1])
+
+    def prefill(self, prompt_ids: Sequence[int], *, all_logits: bool) -> torch.Tensor:
+        """The prompt's logits ``[1, vocab]`` (or ``[len, vocab]`` with ``all_logits``), in the
+        model's dtype; its keys and values wait for :meth:`begin`."""
+        from transformers import DynamicCache
+
+        e = self._e
+        key = tuple(prompt_ids)
+        if not all_logits:
+            if self._batched is None and self._expected:
+                try:
+                    self._prefill_together()
+                except Exception as exc:  # noqa: BLE001 - each prompt alone, below
+                    log.warning(
+                        "static batch: the padded prefill failed (%s: %s); prefilling each "
+                        "prompt alone",
+                        type(exc).__name__,
+                        exc,
+                    )
+                    self._batched = {}
+            found = (self._batched or {}).get(key)
+            if found is not None:
+                kv, j, width, logits = found
+                self._prefilled.append((kv, j, len(key), width))
+                return logits
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=e.device)
+        kwargs: dict[str, Any] = {"use_cache": True, e._cache_name: DynamicCache()}
+        if not all_logits:
+            kwargs["logits_to_keep"] = 1
+        out = e.model(input_ids=ids, **kwargs)
+        self._prefilled.append((_kv_layers(kwargs[e._cache_name]), 0, len(key), len(key)))
+        return out.logits[0]
+
+    def begin(self, sources: Sequence[int]) -> None:
+        """Lay out the cache: row ``r`` continues prefill ``sources[r]`` (an index into the
+        :meth:`prefill` calls, in order)."""
+        e = self._e
+        rows = len(sources)
+        if not 2 <= rows <= e.batch_rows:
+            raise ValueError(f"a batch of {rows} rows; this engine decodes 2 to {e.batch_rows}")
+        bucket = next(b for b in e.batch_buckets if b >= rows)
+        width = max(self._prefilled[i][2] for i in sources)
+        e._bmask[:bucket].fill_(torch.finfo(e._bmask.dtype).min)
+        by_block: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (kv id, width) -> rows
+        for row, i in enumerate(sources):
+            kv, j, n, w = self._prefilled[i]
+            by_block.setdefault((id(kv), w), []).append((row, j))
+            e._bmask[row, 0, 0, width - n : width] = 0
+        blocks = {(id(kv), w): kv for kv, _j, _n, w in self._prefilled}
+        for (kv_id, w), placed in by_block.items():
+            kv = blocks[(kv_id, w)]
+            target = torch.tensor([r for r, _ in placed], dtype=torch.long, device=e.device)
+            source = torch.tensor([j for _, j in placed], dtype=torch.long, device=e.device)
+            for layer, (k, v) in enumerate(kv):
+                e._bkeys[layer][target, :, width - w : width] = k.index_select(0, source)
+                e._bvalues[layer][target, :, width - w : width] = v.index_select(0, source)
+        lengths = [self._prefilled[i][2] for i in sources] + [0] * (bucket - rows)
+        e._bpos[:bucket].copy_(torch.tensor(lengths, dtype=torch.long)[:, None])
+        e._bpositions.fill_(width)
+        self._prefilled = []
+        self._batched = None
+        self._phys = list(range(rows))
+        self._bucket = bucket
+        self._column = width
+
+    def step(self, tokens: Sequence[int]) -> torch.Tensor:
+        """One decode step: row ``r`` takes ``tokens[r]``; returns float32 ``[rows, vocab]``
+        logits (a view of the static buffer when no row has left, overwritten by the next step).
+
+        Raises:
+            ValueError: a token count other than the rows, or the context is full.
+        """
+        e = self._e
+        if len(tokens) != len(self._phys):
+            raise ValueError(f"{len(self._phys)} rows decode, got {len(tokens)} tokens")
+        length = pick_bucket(e.buckets, self._column + 1)
+        ids = [0] * self._bucket
+        for row, token in zip(self._phys, tokens, strict=True):
+            ids[row] = int(token)
+        e._bids[: self._bucket].copy_(torch.tensor(ids, dtype=torch.long)[:, None])
+        key = (self._bucket, length)
+        if key not in e._bgraphs and e._use_graphs:
+            e._capture_batch(*key)
+        graph = e._bgraphs.get(key)
+        if graph is not None:
+            graph.replay()
+            e.stats.batch_replays += 1
+        else:
+            e._batch_step_fn(*key)()
+        self._column += 1
+        used_rows, used_positions = e._bused
+        e._bused = (max(used_rows, self._bucket), max(used_positions, self._column))
+        logits = e._blogits
+        if self._phys == list(range(len(self._phys))):
+            return logits[: len(self._phys)]
+        return logits.index_select(0, torch.tensor(self._phys, device=e.device))
+
+    def keep(self, rows: Sequence[int]) -> None:
+        """Go on with ``rows`` (indices into the current rows, in order) only; at most half of
+        the bucket live moves them to the front of the cache and to a smaller bucket."""
+        e = self._e
+        self._phys = [self._phys[r] for r in rows]
+        live = len(self._phys)
+        if not live:
+            return
+        smaller = [b for b in e.batch_buckets if b >= live]
+        target = smaller[0] if smaller else self._bucket
+        if target >= self._bucket or live > self._bucket // 2:
+            return
+        if self._phys != list(range(live)):
+            index = torch.tensor(self._phys, dtype=torch.long, device=e.device)
+            upto = self._column
+            for t in (*e._bkeys, *e._bvalues):
+                t[:live, :, :upto] = t[: self._bucket, :, :upto].index_select(0, index)
+            e._bmask[:live] = e._bmask[: self._bucket].index_select(0, index)
+            e._bpos[:live] = e._bpos[: self._bucket].index_select(0, index)
+        self._phys = list(range(live))
+        self._bucket = target
+
+
+def _kv_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's ``(keys, values)`` of a Hugging Face cache, ``[batch, kv_heads, length,
+    head_dim]``."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [(layer.keys, layer.values) for layer in layers]
+    return list(zip(cache.key_cache, cache.value_cache, strict=True))  # transformers 4.x
+
+
 def engine_for(
     model: Any,
     requested: str,
@@ -532,6 +942,7 @@ def engine_for(
     warm: bool = True,
     on_fallback: Any = None,
     compile_cache_dir: str | None = None,
+    max_rows: int = 1,
 ) -> tuple[DecodeEngine | None, str | None]:
     """Build the decode engine for a freshly loaded resident, or say why there is none.
 
@@ -549,6 +960,7 @@ def engine_for(
             context,
             on_fallback=on_fallback,
             compile_cache_dir=compile_cache_dir,
+            max_rows=max_rows,
         )
     except EngineUnavailable as exc:
         if on_fallback is not None:

@@ -583,14 +583,22 @@ class _Sequence:
     def begin(self, prompt_lp: tuple[TokenLogprob, ...] | None) -> None:
         self.gen._emit(Started(len(self.gen.prompt_ids), prompt_lp))
 
-    def advance(self, logits: torch.Tensor, full: bool) -> int | None:
+    def advance(
+        self, logits: torch.Tensor, full: bool, best: tuple[float, int] | None = None
+    ) -> int | None:
         """Take the next token from ``logits`` (float32 ``[vocab]``); returns it when the
         sequence goes on (``full``: no further position fits), None when it ended (its
-        :class:`Finished` sent)."""
+        :class:`Finished` sent). ``best``: ``torch.max`` of ``logits`` (value, index), when the
+        caller has it: a greedy sequence takes its index (what :func:`pick_token` would)."""
         gen = self.gen
         if gen._cancel.is_set():
             return self._end("cancelled", matched_stop=False)
-        token = pick_token(logits, self.params, self.generator)
+        if best is not None and self.params.temperature == 0:
+            if not math.isfinite(best[0]):
+                raise NonFiniteLogits()
+            token = int(best[1])
+        else:
+            token = pick_token(logits, self.params, self.generator)
         self.generated += 1
         gen.timing.steps = self.generated
         if token in self.ends:
@@ -613,11 +621,13 @@ class _Sequence:
             return self._end("length", matched_stop=False)
         return token
 
-    def advance_or_fail(self, logits: torch.Tensor, full: bool) -> int | None:
+    def advance_or_fail(
+        self, logits: torch.Tensor, full: bool, best: tuple[float, int] | None = None
+    ) -> int | None:
         """:meth:`advance`; a failure of this sequence alone (its sampling, e.g. non-finite
         logits in its row) ends it with the failure, and the batch's other sequences go on."""
         try:
-            return self.advance(logits, full)
+            return self.advance(logits, full, best)
         except Exception as exc:  # noqa: BLE001 - reported to this sequence's caller
             log.warning("generation failed: %s: %s", type(exc).__name__, exc)
             self.fail(exc)
@@ -720,13 +730,21 @@ def _decode_sequences(gens: list[Generation]) -> None:
         for seq in ended:  # the others go on
             seq.gen._finish_thread()
         decoder.begin(sources)
+        greedy = any(seq.params.temperature == 0 for seq in active)
         while active:
             logits = decoder.step(tokens)
+            # the greedy rows' tokens in one pass and one read (a GPU sync per row is slow)
+            best = None
+            if greedy and len(active) > 1:
+                values, indices = torch.max(logits, dim=-1)
+                best = list(zip(values.tolist(), indices.tolist(), strict=True))
             kept: list[int] = []
             still: list[_Sequence] = []
             tokens = []
             for row, seq in enumerate(active):
-                token = seq.advance_or_fail(logits[row], decoder.full(row))
+                token = seq.advance_or_fail(
+                    logits[row], decoder.full(row), best[row] if best is not None else None
+                )
                 if token is None:
                     continue
                 kept.append(row)
@@ -742,14 +760,30 @@ def _decode_sequences(gens: list[Generation]) -> None:
 
 @contextlib.contextmanager
 def _decoder(gens: list[Generation]) -> Any:
-    """The resident's decode engine for a lone sequence when it is free, else the eager
-    (batched) decoder."""
+    """The resident's decode engine when it is free (a lone sequence: its one-sequence graphs;
+    a static batch that fits its batch cache: the batched graphs), else the eager (batched)
+    decoder."""
     first = gens[0]
     model = first.model
     if len(gens) == 1 and first.engine is not None:
         with first.engine.session(model) as session:
             if session is not None:
                 yield _Rows(_GraphDecoder(session))
+                return
+    elif first.engine is not None and getattr(first.engine, "batch_rows", 0) >= 2:
+        # left padding: every row's keys end at the longest prompt's length
+        need = max(len(g.prompt_ids) for g in gens) + max(g.params.max_tokens for g in gens)
+        with first.engine.batch_session(model, len(gens), need) as batch:
+            if batch is not None:
+                leads = {id(g._prefill_group or g): g for g in gens}
+                batch.expect(
+                    [
+                        g.prompt_ids
+                        for g in leads.values()
+                        if not (g.params.echo and g.params.logprobs is not None)
+                    ]
+                )
+                yield batch
                 return
     from miserver.serving.static_batch import BatchDecoder
 

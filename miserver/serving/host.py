@@ -42,7 +42,7 @@ from miserver.serving.loader import LoadedModel
 from miserver.serving.metrics import Metrics
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
-from miserver.spec.settings import Settings
+from miserver.spec.settings import Settings, resolved_max_batch_size
 
 log = logging.getLogger("miserver.host")
 
@@ -505,6 +505,7 @@ class ModelHost:
             context_length(model),
             on_fallback=on_fallback,
             compile_cache_dir=str(Path(self.settings.home) / "compile-cache"),
+            max_rows=resolved_max_batch_size(self.settings, decode_graphs.device_of(model).type),
         )
         if engine is None:
             if decode_graphs.device_of(model).type == "cuda":
@@ -516,15 +517,20 @@ class ModelHost:
             stats = engine.stats
             log.info(
                 "decode graphs %s: %d buckets up to %d positions in %.2f s "
-                "(KV cache %.1f MiB, graphs %.1f MiB, %d buckets eager)",
+                "(KV cache %.1f MiB, of it %.1f MiB for static batches of up to %d sequences; "
+                "graphs %.1f MiB, %d buckets eager)",
                 engine.mode,
                 len(stats.buckets),
                 engine.context,
                 time.perf_counter() - started,
                 stats.cache_bytes / 2**20,
+                stats.batch_cache_bytes / 2**20,
+                stats.batch_rows,
                 stats.graph_pool_bytes / 2**20,
                 len(stats.eager_buckets),
             )
+            if stats.batch_note:
+                log.warning("decode graphs: %s", stats.batch_note)
         if self.metrics:
             self.metrics.set_decode_engine(engine)
         return engine, why

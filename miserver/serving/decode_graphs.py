@@ -843,8 +843,8 @@ class BatchGraphSession:
         :meth:`prefill` calls, in order)."""
         e = self._e
         rows = len(sources)
-        if not 2 <= rows <= e.batch_rows:
-            raise ValueError(f"a batch of {rows} rows; this engine decodes 2 to {e.batch_rows}")
+        if not 1 <= rows <= e.batch_rows:  # one: the others ended at their first token
+            raise ValueError(f"a batch of {rows} rows; this engine decodes 1 to {e.batch_rows}")
         bucket = next(b for b in e.batch_buckets if b >= rows)
         width = max(self._prefilled[i][2] for i in sources)
         e._bmask[:bucket].fill_(torch.finfo(e._bmask.dtype).min)

@@ -143,6 +143,20 @@ async def test_batched_greedy_answers_through_the_engine_equal_each_alone(model,
     assert answers[3][1] == "stop" and answers[0][1] == "length"  # n=2 gives rows 1 and 2
 
 
+async def test_a_batch_left_with_one_row_after_the_prefill_decodes_it(model, tokenizer) -> None:
+    """Every other sequence ended at its first token: the one left decodes in the batch cache."""
+    requests = [
+        ("Hi", SamplingParams(max_tokens=1, temperature=0), 2),
+        ("Hello there", SamplingParams(max_tokens=9, temperature=0), 1),
+    ]
+    answers, kinds = await _batched(model, tokenizer, requests, _engine(model))
+    assert set(kinds) == {"graphs:captured"}
+    expected = []
+    for prompt, params, n in requests:
+        expected += (await _batched(model, tokenizer, [(prompt, params, 1)], None))[0] * n
+    assert answers == expected and answers[2][1] == "length"
+
+
 async def test_a_batch_that_does_not_fit_decodes_eagerly(model, tokenizer) -> None:
     """More rows than the batch cache holds, or a longest prompt plus the most tokens beyond
     the context: the eager batched decoder, the same answers."""

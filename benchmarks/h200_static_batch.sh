@@ -17,15 +17,15 @@ parts=("$@")
 for part in "${parts[@]}"; do
   case $part in
   tests)
-    timeout 150 python3 -m pytest tests/gpu/test_static_batch_cuda.py -q -s -rs -p no:cacheprovider \
+    timeout 120 python3 -m pytest tests/gpu/test_static_batch_cuda.py -q -s -rs -p no:cacheprovider \
       >"$OUT/gpu_static_batch.log" 2>&1
     echo "tests rc=$?"; grep -E "batched|cuda:|after a write|passed|failed|Error" "$OUT/gpu_static_batch.log" | tail -8 ;;
   bench)
-    timeout 230 python3 benchmarks/static_batch.py --home "$HOME_DIR" --device cuda --sizes 1,8,32,64 \
+    timeout 220 python3 benchmarks/static_batch.py --home "$HOME_DIR" --device cuda --sizes 1,8,32,64 \
       --clients 64 --tokens 64 --batch-rows 512 --row-tokens 128 --first-rows 64 --in-process \
       --server-log "$OUT/servers.log" --json "$OUT/static_batch_135m.json" >"$OUT/static_batch.log" 2>&1
     echo "135m rc=$?"; tail -12 "$OUT/static_batch.log"
-    timeout 200 python3 benchmarks/static_batch.py --home "$HOME_DIR" --device cuda --sizes 1,8,32,64 \
+    timeout 190 python3 benchmarks/static_batch.py --home "$HOME_DIR" --device cuda --sizes 1,8,32,64 \
       --clients 64 --tokens 64 --batch-rows 512 --row-tokens 128 --first-rows 32 --in-process \
       --shape 0.5b --server-log "$OUT/servers.log" --json "$OUT/static_batch_05b.json" \
       >>"$OUT/static_batch.log" 2>&1

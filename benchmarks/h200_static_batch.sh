@@ -22,7 +22,7 @@ for part in "${parts[@]}"; do
     echo "tests rc=$?"; grep -E "batched|cuda:|after a write|passed|failed|Error" "$OUT/gpu_static_batch.log" | tail -8 ;;
   bench)
     timeout 220 python3 benchmarks/static_batch.py --home "$HOME_DIR" --device cuda --sizes 1,8,32,64 \
-      --clients 64 --tokens 64 --batch-rows 512 --row-tokens 128 --first-rows 64 --in-process \
+      --clients 64 --tokens 64 --batch-rows 512 --row-tokens 128 --first-rows 32 --in-process \
       --server-log "$OUT/servers.log" --json "$OUT/static_batch_135m.json" >"$OUT/static_batch.log" 2>&1
     echo "135m rc=$?"; tail -12 "$OUT/static_batch.log"
     timeout 190 python3 benchmarks/static_batch.py --home "$HOME_DIR" --device cuda --sizes 1,8,32,64 \

@@ -135,29 +135,68 @@ def test_batched_graphs_follow_the_lone_sequences(default_model) -> None:
     assert same >= len(prompts) - 2 and same_eager >= len(prompts) - 2
 
 
+def _forced_through(engine, model, prompts: list[list[int]], forced: list[list[int]]):
+    """Each step's float32 logits ``[steps + 1, rows, vocab]`` of the batch session fed the
+    ``forced`` tokens (row ``r`` takes ``forced[r][i]`` at step ``i``)."""
+    steps = len(forced[0])
+    with engine.batch_session(model, len(prompts), max(map(len, prompts)) + steps) as batch:
+        assert batch is not None, engine.stats.batch_note
+        batch.expect(prompts)
+        rows = [torch.stack([batch.prefill(p, all_logits=False)[-1].float() for p in prompts])]
+        batch.begin(list(range(len(prompts))))
+        for i in range(steps):
+            rows.append(batch.step([f[i] for f in forced]).clone())
+    return torch.stack(rows)
+
+
+def _forced_eager(model, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
+    from miserver.serving.generation import cache_kwarg
+    from miserver.serving.static_batch import BatchDecoder
+
+    dec = BatchDecoder(model, DEVICE, cache_kwarg(model))
+    rows = [torch.stack([dec.prefill(p, all_logits=False)[-1].float() for p in prompts])]
+    dec.begin(list(range(len(prompts))))
+    for i in range(len(forced[0])):
+        rows.append(dec.step([f[i] for f in forced]).clone())
+    return torch.stack(rows)
+
+
 def test_batched_graphs_serve_an_in_place_write(default_model) -> None:
     """Graphs captured, then every parameter written in place (what a trainer's commit does):
-    the next batch decodes the written weights (equal to the eager batch on them), not the old."""
+    fed the same tokens, the next batch's logits are the eager batch's on the written weights
+    (within bfloat16 rounding: 5 % of the largest logit) and far from the logits before the
+    write. Logits, not greedy tokens: a write this large leaves a near-tie at many steps, where
+    two kernels' rounding picks different tokens (the H200 run of 2026-12-02: 1/4 prompts gave
+    the same 16 greedy tokens, with graphs that did follow the write)."""
     from miserver.serving.decode_graphs import DecodeEngine
 
     model, tokenizer = default_model
     prompts = [_chat_ids(tokenizer, c) for c in CHATS[:4]]
+    forced = [[100 + 17 * r + i for i in range(16)] for r in range(len(prompts))]
     saved = [p.detach().clone() for p in model.parameters()]
     try:
         with torch.inference_mode():
             engine = DecodeEngine(model, "captured", 1024, max_rows=4)
-            before = _greedy_through(engine, model, prompts, 16)
+            before = _forced_through(engine, model, prompts, forced)  # captures (4, 256)
+            captured = set(engine.stats.batch_captured)
             g = torch.Generator(device=DEVICE).manual_seed(0)
             for p in model.parameters():
-                p.add_(
-                    torch.randn(p.shape, generator=g, device=DEVICE, dtype=p.dtype) * p.std() * 0.5
-                )
-            after = _greedy_through(engine, model, prompts, 16)
-            eager = _greedy_batch(model, prompts)
-        same = sum(a == b[:16] for a, b in zip(after, eager, strict=True))
-        print(f"after a write in place: {same}/4 prompts as the eager batch on the written weights")
-        assert after != before
-        assert same >= 3
+                noise = torch.randn(p.shape, generator=g, device=DEVICE, dtype=p.dtype)
+                p.add_(noise * p.std() * 0.5)
+            after = _forced_through(engine, model, prompts, forced)
+            eager = _forced_eager(model, prompts, forced)
+        scale = eager.abs().amax(dim=-1, keepdim=True)
+        err = float(((after - eager).abs() / scale).amax())
+        moved = float(((before - eager).abs() / scale).amax())
+        print(
+            f"after a write in place: batched graphs vs eager on the written weights, max "
+            f"relative difference {err:.4f}; before the write vs after {moved:.3f}; "
+            f"graphs captured before the write {sorted(captured)}, after "
+            f"{sorted(engine.stats.batch_captured)}"
+        )
+        assert captured and set(engine.stats.batch_captured) == captured  # replayed, not recaptured
+        assert err <= 0.05
+        assert moved > 10 * max(err, 0.01)
     finally:
         with torch.inference_mode():
             for p, s in zip(model.parameters(), saved, strict=True):

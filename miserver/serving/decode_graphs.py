@@ -577,6 +577,9 @@ class DecodeEngine:
             self._values = []
             self._bkeys = []
             self._bvalues = []
+            for name in ("_bmask", "_bids", "_bpos", "_blogits", "_bpositions"):
+                self.__dict__.pop(name, None)  # the batch's buffers (its logits: rows x vocab)
+            self.batch_rows = 0
             self._closed = True
 
     def _drop_graphs_locked(self) -> None:

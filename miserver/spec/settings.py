@@ -313,7 +313,9 @@ def _convert(variable: str, kind: str, raw: str) -> object:
             return True
         if low in _FALSE:
             return False
-        raise ConfigError(variable, f"expected 0 or 1, got {raw!r}")
+        raise ConfigError(
+            variable, f"expected 1/true/yes/on or 0/false/no/off (or empty), got {raw!r}"
+        )
     if kind in ("pos_int", "port"):
         try:
             value = int(raw)

@@ -208,3 +208,12 @@ def test_the_batch_cache_is_cut_to_the_free_memory(model, monkeypatch) -> None:
     assert engine.batch_rows == 0 and "decode eagerly" in engine.stats.batch_note
     with engine.batch_session(model, 2, 10) as batch:
         assert batch is None
+
+
+def test_close_frees_the_batch_cache_and_refuses_batches(model) -> None:
+    engine = _engine(model, max_rows=4)
+    assert engine.batch_rows == 4 and engine._bkeys
+    engine.close()
+    assert engine.batch_rows == 0 and not engine._bkeys and not hasattr(engine, "_blogits")
+    with engine.batch_session(model, 2, 10) as batch:
+        assert batch is None

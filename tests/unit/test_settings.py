@@ -158,3 +158,10 @@ def test_max_batch_size_is_auto_or_1_to_256_and_auto_takes_the_devices_default()
     for bad in ("0", "257", "-1", "eight", "1.5"):
         with pytest.raises(ConfigError, match="MAX_BATCH_SIZE"):
             load_settings({"MISERVER_HOME": "/x", "MAX_BATCH_SIZE": bad})
+
+
+def test_a_bad_switch_lists_every_accepted_spelling():
+    with pytest.raises(ConfigError) as info:
+        load_settings({"MISERVER_HOME": "/tmp/x", "WEIGHTS_CPU_ATTACH": "maybe"})
+    for word in ("1", "true", "yes", "on", "0", "false", "no", "off", "'maybe'"):
+        assert word in str(info.value)

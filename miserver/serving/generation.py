@@ -264,6 +264,77 @@ def _sample(probs: torch.Tensor, generator: torch.Generator | SeedStream | None)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def pick_tokens(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | SeedStream | None],
+) -> list[int | NonFiniteLogits]:
+    """:func:`pick_token` for every row of ``logits`` (float32 ``[rows, vocab]``) at once: the
+    same arithmetic (float64 after subtracting each row's maximum, the top-p cut over the sorted
+    probabilities, the inverse CDF of a :class:`SeedStream` draw or ``torch.multinomial``), done
+    as a few batched operations and one read to the host instead of several synchronisations a
+    row. Row ``r`` takes ``params[r]`` and ``generators[r]`` (a ``SeedStream`` draws once, as
+    ``pick_token`` would). A row whose maximum is not finite gets a :class:`NonFiniteLogits`
+    instead of a token. Batched reductions may round otherwise than one row's (so the static
+    batch uses this on CUDA only, where a batch equals a request alone to rounding anyway)."""
+    rows = logits.shape[0]
+    best, index = torch.max(logits, dim=-1)
+    best_values, best_index = best.tolist(), index.tolist()
+    out: list[int | NonFiniteLogits] = [0] * rows
+    groups: dict[bool, list[int]] = {True: [], False: []}  # top-p cut or not -> rows
+    for r in range(rows):
+        if not math.isfinite(best_values[r]):
+            out[r] = NonFiniteLogits()
+        elif params[r].temperature == 0:
+            out[r] = int(best_index[r])
+        elif isinstance(generators[r], torch.Generator):  # not batched: its own generator
+            out[r] = pick_token(logits[r], params[r], generators[r])
+        else:
+            groups[params[r].top_p < 1.0].append(r)
+    device = logits.device
+    for cut, members in groups.items():
+        if not members:
+            continue
+        sel = torch.tensor(members, dtype=torch.long, device=device)
+        temperature = torch.tensor(
+            [params[r].temperature for r in members], dtype=torch.float64, device=device
+        )[:, None]
+        scaled = logits.index_select(0, sel).double() - best.index_select(0, sel).double()[:, None]
+        probs = torch.softmax(scaled / temperature, dim=-1)
+        order = None
+        if cut:
+            top_p = torch.tensor(
+                [params[r].top_p for r in members], dtype=torch.float64, device=device
+            )[:, None]
+            probs, order = torch.sort(probs, dim=-1, descending=True)
+            cumulative = torch.cumsum(probs, dim=-1)
+            drop = cumulative - probs >= top_p
+            drop[:, 0] = False  # always keeps the best token
+            probs = probs.masked_fill(drop, 0.0)
+        seeded = [i for i, r in enumerate(members) if isinstance(generators[r], SeedStream)]
+        free = [i for i, r in enumerate(members) if generators[r] is None]
+        picked = torch.zeros(len(members), dtype=torch.long, device=device)
+        if seeded:
+            at = torch.tensor(seeded, dtype=torch.long, device=device)
+            cumulative = torch.cumsum(probs.index_select(0, at), dim=-1)
+            draws = torch.tensor(
+                [generators[members[i]].uniform() for i in seeded],  # type: ignore[union-attr]
+                dtype=torch.float64,
+                device=device,
+            )[:, None]
+            target = cumulative[:, -1:] * draws
+            found = torch.searchsorted(cumulative, target, right=True)[:, 0]
+            picked[at] = found.clamp(max=probs.shape[-1] - 1)
+        if free:
+            at = torch.tensor(free, dtype=torch.long, device=device)
+            picked[at] = torch.multinomial(probs.index_select(0, at), 1)[:, 0]
+        if order is not None:
+            picked = order.gather(1, picked[:, None])[:, 0]
+        for r, token in zip(members, picked.tolist(), strict=True):
+            out[r] = int(token)
+    return out
+
+
 def pick_token(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -584,16 +655,25 @@ class _Sequence:
         self.gen._emit(Started(len(self.gen.prompt_ids), prompt_lp))
 
     def advance(
-        self, logits: torch.Tensor, full: bool, best: tuple[float, int] | None = None
+        self,
+        logits: torch.Tensor,
+        full: bool,
+        best: tuple[float, int] | None = None,
+        picked: int | NonFiniteLogits | None = None,
     ) -> int | None:
         """Take the next token from ``logits`` (float32 ``[vocab]``); returns it when the
         sequence goes on (``full``: no further position fits), None when it ended (its
         :class:`Finished` sent). ``best``: ``torch.max`` of ``logits`` (value, index), when the
-        caller has it: a greedy sequence takes its index (what :func:`pick_token` would)."""
+        caller has it: a greedy sequence takes its index (what :func:`pick_token` would).
+        ``picked``: this row's :func:`pick_tokens` result, when the caller sampled the batch."""
         gen = self.gen
         if gen._cancel.is_set():
             return self._end("cancelled", matched_stop=False)
-        if best is not None and self.params.temperature == 0:
+        if isinstance(picked, NonFiniteLogits):
+            raise picked
+        if picked is not None:
+            token = int(picked)
+        elif best is not None and self.params.temperature == 0:
             if not math.isfinite(best[0]):
                 raise NonFiniteLogits()
             token = int(best[1])
@@ -622,12 +702,16 @@ class _Sequence:
         return token
 
     def advance_or_fail(
-        self, logits: torch.Tensor, full: bool, best: tuple[float, int] | None = None
+        self,
+        logits: torch.Tensor,
+        full: bool,
+        best: tuple[float, int] | None = None,
+        picked: int | NonFiniteLogits | None = None,
     ) -> int | None:
         """:meth:`advance`; a failure of this sequence alone (its sampling, e.g. non-finite
         logits in its row) ends it with the failure, and the batch's other sequences go on."""
         try:
-            return self.advance(logits, full, best)
+            return self.advance(logits, full, best, picked)
         except Exception as exc:  # noqa: BLE001 - reported to this sequence's caller
             log.warning("generation failed: %s: %s", type(exc).__name__, exc)
             self.fail(exc)
@@ -733,9 +817,17 @@ def _decode_sequences(gens: list[Generation]) -> None:
         greedy = any(seq.params.temperature == 0 for seq in active)
         while active:
             logits = decoder.step(tokens)
+            batched_sampling = len(active) > 1 and _samples_batched(logits)
             # the greedy rows' tokens in one pass and one read (a GPU sync per row is slow)
             best = None
-            if greedy and len(active) > 1:
+            picked = None
+            if batched_sampling:
+                # every row's token in a few batched operations and one read (a GPU sync per
+                # row was most of a step of many sequences)
+                picked = pick_tokens(
+                    logits, [q.params for q in active], [q.generator for q in active]
+                )
+            elif greedy and len(active) > 1:
                 values, indices = torch.max(logits, dim=-1)
                 best = list(zip(values.tolist(), indices.tolist(), strict=True))
             kept: list[int] = []
@@ -743,7 +835,10 @@ def _decode_sequences(gens: list[Generation]) -> None:
             tokens = []
             for row, seq in enumerate(active):
                 token = seq.advance_or_fail(
-                    logits[row], decoder.full(row), best[row] if best is not None else None
+                    logits[row],
+                    decoder.full(row),
+                    best[row] if best is not None else None,
+                    picked[row] if picked is not None else None,
                 )
                 if token is None:
                     continue
@@ -756,6 +851,13 @@ def _decode_sequences(gens: list[Generation]) -> None:
                         seq.gen._finish_thread()
                 decoder.keep(kept)
             active = still
+
+
+def _samples_batched(logits: torch.Tensor) -> bool:
+    """Whether a batch's rows are sampled together (:func:`pick_tokens`): on CUDA, where a
+    synchronisation a row is expensive and a batch equals its requests alone to rounding only;
+    on the CPU row by row, which keeps a batched answer the bits of the request alone."""
+    return logits.is_cuda
 
 
 @contextlib.contextmanager

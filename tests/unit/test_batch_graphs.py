@@ -217,3 +217,70 @@ def test_close_frees_the_batch_cache_and_refuses_batches(model) -> None:
     assert engine.batch_rows == 0 and not engine._bkeys and not hasattr(engine, "_blogits")
     with engine.batch_session(model, 2, 10) as batch:
         assert batch is None
+
+
+# --- the batched sampler (the static batch's rows on CUDA) ------------------------------------
+def test_pick_tokens_samples_every_row_as_pick_token_does() -> None:
+    """Random logits, rows of every kind (greedy, temperatures, top-p cut or not, seeded draws,
+    a non-finite row): each seeded or greedy row gets exactly ``pick_token``'s token with the
+    same seed; an unseeded row a token inside its top-p set."""
+    from miserver.serving.generation import (
+        NonFiniteLogits,
+        SeedStream,
+        pick_token,
+        pick_tokens,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    kinds = [(t, p) for t in (0.0, 0.3, 1.0, 1.7) for p in (1.0, 0.9, 0.2)]
+    for trial in range(6):
+        rows = len(kinds) + 2
+        logits = torch.randn((rows, 3000), generator=g) * (1 + trial)
+        logits[-1, 7] = float("nan")
+        params = [SamplingParams(max_tokens=4, temperature=t, top_p=p) for t, p in kinds]
+        params += [SamplingParams(max_tokens=4, temperature=1.0, top_p=0.5)]  # unseeded
+        params += [SamplingParams(max_tokens=4, temperature=0.7)]  # the NaN row
+        seeds = [1000 * trial + r for r in range(rows)]
+        gens = [
+            SeedStream(s) if q.temperature > 0 else None for s, q in zip(seeds, params, strict=True)
+        ]
+        gens[-2] = None
+        batched = pick_tokens(logits, params, gens)
+        for r in range(len(kinds)):
+            stream = SeedStream(seeds[r]) if params[r].temperature > 0 else None
+            assert batched[r] == pick_token(logits[r], params[r], stream), (trial, kinds[r])
+        probs = torch.softmax(logits[-2].double(), -1)
+        ranked = torch.sort(probs, descending=True)
+        keep = ranked.indices[(torch.cumsum(ranked.values, 0) - ranked.values) < 0.5]
+        assert batched[-2] in keep.tolist()
+        assert isinstance(batched[-1], NonFiniteLogits)
+
+
+async def test_a_batch_sampled_together_answers_as_row_by_row(
+    model, tokenizer, monkeypatch
+) -> None:
+    """The decode loop with the batched sampler (forced on here; CUDA's path): seeded sampled
+    choices, top-p, a greedy request: the same answers as sampling row by row (on the CPU the
+    arithmetic agrees bit for bit, as the test above shows)."""
+    from miserver.serving import generation
+
+    requests = [
+        ("Once upon a time", SamplingParams(max_tokens=12, temperature=0.9, seed=3), 3),
+        ("Hi", SamplingParams(max_tokens=9, temperature=1.3, top_p=0.8, seed=11), 2),
+        ("The capital of France is", SamplingParams(max_tokens=10, temperature=0), 1),
+    ]
+    engine = _engine(model)
+    row_by_row, _ = await _batched(model, tokenizer, requests, engine)
+    calls = []
+    real = generation.pick_tokens
+
+    def spy(*args):  # noqa: ANN002, ANN202
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(generation, "_samples_batched", lambda logits: True)
+    monkeypatch.setattr(generation, "pick_tokens", spy)
+    together, kinds = await _batched(model, tokenizer, requests, engine)
+    assert calls and set(kinds) == {"graphs:captured"}
+    assert together == row_by_row
+    assert len({a for a, _ in together[:3]}) > 1  # the seeds of the choices differ

@@ -390,9 +390,9 @@ async def test_a_quiesce_sent_during_a_batch_returns_after_the_whole_batch(
     tokens: list[float] = []
     advance = generation._Sequence.advance
 
-    def timed(self: Any, logits: Any, full: bool, best: Any = None) -> int | None:
+    def timed(self: Any, *args: Any) -> int | None:
         tokens.append(time.monotonic())
-        return advance(self, logits, full, best)
+        return advance(self, *args)
 
     monkeypatch.setattr(generation._Sequence, "advance", timed)
     first_token = asyncio.Event()

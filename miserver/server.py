@@ -56,6 +56,7 @@ class JsonFormatter(logging.Formatter):
     """One JSON object a line: ``ts`` (RFC 3339 UTC), ``level``, ``logger``, ``message``.
 
     A message that is itself a JSON object (the ``weights_audit`` lines) is merged in as fields.
+    :meth:`format_line` is the same line from its parts (:meth:`LineHandler.emit_line`).
     """
 
     def __init__(self) -> None:
@@ -64,16 +65,38 @@ class JsonFormatter(logging.Formatter):
         self._stamp = ""
 
     def format(self, record: logging.LogRecord) -> str:
-        second = int(record.created)
+        exception = None
+        if record.exc_text or record.exc_info:
+            exception = record.exc_text or self.formatException(record.exc_info)
+        return self.format_line(
+            record.created,
+            record.msecs,
+            record.levelname,
+            record.name,
+            record.getMessage(),
+            exception,
+        )
+
+    def format_line(
+        self,
+        created: float,
+        msecs: float,
+        levelname: str,
+        name: str,
+        message: str,
+        exception: str | None = None,
+    ) -> str:
+        """The line :meth:`format` writes for a record with these fields (``created`` in
+        seconds since the epoch, ``msecs`` its milliseconds, as ``LogRecord`` sets them)."""
+        second = int(created)
         if second != self._second:  # strftime once a second, not once a line
             self._second = second
             self._stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
         out: dict[str, Any] = {
-            "ts": f"{self._stamp}.{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
+            "ts": f"{self._stamp}.{int(msecs):03d}Z",
+            "level": levelname.lower(),
+            "logger": name,
         }
-        message = record.getMessage()
         merged = False
         if message[:1] == "{" and message[-1:] == "}":
             try:
@@ -85,9 +108,103 @@ class JsonFormatter(logging.Formatter):
                 merged = True
         if not merged:
             out["message"] = message
-        if record.exc_text or record.exc_info:
-            out["exception"] = record.exc_text or self.formatException(record.exc_info)
+        if exception:
+            out["exception"] = exception
         return _encode(out).decode()
+
+
+class TextFormatter(logging.Formatter):
+    """``LOG_FORMAT=text``: ``2026-12-02 18:15:43,123 INFO    miserver.x: message`` (local time),
+    the stdlib formatter with :data:`TEXT_FORMAT`. :meth:`format_line` is the same line from its
+    parts (:meth:`LineHandler.emit_line`), the local time formatted once a second."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+        self._second = -1
+        self._stamp = ""
+
+    def format_line(
+        self, created: float, msecs: float, levelname: str, name: str, message: str
+    ) -> str:
+        """The line :meth:`format` writes for a record with these fields and no exception or
+        stack (``created`` in seconds since the epoch, ``msecs`` its milliseconds)."""
+        second = int(created)
+        if second != self._second:  # an offset from UTC changes on a whole second only
+            self._second = second
+            self._stamp = time.strftime(self.default_time_format, self.converter(created))
+        values = {
+            "asctime": self.default_msec_format % (self._stamp, msecs),
+            "levelname": levelname,
+            "name": name,
+            "message": message,
+        }
+        return TEXT_FORMAT % values
+
+
+#: The line of ``LOG_FORMAT=text`` (a stdlib ``%`` format).
+TEXT_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+
+
+def record_clock() -> tuple[float, float]:
+    """Now as a ``LogRecord`` of this Python stamps it: ``created`` (seconds since the epoch)
+    and ``msecs`` (its whole milliseconds), by the same arithmetic, so that a line written
+    from its parts shows the time a record would have shown (3.13 reads ``time.time_ns``)."""
+    if sys.version_info >= (3, 13):
+        ns = time.time_ns()
+        created = ns / 1e9
+        msecs = (ns % 1_000_000_000) // 1_000_000 + 0.0
+        if msecs == 999.0 and int(created) != ns // 1_000_000_000:
+            msecs = 0.0  # the seconds rounded up
+        return created, msecs
+    ct = time.time()
+    return ct, int((ct - int(ct)) * 1000) + 0.0
+
+
+class LineHandler(logging.StreamHandler):
+    """The stream handler of ``miserver serve``; it also writes a line from its parts.
+
+    :func:`miserver.serving.audit.info_line` (the access and audit lines, two a barrier call)
+    hands the handler the logger's name and the message when the handler is the only one the
+    line would reach: :meth:`emit_line` then writes exactly what the record would have given
+    (the same filters, formatter, stream, flush and lock) without building a ``LogRecord``,
+    whose construction was the largest single cost of a barrier call's own work (issue 15).
+    """
+
+    def emit_line(self, name: str, levelno: int, message: str) -> bool:
+        """Write the line a record of ``levelno`` (INFO or above) and ``message`` from the
+        logger ``name`` would give; True when done (or when this handler's level drops it),
+        False when this handler cannot (a filter or formatter it does not know: build the
+        record). The message is the record's ``getMessage()``."""
+        if levelno < self.level:
+            return True  # as Logger.callHandlers skips it
+        fmt = self.formatter
+        if type(fmt) not in (JsonFormatter, TextFormatter):
+            return False
+        filters = self.filters
+        if filters:
+            for f in filters:
+                if type(f) is not RedactSecrets:
+                    return False
+            for f in filters:
+                message = f.redact(message)
+        created, msecs = record_clock()
+        levelname = logging.getLevelName(levelno)
+        self.acquire()
+        try:
+            try:
+                line = fmt.format_line(created, msecs, levelname, name, message)
+                self.stream.write(line + self.terminator)
+                self.flush()
+            except RecursionError:  # as StreamHandler.emit
+                raise
+            except Exception:
+                record = logging.LogRecord(
+                    name, levelno, "(unknown file)", 0, message, None, None, "(unknown function)"
+                )
+                self.handleError(record)
+        finally:
+            self.release()
+        return True
 
 
 class AccessLogger(AbstractAccessLogger):
@@ -121,11 +238,8 @@ class AccessLogger(AbstractAccessLogger):
 
 def configure_logging(settings: Settings) -> None:
     """Route all logging to stderr in ``settings.log_format`` at ``settings.log_level``."""
-    handler = logging.StreamHandler(sys.stderr)
-    if settings.log_format == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    handler = LineHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if settings.log_format == "json" else TextFormatter())
     handler.addFilter(RedactSecrets([t.secret for t in settings.weights_tokens]))
     root = logging.getLogger()
     for old in list(root.handlers):

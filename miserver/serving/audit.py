@@ -25,9 +25,11 @@ import errno
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -63,25 +65,76 @@ OPERATIONS = (
 
 
 def info_line(logger: logging.Logger, msg: str, *args: object) -> None:
-    """``logger.info(msg, *args)`` without the caller lookup: ``Logger.info`` walks the stack
-    for the file, line and function of the call (``findCaller``), a large part of a log line's
-    cost, which the barrier calls pay twice each (the access line and the audit line). Those
-    fields are ``(unknown file)``, 0 and ``(unknown function)`` here, as with
-    ``logging._srcfile = None``; miserver's formats do not show them. Levels, filters and
-    handlers apply as for ``info``."""
-    if logger.isEnabledFor(logging.INFO):
-        logger.handle(
-            logger.makeRecord(
-                logger.name,
-                logging.INFO,
-                "(unknown file)",
-                0,
-                msg,
-                args,
-                None,
-                "(unknown function)",
-            )
+    """``logger.info(msg, *args)`` without the caller lookup, and without a ``LogRecord`` when
+    miserver's own handler is the only one the line reaches.
+
+    ``Logger.info`` walks the stack for the file, line and function of the call
+    (``findCaller``), a large part of a log line's cost, which the barrier calls pay twice each
+    (the access line and the audit line). Those fields are ``(unknown file)``, 0 and
+    ``(unknown function)`` here, as with ``logging._srcfile = None``; miserver's formats do not
+    show them. Levels, filters and handlers apply as for ``info``.
+
+    When the line would reach exactly one handler and that handler offers
+    ``emit_line(name, levelno, message) -> bool`` (``miserver serve``'s
+    :class:`miserver.server.LineHandler`), the handler writes the line from its parts: the
+    same bytes as through the record, without building one (issue 15). Any other set-up (a
+    second handler, a logger filter, a test's capture handler) takes the record path.
+    """
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    handler = _sole_handler(logger)
+    if handler is not None:
+        emit_line = getattr(handler, "emit_line", None)
+        if emit_line is not None and _emit_line(emit_line, logger.name, msg, args):
+            return
+    logger.handle(
+        logger.makeRecord(
+            logger.name,
+            logging.INFO,
+            "(unknown file)",
+            0,
+            msg,
+            args,
+            None,
+            "(unknown function)",
         )
+    )
+
+
+def _sole_handler(logger: logging.Logger) -> logging.Handler | None:
+    """The one handler a record of ``logger`` would be offered to (``Logger.callHandlers``'s
+    walk up the hierarchy), or None when there are several, none, or the logger would filter
+    or drop the record itself."""
+    if logger.filters or logger.disabled:
+        return None
+    found: logging.Handler | None = None
+    c: logging.Logger | None = logger
+    while c is not None:
+        for h in c.handlers:
+            if found is not None:
+                return None
+            found = h
+        if not c.propagate:
+            break
+        c = c.parent
+    return found
+
+
+def _emit_line(emit_line: Any, name: str, msg: str, args: tuple[object, ...]) -> bool:
+    """``LogRecord.getMessage()`` of ``msg`` and ``args``, handed to ``emit_line``; False (take
+    the record path) where the record would format it otherwise: a non-string message, one
+    mapping as the arguments, or arguments that do not fit the format (the record path then
+    reports that as logging does)."""
+    if type(msg) is not str:
+        return False
+    if args:
+        if len(args) == 1 and isinstance(args[0], Mapping):
+            return False
+        try:
+            msg = msg % args
+        except Exception:  # noqa: BLE001 - logging reports it on the record path
+            return False
+    return emit_line(name, logging.INFO, msg)
 
 
 class AuditRecord(msgspec.Struct, kw_only=True):

@@ -30,7 +30,7 @@ from miserver.serving.scheduler import Scheduler
 from miserver.serving.weights_runtime import WeightsRuntime
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
-from miserver.spec.settings import Settings, resolved_max_batch_size
+from miserver.spec.settings import Settings, resolved_batch_delay_s, resolved_max_batch_size
 
 log = logging.getLogger("miserver.app")
 
@@ -177,10 +177,12 @@ def create_app(
     host = host or ModelHost(settings, catalogue, metrics=metrics)
     if host.metrics is None:
         host.metrics = metrics
+    device_type = settings.resolved_device().split(":")[0]
     scheduler = scheduler or Scheduler(
         max_concurrent=settings.max_concurrent_requests,
         max_queued=settings.max_queued_requests,
-        max_batch_size=resolved_max_batch_size(settings, settings.resolved_device().split(":")[0]),
+        max_batch_size=resolved_max_batch_size(settings, device_type),
+        batch_delay_s=resolved_batch_delay_s(settings, device_type),
     )
     app = web.Application(
         middlewares=[

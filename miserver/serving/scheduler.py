@@ -14,6 +14,17 @@ member tells the batch it is ready with :meth:`Grant.join` (or leaves it by rele
 every member has joined or left, the batch's ``when_ready`` callbacks run (the generation
 starts). Work that arrives meanwhile waits for the next grant, as it waits for the slot.
 
+**The batch delay** (``MAX_BATCH_DELAY_MS``, contract 1; the max batch delay of TorchServe and
+Triton's dynamic batcher). With a delay set, a grouped waiter that finds a slot free does not
+take it alone at once: the free slot *gathers*. It is granted (to the waiters queued by then,
+in the usual order) when the waiting grouped work fills ``max_batch_size`` sequences, when no
+new grouped waiter has arrived for ``batch_delay_s`` (a quiet gap: a burst of clients that
+keep arriving keeps the slot gathering), or at the latest ``GATHER_CAP_FACTOR`` x
+``batch_delay_s`` after the gathering began. A lone request pays the gap once; 64 clients that
+start together become one batch instead of a batch of one followed by one of 63. A gathering
+slot holds nothing: the barrier's drain does not wait for it (its waiters are held), and a
+slot freed with work already queued is granted at once.
+
 **Units** (a Batch API chunk). A waiter may belong to a :class:`Unit`: the held counts count a
 unit's held batch waiters once (``held_batch`` is chunks, not rows), and a unit made with
 ``members`` gathers: none of its waiters is granted until every member is waiting or has left
@@ -41,6 +52,9 @@ from enum import IntEnum
 from typing import Any
 
 log = logging.getLogger("miserver.scheduler")
+
+#: A gathering slot is granted at the latest this many batch delays after it began gathering.
+GATHER_CAP_FACTOR = 10
 
 
 class Priority(IntEnum):
@@ -248,7 +262,11 @@ class Scheduler:
     """
 
     def __init__(
-        self, max_concurrent: int = 1, max_queued: int = 64, max_batch_size: int = 1
+        self,
+        max_concurrent: int = 1,
+        max_queued: int = 64,
+        max_batch_size: int = 1,
+        batch_delay_s: float = 0.0,
     ) -> None:
         self._max_concurrent = 1
         self._max_queued = 1
@@ -258,6 +276,17 @@ class Scheduler:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         #: The most sequences one grant of a slot decodes together (``MAX_BATCH_SIZE``).
         self.max_batch_size = max_batch_size
+        if isinstance(batch_delay_s, bool) or not isinstance(batch_delay_s, int | float):
+            raise ValueError(f"batch_delay_s must be a number, got {batch_delay_s!r}")
+        if not 0 <= batch_delay_s <= 10:
+            raise ValueError(f"batch_delay_s must be within 0..10 s, got {batch_delay_s}")
+        #: The quiet gap a free slot waits for more grouped work (``MAX_BATCH_DELAY_MS``; 0: none).
+        self.batch_delay_s = float(batch_delay_s)
+        self._gather_began: float | None = None  # loop time a free slot began gathering
+        self._last_arrival = 0.0  # loop time of the newest grouped waiter while gathering
+        self._gather_timer: asyncio.TimerHandle | None = None
+        #: Gatherings ended by each cause (``full``, ``gap``, ``cap``), for the metrics.
+        self.gathers = {"full": 0, "gap": 0, "cap": 0}
         self.set_limits(max_concurrent=max_concurrent, max_queued=max_queued)
         self._running = 0
         self._running_requests = 0  # grants not yet released, over every running batch
@@ -359,8 +388,15 @@ class Scheduler:
         ):
             raise ValueError(f"size must be within 1..{self.max_batch_size}, got {size!r}")
         gathering = unit is not None and unit.gathering
-        if not gathering and self._can_grant_now(priority):
+        delayed = (
+            group is not None
+            and self.batch_delay_s > 0
+            and self.max_batch_size > 1
+            and size < self.max_batch_size
+        )
+        if not gathering and not delayed and self._can_grant_now(priority):
             return self._new_batch(priority, size)
+        start_gather = not gathering and delayed and self._can_grant_now(priority)
         if priority == Priority.INTERACTIVE and self._waiting_interactive() >= self._max_queued:
             raise QueueFull(self._max_queued)
         loop = asyncio.get_running_loop()
@@ -370,6 +406,12 @@ class Scheduler:
             assert unit is not None
             unit._watch(self._unit_changed)
             self._unit_changed(unit)  # this arrival may be the last one awaited
+        if start_gather:
+            self._begin_gather(loop)
+        elif self._gather_began is not None and group is not None:
+            self._last_arrival = loop.time()
+            if self._grouped_waiting(group) >= self.max_batch_size:
+                self._end_gather("full")
         try:
             return await waiter.future
         except BaseException:
@@ -392,6 +434,48 @@ class Scheduler:
         waiting = sum(1 for w in self._heap if w.unit is unit and not w.future.done())
         if waiting + unit._left >= unit.members:
             unit._gathered = True
+            self._grant()
+
+    # --- the batch delay ----------------------------------------------------------------------
+    @property
+    def gathering(self) -> bool:
+        """A free slot is waiting for more grouped work (the batch delay)."""
+        return self._gather_began is not None
+
+    def _grouped_waiting(self, group: Hashable) -> int:
+        return sum(w.size for w in self._heap if w.group == group and w.ready())
+
+    def _begin_gather(self, loop: asyncio.AbstractEventLoop) -> None:
+        now = loop.time()
+        self._gather_began = self._last_arrival = now
+        self._gather_timer = loop.call_at(now + self.batch_delay_s, self._gather_tick)
+
+    def _gather_tick(self) -> None:
+        """The gathering's timer: grant after a quiet gap or at the cap, else wait on."""
+        self._gather_timer = None
+        if self._gather_began is None:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        cap = self._gather_began + GATHER_CAP_FACTOR * self.batch_delay_s
+        quiet = self._last_arrival + self.batch_delay_s
+        if now >= cap - 1e-6:
+            self._end_gather("cap")
+        elif now >= quiet - 1e-6:
+            self._end_gather("gap")
+        else:
+            self._gather_timer = loop.call_at(min(quiet, cap), self._gather_tick)
+
+    def _end_gather(self, cause: str | None) -> None:
+        """Stop gathering and grant (``cause`` None: abandoned, as by the barrier: no grant)."""
+        if self._gather_began is None:
+            return
+        self._gather_began = None
+        if self._gather_timer is not None:
+            self._gather_timer.cancel()
+            self._gather_timer = None
+        if cause is not None:
+            self.gathers[cause] += 1
             self._grant()
 
     def running_requests(self) -> int:
@@ -444,7 +528,7 @@ class Scheduler:
         return self._barrier_held or self._barrier_draining
 
     def _can_grant_now(self, priority: Priority) -> bool:
-        if self._blocked() or self._running >= self._max_concurrent:
+        if self._blocked() or self._running >= self._max_concurrent or self.gathering:
             return False
         # Nobody of the same or a better priority is waiting (FIFO within a priority).
         return not any(w.priority <= priority and not w.future.done() for w in self._heap)
@@ -457,6 +541,8 @@ class Scheduler:
         heapq.heapify(self._heap)
 
     def _grant(self) -> None:
+        if self.gathering:
+            return  # the gathering's end grants
         kept: list[_Waiter] = []  # held back by a gathering unit: they stay queued
         while self._heap and not self._blocked() and self._running < self._max_concurrent:
             waiter = heapq.heappop(self._heap)
@@ -500,6 +586,7 @@ class Scheduler:
         """
         if self._barrier_held or self._barrier_draining:
             raise RuntimeError("the barrier is already held or draining")
+        self._end_gather(None)  # its waiters are held like any other; resume grants them
         self._barrier_draining = True
         self._drained = asyncio.Event()
         if self._running == 0:

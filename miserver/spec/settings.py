@@ -61,6 +61,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_concurrent_requests: int = 1
     #: None: ``auto``, the measured default of the device (8 on the CPU, 64 on CUDA).
     max_batch_size: int | None = None
+    #: None: ``auto``, the measured default of the device (0 on the CPU, 5 ms on CUDA).
+    max_batch_delay_ms: float | None = None
     decode_graphs: str = "captured"
     continuous_batching: bool = False
     max_queued_requests: int = 64
@@ -108,6 +110,7 @@ VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("WEIGHTS_AUDIT_LOG", "weights_audit_log", "opt_path"),
     ("MAX_CONCURRENT_REQUESTS", "max_concurrent_requests", "pos_int"),
     ("MAX_BATCH_SIZE", "max_batch_size", "batch_size"),
+    ("MAX_BATCH_DELAY_MS", "max_batch_delay_ms", "batch_delay"),
     ("DECODE_GRAPHS", "decode_graphs", "decode_graphs"),
     ("CONTINUOUS_BATCHING", "continuous_batching", "bool"),
     ("MAX_QUEUED_REQUESTS", "max_queued_requests", "pos_int"),
@@ -136,6 +139,7 @@ KIND_FORMATS: dict[str, str] = {
     "log_format": "`json` or `text`",
     "decode_graphs": "`captured`, `compiled` or `off` (case-insensitive)",
     "batch_size": "`auto` or an integer 1 to 256",
+    "batch_delay": "`auto` or a number of milliseconds, 0 to 1000 (0: no delay)",
     "nonneg_float": "a number, at least 0",
     "management_auth": "`none` or `operator`",
 }
@@ -188,6 +192,16 @@ DESCRIPTIONS: dict[str, str] = {
     "tokens a second 40x; 1.4x the throughput of 32 for 1.2x the step; docs/benchmarks.md); the "
     "rows of the batch cache are cut to a quarter of the card's free memory. A batch is one "
     "holder of the slot: a quiesce drains it as it drains one request.",
+    "MAX_BATCH_DELAY_MS": "How long a free slot waits for more requests to join its static "
+    "batch (a max batch delay, as in TorchServe or Triton's dynamic batcher): a request that "
+    "finds the slot free is granted it once `MAX_BATCH_SIZE` sequences wait, once no further "
+    "request has arrived for this many milliseconds, or at the latest ten times this long after "
+    "it arrived. A lone request pays the delay once; clients that start together share one "
+    "batch instead of the first taking the slot alone and the rest waiting for it to end. A slot "
+    "freed with work already waiting is granted at once, and a quiesce never waits for a "
+    "gathering slot (its requests are held). `auto`: 0 on the CPU (a decode step there is tens of "
+    'milliseconds), 5 on CUDA (docs/benchmarks.md, "The static batch"). No effect when '
+    "`MAX_BATCH_SIZE` is 1.",
     "DECODE_GRAPHS": "How a CUDA resident runs its decode step: `captured` (the default: one "
     "CUDA graph per KV-cache length bucket, replayed over the served storages, captured at load), "
     "`compiled` (the same through `torch.compile`: faster steps, a compile per bucket at load, "
@@ -291,6 +305,21 @@ MAX_BATCH_SIZE_LIMIT = 256
 DEFAULT_MAX_BATCH_SIZE = {"cpu": 8, "cuda": 64}
 
 
+#: The largest ``MAX_BATCH_DELAY_MS`` accepted.
+MAX_BATCH_DELAY_LIMIT_MS = 1000.0
+#: ``MAX_BATCH_DELAY_MS=auto`` on each device type (docs/benchmarks.md, "Static batch").
+DEFAULT_MAX_BATCH_DELAY_MS = {"cpu": 0.0, "cuda": 5.0}
+
+
+def resolved_batch_delay_s(settings: Settings, device_type: str) -> float:
+    """``MAX_BATCH_DELAY_MS`` in seconds for a server whose models load on ``device_type``
+    (``cpu`` or ``cuda``): the setting, or the device's default when it is ``auto``."""
+    if settings.max_batch_delay_ms is not None:
+        return settings.max_batch_delay_ms / 1000.0
+    ms = DEFAULT_MAX_BATCH_DELAY_MS.get(device_type, DEFAULT_MAX_BATCH_DELAY_MS["cpu"])
+    return ms / 1000.0
+
+
 def resolved_max_batch_size(settings: Settings, device_type: str) -> int:
     """``MAX_BATCH_SIZE`` for a server whose models load on ``device_type`` (``cpu`` or
     ``cuda``): the setting, or the device's default when it is ``auto``."""
@@ -368,6 +397,20 @@ def _convert(variable: str, kind: str, raw: str) -> object:
         if not 1 <= value <= MAX_BATCH_SIZE_LIMIT:
             raise ConfigError(variable, f"must be auto or 1 to {MAX_BATCH_SIZE_LIMIT}, got {value}")
         return value
+    if kind == "batch_delay":
+        if raw.strip().lower() in ("", "auto"):
+            return None
+        try:
+            delay = float(raw)
+        except ValueError:
+            raise ConfigError(
+                variable, f"expected auto or a number of milliseconds, got {raw!r}"
+            ) from None
+        if not 0 <= delay <= MAX_BATCH_DELAY_LIMIT_MS:  # also refuses nan
+            raise ConfigError(
+                variable, f"must be auto or 0 to {MAX_BATCH_DELAY_LIMIT_MS:g} ms, got {raw!r}"
+            )
+        return delay
     if kind == "decode_graphs":
         low = raw.lower()
         if low in ("captured", "compiled", "off"):

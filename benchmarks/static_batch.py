@@ -25,6 +25,11 @@ of rows run one after another; said in the table). ``--in-process`` adds the dec
 ms a step and tokens a second at each size, through the one-sequence graphs (1), the batched
 graphs and the eager batched decoder (CUDA).
 
+Each chat row also says how the requests were batched (``/metrics``: static batches started
+during the chats, and sequences a batch). ``--batch-delay-ms`` sets ``MAX_BATCH_DELAY_MS`` on
+every server (default: unset, the device's ``auto``); ``--compare-delay-ms`` adds a row beside:
+the chats again at the largest size with that delay (``0``: no gathering), in the same run.
+
 ``--home`` is a ``MISERVER_HOME`` (default: a temporary one importing the default).
 """
 
@@ -38,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -80,19 +86,38 @@ SHAPE_05B = dict(
 
 
 def _start(
-    home: str, device: str, size: int, model: str, log_path: str | None
+    home: str, device: str, size: int, model: str, log_path: str | None, delay_ms: str | None
 ) -> tuple[subprocess.Popen[bytes], str]:
-    return start_server(
-        home,
-        device,
-        extra_env={
-            "MAX_BATCH_SIZE": str(size),
-            "MAX_QUEUED_REQUESTS": "1024",
-            "DEFAULT_MODEL": model,
-        },
-        ready_timeout_s=600,
-        log_path=log_path,
-    )
+    env = {"MAX_BATCH_SIZE": str(size), "MAX_QUEUED_REQUESTS": "1024", "DEFAULT_MODEL": model}
+    if delay_ms is not None:
+        env["MAX_BATCH_DELAY_MS"] = delay_ms
+    return start_server(home, device, extra_env=env, ready_timeout_s=600, log_path=log_path)
+
+
+def _batches(base: str) -> tuple[float, float]:
+    """(static batches started, sequences decoded in them) so far, from ``/metrics``."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    found = {"count": 0.0, "sum": 0.0}
+    for line in text.splitlines():
+        for key in found:
+            if line.startswith(f"miserver_static_batch_sequences_{key} "):
+                found[key] = float(line.split()[1])
+    return found["count"], found["sum"]
+
+
+def _chat_row(client: Any, base: str, model: str, clients: int, tokens: int) -> dict[str, Any]:
+    chats(client, model, 1, 4)  # warm-up
+    before = _batches(base)
+    wall, used = chats(client, model, clients, tokens)
+    after = _batches(base)
+    formed = after[0] - before[0]
+    return {
+        "chat_wall_s": wall,
+        "chat_tokens": used,
+        "chat_batches": formed,
+        "chat_rows_per_batch": (after[1] - before[1]) / formed if formed else 0.0,
+    }
 
 
 def make_shape(home: str, name: str) -> None:
@@ -258,6 +283,13 @@ def main() -> int:
     ap.add_argument("--first-rows", type=int, default=0, help="Batch API rows at the first size")
     ap.add_argument("--in-process", action="store_true", help="also time the decode step alone")
     ap.add_argument("--server-log", help="append the servers' logs to this file")
+    ap.add_argument(
+        "--batch-delay-ms", help="MAX_BATCH_DELAY_MS of every server (default: unset, auto)"
+    )
+    ap.add_argument(
+        "--compare-delay-ms",
+        help="also run the chats at the largest size with this MAX_BATCH_DELAY_MS (a row beside)",
+    )
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     from openai import OpenAI
@@ -274,12 +306,13 @@ def main() -> int:
     steps = in_process(home, args.model, sizes, 64) if args.in_process else []
     results = []
     for index, size in enumerate(sizes):
-        proc, base = _start(home, args.device, size, args.model, args.server_log)
+        proc, base = _start(
+            home, args.device, size, args.model, args.server_log, args.batch_delay_ms
+        )
         try:
             client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=3600)
-            chats(client, args.model, 1, 4)  # warm-up
-            wall, used = chats(client, args.model, args.clients, args.tokens)
-            row = {"max_batch_size": size, "chat_wall_s": wall, "chat_tokens": used}
+            row = {"max_batch_size": size, "delay_ms": args.batch_delay_ms or "auto"}
+            row.update(_chat_row(client, base, args.model, args.clients, args.tokens))
             if args.batch_rows:
                 rows = args.batch_rows
                 if index == 0 and args.first_rows:
@@ -294,8 +327,28 @@ def main() -> int:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    if args.compare_delay_ms is not None:
+        size = max(sizes)
+        proc, base = _start(
+            home, args.device, size, args.model, args.server_log, args.compare_delay_ms
+        )
+        try:
+            client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=3600)
+            row = {"max_batch_size": size, "delay_ms": args.compare_delay_ms}
+            row.update(_chat_row(client, base, args.model, args.clients, args.tokens))
+            results.append(row)
+            print(f"MAX_BATCH_SIZE={size}: {row}", file=sys.stderr, flush=True)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     base_row = results[0]
-    head = f"{'MAX_BATCH_SIZE':>14} {'chats s':>9} {'chat tok/s':>11} {'x':>6}"
+    head = (
+        f"{'MAX_BATCH_SIZE':>14} {'delay ms':>8} {'chats s':>9} {'chat tok/s':>11} {'x':>6}"
+        f" {'batches':>7} {'rows/batch':>10}"
+    )
     if args.batch_rows:
         head += f" {'batch s':>9} {'rows/s':>8} {'tok/s':>8} {'x':>6}"
     print(
@@ -311,10 +364,11 @@ def main() -> int:
     for row in results:
         rate = row["chat_tokens"] / row["chat_wall_s"]
         line = (
-            f"{row['max_batch_size']:>14} {row['chat_wall_s']:>9.2f} {rate:>11.1f} "
-            f"{base_row['chat_wall_s'] / row['chat_wall_s']:>6.2f}"
+            f"{row['max_batch_size']:>14} {row['delay_ms']:>8} {row['chat_wall_s']:>9.2f} "
+            f"{rate:>11.1f} {base_row['chat_wall_s'] / row['chat_wall_s']:>6.2f}"
+            f" {row['chat_batches']:>7.0f} {row['chat_rows_per_batch']:>10.1f}"
         )
-        if args.batch_rows:
+        if args.batch_rows and "batch_wall_s" in row:
             rows_s = row["batch_rows"] / row["batch_wall_s"]
             base_rate = base_row["batch_rows"] / base_row["batch_wall_s"]
             line += (

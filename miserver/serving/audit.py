@@ -25,6 +25,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping
 from contextvars import ContextVar
 from datetime import UTC, datetime
@@ -135,6 +136,23 @@ def _emit_line(emit_line: Any, name: str, msg: str, args: tuple[object, ...]) ->
         except Exception:  # noqa: BLE001 - logging reports it on the record path
             return False
     return emit_line(name, logging.INFO, msg)
+
+
+_stamp_second = -1
+_stamp_prefix = ""
+
+
+def utc_stamp() -> str:
+    """Now as RFC 3339 UTC with milliseconds (``2026-12-02T18:15:43.123Z``), what
+    ``datetime.now(UTC).isoformat(timespec="milliseconds")`` gives with ``Z`` for ``+00:00``;
+    the date and time of day are formatted once a second (every gated call stamps a line)."""
+    global _stamp_second, _stamp_prefix
+    ms = time.time_ns() // 1_000_000
+    second, ms = divmod(ms, 1000)
+    if second != _stamp_second:
+        _stamp_prefix = datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+        _stamp_second = second
+    return f"{_stamp_prefix}.{ms:03d}Z"
 
 
 class AuditRecord(msgspec.Struct, kw_only=True):
@@ -254,7 +272,7 @@ class AuditLog:
         if record.operation not in OPERATIONS:
             raise ValueError(f"unknown audit operation {record.operation!r}")
         if not record.ts:
-            record.ts = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+            record.ts = utc_stamp()
         call = CURRENT_CALL.get()
         if call is not None:
             call.written = True

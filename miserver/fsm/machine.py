@@ -81,6 +81,17 @@ def _evolve_context(c: Context, changes: dict[str, Any]) -> Context:
     return new
 
 
+def _timer_settings(row: Row) -> tuple[tuple[str, str | None], ...]:
+    """What ``row.set`` says of the timers, in its order: ``(deadline field, timer)`` for a
+    timer it arms, ``(deadline field, None)`` for one it disarms."""
+    return tuple(
+        (f"{_ARMED[k]}_deadline", _ARMED[k] if v else None) for k, v in row.set if k in _ARMED
+    )
+
+
+_ARMED = {f"{timer}_armed": timer for timer in TIMERS}
+
+
 _deadlines = attrgetter(*(f"{t}_deadline" for t in TIMERS))
 
 #: When several timers are due at once they fire in this order (a commit tears before a hold
@@ -257,6 +268,7 @@ class Lifecycle:
         self.via_machine = via_machine
         self._decide = self.compiled.fire if via_machine else self.compiled.decide
         self._after: dict[tuple[LifecycleState, int], tuple[Row, LifecycleState]] = {}
+        self._timers: dict[int, tuple[Row, tuple[tuple[str, str | None], ...]]] = {}
         self._id_factory = id_factory or (lambda: secrets.token_urlsafe(24))
         state = LifecycleState(resident=resident, avail=avail)  # type: ignore[arg-type]
         ctx = Context(
@@ -557,11 +569,11 @@ class Lifecycle:
             ch["quiesced_at"] = None
         elif b.barrier == "serving":
             ch["quiesced_at"] = now
-        for timer in TIMERS:
-            key = f"{timer}_armed"
-            for k, v in row.set:
-                if k == key:
-                    ch[f"{timer}_deadline"] = now + self.durations[timer] if v else None
+        known = self._timers.get(id(row))  # read once per row (rows are immutable values)
+        if known is None or known[0] is not row:
+            known = self._timers[id(row)] = (row, _timer_settings(row))
+        for deadline, timer in known[1]:
+            ch[deadline] = now + self.durations[timer] if timer is not None else None
         return _evolve_context(c, ch)
 
     @staticmethod

@@ -179,8 +179,8 @@ def screen_request(request: web.BaseRequest) -> ApiError | None:
             details={"transfer_encoding": "chunked"},
         )
     content = _codings(request, "Content-Encoding")
-    decoded = _decoded_codings()
     coded = [c for c in content if c != "identity"]
+    decoded = _decoded_codings() if coded else frozenset()  # only a coded body asks
     if request.body_exists and coded and (len(content) > 1 or content[0] not in decoded):
         return ApiError(
             codes.UNSUPPORTED_MEDIA_TYPE,

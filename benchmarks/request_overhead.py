@@ -26,7 +26,9 @@ thread of the server) and prints the top functions by cumulative and by own time
 
 ``--cache`` keeps the tiny model and its home between runs (default: a folder under the
 system's temporary directory); the first run reads SmolLM2's tokenizer from the embedded GGUF
-(about 10 s). ``--json FILE`` writes the table's rows as JSON.
+(about 10 s). ``--json FILE`` writes the table's rows as JSON. ``--src DIR`` serves the
+``miserver`` of another checkout (e.g. a ``git worktree`` of the commit before a change), so that
+before and after are measured in one session, on the same machine's load.
 """
 
 from __future__ import annotations
@@ -111,42 +113,61 @@ def prepare_home(cache: Path) -> str:
 
 
 # --- the server (child process) ---------------------------------------------------------------
-def child_main(profile_out: str | None) -> int:
-    """``miserver serve`` from the environment; with ``profile_out``, every thread profiled
-    between SIGUSR1 (start afresh) and SIGUSR2 (write the merged stats to ``profile_out``)."""
+def child_main(profile_out: str | None, gc_out: str) -> int:
+    """``miserver serve`` from the environment. Between SIGUSR1 (start afresh) and SIGUSR2
+    (write), the garbage collector's collections and CPU time are counted (written to
+    ``gc_out`` as JSON) and, with ``profile_out``, every thread is profiled (the merged stats
+    written to ``profile_out``)."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `miserver serve` sets it
-    if profile_out:
-        _install_profiler(profile_out)
+    _install_marks(profile_out, gc_out)
+    import miserver
     from miserver.server import serve
     from miserver.spec.settings import load_settings
+
+    print(f"request_overhead: serving miserver from {miserver.__file__}", file=sys.stderr)
 
     return serve(load_settings())
 
 
-def _install_profiler(out: str) -> None:
+def _install_marks(profile_out: str | None, gc_out: str) -> None:
     import cProfile
+    import gc
     import pstats
     import threading
 
     threads: list[cProfile.Profile] = []
     main: list[cProfile.Profile] = []
-    real_run = threading.Thread.run
+    collected = {"collections": [0, 0, 0], "cpu_s": [0.0, 0.0, 0.0]}
+    began: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[:] = [time.thread_time()]
+        elif began:
+            generation = info["generation"]
+            collected["collections"][generation] += 1
+            collected["cpu_s"][generation] += time.thread_time() - began[0]
+
+    gc.callbacks.append(on_gc)
 
     def profiler() -> cProfile.Profile:
         # CPU time of the calling thread: a wall clock would count the time a thread waits for
         # the GIL or for a core as the time of whatever it was in
         return cProfile.Profile(time.thread_time_ns, 1e-9)
 
-    def run(self: threading.Thread) -> None:
-        prof = profiler()
-        threads.append(prof)
-        prof.enable()
-        try:
-            real_run(self)
-        finally:
-            prof.disable()
+    if profile_out:
+        real_run = threading.Thread.run
 
-    threading.Thread.run = run  # type: ignore[method-assign]
+        def run(self: threading.Thread) -> None:
+            prof = profiler()
+            threads.append(prof)
+            prof.enable()
+            try:
+                real_run(self)
+            finally:
+                prof.disable()
+
+        threading.Thread.run = run  # type: ignore[method-assign]
 
     class _Snapshot:
         def __init__(self, prof: cProfile.Profile) -> None:
@@ -157,6 +178,10 @@ def _install_profiler(out: str) -> None:
             pass
 
     def start(_sig: int, _frame: Any) -> None:
+        collected["collections"] = [0, 0, 0]
+        collected["cpu_s"] = [0.0, 0.0, 0.0]
+        if not profile_out:
+            return
         for prof in threads:
             prof.clear()  # under the GIL: the thread starts afresh at its next call
         prof = profiler()
@@ -164,7 +189,8 @@ def _install_profiler(out: str) -> None:
         prof.enable()
 
     def stop(_sig: int, _frame: Any) -> None:
-        if not main:
+        Path(gc_out).write_text(json.dumps(collected))
+        if not main or not profile_out:
             return
         main[0].disable()
         stats = pstats.Stats(_Snapshot(main[0]))
@@ -172,7 +198,7 @@ def _install_profiler(out: str) -> None:
             snapshot = _Snapshot(prof)
             if snapshot.stats:  # pstats refuses an empty profile
                 stats.add(snapshot)
-        stats.dump_stats(out)
+        stats.dump_stats(profile_out)
         main.clear()
 
     signal.signal(signal.SIGUSR1, start)
@@ -186,7 +212,7 @@ def _free_port() -> int:
 
 
 def start_server(
-    home: str, batch_size: int, log_path: Path, profile_out: str | None
+    home: str, batch_size: int, log_path: Path, profile_out: str | None, src: str, gc_out: Path
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
@@ -199,9 +225,9 @@ def start_server(
         MAX_BATCH_SIZE=str(batch_size),
         MAX_QUEUED_REQUESTS="4096",
         CUDA_VISIBLE_DEVICES="",
-        PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+        PYTHONPATH=src,
     )
-    args = [sys.executable, __file__, "--child"]
+    args = [sys.executable, __file__, "--child", "--gc-out", str(gc_out)]
     if profile_out:
         args += ["--profile-out", profile_out]
     proc = subprocess.Popen(
@@ -211,6 +237,138 @@ def start_server(
         stderr=open(log_path, "ab"),  # noqa: SIM115 - the child's stderr, the access log too
     )
     return proc, f"http://127.0.0.1:{port}"
+
+
+# --- the decode loop alone (child process) ----------------------------------------------------
+class _FreeSession:
+    """A decode engine's batch session whose forward passes cost nothing: the logits of each
+    step are precomputed (``[steps, rows, 1024]``, never an end or special token), so what a
+    static batch costs here is miserver's own work around the model."""
+
+    kind = "free"
+
+    def __init__(self, logits: Any) -> None:
+        self._logits = logits
+        self._step = 0
+        self._rows = 0
+
+    def expect(self, prompts: Any) -> None:
+        pass
+
+    def prefill(self, prompt_ids: Any, *, all_logits: bool) -> Any:
+        return self._logits[0, :1]
+
+    def begin(self, sources: Any) -> None:
+        self._rows = len(sources)
+
+    def step(self, tokens: Any) -> Any:
+        self._step += 1
+        return self._logits[self._step % len(self._logits), : len(tokens)]
+
+    def keep(self, rows: Any) -> None:
+        self._rows = len(rows)
+
+    def full(self, row: int) -> bool:
+        return False
+
+
+class _FreeEngine:
+    def __init__(self, logits: Any) -> None:
+        self.batch_rows = logits.shape[1]
+        self._logits = logits
+
+    def batch_session(self, model: Any, rows: int, positions: int) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext(_FreeSession(self._logits))
+
+
+def decode_loop_main(rows: int, tokens: int, repeats: int, tokenizer_dir: str) -> int:
+    """Print, as JSON, the CPU microseconds a row-step of a static batch of ``rows`` greedy
+    sequences of ``tokens`` tokens costs miserver itself (a model that costs nothing)."""
+    import inspect
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from miserver.serving.generation import SamplingParams, StaticBatch
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, rows, 1024, generator=gen)
+    logits[:, :, :32] = float("-inf")  # no special token, no end: every sequence runs its length
+    engine = _FreeEngine(logits)
+    prompt = list(tok("Write a short poem about the sea.")["input_ids"])
+    streams = "stream" in inspect.signature(StaticBatch.join).parameters
+
+    class _Model:
+        generation_config = None
+
+    async def one_batch(stream: bool) -> tuple[float, float]:
+        work = StaticBatch()
+        model = _Model()
+        extra = {"stream": stream} if streams else {}
+        gens = []
+        for i in range(rows):
+            params = SamplingParams(max_tokens=tokens, temperature=0)
+            gens += work.join(model, tok, prompt + [1000 + i], params, engine=engine, **extra)
+
+        async def consume(g: Any) -> str:
+            parts = []
+            async for ev in g.events():
+                text = getattr(ev, "text", None)
+                if text:
+                    parts.append(text)
+            await g.wait()
+            return "".join(parts)
+
+        cpu, loop = time.process_time(), time.thread_time()
+        consumers = [asyncio.ensure_future(consume(g)) for g in gens]
+        work.start()
+        texts = await asyncio.gather(*consumers)
+        cpu, loop = time.process_time() - cpu, time.thread_time() - loop
+        assert all(texts), "every sequence answers"
+        return cpu, loop
+
+    out = {}
+    for stream in (True, False):
+        results = [asyncio.run(one_batch(stream)) for _ in range(repeats + 1)][1:]
+        per = rows * tokens / 1e6
+        out["streamed" if stream else "whole"] = {
+            "cpu_us": statistics.median(c for c, _ in results) / per,
+            "loop_us": statistics.median(lo for _, lo in results) / per,
+        }
+    print(json.dumps(out))
+    return 0
+
+
+def decode_loop(args: argparse.Namespace, cache: Path) -> list[dict]:
+    rows = []
+    for n in args.loop_rows:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--decode-loop-child",
+                str(n),
+                "--tokens",
+                str(args.loop_tokens),
+                "--rounds",
+                str(args.rounds),
+                "--cache",
+                str(cache),
+            ],
+            env={**os.environ, "PYTHONPATH": args.src, "CUDA_VISIBLE_DEVICES": ""},
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"the decode-loop child failed:\n{proc.stderr[-3000:]}")
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        for kind, r in result.items():
+            rows.append({"rows": n, "tokens": args.loop_tokens, "events": kind, **r})
+    return rows
 
 
 # --- CPU time ---------------------------------------------------------------------------------
@@ -281,7 +439,11 @@ async def _batch_job(session: Any, base: str, rows: int, tokens: int) -> None:
     form.add_field("file", io.BytesIO("\n".join(lines).encode()), filename="rows.jsonl")
     async with session.post(base + "/v1/files", data=form) as r:
         file_id = (await r.json())["id"]
-    body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    body = {
+        "input_file_id": file_id,
+        "endpoint": "/v1/chat/completions",
+        "completion_window": "24h",
+    }
     async with session.post(base + "/v1/batches", json=body) as r:
         batch_id = (await r.json())["id"]
     while True:
@@ -323,7 +485,28 @@ async def _wait_ready(base: str, proc: subprocess.Popen[bytes], timeout: float) 
     raise SystemExit("the server did not become ready")
 
 
-async def measure(args: argparse.Namespace, proc: subprocess.Popen[bytes], base: str) -> list[dict]:
+async def _mark(pid: int) -> None:
+    """The child counts afresh from here (SIGUSR1)."""
+    os.kill(pid, signal.SIGUSR1)
+    await asyncio.sleep(0.05)
+
+
+async def _report(pid: int, gc_out: Path) -> dict[str, list]:
+    """The child's garbage collections since the mark (SIGUSR2; it writes ``gc_out``)."""
+    gc_out.unlink(missing_ok=True)
+    os.kill(pid, signal.SIGUSR2)
+    for _ in range(200):
+        await asyncio.sleep(0.025)
+        try:
+            return json.loads(gc_out.read_text())
+        except (OSError, ValueError):
+            continue
+    raise SystemExit("the server wrote no garbage-collection counts")
+
+
+async def measure(
+    args: argparse.Namespace, proc: subprocess.Popen[bytes], base: str, gc_out: Path
+) -> list[dict]:
     import aiohttp
 
     await _wait_ready(base, proc, 300)
@@ -354,13 +537,17 @@ async def measure(args: argparse.Namespace, proc: subprocess.Popen[bytes], base:
         for endpoint, tokens, fn in work:
             per = args.batch_rows if endpoint == "batch" else args.requests
             await fn()  # warm-up: threads made, lazy imports done
-            totals, loops, batches = [], [], []
+            totals, loops, batches, gcs, full = [], [], [], [], []
             for _ in range(args.rounds):
                 started = await _batches(session, base)
+                await _mark(pid)
                 before = cpu_s(pid)
                 await fn()
                 after = cpu_s(pid)
+                collected = await _report(pid, gc_out)
                 batches.append(await _batches(session, base) - started)
+                gcs.append(sum(collected["cpu_s"]) * 1000 / per)
+                full.append(collected["collections"][2])
                 totals.append((after[0] - before[0]) * 1000 / per)
                 loops.append((after[1] - before[1]) * 1000 / per)
             total, loop = statistics.median(totals), statistics.median(loops)
@@ -374,36 +561,41 @@ async def measure(args: argparse.Namespace, proc: subprocess.Popen[bytes], base:
                     "loop_ms": round(loop, 3),
                     "other_ms": round(total - loop, 3),
                     "batches": statistics.mean(batches),
+                    "gc_ms": round(statistics.median(gcs), 3),
+                    "full_collections": statistics.mean(full),
                     "cpu_ms_rounds": [round(x, 3) for x in totals],
                 }
             )
             print(
                 f"  {endpoint:10} max_tokens {tokens:3}: {total:7.2f} ms CPU a request "
                 f"(loop {loop:.2f}); rounds {', '.join(f'{x:.2f}' for x in totals)}; "
-                f"static batches a round {statistics.mean(batches):.1f}",
+                f"static batches a round {statistics.mean(batches):.1f}; garbage collection "
+                f"{statistics.median(gcs):.2f} ms a request, {statistics.mean(full):.1f} full "
+                "collections a round",
                 file=sys.stderr,
             )
         if args.profile:
-            os.kill(pid, signal.SIGUSR1)
-            await asyncio.sleep(0.2)
+            await _mark(pid)
             for _endpoint, _tokens, fn in work:
                 await fn()
-            os.kill(pid, signal.SIGUSR2)
-            await asyncio.sleep(1.0)
+            await _report(pid, gc_out)
+            await asyncio.sleep(1.0)  # the profile is written after the counts
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
     print(
         "| endpoint | max_tokens | requests a round | static batches a round "
-        "| CPU ms / request | event loop | other threads |"
+        "| CPU ms / request | event loop | other threads | of which garbage collection "
+        "| full collections a round |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['endpoint']} | {r['max_tokens']} | {r['requests']} | {r['batches']:.1f} "
             f"| {r['cpu_ms']:.2f} "
-            f"| {r['loop_ms']:.2f} | {r['other_ms']:.2f} |"
+            f"| {r['loop_ms']:.2f} | {r['other_ms']:.2f} | {r['gc_ms']:.2f} "
+            f"| {r['full_collections']:.1f} |"
         )
 
 
@@ -423,6 +615,15 @@ def print_profile(path: str, top: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--gc-out", help=argparse.SUPPRESS)
+    ap.add_argument("--decode-loop-child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--decode-loop",
+        action="store_true",
+        help="also the decode loop alone: a static batch over a model that costs nothing",
+    )
+    ap.add_argument("--loop-rows", default="8,64", help="with --decode-loop: batch sizes")
+    ap.add_argument("--loop-tokens", type=int, default=64, help="with --decode-loop: max_tokens")
     ap.add_argument("--profile-out", help="with --profile: keep the merged pstats file here")
     ap.add_argument("--requests", type=int, default=64, help="concurrent requests a round")
     ap.add_argument("--tokens", default="1,8", help="max_tokens values, comma-separated")
@@ -438,9 +639,17 @@ def main() -> int:
         help="where the tiny model and its home are kept",
     )
     ap.add_argument("--json", help="write the rows as JSON here")
+    ap.add_argument(
+        "--src",
+        default=str(Path(__file__).resolve().parents[1]),
+        help="the checkout whose miserver the server runs (default: this one), to compare two",
+    )
     args = ap.parse_args()
     if args.child:
-        return child_main(args.profile_out)
+        return child_main(args.profile_out, args.gc_out)
+    if args.decode_loop_child:
+        folder = str(Path(args.cache) / "tiny-llama")
+        return decode_loop_main(args.decode_loop_child, int(args.tokens), args.rounds, folder)
     args.tokens = [int(t) for t in args.tokens.split(",") if t]
     args.endpoints = [e for e in args.endpoints.split(",") if e]
     unknown = [e for e in args.endpoints if e not in PATHS]
@@ -453,25 +662,44 @@ def main() -> int:
     if args.profile:
         profile_out = args.profile_out or str(cache / "server.pstats")
         Path(profile_out).unlink(missing_ok=True)
-    log_path = cache / "server.log"
-    log_path.write_bytes(b"")
-    proc, base = start_server(home, args.batch_size, log_path, profile_out)
-    try:
-        rows = asyncio.run(measure(args, proc, base))
-    finally:
-        proc.send_signal(signal.SIGTERM)
+    rows: list[dict] = []
+    if args.endpoints or args.batch_rows:
+        log_path = cache / "server.log"
+        log_path.write_bytes(b"")
+        gc_out = cache / "server-gc.json"
+        proc, base = start_server(home, args.batch_size, log_path, profile_out, args.src, gc_out)
         try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    print(
-        f"miserver's CPU time per request (tiny Llama on the CPU, MAX_BATCH_SIZE "
-        f"{args.batch_size}, {args.requests} concurrent non-streamed requests a round, median "
-        f"of {args.rounds}; /proc tick {1000 / TICK:.0f} ms):\n"
-    )
-    print_table(rows)
+            rows = asyncio.run(measure(args, proc, base, gc_out))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        print(
+            f"miserver's CPU time per request (tiny Llama on the CPU, MAX_BATCH_SIZE "
+            f"{args.batch_size}, {args.requests} concurrent non-streamed requests a round, "
+            f"median of {args.rounds}; /proc tick {1000 / TICK:.0f} ms):\n"
+        )
+        print_table(rows)
+    loop_rows: list[dict] = []
+    if args.decode_loop:
+        args.loop_rows = [int(n) for n in args.loop_rows.split(",") if n]
+        loop_rows = decode_loop(args, cache)
+        print(
+            f"\nThe decode loop alone (in-process, a model that costs nothing, greedy, "
+            f"{args.loop_tokens} tokens a sequence, median of {args.rounds}): CPU microseconds "
+            "a sequence a token, every thread, and the event loop's share (streamed: a delta a "
+            "token, as a stream reads it; whole: as a non-streamed answer reads it):\n"
+        )
+        print("| rows | events | CPU us / row / token | of which event loop |")
+        print("|---:|---|---:|---:|")
+        for r in loop_rows:
+            print(f"| {r['rows']} | {r['events']} | {r['cpu_us']:.1f} | {r['loop_us']:.1f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"requests": rows, "decode_loop": loop_rows}, indent=2)
+        )
     if profile_out:
         if not Path(profile_out).exists():
             print("\nno profile was written (see the server log)", file=sys.stderr)

@@ -37,8 +37,11 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(context_ids[-_DETOKENIZE_CONTEXT:])
         self._prefix = 0
         self._read = len(self._ids)
+        self._backend = backend_decoder(tokenizer)
 
-    def _decode(self, ids: Sequence[int]) -> str:
+    def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend(ids, skip_special_tokens=True)
         return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int) -> str:
@@ -66,6 +69,30 @@ class IncrementalDetokenizer:
         ):
             text = text[:-1]
         return text
+
+
+def backend_decoder(tokenizer: Any) -> Any:
+    """The ``tokenizers`` backend's own ``decode`` when it is exactly what
+    ``tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`` runs
+    (a transformers ``TokenizersBackend`` whose ``decode`` and ``_decode`` are not overridden),
+    else None. Calling it directly skips transformers' per-call argument conversion (a scan of
+    the ids, several microseconds), which the detokenizer pays twice a token for every sequence
+    of a batch, inside the decode loop. Takes ``(ids: list[int], skip_special_tokens: bool)``."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # pragma: no cover - another transformers layout: the public decode
+        return None
+    kind = type(tokenizer)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (
+        isinstance(tokenizer, TokenizersBackend)
+        and isinstance(backend, tokenizers.Tokenizer)
+        and kind.decode is PreTrainedTokenizerBase.decode
+        and kind._decode is TokenizersBackend._decode
+    ):
+        return backend.decode
+    return None
 
 
 def _ends_inside_a_character(raw: bytes) -> bool:

@@ -393,6 +393,11 @@ class Generation:
         engine: the resident's :class:`~miserver.serving.decode_graphs.DecodeEngine` (CUDA
             graphs over a static KV cache), or None to decode eagerly. A busy or closed engine
             is not waited for: the generation decodes eagerly (the tokens are the same).
+        stream: True (the default): a :class:`TextDelta` is sent as each piece of text becomes
+            final. False, for an answer that is read whole (a non-streamed request): the deltas
+            are held on the worker thread and sent as one, their texts joined and their logprobs
+            in order, just before the :class:`Finished` (or the failure): the same joined text
+            and logprobs, with one wake-up of the event loop a sequence instead of one a token.
 
     Call :meth:`start` on the event loop, then iterate :meth:`events`. The caller must keep
     holding its scheduler slot until :meth:`wait` returns (a generation binds to one parameter
@@ -407,6 +412,7 @@ class Generation:
         prompt_ids: Sequence[int],
         params: SamplingParams,
         engine: Any = None,
+        stream: bool = True,
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
@@ -423,6 +429,7 @@ class Generation:
         self._started = False
         self._finished = False  # its Finished was sent (thread side)
         self._prefill_group: object | None = None  # sequences of one request share a prefill
+        self._held: list[TextDelta] | None = None if stream else []  # deltas not streamed
 
     # --- event-loop side ----------------------------------------------------------------------
     def bind(self) -> None:
@@ -482,8 +489,29 @@ class Generation:
     # --- thread side --------------------------------------------------------------------------
     def _emit(self, event: Event | _Failed) -> None:
         assert self._loop is not None and self._queue is not None
+        held = self._held
+        if held is not None:  # not streamed: the deltas go out as one, before the end
+            if isinstance(event, TextDelta):
+                held.append(event)
+                return
+            if held:
+                self._held = []
+                merged = TextDelta(
+                    "".join(d.text for d in held), tuple(e for d in held for e in d.logprobs)
+                )
+                self._post(self._put_two, merged, event)
+                return
+        self._post(self._queue.put_nowait, event)
+
+    def _put_two(self, first: Event, second: Event | _Failed) -> None:
+        assert self._queue is not None
+        self._queue.put_nowait(first)
+        self._queue.put_nowait(second)
+
+    def _post(self, callback: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+            self._loop.call_soon_threadsafe(callback, *args)
         except RuntimeError:  # the loop is closed: nobody listens any more
             self._cancel.set()
 
@@ -557,12 +585,14 @@ class StaticBatch:
         params: SamplingParams,
         n: int = 1,
         engine: Any = None,
+        stream: bool = True,
     ) -> list[Generation]:
         """Add one request's ``n`` sequences (call on the event loop, before :meth:`start`).
 
         Choice ``i`` samples with :func:`~miserver.serving.static_batch.choice_seed` of the
         request's seed; the ``n`` sequences share one prefill. Returns their
-        :class:`Generation` s, bound to the running loop, in choice order.
+        :class:`Generation` s, bound to the running loop, in choice order. ``stream``: as
+        :class:`Generation`'s (False: each sequence's text comes as one delta at its end).
 
         Raises:
             RuntimeError: the batch has started.
@@ -586,6 +616,7 @@ class StaticBatch:
                 prompt_ids,
                 dataclasses.replace(params, seed=choice_seed(params.seed, i)),
                 engine=engine,
+                stream=stream,
             )
             gen._prefill_group = prefill
             gen.bind()
@@ -690,9 +721,12 @@ class _Sequence:
         self.decoded += len(piece)
         text, matched_stop = self.stopper.feed(piece)
         self.released += len(text)
-        ready = tuple(e for start, e in self.pending_lp if start < self.released)
-        if ready:
-            self.pending_lp = [(start, e) for start, e in self.pending_lp if start >= self.released]
+        ready: tuple[TokenLogprob, ...] = ()
+        if self.pending_lp:  # without logprobs there are none: no scan a token
+            released = self.released
+            ready = tuple(e for start, e in self.pending_lp if start < released)
+            if ready:
+                self.pending_lp = [(start, e) for start, e in self.pending_lp if start >= released]
         if text or ready:
             gen._emit(TextDelta(text, ready))
         if matched_stop:

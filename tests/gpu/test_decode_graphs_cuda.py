@@ -92,10 +92,10 @@ def default_model(default_home):
     return model, AutoTokenizer.from_pretrained(folder)
 
 
-@pytest.mark.parametrize("mode", ["captured", "compiled"])
-def test_default_model_graphs_give_the_eager_tokens(default_model, mode) -> None:
-    """SmolLM2-135M-Instruct, 20 chat prompts x 64 greedy tokens: the graph path's tokens equal
-    the eager path's (DECODE_GRAPHS=off: the dynamic cache, one forward a token)."""
+def test_default_model_captured_graphs_give_the_eager_tokens(default_model) -> None:
+    """SmolLM2-135M-Instruct, 20 chat prompts x 64 greedy tokens: the captured graphs' tokens
+    equal the eager path's (DECODE_GRAPHS=off: the dynamic cache, one forward a token), over the
+    served context (every bucket to 8192 captured)."""
     from miserver.serving.decode_graphs import DecodeEngine
     from miserver.serving.generation import _EagerDecoder, _GraphDecoder, context_length
 
@@ -103,18 +103,96 @@ def test_default_model_graphs_give_the_eager_tokens(default_model, mode) -> None
     prompts = _prompts(tokenizer)
     with torch.inference_mode():
         eager = [_greedy(_EagerDecoder(model, DEVICE), p) for p in prompts]
-        engine = DecodeEngine(model, mode, context_length(model))
+        engine = DecodeEngine(model, "captured", context_length(model))
         engine.warm()
         with engine.session(model) as s:
             graphs = [_greedy(_GraphDecoder(s), p) for p in prompts]
-        stats = engine.stats
+        captured, fell_back = sorted(engine.stats.captured), sorted(engine.stats.eager_buckets)
+        replays = engine.stats.replays
         engine.close()
-    print(f"{mode}: captured {sorted(stats.captured)} eager buckets {sorted(stats.eager_buckets)}")
-    assert not stats.eager_buckets, "a capture fell back to eager"
-    assert stats.replays >= N_PROMPTS * (TOKENS - 1)
+    print(f"captured: buckets {captured}, eager buckets {fell_back}, {replays} replays")
+    assert not fell_back, "a capture fell back to eager"
+    assert replays >= N_PROMPTS * (TOKENS - 1)
     same = sum(a == b for a, b in zip(graphs, eager, strict=True))
-    print(f"{mode}: {same}/{len(prompts)} prompts give the eager path's {TOKENS} tokens")
+    print(f"captured: {same}/{len(prompts)} prompts give the eager path's {TOKENS} tokens")
     assert same == len(prompts)
+
+
+#: Fed the same tokens, the most ``compiled``'s logits may differ from the eager path's, as a
+#: fraction of the largest logit: inductor's fused bfloat16 kernels round differently (measured
+#: on the H200, 2026-12-02: SmolLM2-135M's shape 0.31 against a largest logit of about 20, the
+#: real model's greedy tokens equal on 6 of 20 prompts x 64, each first difference a near-tie).
+COMPILED_TOLERANCE = 0.05
+
+
+def test_default_model_compiled_graphs_follow_the_eager_logits_and_an_in_place_write(
+    default_model,
+) -> None:
+    """SmolLM2-135M-Instruct, 20 chat prompts x 64 tokens, DECODE_GRAPHS=compiled: fed the eager
+    path's greedy tokens, the compiled graphs' logits stay within :data:`COMPILED_TOLERANCE` of
+    the eager path's; where the compiled greedy tokens first differ, the two tokens' eager logits
+    are that close (a near-tie). Then every parameter is written in place (scaled by 1.1): the
+    graphs compiled before the write, replayed unchanged, give the eager logits of the written
+    weights within the tolerance, and differ from their own logits before the write by at least
+    four times it (a graph that missed the write would have answered as before)."""
+    from miserver.serving.decode_graphs import DecodeEngine
+    from miserver.serving.generation import _EagerDecoder, _GraphDecoder
+
+    model, tokenizer = default_model
+    prompts = _prompts(tokenizer)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs().max() / b.abs().max())
+
+    with torch.inference_mode():
+        eager, eager_logits = [], []
+        for p in prompts:
+            rows: list[torch.Tensor] = []
+            eager.append(_greedy(_EagerDecoder(model, DEVICE), p, rows=rows))
+            eager_logits.append(torch.stack(rows))
+        # the prompts and 64 tokens fit the first bucket; 512 keeps the cold compile to 2 buckets
+        engine = DecodeEngine(model, "compiled", 512)
+        engine.warm()
+        with engine.session(model) as s:
+            compiled = [_greedy(_GraphDecoder(s), p) for p in prompts]
+            diffs = [
+                rel(_forced(_GraphDecoder(s), p, t), ref)
+                for p, t, ref in zip(prompts, eager, eager_logits, strict=True)
+            ]
+            before = _forced(_GraphDecoder(s), prompts[0], eager[0])
+        built, fell_back = sorted(engine.stats.captured), sorted(engine.stats.eager_buckets)
+        saved = [p.detach().clone() for p in model.parameters()]
+        try:
+            for p in model.parameters():
+                p.mul_(1.1)  # in place: the same storages, as a trainer writes them
+            written_eager = _forced(_EagerDecoder(model, DEVICE), prompts[0], eager[0])
+            with engine.session(model) as s:
+                after = _forced(_GraphDecoder(s), prompts[0], eager[0])
+            rebuilt = sorted(engine.stats.captured)
+        finally:
+            for p, old in zip(model.parameters(), saved, strict=True):
+                p.copy_(old)
+        engine.close()
+    same = sum(a == b for a, b in zip(compiled, eager, strict=True))
+    print(
+        f"compiled: buckets {built}, eager buckets {fell_back}; {same}/{N_PROMPTS} prompts give "
+        f"the eager path's {TOKENS} tokens; forced logits max rel diff {max(diffs):.4f}"
+    )
+    print(
+        f"compiled after a write of every parameter: rel diff to the eager logits on the written "
+        f"weights {rel(after, written_eager):.4f}, to its own logits before the write "
+        f"{rel(after, before):.4f} (tolerance {COMPILED_TOLERANCE})"
+    )
+    assert not fell_back, "a compile fell back to eager"
+    assert built == rebuilt  # nothing was compiled or captured again for the write
+    assert max(diffs) <= COMPILED_TOLERANCE
+    for got, want, logits in zip(compiled, eager, eager_logits, strict=True):
+        k = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        if k is not None:
+            margin = float(logits[k, want[k]] - logits[k, got[k]])
+            assert margin <= COMPILED_TOLERANCE * float(logits[k].abs().max()), (k, margin)
+    assert rel(after, written_eager) <= COMPILED_TOLERANCE
+    assert rel(after, before) >= 4 * COMPILED_TOLERANCE
 
 
 #: Fed the same tokens, the most the captured step's logits may differ from the eager step's over

@@ -162,7 +162,7 @@ def test_a_bad_setting_names_the_variable(raw: str) -> None:
 def test_auto_is_off_on_the_cpu_and_a_few_milliseconds_on_cuda() -> None:
     auto = Settings(home="/nonexistent")
     assert resolved_batch_delay_s(auto, "cpu") == 0.0
-    assert 0 < resolved_batch_delay_s(auto, "cuda") <= 0.05
+    assert 0 < resolved_batch_delay_s(auto, "cuda") <= 0.05  # a few tens of ms at most
     assert (
         resolved_batch_delay_s(Settings(home="/nonexistent", max_batch_delay_ms=12.0), "cpu")
         == 0.012

@@ -15,14 +15,26 @@ neighbours.
 For each ``--endpoints`` x ``--tokens`` (``max_tokens``) the table gives the median over
 ``--rounds`` rounds (after one warm-up round) of the server's CPU milliseconds per request, of
 its event-loop thread's, and of the other threads' (the generation worker, ``asyncio.to_thread``
-tokenizing). ``--batch-rows R`` adds a Batch API job of ``R`` chat rows per ``max_tokens`` (CPU
-per row, polling included). ``--profile`` runs one more round of each under ``cProfile`` (every
-thread of the server) and prints the top functions by cumulative and by own time (``--top``);
-``--profile-out FILE`` keeps the merged ``pstats`` file. Usage::
+tokenizing), the static batches a round formed (``/metrics``), and the CPU the garbage
+collector took (counted in the server between two signals). ``--batch-rows R`` adds a Batch API
+job of ``R`` chat rows per ``max_tokens`` (CPU per row, polling included). On the CPU the rows'
+model work is part of the figures (each prompt is prefilled alone, and each row of a step
+attends alone: docs/decisions.md, "The static batch"), so ``--decode-loop`` adds what the
+tables above cannot separate: a static batch of ``--loop-rows`` greedy sequences decoded
+in-process over a model that costs nothing (precomputed logits), in CPU microseconds a sequence
+a token, read as a stream reads it and as a non-streamed answer does: miserver's own cost
+inside the decode loop, which a GPU's step does not hide.
+
+``--profile`` runs one more round of each under ``cProfile`` (every thread of the server, each
+timed by its own CPU clock, so a thread waiting for the GIL or a core is not counted) and prints
+the top functions by cumulative and by own time (``--top``); ``--profile-out FILE`` keeps the
+merged ``pstats`` file. The profiler's own cost is several times a cheap Python call's: read
+its figures as where the time goes, the tables as how much. Usage::
 
     .venv/bin/python benchmarks/request_overhead.py                      # 64 chats, 1 and 8 tokens
-    .venv/bin/python benchmarks/request_overhead.py --endpoints chat,completion --rounds 5 \\
-        --batch-rows 128 --profile --top 30
+    .venv/bin/python benchmarks/request_overhead.py --endpoints chat,completion --tokens 1,8,32 \\
+        --rounds 5 --batch-rows 64 --decode-loop --profile --top 30
+    .venv/bin/python benchmarks/request_overhead.py --endpoints "" --decode-loop  # the loop alone
 
 ``--cache`` keeps the tiny model and its home between runs (default: a folder under the
 system's temporary directory); the first run reads SmolLM2's tokenizer from the embedded GGUF

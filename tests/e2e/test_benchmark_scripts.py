@@ -167,3 +167,51 @@ def test_generation_threads_measures_every_path(tmp_path: Path) -> None:
         "miserver Generation on a new thread after a 2-token warm-up generation",
     }
     assert all(ms > 0 for ms in rows.values())
+
+
+def test_request_overhead_measures_every_path(tmp_path: Path) -> None:
+    """benchmarks/request_overhead.py (issue 14: the server's own CPU a request): a real
+    ``miserver serve`` on a tiny Llama, chats, completions and a Batch API job, the decode loop
+    alone, and a profile of the server, at tiny sizes."""
+    out = tmp_path / "overhead.json"
+    proc = _run(
+        [
+            "benchmarks/request_overhead.py",
+            "--requests",
+            "4",
+            "--tokens",
+            "1,2",
+            "--rounds",
+            "1",
+            "--endpoints",
+            "chat,completion",
+            "--batch-rows",
+            "3",
+            "--batch-size",
+            "4",
+            "--decode-loop",
+            "--loop-rows",
+            "2",
+            "--loop-tokens",
+            "4",
+            "--profile",
+            "--top",
+            "5",
+            "--cache",
+            str(tmp_path / "cache"),
+            "--json",
+            str(out),
+        ],
+        tmp_path,
+        600,
+    )
+    result = json.loads(out.read_text())
+    rows = {(r["endpoint"], r["max_tokens"]) for r in result["requests"]}
+    assert rows == {(e, t) for e in ("chat", "completion", "batch") for t in (1, 2)}
+    assert all(r["cpu_ms"] >= 0 and r["batches"] >= 1 for r in result["requests"])
+    assert {(r["rows"], r["events"]) for r in result["decode_loop"]} == {
+        (2, "streamed"),
+        (2, "whole"),
+    }
+    assert "| chat | 1 | 4 |" in proc.stdout
+    assert "top 5 by cumulative time" in proc.stdout and "top 5 by own time" in proc.stdout

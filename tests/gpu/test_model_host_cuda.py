@@ -28,6 +28,11 @@ MIB = 1024 * 1024
 TOKEN = WeightsToken(label="forge", role="trainer", secret="s" * 24)
 
 
+#: What a load's peak may exceed the resident's own memory by: the decode engine's capture
+#: scratch, never a second copy of the weights (a quarter of them).
+PEAK_SLACK = 64 * MIB
+
+
 def make_host(tmp_path: Path, default_home: str, attach: bool) -> ModelHost:
     cat = Catalogue(tmp_path)
     for name in ("smol-a", "smol-b"):
@@ -59,15 +64,18 @@ async def test_load_unload_and_swap_return_cuda_memory(
     one_model = torch.cuda.memory_allocated(0) - baseline
     assert one_model > 200 * MIB  # 134.5M bf16 parameters
     # one copy on the card while loading (an attachable load goes from the CPU straight into
-    # the arena; it used to move to the card first, then copy into the arena: two copies)
-    assert torch.cuda.max_memory_allocated(0) - baseline < one_model + 16 * MIB
+    # the arena; it used to move to the card first, then copy into the arena: two copies).
+    # ``one_model`` also holds the decode engine's caches (allocated at load); its captures'
+    # scratch adds a few MiB above them at the peak (18.9 MiB on the H200, 2026-12-02), far
+    # below a second copy of the weights (269 MB).
+    assert torch.cuda.max_memory_allocated(0) - baseline < one_model + PEAK_SLACK
     del resident
 
     torch.cuda.reset_peak_memory_stats(0)
     await host.ensure_for_request("smol-b")  # a swap: never two models at once
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated(0) - baseline < one_model + 16 * MIB
-    assert torch.cuda.max_memory_allocated(0) - baseline < one_model + 16 * MIB
+    assert torch.cuda.max_memory_allocated(0) - baseline < one_model + PEAK_SLACK
 
     await host.unload()
     torch.cuda.synchronize()

@@ -164,10 +164,14 @@ def _forced_eager(model, prompts: list[list[int]], forced: list[list[int]]) -> t
 def test_batched_graphs_serve_an_in_place_write(default_model) -> None:
     """Graphs captured, then every parameter written in place (what a trainer's commit does):
     fed the same tokens, the next batch's logits are the eager batch's on the written weights
-    (within bfloat16 rounding: 5 % of the largest logit) and far from the logits before the
-    write. Logits, not greedy tokens: a write this large leaves a near-tie at many steps, where
-    two kernels' rounding picks different tokens (the H200 run of 2026-12-02: 1/4 prompts gave
-    the same 16 greedy tokens, with graphs that did follow the write)."""
+    (within bfloat16 rounding: 15 % of the largest logit) and at least five times as far from the
+    logits before the write (a graph that missed the write would be as far from the eager batch as
+    the write moved it). Logits, not greedy tokens: a write this large leaves a near-tie at many
+    steps, where two kernels' rounding picks different tokens (the H200 run of 2026-12-02: 1/4
+    prompts gave the same 16 greedy tokens, with graphs that did follow the write). The write,
+    half a standard deviation of noise in every parameter, moves the logits by 1.8x the largest
+    (H200, 2026-12-02), and through such a network the padded batched graphs and the eager batch
+    round apart by up to 10 % (0.103 measured)."""
     from miserver.serving.decode_graphs import DecodeEngine
 
     model, tokenizer = default_model
@@ -195,8 +199,8 @@ def test_batched_graphs_serve_an_in_place_write(default_model) -> None:
             f"{sorted(engine.stats.batch_captured)}"
         )
         assert captured and set(engine.stats.batch_captured) == captured  # replayed, not recaptured
-        assert err <= 0.05
-        assert moved > 10 * max(err, 0.01)
+        assert err <= 0.15
+        assert moved > 5 * max(err, 0.01)
     finally:
         with torch.inference_mode():
             for p, s in zip(model.parameters(), saved, strict=True):

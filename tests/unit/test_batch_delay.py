@@ -159,14 +159,12 @@ def test_a_bad_setting_names_the_variable(raw: str) -> None:
     assert "MAX_BATCH_DELAY_MS" in str(info.value)
 
 
-def test_auto_is_off_on_the_cpu_and_a_few_milliseconds_on_cuda() -> None:
+def test_auto_is_no_delay_on_every_device_and_a_number_is_milliseconds() -> None:
     auto = Settings(home="/nonexistent")
     assert resolved_batch_delay_s(auto, "cpu") == 0.0
-    assert 0 < resolved_batch_delay_s(auto, "cuda") <= 0.05  # a few tens of ms at most
-    assert (
-        resolved_batch_delay_s(Settings(home="/nonexistent", max_batch_delay_ms=12.0), "cpu")
-        == 0.012
-    )
+    assert resolved_batch_delay_s(auto, "cuda") == 0.0  # measured: docs/benchmarks.md
+    set_ = Settings(home="/nonexistent", max_batch_delay_ms=12.0)
+    assert resolved_batch_delay_s(set_, "cpu") == resolved_batch_delay_s(set_, "cuda") == 0.012
 
 
 async def test_the_server_batches_chats_sent_together_under_the_delay(

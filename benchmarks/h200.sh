@@ -39,7 +39,7 @@ for part in "$@"; do
   static)  # issue 14: chats and the Batch API at 1, 8, 32, 64; the chats at 64 again without the delay
     timeout 330 python3 benchmarks/static_batch.py --home "$HOME_DIR" --device cuda --sizes "${STATIC_SIZES:-1,8,32,64}" \
       --clients 64 --tokens 64 --batch-rows 512 --row-tokens 128 --first-rows 32 \
-      --compare-delay-ms 0 --server-log "$OUT/servers.log" --json "$OUT/static_batch_135m.json" \
+      --compare-delay-ms 0 ${STATIC_ARGS:-} --server-log "$OUT/servers.log" --json "$OUT/static_batch_135m.json" \
       >"$OUT/static_batch.log" 2>&1
     echo "static rc=$?"; tail -9 "$OUT/static_batch.log" ;;
   static05b)

@@ -29,6 +29,9 @@ Each chat row also says how the requests were batched (``/metrics``: static batc
 during the chats, and sequences a batch). ``--batch-delay-ms`` sets ``MAX_BATCH_DELAY_MS`` on
 every server (default: unset, the device's ``auto``); ``--compare-delay-ms`` adds a row beside:
 the chats again at the largest size with that delay (``0``: no gathering), in the same run.
+The batched graphs of a (rows, length) bucket are captured at its first use, so the timed burst
+of a fresh server pays the captures of the buckets it meets; ``--warm-burst`` runs the burst
+once untimed first (a long-running server's figures).
 
 ``--home`` is a ``MISERVER_HOME`` (default: a temporary one importing the default).
 """
@@ -106,8 +109,12 @@ def _batches(base: str) -> tuple[float, float]:
     return found["count"], found["sum"]
 
 
-def _chat_row(client: Any, base: str, model: str, clients: int, tokens: int) -> dict[str, Any]:
+def _chat_row(
+    client: Any, base: str, model: str, clients: int, tokens: int, warm_burst: bool = False
+) -> dict[str, Any]:
     chats(client, model, 1, 4)  # warm-up
+    if warm_burst:  # the batch graphs a burst needs are captured at their first use
+        chats(client, model, clients, tokens)
     before = _batches(base)
     wall, used = chats(client, model, clients, tokens)
     after = _batches(base)
@@ -287,6 +294,11 @@ def main() -> int:
         "--batch-delay-ms", help="MAX_BATCH_DELAY_MS of every server (default: unset, auto)"
     )
     ap.add_argument(
+        "--warm-burst",
+        action="store_true",
+        help="run the chat burst once untimed first (its batch graphs captured before the timing)",
+    )
+    ap.add_argument(
         "--compare-delay-ms",
         help="also run the chats at the largest size with this MAX_BATCH_DELAY_MS (a row beside)",
     )
@@ -312,7 +324,9 @@ def main() -> int:
         try:
             client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=3600)
             row = {"max_batch_size": size, "delay_ms": args.batch_delay_ms or "auto"}
-            row.update(_chat_row(client, base, args.model, args.clients, args.tokens))
+            row.update(
+                _chat_row(client, base, args.model, args.clients, args.tokens, args.warm_burst)
+            )
             if args.batch_rows:
                 rows = args.batch_rows
                 if index == 0 and args.first_rows:
@@ -335,7 +349,9 @@ def main() -> int:
         try:
             client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=3600)
             row = {"max_batch_size": size, "delay_ms": args.compare_delay_ms}
-            row.update(_chat_row(client, base, args.model, args.clients, args.tokens))
+            row.update(
+                _chat_row(client, base, args.model, args.clients, args.tokens, args.warm_burst)
+            )
             results.append(row)
             print(f"MAX_BATCH_SIZE={size}: {row}", file=sys.stderr, flush=True)
         finally:

@@ -91,6 +91,92 @@ def _timer_settings(row: Row) -> tuple[tuple[str, str | None], ...]:
 
 _ARMED = {f"{timer}_armed": timer for timer in TIMERS}
 
+_ATTACHMENT_SLOTS = tuple(
+    _CONTEXT_INDEX[name]
+    for name in (
+        "attachment_id",
+        "attachment_label",
+        "attachment_role",
+        "attached_at",
+        "last_heartbeat_at",
+        "stale_since",
+    )
+)
+_TORN_AT = _CONTEXT_INDEX["commit_torn_at"]
+_TIMED_OUT = _CONTEXT_INDEX["commit_timed_out"]
+_BEGAN_AT = _CONTEXT_INDEX["commit_began_at"]
+_QUIESCED_AT = _CONTEXT_INDEX["quiesced_at"]
+
+
+class _Plan:
+    """What one row does from one source state, read once: the destination, and each test of
+    :meth:`Lifecycle._apply_context` and :meth:`Lifecycle._outcome` that depends only on the
+    row and the two states (the server's path: :meth:`Lifecycle._handle_planned`).
+
+    Derived from the row the compiled machine's decision names and from the machine's
+    destination (``named``), so the table stays the single source of truth. The checker steps
+    the machine and the general path (``via_machine``); tests compare the two paths' outcomes
+    and snapshots in every state and event the checker reaches, under several contexts.
+    """
+
+    __slots__ = (
+        "row",
+        "before",
+        "after",
+        "accepted",
+        "actions",
+        "clears_attachment",
+        "tears",
+        "commit_none",
+        "end_commit",
+        "begin_commit",
+        "overran",
+        "quiesced",
+        "timers",
+        "attach_id",
+        "cleared",
+        "message",
+        "effects",
+        "pending",
+        "row_id",
+    )
+
+    def __init__(self, row: Row, before: LifecycleState, named: dict) -> None:
+        variables = {k: v for k, v in row.set if k not in NAMED}
+        a = replace(before, **named, **variables)  # type: ignore[arg-type]
+        b = before
+        actions = row.actions
+        self.row = row
+        self.before = b
+        self.after = a
+        self.accepted = row.kind == "accepted"
+        self.actions = actions
+        self.clears_attachment = a.attachment == "none" and b.attachment != "none"
+        self.tears = a.weights == "torn" and b.weights != "torn" and "watchdog" not in actions
+        self.commit_none = a.commit == "none" and "end_commit" not in actions
+        self.end_commit = "end_commit" in actions
+        self.begin_commit = "begin_commit" in actions
+        self.overran = "overrun" in actions
+        #: quiesced_at: None (unchanged), False (cleared), True (set to now)
+        self.quiesced = (
+            False if a.barrier == "serving" else True if b.barrier == "serving" else None
+        )
+        self.timers = tuple(
+            (_CONTEXT_INDEX[deadline], timer) for deadline, timer in _timer_settings(row)
+        )
+        self.attach_id = row.trigger == "attach"
+        self.cleared = row.trigger == "clear_stale"
+        pending = row.pending
+        message = ""
+        if pending is not None and pending.code is not None:
+            message = _REASON_MESSAGES.get(
+                (pending.code.name, pending.reason or ""), _MESSAGES.get(pending.code.name, "")
+            )
+        self.message = message
+        self.effects = row.effects
+        self.pending = pending
+        self.row_id = row.id
+
 
 _deadlines = attrgetter(*(f"{t}_deadline" for t in TIMERS))
 
@@ -237,7 +323,10 @@ class Lifecycle:
             (:meth:`~miserver.fsm.compiled.Compiled.fire`, what ``miserver check`` does) instead
             of the decision lookup read out of that machine
             (:meth:`~miserver.fsm.compiled.Compiled.decide`, the default: the same decisions,
-            without the machine's per-event overhead).
+            without the machine's per-event overhead), and apply it through the general
+            :meth:`_apply_context` and :meth:`_outcome` instead of the row's :class:`_Plan`
+            (the server's path: the same outcome and snapshot, with what depends only on the
+            row and the two states read once per source state and row).
     """
 
     def __init__(
@@ -268,6 +357,8 @@ class Lifecycle:
         self.via_machine = via_machine
         self._decide = self.compiled.fire if via_machine else self.compiled.decide
         self._after: dict[tuple[LifecycleState, int], tuple[Row, LifecycleState]] = {}
+        #: ``(source state, id(row))`` -> its :class:`_Plan` (the server's path, ``handle``).
+        self._plans: dict[tuple[LifecycleState, int], _Plan] = {}
         self._timers: dict[int, tuple[Row, tuple[tuple[str, str | None], ...]]] = {}
         self._id_factory = id_factory or (lambda: secrets.token_urlsafe(24))
         state = LifecycleState(resident=resident, avail=avail)  # type: ignore[arg-type]
@@ -328,6 +419,17 @@ class Lifecycle:
         """
         before, ctx = self._snap.state, self._snap.context
         row, named = self._decide(before, ctx, event)
+        if not self.via_machine:
+            # The server's path: what the row does from this source, read once (_Plan); the
+            # same outcome and snapshot as the general path below, which ``miserver check``
+            # steps (via_machine) and tests compare against this one in every state it reaches.
+            plan = self._plans.get((before, id(row)))
+            if plan is None or plan.row is not row:
+                plan = self._plans[(before, id(row))] = _Plan(row, before, named)
+            if plan.accepted:
+                return self._handle_planned(plan, event, ctx, now)
+            self._snap = Snapshot(plan.after, ctx)
+            return self._outcome(row, event, before, plan.after, ctx, ctx)
         # The destination is a function of the source and the row (the machine's destination
         # state plus the row's other settings): computed once per pair, then reused.
         known = self._after.get((before, id(row)))
@@ -469,6 +571,12 @@ class Lifecycle:
     def _apply_context(
         self, row: Row, event: Event, b: LifecycleState, a: LifecycleState, c: Context, now: float
     ) -> Context:
+        ch = self._action_changes(row, event, c, now)
+        self._consequences(ch, row, b, a, c, now)
+        return _evolve_context(c, ch)
+
+    def _action_changes(self, row: Row, event: Event, c: Context, now: float) -> dict[str, Any]:
+        """What the row's actions change in the context, in their order."""
         ch: dict[str, Any] = {}
         for action in row.actions:
             if action == "attach":
@@ -539,7 +647,18 @@ class Lifecycle:
                 ch.update(self._adapter_provenance(event, c))
             else:  # pragma: no cover - a typo in the table
                 raise TableError(f"row {row.id}: unknown action {action!r}")
-        # Consequences of the state change itself.
+        return ch
+
+    def _consequences(
+        self,
+        ch: dict[str, Any],
+        row: Row,
+        b: LifecycleState,
+        a: LifecycleState,
+        c: Context,
+        now: float,
+    ) -> None:
+        """Add to ``ch`` the consequences of the state change itself and the row's timers."""
         if a.attachment == "none" and b.attachment != "none":
             ch.update(
                 attachment_id=None,
@@ -574,7 +693,78 @@ class Lifecycle:
             known = self._timers[id(row)] = (row, _timer_settings(row))
         for deadline, timer in known[1]:
             ch[deadline] = now + self.durations[timer] if timer is not None else None
-        return _evolve_context(c, ch)
+
+    def _handle_planned(self, plan: _Plan, event: Event, c: Context, now: float) -> Outcome:
+        """``handle`` of an accepted row from its :class:`_Plan`: the context
+        :meth:`_apply_context` gives and the outcome :meth:`_outcome` gives, written slot by
+        slot in the same order (a later write wins, as a later ``ch`` update does)."""
+        values = list(_context_values(c))
+        ch = self._action_changes(plan.row, event, c, now) if plan.actions else None
+        if ch:
+            index = _CONTEXT_INDEX
+            for name, value in ch.items():
+                values[index[name]] = value
+        if plan.clears_attachment:
+            for i in _ATTACHMENT_SLOTS:
+                values[i] = None
+        if plan.tears and c.commit_began_at is not None:
+            values[_TORN_AT] = now
+            values[_TIMED_OUT] = False
+        if plan.commit_none and (ch is None or "commit_began_at" not in ch):
+            values[_BEGAN_AT] = None  # ch.setdefault("commit_began_at", None)
+        if plan.end_commit:
+            values[_BEGAN_AT] = None
+        if (c.commit_torn_at is not None or c.commit_timed_out) and (
+            values[_BEGAN_AT] is None or plan.begin_commit
+        ):
+            values[_TORN_AT] = None
+            values[_TIMED_OUT] = False
+        if plan.quiesced is not None:
+            values[_QUIESCED_AT] = now if plan.quiesced else None
+        durations = self.durations
+        for i, timer in plan.timers:
+            values[i] = now + durations[timer] if timer is not None else None
+        new = object.__new__(Context)
+        for setter, value in zip(_SLOT_SETTERS, values, strict=True):
+            setter(new, value)
+        after = plan.after
+        before = plan.before
+        self._snap = Snapshot(after, new)
+        details: dict[str, Any] = {}
+        if plan.attach_id:
+            details["attachment_id"] = new.attachment_id
+        if plan.end_commit:
+            began = c.commit_began_at
+            details.update(
+                commit_ms=None if began is None else (now - began) * 1000.0,
+                overran=plan.overran,
+                steps_since_load=new.steps_since_load,
+            )
+        if plan.cleared:
+            details["cleared"] = {
+                "role": c.attachment_role,
+                "label": c.attachment_label,
+                "stale_since": c.stale_since,
+            }
+        if plan.begin_commit:
+            details.update(began_at=new.commit_began_at, watchdog_ms=self.watchdog_ms)
+        out = object.__new__(Outcome)  # Outcome(...) without the frozen __init__'s setattrs
+        vars(out).update(
+            kind="accepted",
+            trigger=event.trigger,
+            status=200,
+            code=None,
+            reason=None,
+            message=plan.message,
+            details=details,
+            effects=plan.effects,
+            pending=plan.pending,
+            row=plan.row_id,
+            before=before,
+            after=after,
+            retry_after=False,
+        )
+        return out
 
     @staticmethod
     def _adapter_provenance(event: Event, c: Context) -> dict[str, Any]:

@@ -63,6 +63,7 @@ class JsonFormatter(logging.Formatter):
         super().__init__()
         self._second = -1
         self._stamp = ""
+        self._heads: dict[tuple[str, str], str] = {}
 
     def format(self, record: logging.LogRecord) -> str:
         exception = None
@@ -111,6 +112,26 @@ class JsonFormatter(logging.Formatter):
         if exception:
             out["exception"] = exception
         return _encode(out).decode()
+
+    def format_stamped_object(self, levelname: str, name: str, line: str, ts: str) -> str | None:
+        """The line :meth:`format_line` writes for ``line``, a JSON object as msgspec encodes a
+        ``weights_audit`` record (unique keys, none of them ``level`` or ``logger``, a ``ts``
+        member of value ``ts`` that is not the last), without decoding and re-encoding it:
+        ``ts`` moves to the front (merged over the line's own stamp), then ``level`` and
+        ``logger``, then the line's other members in their order, their text as it is (the
+        encoding of a decoded msgspec value is that value's text). None when ``line`` does not
+        have that shape (take :meth:`format_line`)."""
+        stamp = _encode(ts).decode()
+        marker = f',"ts":{stamp},'
+        at = line.find(marker)  # inside a string a quote is escaped: only the member matches
+        if at < 2 or line[:2] != '{"' or line[-1:] != "}" or line.find(marker, at + 1) >= 0:
+            return None
+        head = self._heads.get((levelname, name))
+        if head is None:
+            head = self._heads[(levelname, name)] = (
+                f',"level":{_encode(levelname.lower()).decode()},"logger":{_encode(name).decode()},'
+            )
+        return f'{{"ts":{stamp}{head}{line[1:at]}{line[at + len(marker) - 1 :]}'
 
 
 class TextFormatter(logging.Formatter):
@@ -200,6 +221,37 @@ class LineHandler(logging.StreamHandler):
             except Exception:
                 record = logging.LogRecord(
                     name, levelno, "(unknown file)", 0, message, None, None, "(unknown function)"
+                )
+                self.handleError(record)
+        finally:
+            self.release()
+        return True
+
+    def emit_stamped_object(self, name: str, levelno: int, line: str, ts: str) -> bool:
+        """:meth:`emit_line` of ``line``, a ``weights_audit`` record as msgspec encodes it
+        (``ts`` its stamp), the same bytes written: with :class:`JsonFormatter` and no secret
+        or ``Bearer`` credential in the line (the filters leave it as it is), the line is
+        spliced (:meth:`JsonFormatter.format_stamped_object`) instead of decoded, merged and
+        encoded again; otherwise :meth:`emit_line`."""
+        fmt = self.formatter
+        if type(fmt) is not JsonFormatter or levelno < self.level:
+            return self.emit_line(name, levelno, line)
+        for f in self.filters:
+            if type(f) is not RedactSecrets or f.redact(line) != line:
+                return self.emit_line(name, levelno, line)
+        out = fmt.format_stamped_object(logging.getLevelName(levelno), name, line, ts)
+        if out is None:
+            return self.emit_line(name, levelno, line)
+        self.acquire()
+        try:
+            try:
+                self.stream.write(out + self.terminator)
+                self.flush()
+            except RecursionError:  # as StreamHandler.emit
+                raise
+            except Exception:
+                record = logging.LogRecord(
+                    name, levelno, "(unknown file)", 0, line, None, None, "(unknown function)"
                 )
                 self.handleError(record)
         finally:

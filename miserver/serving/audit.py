@@ -138,6 +138,22 @@ def _emit_line(emit_line: Any, name: str, msg: str, args: tuple[object, ...]) ->
     return emit_line(name, logging.INFO, msg)
 
 
+def info_stamped_object(logger: logging.Logger, line: str, ts: str) -> None:
+    """:func:`info_line` of ``line``, an :class:`AuditRecord` as msgspec encodes it (``ts``
+    its stamp): the sole handler's ``emit_stamped_object`` when it has one
+    (:meth:`miserver.server.LineHandler.emit_stamped_object`, which writes the JSON line with
+    one encoding instead of decoding the record's and encoding it again), else
+    :func:`info_line`. The same bytes either way."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    handler = _sole_handler(logger)
+    if handler is not None:
+        emit = getattr(handler, "emit_stamped_object", None)
+        if emit is not None and emit(logger.name, logging.INFO, line, ts):
+            return
+    info_line(logger, line)
+
+
 _stamp_second = -1
 _stamp_prefix = ""
 
@@ -221,7 +237,7 @@ class AuditLog:
         line = self._encoder.encode(record).decode()
         with self._lock:
             self.count += 1
-            info_line(log, line)
+            info_stamped_object(log, line, record.ts)
             if self._fd is not None:
                 self._append((line + "\n").encode())
 

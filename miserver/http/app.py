@@ -47,19 +47,43 @@ def body_limit_middleware(max_bytes: int) -> Any:
     async def limit(request: web.Request, handler: Any) -> web.StreamResponse:
         length = request.content_length
         if length is not None and length > max_bytes:
-            err = ApiError(
-                codes.PAYLOAD_TOO_LARGE,
-                f"the request body is {length} bytes; MAX_REQUEST_BYTES is {max_bytes}",
-                details={"max_request_bytes": max_bytes, "content_length": length},
-            )
-            # A gated weights route audits this refusal too (weights page: Routes).
-            audit_refusal = getattr(request.match_info.handler, "audit_refusal", None)
-            if audit_refusal is not None:
-                audit_refusal(request, err)
-            raise err
+            raise _too_large(request, length, max_bytes)
         return await handler(request)
 
     return limit
+
+
+def _too_large(request: web.Request, length: int, max_bytes: int) -> ApiError:
+    """The 413 of a body declared larger than ``max_bytes``, its audit line written."""
+    err = ApiError(
+        codes.PAYLOAD_TOO_LARGE,
+        f"the request body is {length} bytes; MAX_REQUEST_BYTES is {max_bytes}",
+        details={"max_request_bytes": max_bytes, "content_length": length},
+    )
+    # A gated weights route audits this refusal too (weights page: Routes).
+    audit_refusal = getattr(request.match_info.handler, "audit_refusal", None)
+    if audit_refusal is not None:
+        audit_refusal(request, err)
+    return err
+
+
+def body_checks_middleware(max_bytes: int) -> Any:
+    """:func:`body_limit_middleware` and then :func:`media_type_middleware` as one middleware
+    (one call a request instead of two; neither wraps the handler's exceptions, so the
+    answers, their order and the audit lines are the same)."""
+
+    @web.middleware
+    async def checks(request: web.Request, handler: Any) -> web.StreamResponse:
+        length = request.content_length
+        if length is not None and length > max_bytes:
+            raise _too_large(request, length, max_bytes)
+        if "Content-Type" in request.headers:
+            err = _media_refusal(request)
+            if err is not None:
+                raise err
+        return await handler(request)
+
+    return checks
 
 
 #: What a route's body must be when it has one (a handler's ``body_media`` attribute; the
@@ -95,12 +119,22 @@ async def media_type_middleware(request: web.Request, handler: Any) -> web.Strea
     routes of a server on localhost (docs/decisions.md). A request without a body, or to no
     route (404/405), is not checked.
     """
-    media = request.content_type if "Content-Type" in request.headers else ""
+    if "Content-Type" in request.headers:
+        err = _media_refusal(request)
+        if err is not None:
+            raise err
+    return await handler(request)
+
+
+def _media_refusal(request: web.Request) -> ApiError | None:
+    """:func:`media_type_middleware`'s 415 for a request that has a ``Content-Type`` header,
+    or None when its body is what the route reads (or it has none, or matches no route)."""
+    media = request.content_type
     if not media or not request.body_exists or request.match_info.http_exception is not None:
-        return await handler(request)
+        return None
     expected = getattr(request.match_info.handler, "body_media", JSON_MEDIA)
     if _accepts(expected, media):
-        return await handler(request)
+        return None
     hint = (
         "; curl -d sends application/x-www-form-urlencoded unless told: add "
         "-H 'Content-Type: application/json'"
@@ -108,7 +142,7 @@ async def media_type_middleware(request: web.Request, handler: Any) -> web.Strea
         else ""
     )
     shown = media if len(media) <= 64 and media.isascii() else "this type"
-    raise ApiError(
+    return ApiError(
         codes.UNSUPPORTED_MEDIA_TYPE,
         f"{request.method} {request.path} reads a {expected} body, not {shown}{hint}",
         details={"expected": expected},
@@ -145,6 +179,22 @@ async def load_default_model(app: web.Application) -> None:
         log.error("loading DEFAULT_MODEL %r failed: %s %s", name, exc.code.name, exc.message)
     except Exception:  # noqa: BLE001 - a failed start-up load leaves the server up and empty
         log.exception("loading DEFAULT_MODEL %r failed", name)
+
+
+def app_middlewares(settings: Settings) -> list[Any]:
+    """The application's middlewares, outermost first: JSON errors, the shutdown drain, the
+    operator token of the guarded management routes (only with ``MANAGEMENT_AUTH=operator``:
+    otherwise it passes every request through, so it is left out; the settings of an app do
+    not change), and the body checks (413 for a declared size over ``MAX_REQUEST_BYTES``, then
+    415 for a body that is not the route's type; :func:`body_checks_middleware`)."""
+    middlewares: list[Any] = [
+        json_errors_middleware,
+        shutdown.shutdown_middleware,  # 503 SHUTTING_DOWN while draining (SIGTERM)
+    ]
+    if settings.management_auth == "operator":
+        middlewares.append(management_auth_middleware)
+    middlewares.append(body_checks_middleware(settings.max_request_bytes))
+    return middlewares
 
 
 def create_app(
@@ -185,14 +235,7 @@ def create_app(
         batch_delay_s=resolved_batch_delay_s(settings, device_type),
     )
     app = web.Application(
-        middlewares=[
-            json_errors_middleware,
-            shutdown.shutdown_middleware,  # 503 SHUTTING_DOWN while draining (SIGTERM)
-            management_auth_middleware,  # MANAGEMENT_AUTH=operator
-            body_limit_middleware(settings.max_request_bytes),
-            media_type_middleware,  # 415 for a body that is not the route's type
-        ],
-        client_max_size=settings.max_request_bytes,
+        middlewares=app_middlewares(settings), client_max_size=settings.max_request_bytes
     )
     shutdown.install(app, settings.shutdown_grace_s)
     app[keys.SETTINGS] = settings

@@ -51,7 +51,6 @@ import io
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -60,18 +59,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serving import _free_port  # noqa: E402 - the sibling benchmarks' helpers
+from static_batch import TOPICS  # noqa: E402
+
 MODEL = "tiny-overhead"
 TICK = os.sysconf("SC_CLK_TCK")
-TOPICS = (
-    "the sea",
-    "a forest",
-    "the moon",
-    "a city at night",
-    "a mountain",
-    "rain",
-    "a library",
-    "the desert",
-)
 
 
 # --- the model and its home -------------------------------------------------------------------
@@ -215,12 +209,6 @@ def _install_marks(profile_out: str | None, gc_out: str) -> None:
 
     signal.signal(signal.SIGUSR1, start)
     signal.signal(signal.SIGUSR2, stop)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(

@@ -97,6 +97,15 @@ def _start(
     return start_server(home, device, extra_env=env, ready_timeout_s=600, log_path=log_path)
 
 
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server and wait for it (killed after 30 s)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def _batches(base: str) -> tuple[float, float]:
     """(static batches started, sequences decoded in them) so far, from ``/metrics``."""
     with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
@@ -336,11 +345,7 @@ def main() -> int:
             results.append(row)
             print(f"MAX_BATCH_SIZE={size}: {row}", file=sys.stderr, flush=True)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            _stop(proc)
     if args.compare_delay_ms is not None:
         size = max(sizes)
         proc, base = _start(
@@ -355,11 +360,7 @@ def main() -> int:
             results.append(row)
             print(f"MAX_BATCH_SIZE={size}: {row}", file=sys.stderr, flush=True)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            _stop(proc)
     base_row = results[0]
     head = (
         f"{'MAX_BATCH_SIZE':>14} {'delay ms':>8} {'chats s':>9} {'chat tok/s':>11} {'x':>6}"

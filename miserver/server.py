@@ -11,6 +11,7 @@ import logging
 import re
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -210,21 +211,12 @@ class LineHandler(logging.StreamHandler):
                 message = f.redact(message)
         created, msecs = record_clock()
         levelname = logging.getLevelName(levelno)
-        self.acquire()
-        try:
-            try:
-                line = fmt.format_line(created, msecs, levelname, name, message)
-                self.stream.write(line + self.terminator)
-                self.flush()
-            except RecursionError:  # as StreamHandler.emit
-                raise
-            except Exception:
-                record = logging.LogRecord(
-                    name, levelno, "(unknown file)", 0, message, None, None, "(unknown function)"
-                )
-                self.handleError(record)
-        finally:
-            self.release()
+        self._write(
+            name,
+            levelno,
+            message,
+            lambda: fmt.format_line(created, msecs, levelname, name, message),
+        )
         return True
 
     def emit_stamped_object(self, name: str, levelno: int, line: str, ts: str) -> bool:
@@ -242,21 +234,26 @@ class LineHandler(logging.StreamHandler):
         out = fmt.format_stamped_object(logging.getLevelName(levelno), name, line, ts)
         if out is None:
             return self.emit_line(name, levelno, line)
+        self._write(name, levelno, line, lambda: out)
+        return True
+
+    def _write(self, name: str, levelno: int, message: str, text: Callable[[], str]) -> None:
+        """Write ``text()`` and the terminator under the handler's lock, flushed; a failure (of
+        the formatting too) goes to ``handleError`` as ``StreamHandler.emit``'s does."""
         self.acquire()
         try:
             try:
-                self.stream.write(out + self.terminator)
+                self.stream.write(text() + self.terminator)
                 self.flush()
             except RecursionError:  # as StreamHandler.emit
                 raise
             except Exception:
                 record = logging.LogRecord(
-                    name, levelno, "(unknown file)", 0, line, None, None, "(unknown function)"
+                    name, levelno, "(unknown file)", 0, message, None, None, "(unknown function)"
                 )
                 self.handleError(record)
         finally:
             self.release()
-        return True
 
 
 class AccessLogger(AbstractAccessLogger):

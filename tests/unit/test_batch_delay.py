@@ -1,7 +1,7 @@
 """The batch delay (``MAX_BATCH_DELAY_MS``, contract 1 and 4): a free slot gathers grouped work
 for a quiet gap before it is granted, so requests that arrive together share one static batch.
 
-Timer margins are wide (gaps of 0.2 s against arrivals milliseconds apart) so a loaded CI
+Timer margins are wide (gaps of 0.5 s against arrivals 10-20 ms apart) so a loaded CI
 machine does not change the outcome; what each test checks is which requests share a batch and
 why the gathering ended, not how fast."""
 
@@ -30,7 +30,7 @@ def _acquire(s: Scheduler, group: object = "g", size: int = 1) -> asyncio.Future
 
 
 async def test_requests_arriving_within_the_gap_share_one_batch() -> None:
-    s = Scheduler(max_batch_size=8, batch_delay_s=0.2)
+    s = Scheduler(max_batch_size=8, batch_delay_s=0.5)
     first = _acquire(s)
     await asyncio.sleep(0.01)
     assert not first.done() and s.gathering  # the free slot waits for more
@@ -70,15 +70,15 @@ async def test_arrivals_that_never_pause_are_granted_at_the_cap(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(scheduler_module, "GATHER_CAP_FACTOR", 3)
-    s = Scheduler(max_batch_size=256, batch_delay_s=0.2)
+    s = Scheduler(max_batch_size=256, batch_delay_s=0.5)
     t0 = time.monotonic()
     tasks = [_acquire(s)]
     while not tasks[0].done() and time.monotonic() - t0 < 5:
         tasks.append(_acquire(s))
-        await asyncio.sleep(0.02)  # always well inside the 0.2 s gap
+        await asyncio.sleep(0.02)  # always well inside the 0.5 s gap
     first = tasks[0].result()
     assert s.gathers["cap"] == 1 and s.gathers["gap"] == 0
-    assert time.monotonic() - t0 >= 0.55  # about 3 x 0.2 s after the first arrival
+    assert time.monotonic() - t0 >= 1.45  # about 3 x 0.5 s after the first arrival
     assert first.batch.sequences > 1
     for t in tasks:
         if not t.done():
@@ -175,10 +175,10 @@ async def test_the_server_batches_chats_sent_together_under_the_delay(
 
     batches = spy_batch_starts(monkeypatch)
     client = await make_client(
-        tmp_path, tiny_model_dir, MAX_BATCH_SIZE="8", MAX_BATCH_DELAY_MS="400"
+        tmp_path, tiny_model_dir, MAX_BATCH_SIZE="8", MAX_BATCH_DELAY_MS="1000"
     )
     try:
-        assert client.server.app[keys.SCHEDULER].batch_delay_s == pytest.approx(0.4)
+        assert client.server.app[keys.SCHEDULER].batch_delay_s == pytest.approx(1.0)
 
         async def one(i: int) -> int:
             body = {

@@ -45,7 +45,7 @@ for part in "$@"; do
   static05b)
     timeout 260 python3 benchmarks/static_batch.py --home "$HOME_DIR" --device cuda --sizes 1,8,32,64 \
       --clients 64 --tokens 64 --batch-rows 512 --row-tokens 128 --first-rows 32 --shape 0.5b \
-      --compare-delay-ms 0 --server-log "$OUT/servers.log" --json "$OUT/static_batch_05b.json" \
+      --compare-delay-ms 0 ${STATIC_ARGS:-} --server-log "$OUT/servers.log" --json "$OUT/static_batch_05b.json" \
       >"$OUT/static_batch_05b.log" 2>&1
     echo "static05b rc=$?"; tail -9 "$OUT/static_batch_05b.log" ;;
   weightsync)  # issue 15

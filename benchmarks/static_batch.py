@@ -119,18 +119,33 @@ def _batches(base: str) -> tuple[float, float]:
 
 
 def _chat_row(
-    client: Any, base: str, model: str, clients: int, tokens: int, warm_burst: bool = False
+    client: Any,
+    base: str,
+    model: str,
+    clients: int,
+    tokens: int,
+    warm_burst: bool = False,
+    pool: Any = None,
 ) -> dict[str, Any]:
+    """The chat burst on one server: from ``pool``'s client processes when given, else from
+    threads of this process."""
+
+    def burst() -> tuple[float, int, float | None]:
+        if pool is not None:
+            return process_chats(pool, base, model, clients, tokens)
+        return (*chats(client, model, clients, tokens), None)
+
     chats(client, model, 1, 4)  # warm-up
     if warm_burst:  # the batch graphs a burst needs are captured at their first use
-        chats(client, model, clients, tokens)
+        burst()
     before = _batches(base)
-    wall, used = chats(client, model, clients, tokens)
+    wall, used, spread = burst()
     after = _batches(base)
     formed = after[0] - before[0]
     return {
         "chat_wall_s": wall,
         "chat_tokens": used,
+        "chat_send_spread_s": spread,
         "chat_batches": formed,
         "chat_rows_per_batch": (after[1] - before[1]) / formed if formed else 0.0,
     }
@@ -231,7 +246,9 @@ def _messages(i: int) -> list[dict[str, str]]:
 
 
 def chats(client: Any, model: str, clients: int, tokens: int) -> tuple[float, int]:
-    """``clients`` chats at once; returns (wall seconds until the last answer, tokens)."""
+    """``clients`` chats at once from threads of this process; returns (wall seconds until the
+    last answer, tokens). The SDK's work in the threads shares one interpreter lock, so the
+    requests reach the server spread out (see :func:`process_chats`)."""
 
     def one(i: int) -> int:
         out = client.chat.completions.create(
@@ -243,6 +260,46 @@ def chats(client: Any, model: str, clients: int, tokens: int) -> tuple[float, in
     with ThreadPoolExecutor(clients) as pool:
         done = list(pool.map(one, range(clients)))
     return time.perf_counter() - t0, sum(done)
+
+
+_CLIENTS: dict[str, Any] = {}  # one SDK client per server in each client process (keep-alive)
+
+
+def _client_process_start() -> None:
+    import openai  # noqa: F401 - imported before the timing
+
+
+def _one_chat(job: tuple[str, str, int, int, float]) -> tuple[float, float, int]:
+    """A client process's chat: wait until ``fire_at`` (wall clock), send, return (sent, done,
+    completion tokens), wall-clock seconds."""
+    base, model, i, tokens, fire_at = job
+    from openai import OpenAI
+
+    client = _CLIENTS.get(base)
+    if client is None:
+        client = _CLIENTS[base] = OpenAI(
+            base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=3600
+        )
+    time.sleep(max(0.0, fire_at - time.time()))
+    sent = time.time()
+    out = client.chat.completions.create(
+        model=model, messages=_messages(i), max_tokens=tokens, temperature=0
+    )
+    return sent, time.time(), out.usage.completion_tokens
+
+
+def process_chats(
+    pool: Any, base: str, model: str, clients: int, tokens: int
+) -> tuple[float, int, float]:
+    """``clients`` chats sent together by ``clients`` client processes (one chat each, as
+    independent clients would: no interpreter lock shared); returns (wall seconds from the
+    agreed send time to the last answer, tokens, seconds between the first send and the last)."""
+    fire_at = time.time() + 0.5
+    done = pool.map(
+        _one_chat, [(base, model, i, tokens, fire_at) for i in range(clients)], chunksize=1
+    )
+    sent = [d[0] for d in done]
+    return max(d[1] for d in done) - fire_at, sum(d[2] for d in done), max(sent) - min(sent)
 
 
 def batch_job(client: Any, model: str, rows: int, tokens: int) -> tuple[float, int]:
@@ -309,11 +366,17 @@ def main() -> int:
     )
     ap.add_argument(
         "--compare-delay-ms",
-        help="also run the chats at the largest size with this MAX_BATCH_DELAY_MS (a row beside)",
+        help="also run the chats at the largest size with each of these MAX_BATCH_DELAY_MS "
+        "(comma-separated; a row beside each)",
+    )
+    ap.add_argument(
+        "--clients-in",
+        choices=("processes", "threads"),
+        default="processes",
+        help="the chat clients as one process each (default) or as threads of this one",
     )
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    from openai import OpenAI
 
     home = args.home
     if home is None:
@@ -324,6 +387,23 @@ def main() -> int:
     if args.shape == "0.5b":
         args.model = "qwen2.5-0.5b-shape"
         make_shape(home, args.model)
+    pool = None
+    if args.clients_in == "processes":  # started before any CUDA work of this process
+        import multiprocessing
+
+        pool = multiprocessing.get_context("spawn").Pool(
+            args.clients, initializer=_client_process_start
+        )
+    try:
+        return _run(args, home, sizes, pool)
+    finally:
+        if pool is not None:
+            pool.terminate()
+
+
+def _run(args: argparse.Namespace, home: str, sizes: list[int], pool: Any) -> int:
+    from openai import OpenAI
+
     steps = in_process(home, args.model, sizes, 64) if args.in_process else []
     results = []
     for index, size in enumerate(sizes):
@@ -334,7 +414,9 @@ def main() -> int:
             client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=3600)
             row = {"max_batch_size": size, "delay_ms": args.batch_delay_ms or "auto"}
             row.update(
-                _chat_row(client, base, args.model, args.clients, args.tokens, args.warm_burst)
+                _chat_row(
+                    client, base, args.model, args.clients, args.tokens, args.warm_burst, pool
+                )
             )
             if args.batch_rows:
                 rows = args.batch_rows
@@ -346,16 +428,18 @@ def main() -> int:
             print(f"MAX_BATCH_SIZE={size}: {row}", file=sys.stderr, flush=True)
         finally:
             _stop(proc)
-    if args.compare_delay_ms is not None:
+    for delay in (args.compare_delay_ms or "").split(","):
+        if not delay:
+            continue
         size = max(sizes)
-        proc, base = _start(
-            home, args.device, size, args.model, args.server_log, args.compare_delay_ms
-        )
+        proc, base = _start(home, args.device, size, args.model, args.server_log, delay)
         try:
             client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=3600)
-            row = {"max_batch_size": size, "delay_ms": args.compare_delay_ms}
+            row = {"max_batch_size": size, "delay_ms": delay}
             row.update(
-                _chat_row(client, base, args.model, args.clients, args.tokens, args.warm_burst)
+                _chat_row(
+                    client, base, args.model, args.clients, args.tokens, args.warm_burst, pool
+                )
             )
             results.append(row)
             print(f"MAX_BATCH_SIZE={size}: {row}", file=sys.stderr, flush=True)
@@ -364,7 +448,7 @@ def main() -> int:
     base_row = results[0]
     head = (
         f"{'MAX_BATCH_SIZE':>14} {'delay ms':>8} {'chats s':>9} {'chat tok/s':>11} {'x':>6}"
-        f" {'batches':>7} {'rows/batch':>10}"
+        f" {'batches':>7} {'rows/batch':>10} {'sent ms':>7}"
     )
     if args.batch_rows:
         head += f" {'batch s':>9} {'rows/s':>8} {'tok/s':>8} {'x':>6}"
@@ -375,7 +459,9 @@ def main() -> int:
             if args.batch_rows
             else ""
         )
-        + f" ({args.model}, {args.device})"
+        + f" ({args.model}, {args.device}; chat clients: {args.clients_in}"
+        + (", each burst after an untimed one" if args.warm_burst else "")
+        + ")"
     )
     print(head)
     for row in results:
@@ -384,6 +470,11 @@ def main() -> int:
             f"{row['max_batch_size']:>14} {row['delay_ms']:>8} {row['chat_wall_s']:>9.2f} "
             f"{rate:>11.1f} {base_row['chat_wall_s'] / row['chat_wall_s']:>6.2f}"
             f" {row['chat_batches']:>7.0f} {row['chat_rows_per_batch']:>10.1f}"
+            + (
+                f" {row['chat_send_spread_s'] * 1000:>7.1f}"
+                if row["chat_send_spread_s"] is not None
+                else f" {'-':>7}"
+            )
         )
         if args.batch_rows and "batch_wall_s" in row:
             rows_s = row["batch_rows"] / row["batch_wall_s"]

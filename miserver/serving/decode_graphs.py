@@ -518,12 +518,21 @@ class DecodeEngine:
                 self._on_fallback(reason)
 
     def warm(self) -> None:
-        """Capture every bucket now (at load). Failures fall back per bucket (one warning each)."""
+        """Capture every length bucket of the one-sequence step now (at load), and the static
+        batch's step of every row bucket at the smallest length bucket (a burst of short chats
+        then meets no capture; a batch that outgrows that length captures its bucket at first
+        use). Failures fall back per bucket (one warning each)."""
         with self._lock, torch.inference_mode():
             self._apply_pending_locked()
             for length in self.buckets if self._use_graphs else ():
                 if length not in self._graphs and not self._closed:
                     self._capture(length)
+            for rows in self.batch_buckets if self._use_graphs else ():
+                key = (rows, self.buckets[0])
+                if key not in self._bgraphs and not self._closed:
+                    self._capture_batch(*key)
+                    # the warm-up steps wrote column 0 of these rows: zeroed below
+                    self._bused = (max(self._bused[0], rows), max(self._bused[1], 1))
             if not self._closed:
                 self._zero_locked()
 

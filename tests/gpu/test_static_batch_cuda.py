@@ -110,6 +110,7 @@ def test_batched_graphs_follow_the_lone_sequences(default_model) -> None:
     with torch.inference_mode():
         engine = DecodeEngine(model, "captured", 1024, max_rows=8)
         engine.warm()
+        at_load = set(engine.stats.batch_captured)
         alone = []
         for p in prompts:
             with engine.session(model) as session:
@@ -131,6 +132,9 @@ def test_batched_graphs_follow_the_lone_sequences(default_model) -> None:
         f", replays {stats.batch_replays}, batch cache {stats.batch_cache_bytes / 2**20:.0f} MiB"
     )
     assert stats.batch_replays >= TOKENS and stats.batch_captured
+    # warm() captured every row bucket at the smallest length; this short batch captured nothing
+    assert at_load == {(rows, engine.buckets[0]) for rows in engine.batch_buckets}
+    assert set(stats.batch_captured) == at_load
     assert all(a[0] == b[0] for a, b in zip(alone, batched, strict=True))
     assert same >= len(prompts) - 2 and same_eager >= len(prompts) - 2
 

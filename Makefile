@@ -40,7 +40,7 @@ setup: $(DEV)
 serve: $(RUNTIME)
 	$(BIN)/miserver serve
 
-# The whole suite: what CI runs (.ci/run), about 10 minutes on two cores.
+# The whole suite: what CI runs (.ci/run), about 25 minutes on two cores.
 test: $(DEV)
 	$(BIN)/python -m pytest -q
 

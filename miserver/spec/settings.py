@@ -199,13 +199,14 @@ DESCRIPTIONS: dict[str, str] = {
     "it arrived. A lone request pays the delay once; clients that start together share one "
     "batch instead of the first taking the slot alone and the rest waiting for it to end. A slot "
     "freed with work already waiting is granted at once, and a quiesce never waits for a "
-    "gathering slot (its requests are held). `auto`: 5 on CUDA, 0 (no delay) on the CPU. "
+    "gathering slot (its requests are held). `auto`: 10 on CUDA, 0 (no delay) on the CPU. "
     'Measured (docs/benchmarks.md, "The static batch"): on an H200, 64 chat clients (one process '
-    "each, sending within 7 ms) at `MAX_BATCH_SIZE` 64 formed one batch at 5 and 20 and finished "
-    "in 0.45 and 0.44 s against 0.64 s without a delay (two batches: the first request alone, "
-    "then 63), 2 ms still made two; a lone request pays 5 ms once, about one decode step of a "
-    "batch of 64. On the CPU 4 chats sent at once became one batch at 50-100 (2.26-2.53x the "
-    "chats' speed at `MAX_BATCH_SIZE` 1, against 1.2-1.7x without a delay). "
+    "each, sending within 7-12 ms) at `MAX_BATCH_SIZE` 64 formed one batch at 10 and at 20 in "
+    "every run (0.51-0.53 s against 0.64-0.75 s without a delay: two batches, the first request "
+    "alone, then 63), at 5 in one run of three, never at 2; a lone request pays the 10 ms once, "
+    "about two decode steps of a batch of 64. On the CPU a delay made no gain for 16 clients "
+    "(12.4 s without, 14.8 and 30.5 s at 5 and 20), and 4 chats sent at once became one batch "
+    "only at 50-100. "
     "No effect when `MAX_BATCH_SIZE` is 1.",
     "DECODE_GRAPHS": "How a CUDA resident runs its decode step: `captured` (the default: one "
     "CUDA graph per KV-cache length bucket, replayed over the served storages, captured at load), "
@@ -312,9 +313,9 @@ DEFAULT_MAX_BATCH_SIZE = {"cpu": 8, "cuda": 64}
 
 #: The largest ``MAX_BATCH_DELAY_MS`` accepted.
 MAX_BATCH_DELAY_LIMIT_MS = 1000.0
-#: ``MAX_BATCH_DELAY_MS=auto`` on each device type (docs/benchmarks.md, "The static batch": 5 ms
-#: made 64 clients sending together one batch on an H200, 29.5x the chats at 1 against 21.0x).
-DEFAULT_MAX_BATCH_DELAY_MS = {"cpu": 0.0, "cuda": 5.0}
+#: ``MAX_BATCH_DELAY_MS=auto`` on each device type (docs/benchmarks.md, "The static batch": 10 ms
+#: made 64 clients sending together one batch on an H200, 28.3x the chats at 1 against 19.3x).
+DEFAULT_MAX_BATCH_DELAY_MS = {"cpu": 0.0, "cuda": 10.0}
 
 
 def resolved_batch_delay_s(settings: Settings, device_type: str) -> float:

@@ -202,7 +202,7 @@ DESCRIPTIONS: dict[str, str] = {
     "gathering slot (its requests are held). `auto`: 10 on CUDA, 0 (no delay) on the CPU. "
     'Measured (docs/benchmarks.md, "The static batch"): on an H200, 64 chat clients (one process '
     "each, sending within 7-12 ms) at `MAX_BATCH_SIZE` 64 formed one batch at 10 and at 20 in "
-    "every run (0.51-0.53 s against 0.64-0.75 s without a delay: two batches, the first request "
+    "every run (0.42-0.53 s against 0.64-0.75 s without a delay: two batches, the first request "
     "alone, then 63), at 5 in one run of three, never at 2; a lone request pays the 10 ms once, "
     "about two decode steps of a batch of 64. On the CPU a delay made no gain for 16 clients "
     "(12.4 s without, 14.8 and 30.5 s at 5 and 20), and 4 chats sent at once became one batch "

@@ -5,7 +5,11 @@ embedded default (SmolLM2-135M-Instruct, bfloat16) with that setting, warms it w
 then, in one run and through the official ``openai`` SDK:
 
 - ``--clients`` chat clients at once, each one greedy chat of ``--tokens`` tokens (different
-  prompts): the wall time until the last answer, and completion tokens a second;
+  prompts): the wall time until the last answer, and completion tokens a second. Each client is
+  a process of its own (``--clients-in processes``, the default: they send at one agreed time,
+  and the table's ``sent ms`` is the spread from the first send to the last); ``--clients-in
+  threads`` sends from threads of this process, whose shared interpreter lock spreads the
+  requests over 100-200 ms (docs/benchmarks.md);
 - with ``--batch-rows`` above 0, a Batch API job of that many ``/v1/chat/completions`` rows of
   ``--row-tokens`` tokens each (upload, create, poll until ``completed``): rows a second and
   completion tokens a second.

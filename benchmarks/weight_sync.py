@@ -6,7 +6,8 @@ The wall time an update adds beyond the trainer's own optimizer step, with the s
 
     python benchmarks/weight_sync.py [--sizes 0.5b,8b] [--steps 500] [--baseline-steps 100]
                                      [--bucket-mib 512] [--block 10] [--profile]
-                                     [--no-baseline] [--out DIR]    # DIR defaults to $OUT
+                                     [--no-baseline] [--no-unix]
+                                     [--out DIR]                    # DIR defaults to $OUT
 
 Rows (each size in one run; the two modes of a server alternate in blocks of ``--block`` steps,
 so a drift of the machine falls on both alike):
@@ -22,13 +23,16 @@ so a drift of the machine falls on both alike):
   timed apart (both approaches pay it).
 - **miserver, sequential**: the same server, the same attachment and write, four calls each
   sent after the previous answer (``http.client`` keep-alive, ``TCP_NODELAY``).
+- **miserver, pipelined, Unix socket**: the same server also listens on a ``UNIX_SOCKET``; a
+  second ``WeightsClient(..., unix_socket=...)`` with the same attachment runs the pipelined
+  step there (left out with ``--no-unix``).
 - **baseline** (what other servers do): the trainer holds its own copy of the weights; after its
   optimizer step it flattens the parameters into buckets (``--bucket-mib``), shares each bucket
   with ``torch.multiprocessing.reductions.reduce_tensor`` (a CUDA IPC handle), sends it over a
   pipe to the server process, which rebuilds it, copies it into its own parameters,
   synchronizes and acknowledges; the next bucket follows. The overhead is the whole transfer.
   (A pipe, not HTTP: that favours the baseline.)
-- **bare aiohttp** (the machine's floor): the same two modes with the same clients against an
+- **bare aiohttp** (the machine's floor): the same three modes with the same clients against an
   aiohttp app whose four POST routes only answer a small JSON envelope: back to back, and per
   size around the same write (on a virtual machine a call after an idle gap is slower).
 
@@ -414,6 +418,7 @@ def serve_miserver(size: str) -> None:
         app,
         host=settings.host,
         port=settings.port,
+        unix_socket=settings.unix_socket,
         shutdown_timeout=10.0,
         access_log=logging.getLogger("miserver.server.access"),
         access_log_class=_recording(AccessLogger),
@@ -446,6 +451,7 @@ def serve_bare() -> None:
         app,
         host="127.0.0.1",
         port=int(os.environ["PORT"]),
+        path=os.environ.get("UNIX_SOCKET") or None,  # with it: TCP and the socket, as miserver
         print=None,
         access_log=logging.getLogger("bare.access"),
         access_log_class=_recording(NoAccessLog),  # times recorded as miserver's, not logged
@@ -512,7 +518,9 @@ def baseline_server(conn: Any, size: str, device: str, bucket_bytes: int) -> Non
 
 
 # --- the trainer side (this process) -------------------------------------------------------------
-def start_miserver(size: str, device: str, workdir: Path) -> tuple[subprocess.Popen, int, Path]:
+def start_miserver(
+    size: str, device: str, workdir: Path, unix_socket: str | None = None
+) -> tuple[subprocess.Popen, int, Path]:
     port = free_port()
     home = workdir / f"home-{size}"
     log_path = workdir / f"miserver-{size}.log"
@@ -528,6 +536,7 @@ def start_miserver(size: str, device: str, workdir: Path) -> tuple[subprocess.Po
         **({"WEIGHTS_COMMIT_WATCHDOG_MS": "30000"} if device == "cpu" else {}),
         LOG_LEVEL="info",
         LOG_FORMAT="json",
+        UNIX_SOCKET=unix_socket or "",
     )
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
@@ -584,8 +593,20 @@ def timed_commit(client: Any, write: Callable[[], None]) -> tuple[list[float], f
     return [t1 - t, t3 - t2], t2 - t1, cycle.end or {}
 
 
-#: The modes of a step, and the phases each one times.
-MODES = {"sequential": BARRIER, "pipelined": ("quiesce+commit-begin", "commit-end+resume")}
+#: The modes of a step, and the phases each one times. ``UNIX`` is the pipelined client over
+#: the server's ``UNIX_SOCKET`` (left out with ``--no-unix``).
+UNIX = "pipelined, Unix socket"
+PAIRS = ("quiesce+commit-begin", "commit-end+resume")
+MODES = {"sequential": BARRIER, "pipelined": PAIRS, UNIX: PAIRS}
+
+
+def socket_path(workdir: Path, name: str) -> str:
+    """A Unix socket path for a server of this run: under /tmp when ``workdir``'s would not
+    fit ``sun_path`` (107 bytes)."""
+    path = workdir / f"{name}.sock"
+    if len(os.fsencode(str(path))) <= 100:
+        return str(path)
+    return tempfile.mktemp(prefix=f"ws-{name}-", suffix=".sock", dir="/tmp")
 
 
 def summarize(
@@ -712,21 +733,30 @@ def run_miserver(
     workdir: Path,
     block: int = 10,
     profile_dir: Path | None = None,
+    unix: bool = True,
 ) -> list[dict[str, Any]]:
-    """The miserver rows of ``size``: through ``WeightsClient.commit()`` (pipelined pairs) and
-    four sequential calls on a bare keep-alive connection, alternating, on one server."""
+    """The miserver rows of ``size``: through ``WeightsClient.commit()`` (pipelined pairs, over
+    TCP and, with ``unix``, over the server's ``UNIX_SOCKET``) and four sequential calls on a
+    bare keep-alive connection, alternating, on one server."""
     import torch
 
     from miserver.trainer import WeightsClient
 
     before = card_used(device)
-    proc, port, log_path = start_miserver(size, device, workdir)
+    path = socket_path(workdir, f"miserver-{size}") if unix else None
+    proc, port, log_path = start_miserver(size, device, workdir, path)
     profile_text = None
     try:
         wc = WeightsClient(f"http://127.0.0.1:{port}", TOKEN_SECRET, heartbeat=False)
         att = wc.attach()
         seq = KeepAliveClient(port, TOKEN_SECRET)
         seq.attachment = wc._attachment_id  # the same attachment, for the sequential calls
+        modes: dict[str, Any] = {}
+        if path is not None:  # the same attachment again, its calls over the socket
+            wcu = WeightsClient(
+                f"http://127.0.0.1:{port}", TOKEN_SECRET, heartbeat=False, unix_socket=path
+            )
+            wcu._attachment_id = wc._attachment_id
         params = att.weights.unique_tensors()
         n_params = sum(p.numel() for p in params)
         weight_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -735,19 +765,20 @@ def run_miserver(
             torch.cuda.reset_peak_memory_stats(device)
         get_json(port, "/bench/memory?reset=1")
         write = functools.partial(in_place_write, params, device)
+        modes["pipelined"] = functools.partial(timed_commit, wc, write)
+        modes["sequential"] = functools.partial(timed_barrier, seq, write)
+        if path is not None:
+            modes[UNIX] = functools.partial(timed_commit, wcu, write)
         results, end = alternate(
             steps,
             warmup,
             block,
-            {
-                "pipelined": functools.partial(timed_commit, wc, write),
-                "sequential": functools.partial(timed_barrier, seq, write),
-            },
+            modes,
             between=wc.heartbeat,
             handler_times=lambda: get_json(port, "/bench/handler-times"),
             server_cpu=process_cpu(proc.pid),
         )
-        counted = end.get("steps_since_load") == start_steps + 2 * (warmup + steps)
+        counted = end.get("steps_since_load") == start_steps + len(modes) * (warmup + steps)
         card = card_used(device)
         trainer_mem = memory(device)
         server_mem = get_json(port, "/bench/memory")
@@ -762,11 +793,14 @@ def run_miserver(
             (profile_dir / f"miserver-{size}.txt").write_text(profile_text)
         del params, write
         seq.close()
+        if path is not None:
+            wcu._attachment_id = None  # the attachment is wc's: wc detaches
+            wcu.close()
         wc.close()  # detaches
     finally:
         stop_process(proc)
     rows = []
-    for mode in ("pipelined", "sequential"):
+    for mode in modes:
         r = results[mode]
         out = summarize(
             r["overhead"],
@@ -802,8 +836,9 @@ def run_bare(
     workdir: Path,
     size: str | None = None,
     block: int = 10,
+    unix: bool = True,
 ) -> list[dict[str, Any]]:
-    """The bare aiohttp rows: the same two step shapes (``WeightsClient.commit()``'s pipelined
+    """The bare aiohttp rows: the same step shapes (``WeightsClient.commit()``'s pipelined
     pairs, four sequential calls) against a server whose handlers only answer a small JSON
     envelope. With ``size``, the same in-place write of a ``size``-shaped model (the trainer's
     own tensors here) sits between commit-begin and commit-end: on a virtual machine a call
@@ -820,9 +855,10 @@ def run_bare(
         del model
         write = functools.partial(in_place_write, params, device)
     port = free_port()
+    path = socket_path(workdir, f"bare-{size or 'b2b'}") if unix else None
     proc = subprocess.Popen(
         [sys.executable, __file__, "--role", "bare"],
-        env=child_env(PORT=str(port)),
+        env=child_env(PORT=str(port), UNIX_SOCKET=path or ""),
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -832,29 +868,42 @@ def run_bare(
         wc = WeightsClient(f"http://127.0.0.1:{port}", TOKEN_SECRET, heartbeat=False)
         wc._attachment_id = "bench"  # no attach on the bare server: the holder header only
         seq = KeepAliveClient(port)
+        modes: dict[str, Any] = {
+            "pipelined": functools.partial(timed_commit, wc, write),
+            "sequential": functools.partial(timed_barrier, seq, write),
+        }
+        if path is not None:
+            wcu = WeightsClient(
+                f"http://127.0.0.1:{port}", TOKEN_SECRET, heartbeat=False, unix_socket=path
+            )
+            wcu._attachment_id = "bench"
+            modes[UNIX] = functools.partial(timed_commit, wcu, write)
         results, _ = alternate(
             steps,
             warmup,
             block,
-            {
-                "pipelined": functools.partial(timed_commit, wc, write),
-                "sequential": functools.partial(timed_barrier, seq, write),
-            },
+            modes,
             between=lambda: None,
             handler_times=lambda: get_json(port, "/bench/handler-times"),
             server_cpu=process_cpu(proc.pid),
         )
         wc._attachment_id = None
+        if path is not None:
+            wcu._attachment_id = None
+            wcu.close()
         seq.close()
     finally:
         stop_process(proc)
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # aiohttp leaves its socket file
         del write, params
         if device.startswith("cuda"):
             import torch
 
             torch.cuda.empty_cache()
     rows = []
-    for mode in ("pipelined", "sequential"):
+    for mode in modes:
         r = results[mode]
         out = summarize(
             r["overhead"],
@@ -1019,7 +1068,7 @@ def render(rows: list[dict[str, Any]], device: str, head: str) -> str:
                 + " |"
             )
     by = {(r["approach"], r["size"]): r for r in rows}
-    cost: dict[str, float] = {}
+    cost: dict[tuple[str, str], float] = {}
     sizes = [r["size"] for r in rows if r["approach"] == "miserver, pipelined"]
     if sizes:
         lines += [
@@ -1042,8 +1091,8 @@ def render(rows: list[dict[str, Any]], device: str, head: str) -> str:
             e2e = (m["p50_ms"] - f["p50_ms"]) / len(BARRIER)
             hm, hf = m.get("handler_p50_ms"), f.get("handler_p50_ms")
             inside = hm - hf if hm is not None and hf is not None else None
-            if mode == "pipelined":
-                cost[size] = e2e
+            if mode != "sequential":
+                cost[(size, mode)] = e2e
             cm, cf = m.get("server_cpu_ms_per_call"), f.get("server_cpu_ms_per_call")
             lines.append(
                 f"| {size} | {mode} | {m['p50_ms']:.3f} | {f['p50_ms']:.3f} | {e2e:.3f} | "
@@ -1063,38 +1112,46 @@ def render(rows: list[dict[str, Any]], device: str, head: str) -> str:
             "|---|---|---|---|",
         ]
     for size in sizes:
-        m = by[("miserver, pipelined", size)]
-        seq_floor = by.get(("bare aiohttp, same write, sequential", size))
-        if seq_floor is not None:
-            x = m["p50_ms"] / seq_floor["p50_ms"]
+        for mode in ("pipelined", UNIX):
+            m = by.get((f"miserver, {mode}", size))
+            if m is None:
+                continue
+            how = "" if mode == "pipelined" else " (over the Unix socket)"
+            seq_floor = by.get(("bare aiohttp, same write, sequential", size))
+            if seq_floor is not None:
+                x = m["p50_ms"] / seq_floor["p50_ms"]
+                lines.append(
+                    f"| a cycle through WeightsClient.commit(){how} at most 1.2x four sequential "
+                    f"bare calls over TCP (p50) | {size} | {m['p50_ms']:.3f} / "
+                    f"{seq_floor['p50_ms']:.3f} ms = {x:.2f}x | {_verdict(x <= 1.2)} |"
+                )
             lines.append(
-                f"| a cycle through WeightsClient.commit() at most 1.2x four sequential bare "
-                f"calls (p50) | {size} | {m['p50_ms']:.3f} / {seq_floor['p50_ms']:.3f} ms = "
-                f"{x:.2f}x | {_verdict(x <= 1.2)} |"
+                f"| miserver{how} p50 at most 1.5 ms, p99 at most 3 ms | {size} | "
+                f"{m['p50_ms']:.3f} / {m['p99_ms']:.3f} ms | "
+                f"{_verdict(m['p50_ms'] <= 1.5 and m['p99_ms'] <= 3.0)} |"
             )
-        lines.append(
-            f"| miserver p50 at most 1.5 ms, p99 at most 3 ms | {size} | {m['p50_ms']:.3f} / "
-            f"{m['p99_ms']:.3f} ms | {_verdict(m['p50_ms'] <= 1.5 and m['p99_ms'] <= 3.0)} |"
-        )
-        if size in cost:
-            lines.append(
-                f"| the server's own cost at most 0.1 ms a call (p50, end to end) | {size} | "
-                f"{cost[size]:.3f} ms | {_verdict(cost[size] <= 0.1)} |"
+            if (size, mode) in cost:
+                c = cost[(size, mode)]
+                lines.append(
+                    f"| the server's own cost at most 0.1 ms a call{how} (p50, end to end) | "
+                    f"{size} | {c:.3f} ms | {_verdict(c <= 0.1)} |"
+                )
+            base = next(
+                (r for r in rows if r["approach"].startswith("baseline") and r["size"] == size),
+                None,
             )
-        base = next(
-            (r for r in rows if r["approach"].startswith("baseline") and r["size"] == size), None
-        )
-        if base is not None and size == "8b":
-            x = base["p50_ms"] / m["p50_ms"]
-            lines.append(
-                f"| at least 30x below the baseline (p50) | {size} | {x:.1f}x | {_verdict(x >= 30)} |"
-            )
-        floor = by.get(("bare aiohttp, same write, pipelined", size))
-        if floor is not None:
-            lines.append(
-                f"| (the machine's floor: bare aiohttp, same client, same write) | {size} | "
-                f"{floor['p50_ms']:.3f} / {floor['p99_ms']:.3f} ms (p50 / p99) | |"
-            )
+            if base is not None and size == "8b":
+                x = base["p50_ms"] / m["p50_ms"]
+                lines.append(
+                    f"| at least 30x below the baseline{how} (p50) | {size} | {x:.1f}x | "
+                    f"{_verdict(x >= 30)} |"
+                )
+            floor = by.get((f"bare aiohttp, same write, {mode}", size))
+            if floor is not None:
+                lines.append(
+                    f"| (the machine's floor{how}: bare aiohttp, same client, same write) | "
+                    f"{size} | {floor['p50_ms']:.3f} / {floor['p99_ms']:.3f} ms (p50 / p99) | |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -1139,6 +1196,11 @@ def main() -> int:
         "functions go to <out>/profile-<size>.txt",
     )
     ap.add_argument("--no-baseline", action="store_true", help="skip the bucketed-copy rows")
+    ap.add_argument(
+        "--no-unix",
+        action="store_true",
+        help="skip the pipelined mode over a Unix socket (UNIX_SOCKET) on both servers",
+    )
     ap.add_argument("--role", choices=("miserver", "bare"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "miserver":
@@ -1160,9 +1222,12 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
     try:
-        rows += run_bare(device, args.steps, args.warmup, workdir, block=args.block)
+        unix = not args.no_unix and hasattr(socket, "AF_UNIX")
+        rows += run_bare(device, args.steps, args.warmup, workdir, block=args.block, unix=unix)
         for size in sizes:
-            floor = run_bare(device, args.steps, args.warmup, workdir, size, block=args.block)
+            floor = run_bare(
+                device, args.steps, args.warmup, workdir, size, block=args.block, unix=unix
+            )
             ours = run_miserver(
                 size,
                 device,
@@ -1171,6 +1236,7 @@ def main() -> int:
                 workdir,
                 block=args.block,
                 profile_dir=profile_dir,
+                unix=unix,
             )
             rows += floor + ours
             base = None
@@ -1183,6 +1249,12 @@ def main() -> int:
                 f"[{time.perf_counter() - started:.0f} s] {size}: miserver pipelined p50 "
                 f"{ours[0]['p50_ms']:.3f} ms (sequential {ours[1]['p50_ms']:.3f}), bare with the "
                 f"same write {floor[0]['p50_ms']:.3f} ms (sequential {floor[1]['p50_ms']:.3f})"
+                + (
+                    f"; over the Unix socket {ours[2]['p50_ms']:.3f} ms, bare "
+                    f"{floor[2]['p50_ms']:.3f} ms"
+                    if len(ours) > 2 and len(floor) > 2
+                    else ""
+                )
                 + (f", baseline p50 {base['p50_ms']:.3f} ms" if base else ""),
                 file=sys.stderr,
                 flush=True,

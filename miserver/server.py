@@ -374,6 +374,12 @@ def device_problem(device: str) -> str | None:
     return None
 
 
+def listening_on(settings: Settings) -> str:
+    """The addresses a server of ``settings`` listens on, for its log lines."""
+    where = f"http://{settings.host}:{settings.port}"
+    return where if settings.unix_socket is None else f"{where} and unix:{settings.unix_socket}"
+
+
 def serve(settings: Settings) -> int:
     """Run the server until SIGINT/SIGTERM; returns the process exit status.
 
@@ -398,15 +404,14 @@ def serve(settings: Settings) -> int:
             app,
             host=settings.host,
             port=settings.port,
-            on_listening=lambda: log.info(
-                "listening on http://%s:%s", settings.host, settings.port
-            ),
+            unix_socket=settings.unix_socket,
+            on_listening=lambda: log.info("listening on %s", listening_on(settings)),
             shutdown_timeout=10.0,
             access_log=log.getChild("access"),
             access_log_class=AccessLogger,
         )
     except OSError as exc:
-        log.error("cannot listen on %s:%s: %s", settings.host, settings.port, exc.strerror or exc)
+        log.error("cannot listen on %s: %s", listening_on(settings), exc.strerror or exc)
         return 1
     log.info("miserver stopped")
     return 0

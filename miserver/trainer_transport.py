@@ -70,22 +70,47 @@ class _ReaderSocket:
         return self._reader
 
 
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """``http.client.HTTPConnection`` over a Unix domain socket (the server's ``UNIX_SOCKET``);
+    ``host`` and ``port`` only fill the ``Host`` header."""
+
+    def __init__(self, path: str, host: str, port: int, timeout: float) -> None:
+        super().__init__(host, port, timeout=timeout)
+        self._socket_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(self._socket_path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
 class _Connection:
     """One keep-alive HTTP/1.1 connection to the server (``http.client``), reopened when the
-    server has closed it. A call is sent once: a failure after the connection was made is a
-    :class:`TransportError`, never a retry (a POST of the write cycle must not be sent twice).
-    Calls from several threads take turns."""
+    server has closed it: TCP to ``base_url``, or the Unix socket ``unix_socket``. A call is
+    sent once: a failure after the connection was made is a :class:`TransportError`, never a
+    retry (a POST of the write cycle must not be sent twice). Calls from several threads take
+    turns."""
 
-    def __init__(self, base_url: str) -> None:
+    def __init__(self, base_url: str, unix_socket: str | None = None) -> None:
         u = urllib.parse.urlsplit(base_url)
         self._https = u.scheme == "https"
         self._host = u.hostname or "127.0.0.1"
         self._port = u.port or (443 if self._https else 80)
         self.prefix = u.path.rstrip("/")
+        self._unix_socket = unix_socket
         self._conn: http.client.HTTPConnection | None = None
         self._lock = threading.Lock()
 
     def _open(self, timeout: float) -> http.client.HTTPConnection:
+        if self._unix_socket is not None:
+            conn = _UnixHTTPConnection(self._unix_socket, self._host, self._port, timeout)
+            conn.connect()
+            return conn
         if self._https:
             conn: http.client.HTTPConnection = http.client.HTTPSConnection(
                 self._host, self._port, timeout=timeout, context=ssl.create_default_context()

@@ -28,8 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import os
 import signal
+import socket
+import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -503,21 +507,80 @@ class AppRunner(web.AppRunner):
         return server
 
 
+#: The mode of the ``UNIX_SOCKET`` file: its owner and group may connect (settings, UNIX_SOCKET).
+UNIX_SOCKET_MODE = 0o660
+
+
+def bind_unix_socket(path: str) -> tuple[socket.socket, tuple[int, int, int]]:
+    """A listening-ready ``AF_UNIX`` stream socket bound at ``path``, mode
+    :data:`UNIX_SOCKET_MODE`, and the file's ``(st_dev, st_ino, st_ctime_ns)`` (so that shutdown removes only
+    the file it created: :func:`remove_unix_socket`).
+
+    A socket file nobody listens on (a server that is gone) is replaced. Raises ``OSError``
+    (``EADDRINUSE``) when a live server listens on ``path``, (``EEXIST``) when ``path`` exists
+    and is not a socket, or the bind's own error (a directory we may not write). Settings,
+    UNIX_SOCKET.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        info = os.lstat(path)
+        if not stat.S_ISSOCK(info.st_mode):
+            raise OSError(errno.EEXIST, f"{path} exists and is not a socket; remove it first")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(1.0)
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # stale: no server behind it
+        else:
+            raise OSError(errno.EADDRINUSE, f"a server already listens on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, UNIX_SOCKET_MODE)
+        info = os.stat(path)
+    except BaseException:
+        sock.close()
+        raise
+    return sock, (info.st_dev, info.st_ino, info.st_ctime_ns)
+
+
+def remove_unix_socket(path: str, identity: tuple[int, int, int]) -> None:
+    """Remove the socket file at ``path`` if it is still the one :func:`bind_unix_socket` made
+    (not a later server's socket, nor a file made since: an inode number can be reused, so the
+    change time must match too)."""
+    with contextlib.suppress(OSError):
+        info = os.lstat(path)
+        if (
+            stat.S_ISSOCK(info.st_mode)
+            and (
+                info.st_dev,
+                info.st_ino,
+                info.st_ctime_ns,
+            )
+            == identity
+        ):
+            os.unlink(path)
+
+
 def run_app(
     app: web.Application,
     *,
     host: str,
     port: int,
+    unix_socket: str | None = None,
     on_listening: Callable[[], None] | None = None,
     shutdown_timeout: float = 10.0,
     **server_options: Any,
 ) -> None:
     """Serve ``app`` on ``host:port`` through :class:`AppRunner` until SIGINT or SIGTERM.
 
-    What ``aiohttp.web.run_app`` does for one TCP address, with JSON low-level errors.
-    ``on_listening`` is called once the socket is bound; ``server_options`` go to the runner
-    (``access_log``, ``access_log_class``, ...). Raises ``OSError`` when the address cannot be
-    bound; returns after a clean shutdown (the app's cleanup has run).
+    What ``aiohttp.web.run_app`` does for one TCP address, with JSON low-level errors; with
+    ``unix_socket``, the same app also on that Unix socket (:func:`bind_unix_socket`; removed at
+    shutdown). ``on_listening`` is called once every socket is bound; ``server_options`` go to
+    the runner (``access_log``, ``access_log_class``, ...). Raises ``OSError`` when an address
+    cannot be bound; returns after a clean shutdown (the app's cleanup has run).
     """
 
     async def serve() -> None:
@@ -533,8 +596,13 @@ def run_app(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
         await runner.setup()
+        unix: tuple[str, tuple[int, int, int]] | None = None
         try:
             await web.TCPSite(runner, host, port).start()
+            if unix_socket is not None:
+                sock, identity = bind_unix_socket(unix_socket)
+                unix = (unix_socket, identity)
+                await web.SockSite(runner, sock).start()
             if on_listening is not None:
                 on_listening()
             await stop.wait()
@@ -542,6 +610,8 @@ def run_app(
                 await drain(app, force=force)
         finally:
             await runner.cleanup()
+            if unix is not None:
+                remove_unix_socket(*unix)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
 

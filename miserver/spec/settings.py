@@ -48,6 +48,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     home: str
     host: str = "127.0.0.1"
     port: int = 8000
+    unix_socket: str | None = None
     default_model: str = "smollm2-135m-instruct"
     device: str = "auto"
     weights_tokens: tuple[WeightsToken, ...] = ()
@@ -99,6 +100,7 @@ VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("MISERVER_HOME", "home", "path"),
     ("HOST", "host", "str"),
     ("PORT", "port", "port"),
+    ("UNIX_SOCKET", "unix_socket", "socket_path"),
     ("DEFAULT_MODEL", "default_model", "str0"),
     ("DEVICE", "device", "device"),
     ("WEIGHTS_HOLD_TIMEOUT_S", "weights_hold_timeout_s", "pos_float"),
@@ -135,6 +137,7 @@ KIND_FORMATS: dict[str, str] = {
     "pos_int": "an integer, at least 1",
     "bool": "`1`, `true`, `yes`, `on` or `0`, `false`, `no`, `off`, empty (case-insensitive)",
     "opt_path": "a path; empty or unset for none",
+    "socket_path": "a path of at most 107 bytes in an existing directory; empty or unset for none",
     "log_level": "`debug`, `info`, `warning`, `error` or `critical`",
     "log_format": "`json` or `text`",
     "decode_graphs": "`captured`, `compiled` or `off` (case-insensitive)",
@@ -154,6 +157,14 @@ DESCRIPTIONS: dict[str, str] = {
     "HOST": "The address to listen on. `0.0.0.0` listens on every interface: put the server "
     "behind a network boundary and configure tokens first.",
     "PORT": "The TCP port to listen on.",
+    "UNIX_SOCKET": "Also listen on this Unix domain socket (the same routes, tokens and "
+    "answers as the TCP port), for a trainer on the same host: "
+    "`WeightsClient(base_url, token, unix_socket=PATH)` sends its calls there, one round trip "
+    "less costly than loopback TCP (docs/benchmarks.md, issue 15). The socket is created mode "
+    "0660 (its owner and group may connect: share the group, or the directory, with the "
+    "trainer's user) and removed at shutdown; a socket file left by a server that is gone is "
+    "replaced; a path a live server listens on, or that is not a socket, stops the start (exit "
+    "1). Empty: TCP only.",
     "DEFAULT_MODEL": "The catalogue name loaded at start (the embedded SmolLM2-135M-Instruct "
     "is imported on first use). Empty: start with nothing resident.",
     "DEVICE": "Where models are loaded: `auto` is `cuda:0` when CUDA is available, else `cpu`.",
@@ -294,6 +305,29 @@ def format_default(field: str, kind: str) -> str:
     return str(value)
 
 
+#: The longest Unix socket path Linux accepts, in bytes (``sun_path`` is 108 with its NUL).
+MAX_SOCKET_PATH_BYTES = 107
+
+
+def _socket_path(variable: str, raw: str) -> str | None:
+    """``UNIX_SOCKET``: empty for none; else a path that fits ``sun_path`` and whose directory
+    exists (the socket itself is checked when it is bound: :func:`miserver.http.protocol.
+    bind_unix_socket`)."""
+    if not raw:
+        return None
+    size = len(os.fsencode(raw))
+    if size > MAX_SOCKET_PATH_BYTES:
+        raise ConfigError(
+            variable,
+            f"a Unix socket path may be at most {MAX_SOCKET_PATH_BYTES} bytes, got {size}; "
+            "use a shorter path (for example under /run or /tmp)",
+        )
+    parent = Path(raw).parent
+    if not parent.is_dir():
+        raise ConfigError(variable, f"the directory {parent} does not exist; create it first")
+    return raw
+
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -343,6 +377,8 @@ def _convert(variable: str, kind: str, raw: str) -> object:
         return raw
     if kind == "opt_path":
         return raw or None
+    if kind == "socket_path":
+        return _socket_path(variable, raw)
     if kind == "bool":
         low = raw.lower()
         if low in _TRUE:

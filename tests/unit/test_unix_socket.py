@@ -1,0 +1,183 @@
+"""``UNIX_SOCKET``: the server also listening on a Unix domain socket, and
+``WeightsClient(unix_socket=...)`` sending its calls there (issue 15; settings, UNIX_SOCKET)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from miserver.http.protocol import UNIX_SOCKET_MODE, bind_unix_socket, remove_unix_socket
+from miserver.serving.catalogue import Catalogue
+from miserver.spec.settings import MAX_SOCKET_PATH_BYTES, ConfigError, load_settings
+from miserver.trainer import TransportError, WeightsClient
+
+SECRET = "unix-trainer-secret-0123456789"
+
+pytestmark = pytest.mark.skipif(not hasattr(socket, "AF_UNIX"), reason="needs Unix sockets")
+
+
+@pytest.fixture
+def short_dir():
+    """A directory whose socket paths fit ``sun_path`` (pytest's tmp_path can be too long),
+    removed afterwards."""
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="ms-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+# --- the setting -----------------------------------------------------------------------------
+def test_unix_socket_is_unset_by_default_and_empty_is_none(tmp_path) -> None:
+    assert load_settings({"MISERVER_HOME": str(tmp_path)}).unix_socket is None
+    assert load_settings({"MISERVER_HOME": str(tmp_path), "UNIX_SOCKET": " "}).unix_socket is None
+    path = str(tmp_path / "m.sock")
+    assert load_settings({"MISERVER_HOME": str(tmp_path), "UNIX_SOCKET": path}).unix_socket == path
+
+
+def test_a_path_over_sun_path_or_in_a_missing_directory_is_a_configuration_error(
+    tmp_path,
+) -> None:
+    long = "/tmp/" + "x" * (MAX_SOCKET_PATH_BYTES - 4)
+    with pytest.raises(ConfigError) as exc:
+        load_settings({"MISERVER_HOME": str(tmp_path), "UNIX_SOCKET": long})
+    assert exc.value.variable == "UNIX_SOCKET" and str(MAX_SOCKET_PATH_BYTES) in str(exc.value)
+    with pytest.raises(ConfigError) as exc:
+        load_settings({"MISERVER_HOME": str(tmp_path), "UNIX_SOCKET": str(tmp_path / "no/m.sock")})
+    assert "does not exist" in str(exc.value) and "create it" in str(exc.value)
+
+
+# --- binding ---------------------------------------------------------------------------------
+def test_bind_makes_a_socket_of_mode_0660_and_removes_only_its_own_file(short_dir) -> None:
+    path = str(short_dir / "m.sock")
+    sock, identity = bind_unix_socket(path)
+    try:
+        info = os.lstat(path)
+        assert stat.S_ISSOCK(info.st_mode)
+        assert stat.S_IMODE(info.st_mode) == UNIX_SOCKET_MODE
+    finally:
+        sock.close()
+    os.unlink(path)
+    Path(path).write_text("a later file")  # not the file bind made: left alone
+    remove_unix_socket(path, identity)
+    assert Path(path).read_text() == "a later file"
+    os.unlink(path)
+    sock, identity = bind_unix_socket(path)
+    sock.close()
+    remove_unix_socket(path, identity)
+    assert not os.path.lexists(path)
+
+
+def test_a_stale_socket_is_replaced_a_live_one_or_a_plain_file_refused(short_dir) -> None:
+    path = str(short_dir / "m.sock")
+    first, _ = bind_unix_socket(path)
+    first.close()  # a server that is gone left its file: nobody listens
+    second, _ = bind_unix_socket(path)
+    second.listen(1)
+    try:
+        with pytest.raises(OSError) as exc:
+            bind_unix_socket(path)
+        assert exc.value.errno == errno.EADDRINUSE and "already listens" in str(exc.value)
+    finally:
+        second.close()
+    os.unlink(path)
+    Path(path).write_text("not a socket")
+    with pytest.raises(OSError) as exc:
+        bind_unix_socket(path)
+    assert exc.value.errno == errno.EEXIST and "not a socket" in str(exc.value)
+    assert Path(path).read_text() == "not a socket"  # nothing changed
+
+
+def test_the_client_refuses_https_with_a_socket_and_names_a_missing_one(short_dir) -> None:
+    with pytest.raises(ValueError, match="unix_socket"):
+        WeightsClient("https://localhost", SECRET, unix_socket="/tmp/x.sock")
+    client = WeightsClient(
+        "http://localhost", SECRET, unix_socket=str(short_dir / "none.sock"), heartbeat=False
+    )
+    assert "unix:" in repr(client) and SECRET not in repr(client)
+    with pytest.raises(TransportError, match="attach"):
+        client.attach()
+
+
+# --- the real server over the socket -------------------------------------------------------------
+def test_miserver_serve_answers_the_write_cycle_on_its_unix_socket_and_removes_it(
+    tmp_path: Path, tiny_model_dir: str, short_dir: Path
+) -> None:
+    """``miserver serve`` with UNIX_SOCKET: the TCP port still answers; a trainer attaches,
+    commits twice and detaches over the socket (pipelined pairs, its heartbeat too), the audit
+    log has the lines; SIGTERM removes the socket file."""
+    home = tmp_path / "home"
+    Catalogue(str(home)).register(
+        name="tiny", format="safetensors", dtype="bfloat16", path=tiny_model_dir
+    )
+    path = str(short_dir / "m.sock")
+    audit = tmp_path / "audit.jsonl"
+    log = tmp_path / "server.log"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "miserver.cli", "serve"],
+        env=os.environ
+        | {
+            "MISERVER_HOME": str(home),
+            "PORT": str(port),
+            "UNIX_SOCKET": path,
+            "DEFAULT_MODEL": "tiny",
+            "DEVICE": "cpu",
+            "WEIGHTS_CPU_ATTACH": "1",
+            "WEIGHTS_COMMIT_WATCHDOG_MS": "60000",
+            "WEIGHTS_TOKENS": f"lab:trainer:{SECRET}",
+            "WEIGHTS_AUDIT_LOG": str(audit),
+            "LOG_FORMAT": "text",
+        },
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        client = WeightsClient(f"http://127.0.0.1:{port}", SECRET, unix_socket=path)
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                if client.status()["resident_model"] is not None:
+                    break
+            except TransportError:
+                pass
+            time.sleep(0.3)
+        assert stat.S_IMODE(os.lstat(path).st_mode) == UNIX_SOCKET_MODE
+        tcp = WeightsClient(f"http://127.0.0.1:{port}", SECRET, heartbeat=False)
+        assert tcp.status()["weights_state"] == "clean"  # TCP still serves
+        with client:
+            attachment = client.attach()
+            weights = attachment.weights.unique_tensors()
+            for _ in range(2):
+                with client.commit() as cycle, torch.no_grad():
+                    weights[0].mul_(1.0)
+                assert cycle.end is not None and cycle.end["weights_state"] == "clean"
+            assert client.heartbeat()["attachment_state"] == "active"
+            del weights, attachment
+        assert tcp.status()["steps_since_load"] == 2
+        text = audit.read_text()
+        for op in ("weights_attach", "weights_quiesce", "weights_commit_end", "weights_detach"):
+            assert f'"operation":"{op}"' in text
+        assert SECRET not in log.read_text() and SECRET not in text
+        assert f"unix:{path}" in log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+        assert not os.path.lexists(path)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)

@@ -49,7 +49,7 @@ for part in "$@"; do
       >"$OUT/static_batch_05b.log" 2>&1
     echo "static05b rc=$?"; tail -9 "$OUT/static_batch_05b.log" ;;
   weightsync)  # issue 15
-    timeout 300 python3 benchmarks/weight_sync.py --sizes 0.5b,8b ${WEIGHT_SYNC_ARGS:-} --out "$OUT/weight_sync" \
+    timeout 420 python3 benchmarks/weight_sync.py --sizes 0.5b,8b ${WEIGHT_SYNC_ARGS:-} --out "$OUT/weight_sync" \
       >"$OUT/weight_sync.log" 2>&1
     echo "weightsync rc=$?"; tail -30 "$OUT/weight_sync.log" ;;
   grpo)

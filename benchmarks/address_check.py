@@ -1,6 +1,8 @@
-"""The per-commit address check (``miserver.ipc.export.moved_parameters_fast``), two ways, side by
-side in one run: PyTorch's C++ pointer comparison (``native``, CUDA builds) and the ``map`` of
-``Tensor.data_ptr`` it falls back to (issue 15: the check runs inside every commit-end)::
+"""The per-commit address check (``miserver.ipc.export.moved_parameters_fast``: a ``map`` of
+``Tensor.data_ptr`` over the recorded parameters) against PyTorch's own C++ pointer comparison
+(``torch._C._tensors_data_ptrs_at_indices_equal``, what CUDA graph trees use for their static
+inputs; CUDA builds only), side by side in one run (issue 15: the check runs inside every
+commit-end, so its cost is on every step's path)::
 
     python benchmarks/address_check.py [--sizes 0.5b,8b] [--devices cuda,cpu] [--repeats 2000]
 
@@ -8,7 +10,8 @@ For each size and device, a random bfloat16 model of that shape (benchmarks/atta
 is placed in an arena as the loader places a served model (``miserver.ipc.arena
 .make_attachable``), and each way of checking runs ``--repeats`` times, alternating in blocks.
 Prints a table: microseconds per check (p50, min), the ratio map / native, and the check's answer
-(both must find nothing moved). CPU rows use shared memory (``WEIGHTS_CPU_ATTACH``); the 8B shape
+(both must find nothing moved). Measured on an H200 (docs/benchmarks.md): the same cost both
+ways, so miserver keeps the ``map``. CPU rows use shared memory (``WEIGHTS_CPU_ATTACH``); the 8B shape
 on the CPU is skipped unless named in ``--cpu-sizes``.
 """
 
@@ -61,34 +64,44 @@ def main() -> int:
             model = random_model(size, device)
             arena = make_attachable(model, cpu_shared=device == "cpu")
             params = len(arena.watch)
-            ways = {
-                "native": lambda a=arena: export.moved_parameters_fast(a, native=True),
-                "map": lambda a=arena: export.moved_parameters_fast(a, native=False),
-            }
+            export.moved_parameters_fast(arena)  # builds the probe the native way reads
+            probe = arena._moved_probe
+            indices = list(range(len(probe[4])))
+            native = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+            def native_check(p=probe, i=indices, f=native) -> list[str]:
+                current = list(map(dict.get, p[2], p[3]))
+                return [] if f(current, p[4], i) else ["(a pointer differs)"]
+
+            ways = {"map": lambda a=arena: export.moved_parameters_fast(a)}
+            if native is not None:
+                ways["native"] = native_check
             answers = {k: f() for k, f in ways.items()}
             samples: dict[str, list[float]] = {k: [] for k in ways}
             for _ in range(4):  # alternate: a drift of the machine falls on both
                 for k, f in ways.items():
                     samples[k] += time_check(f, args.repeats // 4)
-            native_ok = export._pointers_equal is not None
             for k in ways:
                 xs = samples[k]
                 rows.append(
                     dict(
                         size=size,
                         device=device,
-                        way=k if (k == "map" or native_ok) else "native (absent: map)",
+                        way=k,
                         params=params,
                         p50=statistics.median(xs),
                         min=min(xs),
                         answer=answers[k],
                     )
                 )
-            del model, arena, ways
+            del model, arena, ways, probe
             if device == "cuda":
                 torch.cuda.empty_cache()
     print(f"torch {torch.__version__}; {args.repeats} checks per way, in blocks of 100\n")
-    print("| size | device | parameters | way | us per check, p50 | min | map / native | moved |")
+    print(
+        "| size | device | parameters | way (map: miserver's) | us per check, p50 | min | "
+        "map / native | moved |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         other = next(

@@ -97,24 +97,18 @@ def model_config(model: torch.nn.Module) -> dict[str, Any] | None:
 
 
 _data_ptr = torch.Tensor.data_ptr
-#: PyTorch's own check that tensors still have the data pointers recorded for them (one C++
-#: loop, what CUDA graph trees use for their static inputs); CUDA builds only, so None on a CPU
-#: build, where :func:`moved_parameters_fast` compares in a ``map`` instead.
-_pointers_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
-def moved_parameters_fast(arena: ParameterArena, *, native: bool = True) -> list[str]:
+def moved_parameters_fast(arena: ParameterArena) -> list[str]:
     """The recorded parameters whose address changed since the arena recorded them, reading
     each through its owning module (no walk of the module tree): a parameter replaced in its
     module, or whose ``.data`` was rebound, is listed. New modules are not seen here; the full
     :func:`moved_parameters` covers them. Sorted. It runs at every commit-end, inside the
     barrier: the common case (nothing moved) is one pass in C over every parameter's
-    ``data_ptr()`` against the recorded list: PyTorch's own C++ comparison where the build has
-    it (``native``; benchmarks/address_check.py compares both), else a ``map`` of ``data_ptr``
-    (a third less than a Python loop)."""
-    # The probe ``(watch, addresses, owners, leaves, expected, indices)`` lives on the arena (so
-    # it goes with it), valid while ``watch`` and ``addresses`` are those objects
-    # (``record_addresses`` replaces both).
+    ``data_ptr()`` compared with the recorded list (about a third less than a Python loop)."""
+    # The probe ``(watch, addresses, owners, leaves, expected)`` lives on the arena (so it goes
+    # with it), valid while ``watch`` and ``addresses`` are those objects (``record_addresses``
+    # replaces both).
     probe = getattr(arena, "_moved_probe", None)
     if probe is None or probe[0] is not arena.watch or probe[1] is not arena.addresses:
         watch, addresses = arena.watch, arena.addresses
@@ -124,17 +118,12 @@ def moved_parameters_fast(arena: ParameterArena, *, native: bool = True) -> list
             [params for _, params, _ in watch],
             [leaf for _, _, leaf in watch],
             [addresses[name] for name, _, _ in watch],
-            list(range(len(watch))),
         )
         arena._moved_probe = probe  # type: ignore[attr-defined]
     try:
-        current = list(map(dict.get, probe[2], probe[3]))
-        if native and _pointers_equal is not None:
-            if _pointers_equal(current, probe[4], probe[5]):
-                return []
-        elif list(map(_data_ptr, current)) == probe[4]:
+        if list(map(_data_ptr, map(dict.get, probe[2], probe[3]))) == probe[4]:
             return []
-    except (TypeError, RuntimeError):  # a parameter is gone from its module (dict.get: None)
+    except TypeError:  # a parameter is gone from its module (dict.get gave None)
         pass
     addresses = arena.addresses
     moved = [

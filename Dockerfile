@@ -43,8 +43,8 @@ RUN if id -u ubuntu >/dev/null 2>&1; then userdel --remove ubuntu; fi \
  && groupadd --gid "${MISERVER_GID}" miserver \
  && useradd --uid "${MISERVER_UID}" --gid "${MISERVER_GID}" --create-home --home-dir /home/miserver \
       --shell /usr/sbin/nologin miserver \
- && mkdir -p /data \
- && chown "${MISERVER_UID}:${MISERVER_GID}" /data
+ && mkdir -p /data /run/miserver \
+ && chown "${MISERVER_UID}:${MISERVER_GID}" /data /run/miserver
 
 # The heavy layer first, so a source change does not re-download torch.
 RUN python3 -m venv "${VIRTUAL_ENV}" \

@@ -203,6 +203,11 @@ def add_server_args(p: argparse.ArgumentParser, default_out: str) -> None:
         "secret (the secret alone, not label:role:secret)",
     )
     p.add_argument(
+        "--unix-socket",
+        help="with --server on the same host: send the weights calls to the server's "
+        "UNIX_SOCKET at this path instead of its TCP port (the chats still go to --server)",
+    )
+    p.add_argument(
         "--device",
         default="auto",
         help="where the self-started server loads the "
@@ -249,6 +254,8 @@ def check_server_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error("--server needs --token-file")
     if args.token_file and not args.server:
         p.error("--token-file goes with --server")
+    if getattr(args, "unix_socket", None) and not args.server:
+        p.error("--unix-socket goes with --server (the server the example starts is on TCP)")
     if args.port and args.server:
         p.error("--port is for the server the example starts; --server names its own")
     if not 0 <= args.port <= 65535:
@@ -287,13 +294,15 @@ def default_miserver_home() -> str:
 @dataclass(frozen=True)
 class Connection:
     """The server an example trains: its URL, the trainer token, the :class:`LocalServer` the
-    example started (None with ``--server``) and its ``MISERVER_HOME`` (None with ``--server``:
-    that server's home is not the example's to read)."""
+    example started (None with ``--server``), its ``MISERVER_HOME`` (None with ``--server``:
+    that server's home is not the example's to read) and ``--unix-socket`` (the weights calls'
+    path, or None for TCP)."""
 
     base: str
     token: str
     server: LocalServer | None
     home: str | None
+    unix_socket: str | None = None
 
 
 def connect(
@@ -332,7 +341,7 @@ def connect(
         base, token = server.base, server.token
         print(f"started miserver on {base} (device {device}, log {out / 'server.log'})", flush=True)
     wait_until_ready(base, args.start_timeout, server, stop)
-    return Connection(base, token, server, home)
+    return Connection(base, token, server, home, getattr(args, "unix_socket", None))
 
 
 def run_example(

@@ -413,9 +413,11 @@ class Run:
         token: str,
         schedule: Schedule,
         stop: StopRequest | None = None,
+        unix_socket: str | None = None,
     ) -> None:
         self.base = base
         self.token = token
+        self.unix_socket = unix_socket
         self.schedule = schedule
         self.v1 = V1(base)
         self.stop = stop or StopRequest()
@@ -590,7 +592,7 @@ class Run:
         from miserver.trainer import WeightsClient, init_optimizer_state
 
         s = self.schedule
-        with WeightsClient(self.base, self.token) as client:
+        with WeightsClient(self.base, self.token, unix_socket=self.unix_socket) as client:
             att = client.attach()
             check_attachment(att, self.notes, "this example trains")
             self.tokenizer = client.tokenizer()
@@ -942,7 +944,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def train(stop: StopRequest) -> dict[str, Any]:
         with contextlib.ExitStack() as stack:
             conn = connect(stack, args, out, device, stop, server_settings(schedule))
-            return Run(conn.base, conn.token, schedule, stop).run()
+            return Run(conn.base, conn.token, schedule, stop, conn.unix_socket).run()
 
     return run_example("grpo_in_place", out, device, train, plot, results_table)
 

@@ -400,9 +400,11 @@ class Demo:
         home: str | None,
         server: LocalServer | None,
         stop: StopRequest | None = None,
+        unix_socket: str | None = None,
     ) -> None:
         self.base = base
         self.token = token
+        self.unix_socket = unix_socket
         self.schedule = schedule
         self.out = out
         self.home = home
@@ -496,7 +498,7 @@ class Demo:
         load.start()
         save: dict[str, Any] | None = None
         try:
-            with WeightsClient(self.base, self.token) as client:
+            with WeightsClient(self.base, self.token, unix_socket=self.unix_socket) as client:
                 att = client.attach()
                 check_attachment(att, self.notes, "this demo teaches")
                 model = att.build_model()
@@ -1013,7 +1015,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     def train(stop: StopRequest) -> dict[str, Any]:
         with contextlib.ExitStack() as stack:
             conn = connect(stack, args, out, device, stop)
-            demo = Demo(conn.base, conn.token, schedule, out, conn.home, conn.server, stop)
+            demo = Demo(
+                conn.base, conn.token, schedule, out, conn.home, conn.server, stop, conn.unix_socket
+            )
             return demo.run()
 
     def epilogue(results: dict[str, Any]) -> str:

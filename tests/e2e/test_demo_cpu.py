@@ -100,6 +100,13 @@ def test_usage_errors_exit_before_anything_starts(tmp_path: Path) -> None:
     assert exc.value.code == 2
     with pytest.raises(SystemExit):
         demo.parse_args(["--token-file", str(tmp_path / "t")])
+    with pytest.raises(SystemExit) as exc:  # the self-started server has no socket
+        demo.parse_args(["--unix-socket", str(tmp_path / "m.sock")])
+    assert exc.value.code == 2
+    args = demo.parse_args(
+        ["--server", "http://x:1", "--token-file", "t", "--unix-socket", "/run/m.sock"]
+    )
+    assert args.unix_socket == "/run/m.sock"
 
 
 def test_the_self_started_server_serves_on_the_port_asked_for(tmp_path: Path) -> None:

@@ -283,6 +283,14 @@ def test_compose_runs_the_example_trainer_against_the_server(compose):
     argv = trainer["entrypoint"] + trainer["command"]
     assert argv[:2] == ["python3", "examples/train_while_serving.py"]
     assert argv[argv.index("--server") + 1] == "http://miserver:8000"
+    # the weights calls over miserver's UNIX_SOCKET, in a volume both services mount
+    path = argv[argv.index("--unix-socket") + 1]
+    assert path == compose["services"]["miserver"]["environment"]["UNIX_SOCKET"]
+    mounts = [
+        [v for v in compose["services"][s]["volumes"] if v.endswith(":" + str(Path(path).parent))]
+        for s in ("miserver", "trainer")
+    ]
+    assert mounts[0] and mounts[0] == mounts[1], mounts
     assert trainer["depends_on"]["miserver"]["condition"] == "service_healthy"
 
 
@@ -296,8 +304,14 @@ def test_compose_server_settings_are_accepted_by_load_settings(compose, tmp_path
     assert "/api/health" in " ".join(server["healthcheck"]["test"])
     local = tmp_path / "tokens"
     local.write_text("trainer:trainer:0123456789abcdef-trainer\n")
-    settings = load_settings({**env, "WEIGHTS_TOKENS_FILE": str(local)})
+    socket_dir = Path(env["UNIX_SOCKET"]).parent  # /run/miserver: made by the image
+    local_socket = str(tmp_path / Path(env["UNIX_SOCKET"]).name)
+    settings = load_settings(
+        {**env, "WEIGHTS_TOKENS_FILE": str(local), "UNIX_SOCKET": local_socket}
+    )
     assert (settings.host, settings.port, settings.home) == ("0.0.0.0", 8000, "/data")
+    assert settings.unix_socket == local_socket
+    assert f"{socket_dir}" in DOCKERFILE.read_text()
     assert [t.label for t in settings.weights_tokens] == ["trainer"]
 
 

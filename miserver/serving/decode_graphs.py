@@ -181,6 +181,25 @@ def _call_forward(model: Any, cache_name: str, cache: Any, ids: torch.Tensor, po
     return model(input_ids=ids, position_ids=pos, use_cache=True, **{cache_name: cache})
 
 
+#: The side stream every capture's warm-up runs on, one per device for the process's life. A new
+#: ``torch.cuda.Stream`` per capture came from PyTorch's pool of 32, and cuBLAS keeps a
+#: workspace for every stream it has run on (32 MiB on an H200, allocated through the caching
+#: allocator and never freed): each model swap counted 384-608 MiB more allocated until the
+#: pool had gone round (tests/gpu/diagnose_swap_growth.py). One stream: one workspace.
+_WARMUP_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_warmup_lock = threading.Lock()
+
+
+def warmup_stream(device: torch.device | str) -> torch.cuda.Stream:
+    """The warm-up side stream of ``device`` (made on first use)."""
+    device = torch.device(device)
+    with _warmup_lock:
+        stream = _WARMUP_STREAMS.get(device)
+        if stream is None:
+            stream = _WARMUP_STREAMS[device] = torch.cuda.Stream(device)
+        return stream
+
+
 class DecodeEngine:
     """A static KV cache and one CUDA graph per length bucket for one resident model.
 
@@ -442,7 +461,7 @@ class DecodeEngine:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         reserved = torch.cuda.memory_reserved(self.device)
-        stream = torch.cuda.Stream(self.device)
+        stream = warmup_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(3 if self.mode == "compiled" else 2):

@@ -158,10 +158,18 @@ async def run_without_keeping(fn: Callable[..., T], /, *args: Any, **kwargs: Any
     return box.pop()
 
 
-def free_memory() -> None:
-    """Collect garbage and return cached CUDA blocks to the driver."""
+def free_memory(*, nothing_resident: bool = False) -> None:
+    """Collect garbage and return cached CUDA blocks to the driver. With ``nothing_resident``
+    (after a model is dropped: no engine, no captured graph, no forward pass in flight) also
+    cuBLAS's per-stream workspaces (32 MiB each on an H200, allocator memory that
+    ``empty_cache`` keeps; the next matmul makes its stream's again), so an unload gives the
+    card back what the load took."""
     gc.collect()
     if torch.cuda.is_available():
+        if nothing_resident:
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                clear()
         torch.cuda.empty_cache()
 
 
@@ -540,7 +548,10 @@ class ModelHost:
         if self.resident is not None:
             self._replacing = (self.resident.row.id, self.resident.names())
 
-    def _drop_resident(self) -> None:
+    def _drop_resident(self, *, drained: bool = True) -> None:
+        """Drop the resident and free its memory. ``drained``: no forward pass can be running
+        (a load or an unload, after the transition drained), so cuBLAS's workspaces go too
+        (:func:`free_memory`); not at process shutdown, whose grace may have ended mid-pass."""
         if self.resident is None:
             return
         dropped = self.resident
@@ -566,12 +577,12 @@ class ModelHost:
             except OSError as exc:
                 log.warning("could not remove the shared memory of model %s: %s", name, exc)
         del dropped
-        free_memory()
+        free_memory(nothing_resident=drained)
         log.info("model %s unloaded", name)
 
     def shutdown(self) -> None:
         """Drop the resident model without any check (process shutdown only)."""
-        self._drop_resident()
+        self._drop_resident(drained=False)
 
     async def unload(self, row_id: int | None = None) -> CatalogueRow:
         """Unload the resident model and free its memory; returns its row.

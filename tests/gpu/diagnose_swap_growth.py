@@ -6,7 +6,9 @@ Loads ``smol-a`` then swaps between two catalogue rows of the default model six 
 unloads, printing the bytes allocated on card 0 after each step (synchronized, ``empty_cache``
 first), for ``MAX_BATCH_SIZE`` 64 and 1 (no batch cache, no batched graphs), attach off and on.
 Run on the GPU machine: ``python tests/gpu/diagnose_swap_growth.py``. Not a test (no asserts):
-a diagnosis printed for the notes.
+a diagnosis printed for the notes. The last line clears cuBLAS's per-stream workspaces after the
+unload: what it frees is what they held (the cause found on 2026-12-03: a new warm-up stream per
+capture, fixed by one warm-up stream per device in ``decode_graphs.warmup_stream``).
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ async def scenario(default_home: str, rows: int, attach: bool) -> None:
         steps.append((f"swap {i + 1}", live() - base))
     await host.unload()
     steps.append(("unload", live() - base))
+    # the suspected holder: cuBLAS's workspace per stream it ran on (allocator memory, never
+    # freed by empty_cache); clearing them after the unload shows what they held
+    torch._C._cuda_clearCublasWorkspaces()
+    steps.append(("- cuBLAS", live() - base))
     first = steps[0][1]
     print(f"MAX_BATCH_SIZE={rows} attach={'on' if attach else 'off'} (MiB above the start)")
     for name, mib in steps:

@@ -58,6 +58,16 @@ from miserver.spec.errors import ApiError
 
 log = logging.getLogger("miserver.http")
 
+
+def peer_name(transport: asyncio.BaseTransport) -> str:
+    """The client's address for a log line: the host of a TCP peer, ``unix`` for a client of
+    the ``UNIX_SOCKET`` (whose peer name is an empty string), ``-`` when unknown."""
+    peer = transport.get_extra_info("peername")
+    if isinstance(peer, (tuple, list)) and peer:
+        return str(peer[0])
+    return "unix" if isinstance(peer, (str, bytes)) else "-"
+
+
 _LIMIT_HINT = (
     "Send long values in the JSON body, not in the URL or a header; an Authorization header "
     "carries only 'Bearer <token>'."
@@ -315,7 +325,7 @@ class JsonErrorRequestHandler(RequestHandler):
         log.warning(
             "a request body from %s stalled: no byte for %g s (BODY_READ_TIMEOUT_S); answered "
             "408 and closed",
-            transport.get_extra_info("peername", ("-",))[0],
+            peer_name(transport),
             timeout,
         )
         payload.set_exception(body_read_timeout_error(timeout))
@@ -343,7 +353,7 @@ class JsonErrorRequestHandler(RequestHandler):
         timeout = self._head_timeout_s()
         self.logger.warning(
             "closed a connection from %s: no complete request head within %g s",
-            transport.get_extra_info("peername", ("-",))[0],
+            peer_name(transport),
             timeout,
         )
         if entry[1]:
@@ -511,56 +521,83 @@ class AppRunner(web.AppRunner):
 UNIX_SOCKET_MODE = 0o660
 
 
-def bind_unix_socket(path: str) -> tuple[socket.socket, tuple[int, int, int]]:
-    """A listening-ready ``AF_UNIX`` stream socket bound at ``path``, mode
-    :data:`UNIX_SOCKET_MODE`, and the file's ``(st_dev, st_ino, st_ctime_ns)`` (so that shutdown removes only
-    the file it created: :func:`remove_unix_socket`).
+def bind_unix_socket(path: str) -> tuple[socket.socket, tuple[int, int]]:
+    """A listening ``AF_UNIX`` stream socket bound at ``path``, mode :data:`UNIX_SOCKET_MODE`,
+    and the file's ``(st_dev, st_ino)`` (so that shutdown removes only the file it created:
+    :func:`remove_unix_socket`).
 
-    A socket file nobody listens on (a server that is gone) is replaced. Raises ``OSError``
-    (``EADDRINUSE``) when a live server listens on ``path``, (``EEXIST``) when ``path`` exists
-    and is not a socket, or the bind's own error (a directory we may not write). Settings,
-    UNIX_SOCKET.
+    A socket file nobody listens on (a server that is gone: connect is refused) is replaced.
+    The probe, the replacement and the bind hold an exclusive ``flock`` on the socket's
+    directory, so two servers starting at once cannot both take the path. Raises ``OSError``:
+    ``EADDRINUSE`` when a live server listens on ``path``, ``EEXIST`` when ``path`` exists and
+    is not a socket, the probe's own error when it cannot tell (``EACCES``: a socket we may
+    not connect to; ``EAGAIN``: a full backlog), or the bind's (a directory we may not
+    write). Settings, UNIX_SOCKET.
     """
-    with contextlib.suppress(FileNotFoundError):
-        info = os.lstat(path)
-        if not stat.S_ISSOCK(info.st_mode):
-            raise OSError(errno.EEXIST, f"{path} exists and is not a socket; remove it first")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.settimeout(1.0)
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # stale: no server behind it
-        else:
-            raise OSError(errno.EADDRINUSE, f"a server already listens on {path}")
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    import fcntl
+
+    folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
-        sock.bind(path)
-        os.chmod(path, UNIX_SOCKET_MODE)
-        info = os.stat(path)
-    except BaseException:
-        sock.close()
-        raise
-    return sock, (info.st_dev, info.st_ino, info.st_ctime_ns)
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            info = os.lstat(path)
+            if not stat.S_ISSOCK(info.st_mode):
+                kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a socket"
+                raise OSError(
+                    errno.EEXIST, f"{path} exists and is {kind}; choose another UNIX_SOCKET path"
+                )
+            _replace_if_stale(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            os.chmod(path, UNIX_SOCKET_MODE)
+            info = os.lstat(path)
+            sock.listen(128)  # at once: a probe from now on sees a live server
+        except BaseException:
+            sock.close()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+    finally:
+        os.close(folder)  # releases the lock
+    return sock, (info.st_dev, info.st_ino)
 
 
-def remove_unix_socket(path: str, identity: tuple[int, int, int]) -> None:
-    """Remove the socket file at ``path`` if it is still the one :func:`bind_unix_socket` made
-    (not a later server's socket, nor a file made since: an inode number can be reused, so the
-    change time must match too)."""
+def _replace_if_stale(path: str) -> None:
+    """Remove the socket file at ``path`` when connecting to it is refused (nobody listens);
+    raise when a server listens, or when the probe cannot tell."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except ConnectionRefusedError:
+        os.unlink(path)  # stale: no server behind it
+        return
+    except FileNotFoundError:
+        return  # gone meanwhile
+    except OSError as exc:
+        raise OSError(
+            exc.errno,
+            f"cannot tell whether a server listens on {path} ({exc.strerror or exc}); "
+            "left as it is",
+        ) from None
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, f"a server already listens on {path}")
+
+
+def remove_unix_socket(path: str, identity: tuple[int, int]) -> None:
+    """Remove the socket file at ``path`` if it is still the one :func:`bind_unix_socket` made.
+    Call it while that socket is still open: its inode cannot be reused by a later file then,
+    so the device and inode numbers tell (a ``chmod`` or ``chgrp`` by an operator changes
+    nothing here)."""
     with contextlib.suppress(OSError):
         info = os.lstat(path)
-        if (
-            stat.S_ISSOCK(info.st_mode)
-            and (
-                info.st_dev,
-                info.st_ino,
-                info.st_ctime_ns,
-            )
-            == identity
-        ):
+        if stat.S_ISSOCK(info.st_mode) and (info.st_dev, info.st_ino) == identity:
             os.unlink(path)
 
 
@@ -596,22 +633,22 @@ def run_app(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
         await runner.setup()
-        unix: tuple[str, tuple[int, int, int]] | None = None
+        unix: tuple[str, tuple[int, int]] | None = None
         try:
-            await web.TCPSite(runner, host, port).start()
-            if unix_socket is not None:
+            if unix_socket is not None:  # first: a refused socket stops the start before TCP
                 sock, identity = bind_unix_socket(unix_socket)
                 unix = (unix_socket, identity)
                 await web.SockSite(runner, sock).start()
+            await web.TCPSite(runner, host, port).start()
             if on_listening is not None:
                 on_listening()
             await stop.wait()
             if SHUTDOWN in app:  # 503 to new requests, running ones finish within the grace
                 await drain(app, force=force)
         finally:
-            await runner.cleanup()
-            if unix is not None:
+            if unix is not None:  # while the socket is open (remove_unix_socket)
                 remove_unix_socket(*unix)
+            await runner.cleanup()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
 

@@ -390,7 +390,7 @@ class ModelHost:
                 except BaseException as exc:
                     if self.metrics:
                         self.metrics.model_loads.labels(outcome="failed").inc()
-                    free_memory()
+                    free_memory(nothing_resident=self.resident is None)
                     if reload or previous_row is None or not isinstance(exc, Exception):
                         raise
                     raise await self._load_back(previous_row, row, exc) from exc
@@ -463,7 +463,7 @@ class ModelHost:
             await self._load_resident(row)
         except Exception as again:  # noqa: BLE001 - reported in the error and the log
             clear_traceback_frames(again)
-            free_memory()
+            free_memory(nothing_resident=self.resident is None)
             log.error(
                 "loading the previous model %s back failed too: nothing is resident (%s: %s)",
                 row.name,

@@ -159,12 +159,14 @@ DESCRIPTIONS: dict[str, str] = {
     "PORT": "The TCP port to listen on.",
     "UNIX_SOCKET": "Also listen on this Unix domain socket (the same routes, tokens and "
     "answers as the TCP port), for a trainer on the same host: "
-    "`WeightsClient(base_url, token, unix_socket=PATH)` sends its calls there, one round trip "
-    "less costly than loopback TCP (docs/benchmarks.md, issue 15). The socket is created mode "
-    "0660 (its owner and group may connect: share the group, or the directory, with the "
-    "trainer's user) and removed at shutdown; a socket file left by a server that is gone is "
-    "replaced; a path a live server listens on, or that is not a socket, stops the start (exit "
-    "1). Empty: TCP only.",
+    "`WeightsClient(base_url, token, unix_socket=PATH)` sends its calls there, each about 5 % "
+    "cheaper than over loopback TCP on an H200 (docs/benchmarks.md, issue 15). The socket file "
+    "is created mode 0660: only the server's user and group may connect (connecting needs write "
+    "permission on the file itself), so run the trainer as that user or in that group; keep it "
+    "in a directory only they can write. It is removed at shutdown; a socket file nobody "
+    "listens on (a server that is gone) is replaced; a path a live server listens on, one that "
+    "is not a socket, or one the server cannot probe stops the start (exit 1, one line). "
+    "Empty: TCP only.",
     "DEFAULT_MODEL": "The catalogue name loaded at start (the embedded SmolLM2-135M-Instruct "
     "is imported on first use). Empty: start with nothing resident.",
     "DEVICE": "Where models are loaded: `auto` is `cuda:0` when CUDA is available, else `cpu`.",

@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from miserver.http.protocol import UNIX_SOCKET_MODE, bind_unix_socket, remove_unix_socket
+from miserver.http.protocol import (
+    UNIX_SOCKET_MODE,
+    bind_unix_socket,
+    peer_name,
+    remove_unix_socket,
+)
 from miserver.serving.catalogue import Catalogue
 from miserver.spec.settings import MAX_SOCKET_PATH_BYTES, ConfigError, load_settings
 from miserver.trainer import TransportError, WeightsClient
@@ -59,36 +64,54 @@ def test_a_path_over_sun_path_or_in_a_missing_directory_is_a_configuration_error
 
 
 # --- binding ---------------------------------------------------------------------------------
-def test_bind_makes_a_socket_of_mode_0660_and_removes_only_its_own_file(short_dir) -> None:
+def test_bind_makes_a_listening_socket_of_mode_0660_and_removes_only_its_own_file(
+    short_dir,
+) -> None:
     path = str(short_dir / "m.sock")
-    sock, identity = bind_unix_socket(path)
+    first, identity = bind_unix_socket(path)
     try:
         info = os.lstat(path)
         assert stat.S_ISSOCK(info.st_mode)
         assert stat.S_IMODE(info.st_mode) == UNIX_SOCKET_MODE
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(path)  # listening already: a probe sees a live server
+        os.chmod(path, 0o600)  # an operator's chmod (a new ctime) does not hide our file
+        os.chmod(path, UNIX_SOCKET_MODE)
+        os.unlink(path)  # someone removed it, and a later server bound the same path
+        later, _ = bind_unix_socket(path)
+        try:
+            remove_unix_socket(path, identity)  # the first server's shutdown, still open
+            assert stat.S_ISSOCK(os.lstat(path).st_mode)  # the later server's file stays
+        finally:
+            later.close()
+        os.unlink(path)
+        Path(path).write_text("a file")
+        remove_unix_socket(path, identity)
+        assert Path(path).read_text() == "a file"
+        os.unlink(path)
+    finally:
+        first.close()
+    sock, identity = bind_unix_socket(path)
+    try:
+        os.chmod(path, 0o640)  # an operator's chmod changes nothing about removal
+        remove_unix_socket(path, identity)
+        assert not os.path.lexists(path)
     finally:
         sock.close()
-    os.unlink(path)
-    Path(path).write_text("a later file")  # not the file bind made: left alone
-    remove_unix_socket(path, identity)
-    assert Path(path).read_text() == "a later file"
-    os.unlink(path)
-    sock, identity = bind_unix_socket(path)
-    sock.close()
-    remove_unix_socket(path, identity)
-    assert not os.path.lexists(path)
 
 
-def test_a_stale_socket_is_replaced_a_live_one_or_a_plain_file_refused(short_dir) -> None:
+def test_a_stale_socket_is_replaced_a_live_one_a_plain_file_or_a_folder_refused(
+    short_dir,
+) -> None:
     path = str(short_dir / "m.sock")
     first, _ = bind_unix_socket(path)
     first.close()  # a server that is gone left its file: nobody listens
     second, _ = bind_unix_socket(path)
-    second.listen(1)
     try:
         with pytest.raises(OSError) as exc:
             bind_unix_socket(path)
         assert exc.value.errno == errno.EADDRINUSE and "already listens" in str(exc.value)
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)  # the live one is untouched
     finally:
         second.close()
     os.unlink(path)
@@ -97,6 +120,40 @@ def test_a_stale_socket_is_replaced_a_live_one_or_a_plain_file_refused(short_dir
         bind_unix_socket(path)
     assert exc.value.errno == errno.EEXIST and "not a socket" in str(exc.value)
     assert Path(path).read_text() == "not a socket"  # nothing changed
+    folder = short_dir / "d.sock"
+    folder.mkdir()
+    with pytest.raises(OSError, match="is a directory"):
+        bind_unix_socket(str(folder))
+
+
+def test_a_probe_that_cannot_tell_leaves_the_socket_alone(short_dir, monkeypatch) -> None:
+    """Only a refused connect means nobody listens: a socket we may not connect to (EACCES)
+    or whose backlog is full (EAGAIN) may belong to a live server."""
+    path = str(short_dir / "m.sock")
+    sock, _ = bind_unix_socket(path)
+    sock.close()  # stale, but the probe below cannot tell
+
+    def refuse(self, address):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    with pytest.raises(OSError) as exc:
+        bind_unix_socket(path)
+    assert exc.value.errno == errno.EACCES and "cannot tell" in str(exc.value)
+    assert stat.S_ISSOCK(os.lstat(path).st_mode)
+
+
+def test_peer_names_in_log_lines() -> None:
+    class Transport:
+        def __init__(self, peer):
+            self.peer = peer
+
+        def get_extra_info(self, name, default=None):
+            return self.peer
+
+    assert peer_name(Transport(("127.0.0.1", 5000))) == "127.0.0.1"
+    assert peer_name(Transport("")) == "unix"  # a client of the UNIX_SOCKET
+    assert peer_name(Transport(None)) == "-"
 
 
 def test_the_client_refuses_https_with_a_socket_and_names_a_missing_one(short_dir) -> None:
@@ -114,9 +171,11 @@ def test_the_client_refuses_https_with_a_socket_and_names_a_missing_one(short_di
 def test_miserver_serve_answers_the_write_cycle_on_its_unix_socket_and_removes_it(
     tmp_path: Path, tiny_model_dir: str, short_dir: Path
 ) -> None:
-    """``miserver serve`` with UNIX_SOCKET: the TCP port still answers; a trainer attaches,
-    commits twice and detaches over the socket (pipelined pairs, its heartbeat too), the audit
-    log has the lines; SIGTERM removes the socket file."""
+    """``miserver serve`` with UNIX_SOCKET: the TCP port still answers; a trainer whose
+    ``base_url`` names a closed port attaches, heartbeats (its thread), commits twice and
+    detaches over the socket (pipelined pairs), the audit log has the lines; a stalled request
+    head on the socket is answered 408; a second server on the same path exits 1 and leaves the
+    socket alone; SIGTERM removes the socket file."""
     home = tmp_path / "home"
     Catalogue(str(home)).register(
         name="tiny", format="safetensors", dtype="bfloat16", path=tiny_model_dir
@@ -140,13 +199,16 @@ def test_miserver_serve_answers_the_write_cycle_on_its_unix_socket_and_removes_i
             "WEIGHTS_COMMIT_WATCHDOG_MS": "60000",
             "WEIGHTS_TOKENS": f"lab:trainer:{SECRET}",
             "WEIGHTS_AUDIT_LOG": str(audit),
+            "WEIGHTS_HEARTBEAT_INTERVAL_HINT_S": "0.2",
+            "HEADER_READ_TIMEOUT_S": "1",
             "LOG_FORMAT": "text",
         },
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
     )
     try:
-        client = WeightsClient(f"http://127.0.0.1:{port}", SECRET, unix_socket=path)
+        # port 1 is closed: every call of this client must go over the socket
+        client = WeightsClient("http://127.0.0.1:1", SECRET, unix_socket=path)
         deadline = time.monotonic() + 120
         while True:
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
@@ -161,6 +223,11 @@ def test_miserver_serve_answers_the_write_cycle_on_its_unix_socket_and_removes_i
         assert tcp.status()["weights_state"] == "clean"  # TCP still serves
         with client:
             attachment = client.attach()
+            deadline = time.monotonic() + 60
+            while audit.read_text().count('"operation":"weights_heartbeat"') < 2:
+                assert time.monotonic() < deadline, "the heartbeat thread sent nothing"
+                time.sleep(0.1)
+            assert client.heartbeat_error is None
             weights = attachment.weights.unique_tensors()
             for _ in range(2):
                 with client.commit() as cycle, torch.no_grad():
@@ -174,6 +241,33 @@ def test_miserver_serve_answers_the_write_cycle_on_its_unix_socket_and_removes_i
             assert f'"operation":"{op}"' in text
         assert SECRET not in log.read_text() and SECRET not in text
         assert f"unix:{path}" in log.read_text()
+        with socket.socket(socket.AF_UNIX) as raw:  # a head that never ends: 408, closed
+            raw.settimeout(30)
+            raw.connect(path)
+            raw.sendall(b"GET /api/weights/status HTTP/1.1\r\nHost: x\r\n")
+            answer = b""
+            while chunk := raw.recv(4096):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408") and b'"success":false' in answer, answer
+        assert "closed a connection from unix" in log.read_text()
+        second = subprocess.run(
+            [sys.executable, "-m", "miserver.cli", "serve"],
+            env=os.environ
+            | {
+                "MISERVER_HOME": str(tmp_path / "home2"),
+                "PORT": "0",
+                "UNIX_SOCKET": path,
+                "DEFAULT_MODEL": "",
+                "DEVICE": "cpu",
+            },
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.returncode == 1, second.stderr[-2000:]
+        assert "already listens" in second.stderr
+        assert tcp.status()["weights_state"] == "clean" and os.path.exists(path)
+        assert client.status()["weights_state"] == "clean"  # the first server's socket works
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
         assert not os.path.lexists(path)

@@ -59,10 +59,15 @@ def test_weight_sync_runs_every_approach_and_checks_them(tmp_path: Path) -> None
         ("miserver, pipelined", "tiny"),
         ("miserver, sequential", "tiny"),
         ("baseline (bucketed IPC copy)", "tiny"),
+        # the pipelined client over each server's Unix socket (UNIX_SOCKET)
+        ("bare aiohttp, back to back, pipelined, Unix socket", "-"),
+        ("bare aiohttp, same write, pipelined, Unix socket", "tiny"),
+        ("miserver, pipelined, Unix socket", "tiny"),
     }
     assert all(r["check"] for r in rows)
     assert by[("miserver, pipelined", "tiny")]["steps"] == 15
     assert by[("miserver, sequential", "tiny")]["steps"] == 15
+    assert by[("miserver, pipelined, Unix socket", "tiny")]["steps"] == 15
     assert by[("baseline (bucketed IPC copy)", "tiny")]["steps"] == 4
     for r in rows:
         assert 0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"]
@@ -75,10 +80,8 @@ def test_weight_sync_runs_every_approach_and_checks_them(tmp_path: Path) -> None
     # the fair floor has the same step shape: the write sits between commit-begin and end
     assert by[("bare aiohttp, same write, pipelined", "tiny")]["write_p50_ms"] > 0
     # the pipelined rows time two pairs, the sequential ones four calls
-    assert list(by[("miserver, pipelined", "tiny")]["phase_p50_ms"]) == [
-        "quiesce+commit-begin",
-        "commit-end+resume",
-    ]
+    for key in (("miserver, pipelined", "tiny"), ("miserver, pipelined, Unix socket", "tiny")):
+        assert list(by[key]["phase_p50_ms"]) == ["quiesce+commit-begin", "commit-end+resume"]
     assert len(by[("miserver, sequential", "tiny")]["phase_p50_ms"]) == 4
     # the server's own cost: handler times (4 a step, minus a block left out at most) and CPU
     for key in (("miserver, pipelined", "tiny"), ("bare aiohttp, same write, pipelined", "tiny")):
@@ -86,6 +89,7 @@ def test_weight_sync_runs_every_approach_and_checks_them(tmp_path: Path) -> None
         assert by[key]["server_cpu_ms_per_call"] > 0  # nanosecond counters on Linux
     assert "The server's own cost per call" in proc.stdout
     assert "WeightsClient.commit() at most 1.2x four sequential bare calls" in proc.stdout
+    assert "WeightsClient.commit() (over the Unix socket) at most 1.2x" in proc.stdout
     assert (out / "weight_sync.png").stat().st_size > 0
 
 

@@ -7,6 +7,7 @@ the root handler replaces each one (and any ``Bearer`` credential) with ``***``.
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
 import sys
@@ -411,7 +412,12 @@ def serve(settings: Settings) -> int:
             access_log_class=AccessLogger,
         )
     except OSError as exc:
-        log.error("cannot listen on %s: %s", listening_on(settings), exc.strerror or exc)
+        hint = (
+            "; another server has the port: set PORT to a free one (0 picks any)"
+            if exc.errno == errno.EADDRINUSE and "already listens" not in str(exc)
+            else ""
+        )
+        log.error("cannot listen on %s: %s%s", listening_on(settings), exc.strerror or exc, hint)
         return 1
     log.info("miserver stopped")
     return 0

@@ -83,6 +83,14 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         try:
             sock.settimeout(self.timeout)
             sock.connect(self._socket_path)
+        except OSError as exc:
+            sock.close()
+            raise OSError(
+                exc.errno,
+                f"cannot connect to the Unix socket {self._socket_path} ({exc.strerror or exc}); "
+                "is the server running with UNIX_SOCKET set to this path, and may this user "
+                "connect (mode 0660: the server's user or group)?",
+            ) from None
         except BaseException:
             sock.close()
             raise

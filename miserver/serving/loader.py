@@ -86,8 +86,9 @@ def check_loadable(row: CatalogueRow) -> None:
                 " (llama-cpp-python is installed, but the llama.cpp backend is not part of this "
                 "version yet)"
                 if installed
-                else f" (the llama.cpp backend, the optional extra {GGUF_EXTRA}, is not part of "
-                f"this version yet; it installs with: {gguf_install_command()})"
+                else " (the llama.cpp backend is not part of this version yet; its dependency, "
+                f"the optional extra {GGUF_EXTRA}, installs with {gguf_install_command()}, but "
+                "a GGUF row stays refused until the backend ships)"
             )
             + ": load a safetensors row instead (GET /api/models lists them)",
             reason="gguf",

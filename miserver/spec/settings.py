@@ -166,7 +166,8 @@ DESCRIPTIONS: dict[str, str] = {
     "in a directory only they can write. It is removed at shutdown; a socket file nobody "
     "listens on (a server that is gone) is replaced; a path a live server listens on, one that "
     "is not a socket, or one the server cannot probe stops the start (exit 1, one line). "
-    "Empty: TCP only.",
+    "A relative path is taken from the server's working directory (the log names the full "
+    "path). Empty: TCP only.",
     "DEFAULT_MODEL": "The catalogue name loaded at start (the embedded SmolLM2-135M-Instruct "
     "is imported on first use). Empty: start with nothing resident.",
     "DEVICE": "Where models are loaded: `auto` is `cuda:0` when CUDA is available, else `cpu`.",
@@ -317,6 +318,7 @@ def _socket_path(variable: str, raw: str) -> str | None:
     bind_unix_socket`)."""
     if not raw:
         return None
+    raw = os.path.abspath(raw)  # a relative path: from the server's working directory
     size = len(os.fsencode(raw))
     if size > MAX_SOCKET_PATH_BYTES:
         raise ConfigError(

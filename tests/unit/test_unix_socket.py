@@ -51,6 +51,12 @@ def test_unix_socket_is_unset_by_default_and_empty_is_none(tmp_path) -> None:
     assert load_settings({"MISERVER_HOME": str(tmp_path), "UNIX_SOCKET": path}).unix_socket == path
 
 
+def test_a_relative_path_is_taken_from_the_working_directory(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    got = load_settings({"MISERVER_HOME": str(tmp_path), "UNIX_SOCKET": "m.sock"}).unix_socket
+    assert got == str(tmp_path / "m.sock")
+
+
 def test_a_path_over_sun_path_or_in_a_missing_directory_is_a_configuration_error(
     tmp_path,
 ) -> None:
@@ -163,13 +169,14 @@ def test_the_client_refuses_https_with_a_socket_and_names_a_missing_one(short_di
         "http://localhost", SECRET, unix_socket=str(short_dir / "none.sock"), heartbeat=False
     )
     assert "unix:" in repr(client) and SECRET not in repr(client)
-    with pytest.raises(TransportError, match="attach"):
+    with pytest.raises(TransportError, match="attach") as exc:
         client.attach()
+    assert str(short_dir / "none.sock") in str(exc.value) and "UNIX_SOCKET" in str(exc.value)
 
 
 # --- the real server over the socket -------------------------------------------------------------
 def test_miserver_serve_answers_the_write_cycle_on_its_unix_socket_and_removes_it(
-    tmp_path: Path, tiny_model_dir: str, short_dir: Path
+    tmp_path: Path, tiny_model_dir: str, short_dir: Path, default_home: str
 ) -> None:
     """``miserver serve`` with UNIX_SOCKET: the TCP port still answers; a trainer whose
     ``base_url`` names a closed port attaches, heartbeats (its thread), commits twice and
@@ -254,7 +261,7 @@ def test_miserver_serve_answers_the_write_cycle_on_its_unix_socket_and_removes_i
             [sys.executable, "-m", "miserver.cli", "serve"],
             env=os.environ
             | {
-                "MISERVER_HOME": str(tmp_path / "home2"),
+                "MISERVER_HOME": default_home,  # imported already: the start is quick
                 "PORT": "0",
                 "UNIX_SOCKET": path,
                 "DEFAULT_MODEL": "",
@@ -275,3 +282,32 @@ def test_miserver_serve_answers_the_write_cycle_on_its_unix_socket_and_removes_i
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+
+
+def test_a_taken_tcp_port_exits_1_saying_to_set_port(default_home: str, short_dir: Path) -> None:
+    """The start fails on the TCP port after the socket was bound: exit 1, one line that says
+    what to do, and the socket file it made is gone again."""
+    path = str(short_dir / "m.sock")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "miserver.cli", "serve"],
+            env=os.environ
+            | {
+                "MISERVER_HOME": default_home,  # imported already: the start is quick
+                "PORT": str(port),
+                "UNIX_SOCKET": path,
+                "DEFAULT_MODEL": "",
+                "DEVICE": "cpu",
+                "LOG_FORMAT": "text",
+            },
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"cannot listen on http://127.0.0.1:{port}" in proc.stderr
+    assert "set PORT to a free one" in proc.stderr
+    assert not os.path.lexists(path)

@@ -70,6 +70,7 @@ def _reachable() -> list[LifecycleState]:
     return sorted(states, key=lambda s: s.short())
 
 
+@pytest.mark.full  # 9 s on two cores: in `make test`; the quick suite keeps the other plan tests
 def test_the_plan_path_equals_the_machine_path_in_every_reachable_state_event_and_context():
     fast = Lifecycle(table=TABLE, id_factory=lambda: HOLDER_ID)
     slow = Lifecycle(table=TABLE, id_factory=lambda: HOLDER_ID, via_machine=True)

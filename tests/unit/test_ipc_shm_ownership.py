@@ -98,6 +98,8 @@ def server_run() -> tuple[int, dict, str]:
 
 
 @pytest.mark.full  # seconds to tens of seconds: left out of make quick
+# The two tests of the server process (12 s to start on two cores) run in `make test` only.
+@pytest.mark.full
 def test_rebuilds_in_two_processes_and_a_kept_body_never_remove_the_servers_file(server_run):
     rc, report, err = server_run
     assert rc == 0, f"the server process ended with {rc}: {err}"
@@ -114,6 +116,7 @@ def test_rebuilds_in_two_processes_and_a_kept_body_never_remove_the_servers_file
     assert report["fresh_body"] == "rebuilt"
 
 
+@pytest.mark.full
 def test_unload_removes_the_arena_and_a_body_of_it_is_refused(server_run):
     rc, report, err = server_run
     assert rc == 0, f"the server process ended with {rc}: {err}"

@@ -394,7 +394,7 @@ def serve(settings: Settings) -> int:
         print(f"miserver: invalid configuration: {problem}", file=sys.stderr)
         return 2
     from miserver.http.app import create_app
-    from miserver.http.protocol import run_app
+    from miserver.http.protocol import UnixSocketError, run_app
     from miserver.ipc import shm
 
     shm.sweep_dead()  # CPU shared memory a dead miserver left in /dev/shm (issue 16, 4)
@@ -414,7 +414,7 @@ def serve(settings: Settings) -> int:
     except OSError as exc:
         hint = (
             "; another server has the port: set PORT to a free one (0 picks any)"
-            if exc.errno == errno.EADDRINUSE and "already listens" not in str(exc)
+            if exc.errno == errno.EADDRINUSE and not isinstance(exc, UnixSocketError)
             else ""
         )
         log.error("cannot listen on %s: %s%s", listening_on(settings), exc.strerror or exc, hint)

@@ -517,6 +517,11 @@ class AppRunner(web.AppRunner):
         return server
 
 
+class UnixSocketError(OSError):
+    """``UNIX_SOCKET`` could not be taken (:func:`bind_unix_socket`): its ``errno`` and a
+    message naming the path; ``miserver serve`` exits 1 with it."""
+
+
 #: The mode of the ``UNIX_SOCKET`` file: its owner and group may connect (settings, UNIX_SOCKET).
 UNIX_SOCKET_MODE = 0o660
 
@@ -532,7 +537,7 @@ def bind_unix_socket(path: str) -> tuple[socket.socket, tuple[int, int]]:
     ``EADDRINUSE`` when a live server listens on ``path``, ``EEXIST`` when ``path`` exists and
     is not a socket, the probe's own error when it cannot tell (``EACCES``: a socket we may
     not connect to; ``EAGAIN``: a full backlog), or the bind's (a directory we may not
-    write). Settings, UNIX_SOCKET.
+    write), each as :class:`UnixSocketError`. Settings, UNIX_SOCKET.
     """
     import fcntl
 
@@ -543,13 +548,16 @@ def bind_unix_socket(path: str) -> tuple[socket.socket, tuple[int, int]]:
             info = os.lstat(path)
             if not stat.S_ISSOCK(info.st_mode):
                 kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a socket"
-                raise OSError(
+                raise UnixSocketError(
                     errno.EEXIST, f"{path} exists and is {kind}; choose another UNIX_SOCKET path"
                 )
             _replace_if_stale(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(path)
+        except OSError as exc:
+            sock.close()
+            raise UnixSocketError(exc.errno, f"cannot bind {path}: {exc.strerror or exc}") from None
         except BaseException:
             sock.close()
             raise
@@ -580,14 +588,14 @@ def _replace_if_stale(path: str) -> None:
     except FileNotFoundError:
         return  # gone meanwhile
     except OSError as exc:
-        raise OSError(
+        raise UnixSocketError(
             exc.errno,
             f"cannot tell whether a server listens on {path} ({exc.strerror or exc}); "
             "left as it is",
         ) from None
     finally:
         probe.close()
-    raise OSError(errno.EADDRINUSE, f"a server already listens on {path}")
+    raise UnixSocketError(errno.EADDRINUSE, f"a server already listens on {path}")
 
 
 def remove_unix_socket(path: str, identity: tuple[int, int]) -> None:

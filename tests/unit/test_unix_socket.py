@@ -175,6 +175,19 @@ def test_the_client_refuses_https_with_a_socket_and_names_a_missing_one(short_di
 
 
 # --- the real server over the socket -------------------------------------------------------------
+def serve_to_exit(default_home: str, **env: str) -> subprocess.CompletedProcess:
+    """``miserver serve`` on the imported default home (a quick start) with nothing to load and
+    ``env`` added, run until it exits (these starts are refused)."""
+    return subprocess.run(
+        [sys.executable, "-m", "miserver.cli", "serve"],
+        env=os.environ
+        | {"MISERVER_HOME": default_home, "DEFAULT_MODEL": "", "DEVICE": "cpu", **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_miserver_serve_answers_the_write_cycle_on_its_unix_socket_and_removes_it(
     tmp_path: Path, tiny_model_dir: str, short_dir: Path, default_home: str
 ) -> None:
@@ -207,7 +220,7 @@ def test_miserver_serve_answers_the_write_cycle_on_its_unix_socket_and_removes_i
             "WEIGHTS_TOKENS": f"lab:trainer:{SECRET}",
             "WEIGHTS_AUDIT_LOG": str(audit),
             "WEIGHTS_HEARTBEAT_INTERVAL_HINT_S": "0.2",
-            "HEADER_READ_TIMEOUT_S": "1",
+            "HEADER_READ_TIMEOUT_S": "5",  # the stalled head below waits 30 s for its 408
             "LOG_FORMAT": "text",
         },
         stdout=log.open("wb"),
@@ -257,20 +270,7 @@ def test_miserver_serve_answers_the_write_cycle_on_its_unix_socket_and_removes_i
                 answer += chunk
         assert answer.startswith(b"HTTP/1.1 408") and b'"success":false' in answer, answer
         assert "closed a connection from unix" in log.read_text()
-        second = subprocess.run(
-            [sys.executable, "-m", "miserver.cli", "serve"],
-            env=os.environ
-            | {
-                "MISERVER_HOME": default_home,  # imported already: the start is quick
-                "PORT": "0",
-                "UNIX_SOCKET": path,
-                "DEFAULT_MODEL": "",
-                "DEVICE": "cpu",
-            },
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        second = serve_to_exit(default_home, PORT="0", UNIX_SOCKET=path)
         assert second.returncode == 1, second.stderr[-2000:]
         assert "already listens" in second.stderr
         assert tcp.status()["weights_state"] == "clean" and os.path.exists(path)
@@ -292,21 +292,7 @@ def test_a_taken_tcp_port_exits_1_saying_to_set_port(default_home: str, short_di
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        proc = subprocess.run(
-            [sys.executable, "-m", "miserver.cli", "serve"],
-            env=os.environ
-            | {
-                "MISERVER_HOME": default_home,  # imported already: the start is quick
-                "PORT": str(port),
-                "UNIX_SOCKET": path,
-                "DEFAULT_MODEL": "",
-                "DEVICE": "cpu",
-                "LOG_FORMAT": "text",
-            },
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        proc = serve_to_exit(default_home, PORT=str(port), UNIX_SOCKET=path, LOG_FORMAT="text")
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert f"cannot listen on http://127.0.0.1:{port}" in proc.stderr
     assert "set PORT to a free one" in proc.stderr

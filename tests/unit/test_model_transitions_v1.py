@@ -115,10 +115,10 @@ def record_drops(host: Any) -> list[float]:
     drops: list[float] = []
     real = host._drop_resident
 
-    def drop() -> None:
+    def drop(**kwargs: Any) -> None:
         if host.resident is not None:
             drops.append(time.perf_counter())
-        real()
+        real(**kwargs)
 
     host._drop_resident = drop
     return drops

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 from aiohttp.abc import AbstractAccessLogger
 
+from miserver.http.protocol import request_peer
 from miserver.serving.audit import info_line  # a log line without the caller's stack walk
 from miserver.spec.settings import Settings
 
@@ -270,7 +271,7 @@ class AccessLogger(AbstractAccessLogger):
         info_line(
             self.logger,
             '%s "%s %s HTTP/%d.%d" %d %d %.3fms "%s"',
-            request.remote or "-",
+            request_peer(request),
             request.method,
             request.path_qs,
             version.major,

@@ -45,6 +45,7 @@ from miserver.trainer_errors import (
     ERROR_CLASSES,
     NotAttachedHere,
     TrainerError,
+    TransportError,
     WeightsError,
 )
 from miserver.trainer_transport import _Bearer, _Connection, _unwrap
@@ -410,6 +411,10 @@ class WeightsClient:
           barrier resumed first, so nothing is left open for the watchdog to tear.
         - quiesce accepted, commit-begin refused: the barrier is resumed, then the
           commit-begin error is raised (as before pipelining).
+        - an answer of the pair could not be read (the connection dropped, a timeout): either
+          call may have been accepted, so commit-end + resume are sent on a new connection (an
+          accepted commit-begin is ended as an empty commit, counted, before the set can
+          tear), then the :class:`TransportError` is raised, with a note saying which.
         - commit-end refused: resume, sent already, releases the barrier; the commit-end error
           is raised. Commit-end accepted, resume refused: the resume error is raised.
 
@@ -423,7 +428,11 @@ class WeightsClient:
         """
         self._raise_terminal_heartbeat_error()
         cycle = CommitCycle()
-        quiesced, begun = self._pipelined("quiesce", "commit-begin")
+        try:
+            quiesced, begun = self._pipelined("quiesce", "commit-begin")
+        except TransportError as exc:  # no answer read: either call may have been accepted
+            self._close_unknown(exc, "quiesce and commit-begin")
+            raise
         if isinstance(quiesced, BaseException):
             if isinstance(begun, BaseException):
                 quiesced.add_note(f"the pipelined commit-begin was not accepted either: {begun}")
@@ -442,6 +451,9 @@ class WeightsClient:
                     self._ended(end)
             raise quiesced
         cycle.quiesce = quiesced
+        if isinstance(begun, TransportError):  # commit-begin's answer lost: it may be open
+            self._close_unknown(begun, "commit-begin")
+            raise begun
         if isinstance(begun, BaseException):
             self._resume_quietly()
             raise begun
@@ -619,6 +631,38 @@ class WeightsClient:
             self.detach()
         except Exception as exc:  # noqa: BLE001 - at exit there is no caller to raise to
             log.warning("detach at exit failed: %s", exc)
+
+    def _close_unknown(self, exc: TransportError, lost: str) -> None:
+        """After the answer to ``lost`` (calls of the opening pair) could not be read, end what
+        they may have opened: commit-end, then resume, pipelined on a new connection. A
+        commit-begin that was accepted is ended as an empty commit (counted in
+        ``steps_since_load``, nothing was written) and the barrier resumed; calls that were not
+        accepted make these refused. What happened is added to ``exc`` as a note; nothing is
+        raised here."""
+        try:
+            end, resumed = self._pipelined("commit-end", "resume")
+        except Exception as pair_exc:  # noqa: BLE001 - the transport error is raised
+            exc.add_note(
+                f"the answer to {lost} was lost, and commit-end + resume could not be sent "
+                f"after it ({pair_exc}): if commit-begin was accepted, the commit is open and "
+                "the watchdog (WEIGHTS_COMMIT_WATCHDOG_MS) tears the set; POST "
+                "/api/weights/load recovers it"
+            )
+            return
+        if not isinstance(end, BaseException):
+            self._ended(end)
+            what = "commit-begin had been accepted: that empty commit was ended"
+        else:
+            what = f"no commit was open (commit-end: {end})"
+        how = (
+            "the barrier was resumed"
+            if not isinstance(resumed, BaseException)
+            else f"resume: {resumed}"
+        )
+        exc.add_note(
+            f"the answer to {lost} was lost; commit-end + resume sent after it: {what}; {how}"
+        )
+        log.warning("the answer to %s was lost; %s; %s", lost, what, how)
 
     def _resume_quietly(self) -> None:
         try:

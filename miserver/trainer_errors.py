@@ -71,6 +71,8 @@ class WeightsError(TrainerError):
         message: the server's message (never carries a token or an attachment ID).
         details: the error's ``details`` object or None (``ALREADY_ATTACHED``: the holder).
         retry_after_s: the ``Retry-After`` header in seconds, when sent.
+        call: the refused request (``"POST /api/weights/commit-end"``) when the client knows
+            it; ``str()`` starts with it then.
     """
 
     def __init__(
@@ -82,8 +84,10 @@ class WeightsError(TrainerError):
         details: Mapping[str, Any] | None = None,
         *,
         retry_after_s: float | None = None,
+        call: str | None = None,
     ) -> None:
         super().__init__(message)
+        self.call = call
         self.code = code
         self.reason = reason
         self.status = status
@@ -95,12 +99,22 @@ class WeightsError(TrainerError):
         head = f"{self.status} {self.code or 'error'}"
         if self.reason:
             head += f" (reason: {self.reason})"
+        if self.call:
+            head = f"{self.call}: {head}"
         return f"{head}: {self.message}"
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (
             _make_error,
-            (self.code, self.reason, self.status, self.message, self.details, self.retry_after_s),
+            (
+                self.code,
+                self.reason,
+                self.status,
+                self.message,
+                self.details,
+                self.retry_after_s,
+                self.call,
+            ),
         )
 
 
@@ -142,8 +156,11 @@ def _make_error(
     message: str,
     details: Mapping[str, Any] | None,
     retry_after_s: float | None,
+    call: str | None = None,
 ) -> WeightsError:
-    return error_class(code)(code, reason, status, message, details, retry_after_s=retry_after_s)
+    return error_class(code)(
+        code, reason, status, message, details, retry_after_s=retry_after_s, call=call
+    )
 
 
 class TransportError(TrainerError):

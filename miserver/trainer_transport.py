@@ -259,6 +259,7 @@ def _unwrap(method: str, path: str, resp: _Response) -> dict[str, Any]:
             str(err.get("message", "")),
             err.get("details"),
             retry_s,
+            f"{method} {path}",
         )
     raise WeightsError(
         None,

@@ -68,6 +68,16 @@ def peer_name(transport: asyncio.BaseTransport) -> str:
     return "unix" if isinstance(peer, (str, bytes)) else "-"
 
 
+def request_peer(request: web.BaseRequest) -> str:
+    """:func:`peer_name` of ``request``'s client: aiohttp's ``request.remote`` (the TCP peer's
+    host, or a forwarded one), else ``unix`` for a ``UNIX_SOCKET`` client, ``-`` when unknown."""
+    remote = request.remote
+    if remote:
+        return remote
+    transport = request.transport
+    return peer_name(transport) if transport is not None else "-"
+
+
 _LIMIT_HINT = (
     "Send long values in the JSON body, not in the URL or a header; an Authorization header "
     "carries only 'Bearer <token>'."
@@ -442,14 +452,16 @@ class JsonErrorRequestHandler(RequestHandler):
         Raises ``ConnectionError`` when part of a response was already sent (as aiohttp does).
         """
         if status >= 500:
-            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+            self.log_exception(
+                "Error handling request from %s", request_peer(request), exc_info=exc
+            )
         elif self._request_count == 1 and isinstance(exc, http_exceptions.BadHttpMethod):
             # Not HTTP at all (TLS to a plain port, a scanner): aiohttp logs these at debug.
-            self.logger.debug("non-HTTP bytes from %s refused", request.remote)
+            self.logger.debug("non-HTTP bytes from %s refused", request_peer(request))
         else:
             self.logger.warning(
                 "refused an unreadable HTTP request from %s with %d: %s",
-                request.remote,
+                request_peer(request),
                 status,
                 describe_bad_request(exc)[0],
             )

@@ -12,6 +12,7 @@ import http.server
 import json
 import logging
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -404,6 +405,83 @@ def test_a_refused_resume_after_an_accepted_commit_end_is_raised(server, client)
     assert client.status()["barrier"] == "quiesced"  # nothing resumed it
     client.resume()
     assert client.status()["barrier"] == "serving"
+
+
+def _lose_opening_answers(client: WeightsClient, which: str) -> None:
+    """Make the next opening pair reach the real server (both calls decided there) and then
+    lose its answers as a dropped connection would: ``"second"`` (commit-begin's answer) or
+    ``"both"`` (the first answer could not be read: request_pair raises)."""
+    session = client._session
+    real = session.request_pair
+
+    def request_pair(method, paths, headers, timeout):
+        session.request_pair = real  # once
+        one, _ = real(method, paths, headers, timeout)
+        lost = trainer.TransportError(f"{method} {paths[-1]}: RemoteDisconnected (the test)")
+        if which == "both":
+            raise lost
+        return one, lost
+
+    session.request_pair = request_pair
+
+
+@pytest.mark.parametrize("which", ["second", "both"])
+def test_a_lost_opening_answer_ends_the_commit_it_may_have_opened(server, client, which):
+    """Breaker finding (2026-12-03): commit-begin accepted but its answer lost left the commit
+    open, the resume was refused WEIGHTS_NOT_CLEAN and the watchdog tore the set."""
+    client.attach()
+    _lose_opening_answers(client, which)
+    with pytest.raises(trainer.TransportError) as exc, client.commit():
+        pytest.fail("the block must not run")
+    notes = " ".join(getattr(exc.value, "__notes__", []))
+    assert "empty commit was ended" in notes and "the barrier was resumed" in notes, notes
+    status = client.status()
+    assert (status["barrier"], status["weights_state"]) == ("serving", "clean"), status
+    assert status["steps_since_load"] == 1 == client.steps_since_load  # the empty commit
+    with client.commit() as cycle:  # and the next step goes through
+        pass
+    assert cycle.steps_since_load == 2
+    ops = [(x["operation"], x["outcome"]) for x in _audit_settled(server, 9)]
+    assert ops[1:5] == [
+        ("weights_quiesce", "accepted"),
+        ("weights_commit_begin", "accepted"),
+        ("weights_commit_end", "accepted"),
+        ("weights_resume", "accepted"),
+    ], ops
+
+
+def test_a_lost_answer_with_nothing_open_only_resumes(server, client):
+    """The opening pair's answers lost when commit-begin was refused: commit-end is refused
+    (no commit open), the resume releases the barrier, and the note says so."""
+    client.attach()
+    _refuse_once(server, "commit_begin", "PAUSE_IN_PROGRESS")
+    _lose_opening_answers(client, "second")
+    with pytest.raises(trainer.TransportError) as exc, client.commit():
+        pytest.fail("the block must not run")
+    notes = " ".join(getattr(exc.value, "__notes__", []))
+    assert "no commit was open" in notes and "the barrier was resumed" in notes, notes
+    status = client.status()
+    assert (status["barrier"], status["weights_state"]) == ("serving", "clean"), status
+    assert status["steps_since_load"] == 0 == client.steps_since_load
+
+
+def test_a_refusal_names_the_refused_call(server, client):
+    """Breaker finding (2026-12-03): a refusal raised from a pipelined pair did not say which
+    call of the pair it answered."""
+    client.attach()
+    _refuse_once(server, "commit_end", "PAUSE_IN_PROGRESS")
+    with pytest.raises(trainer.PauseInProgress) as exc, client.commit():
+        pass
+    assert exc.value.call == "POST /api/weights/commit-end"
+    assert str(exc.value).startswith("POST /api/weights/commit-end: 409 PAUSE_IN_PROGRESS"), str(
+        exc.value
+    )
+    again = pickle.loads(pickle.dumps(exc.value))
+    assert (type(again), again.call, str(again)) == (
+        type(exc.value),
+        exc.value.call,
+        str(exc.value),
+    )
 
 
 END = b"\r\n\r\n"

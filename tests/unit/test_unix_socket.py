@@ -297,3 +297,34 @@ def test_a_taken_tcp_port_exits_1_saying_to_set_port(default_home: str, short_di
     assert f"cannot listen on http://127.0.0.1:{port}" in proc.stderr
     assert "set PORT to a free one" in proc.stderr
     assert not os.path.lexists(path)
+
+
+def _mocked_request(peername: object):
+    from unittest import mock
+
+    from aiohttp.test_utils import make_mocked_request
+
+    transport = mock.Mock()
+    transport.get_extra_info.side_effect = lambda key, default=None: (
+        peername if key == "peername" else default
+    )
+    return make_mocked_request("GET", "/api/health", transport=transport)
+
+
+def test_a_socket_client_is_logged_as_unix_in_the_access_and_refusal_lines(caplog) -> None:
+    """Breaker finding (2026-12-03): the access line showed a socket client as ``-`` and the
+    refusal line as an empty name, where the timeout lines said ``unix``."""
+    import logging
+
+    from aiohttp import web
+
+    from miserver.http.protocol import request_peer
+    from miserver.server import AccessLogger
+
+    assert request_peer(_mocked_request("")) == "unix"  # AF_UNIX: an empty peer name
+    assert request_peer(_mocked_request(("10.1.2.3", 40000))) == "10.1.2.3"
+    assert request_peer(_mocked_request(None)) == "-"
+    logger = logging.getLogger("miserver.test.access")
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        AccessLogger(logger, "").log(_mocked_request(""), web.Response(text="{}"), 0.001)
+    assert caplog.records[-1].getMessage().startswith('unix "GET /api/health HTTP/1.1" 200 ')

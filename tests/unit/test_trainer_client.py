@@ -274,6 +274,11 @@ def _audit_settled(server, count: int) -> list[dict]:
     return lines
 
 
+def _audit_ops(server, count: int) -> list[tuple[str, str]]:
+    """``(operation, outcome)`` of each audit line once ``count`` are written."""
+    return [(x["operation"], x["outcome"]) for x in _audit_settled(server, count)]
+
+
 def _refuse_once(server, trigger: str, code: str, reason: str | None = None) -> None:
     """Make the real server's runtime refuse the next ``trigger`` call as the lifecycle would
     (an :class:`ApiError` with the code's status, audited by the route), deciding nothing."""
@@ -304,7 +309,7 @@ def test_a_refused_commit_begin_resumes_the_barrier(server, client):
     with client.commit() as cycle:  # the connection and the barrier are usable again
         pass
     assert cycle.steps_since_load == 1
-    lines = [(x["operation"], x["outcome"]) for x in _audit_settled(server, 9)]
+    lines = _audit_ops(server, 9)
     assert lines[1:5] == [
         ("weights_quiesce", "accepted"),
         ("weights_commit_begin", "refused"),
@@ -354,7 +359,7 @@ def test_a_commit_begin_accepted_after_a_refused_quiesce_is_ended_not_left_open(
     status = client.status()
     assert status["weights_state"] == "clean" and status["barrier"] == "serving"
     assert status["commit"] is None and status["steps_since_load"] == 1 == client.steps_since_load
-    lines = [(x["operation"], x["outcome"]) for x in _audit_settled(server, 6)]
+    lines = _audit_ops(server, 6)
     assert lines[1:] == [
         ("weights_quiesce", "accepted"),
         ("weights_quiesce", "refused"),
@@ -441,7 +446,7 @@ def test_a_lost_opening_answer_ends_the_commit_it_may_have_opened(server, client
     with client.commit() as cycle:  # and the next step goes through
         pass
     assert cycle.steps_since_load == 2
-    ops = [(x["operation"], x["outcome"]) for x in _audit_settled(server, 9)]
+    ops = _audit_ops(server, 9)
     assert ops[1:5] == [
         ("weights_quiesce", "accepted"),
         ("weights_commit_begin", "accepted"),

@@ -194,7 +194,7 @@ def main() -> None:
     ap.add_argument("--out", help="also write the table to this file")
     args = ap.parse_args()
 
-    from miserver.serving.default_model import import_default
+    from miserver.serving.models.default_model import import_default
 
     import_default(args.home, progress=False)
     with tempfile.TemporaryDirectory() as tmp:

@@ -6,7 +6,7 @@ batch 1, greedy, one run:
 
 - ``eager``: miserver's eager decoder (the model's dynamic cache, one forward a token;
   ``DECODE_GRAPHS=off``);
-- ``captured`` / ``compiled``: :class:`miserver.serving.decode_graphs.DecodeEngine` sessions
+- ``captured`` / ``compiled``: :class:`miserver.serving.engine.decode_graphs.DecodeEngine` sessions
   (``DECODE_GRAPHS`` of that name): replayed graph, then the host reads the next token;
 - ``bare replay``: the captured graph replayed in a loop with the argmax read back each step and
   nothing else (the floor of token-by-token decoding in Python).
@@ -81,7 +81,7 @@ def build_model(shape: str, device: str, context: int | None) -> tuple[Any, str]
 
     if shape == "smollm2":
         try:
-            from miserver.serving.default_model import model_dir
+            from miserver.serving.models.default_model import model_dir
             from miserver.spec.settings import default_home
 
             folder = model_dir(os.environ.get("MISERVER_HOME") or default_home())
@@ -153,8 +153,8 @@ def main() -> int:
 
     import torch
 
-    from miserver.serving.decode_graphs import DecodeEngine
-    from miserver.serving.generation import _EagerDecoder, _GraphDecoder, context_length
+    from miserver.serving.engine.decode_graphs import DecodeEngine
+    from miserver.serving.engine.generation import _EagerDecoder, _GraphDecoder, context_length
 
     results: list[dict[str, Any]] = []
     for shape in args.shapes.split(","):

@@ -4,7 +4,7 @@ On the H200 (2026-11-30) the same KV-cache decode loop took 17-19 ms a token in 
 and 57-67 ms in a freshly started thread, for that thread's whole first generation; a reused
 thread ran at main-thread speed. miserver used to start a thread per request, which made every
 answer about three times slower than ``transformers`` ``generate`` on that machine; generations
-now run on reused worker threads (``miserver.serving.generation``). This script measures it all
+now run on reused worker threads (``miserver.serving.engine.generation``). This script measures it all
 in one run, side by side:
 
 - ``transformers generate``: ``model.generate`` in the main thread (greedy, a fixed count);
@@ -14,7 +14,7 @@ in one run, side by side:
   loop, then the timed one, without waiting in between (does a warm-up in the thread help?);
 - ``decode loop, fresh thread, 4n tokens: quarter q``: one long loop in a fresh thread, timed by
   quarter (does the slowness wear off with time or work?);
-- ``miserver Generation #k``: :class:`miserver.serving.generation.Generation` in an asyncio loop,
+- ``miserver Generation #k``: :class:`miserver.serving.engine.generation.Generation` in an asyncio loop,
   k-th generation in a row (the worker threads are reused, so #1 pays the new-thread cost once);
 - ``miserver Generation on a new thread``, with and without a 2-token warm-up generation on that
   thread first (a new worker pool each time, the two interleaved).
@@ -68,8 +68,8 @@ def main() -> int:
     import torch
     import transformers
 
-    from miserver.serving import generation as generation_module
-    from miserver.serving.generation import Generation, SamplingParams
+    from miserver.serving.engine import generation as generation_module
+    from miserver.serving.engine.generation import Generation, SamplingParams
 
     device = args.device
     if device == "auto":

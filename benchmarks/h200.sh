@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1
 HOME_DIR=${MISERVER_HOME:-/tmp/miserver-h200}
 export MISERVER_HOME=$HOME_DIR MISERVER_TEST_HOME=$HOME_DIR
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/miserver-h200-inductor}
-python3 -c "from miserver.serving.default_model import import_default; import_default('$HOME_DIR', progress=False)" \
+python3 -c "from miserver.serving.models.default_model import import_default; import_default('$HOME_DIR', progress=False)" \
   >"$OUT/import.log" 2>&1 || { echo "import failed"; tail -5 "$OUT/import.log"; }
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader
 python3 -c "import torch, transformers, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"

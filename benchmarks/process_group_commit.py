@@ -42,7 +42,7 @@ from miserver.ipc.process_group import (  # noqa: E402
     broadcast_options,
     byte_view,
 )
-from miserver.trainer_group import FlatWeights, TrainerGroup  # noqa: E402
+from miserver.trainer.process_group import FlatWeights, TrainerGroup  # noqa: E402
 
 TIMEOUT_S = 120.0
 

@@ -110,7 +110,7 @@ def prepare_home(cache: Path) -> str:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         tmp.rename(folder)
-    from miserver.serving.catalogue import Catalogue
+    from miserver.serving.models.catalogue import Catalogue
 
     catalogue = Catalogue(home)
     if catalogue.get_by_name(MODEL) is None:
@@ -291,7 +291,7 @@ def decode_loop_main(rows: int, tokens: int, repeats: int, tokenizer_dir: str) -
     import torch
     from transformers import AutoTokenizer
 
-    from miserver.serving.generation import SamplingParams, StaticBatch
+    from miserver.serving.engine.generation import SamplingParams, StaticBatch
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     gen = torch.Generator().manual_seed(0)

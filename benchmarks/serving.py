@@ -8,7 +8,7 @@ Rows:
 
 - ``transformers generate``: ``model.generate`` in this process; time to first token from a
   ``TextIteratorStreamer``.
-- ``miserver Generation``: the server's decode loop (:class:`miserver.serving.generation.Generation`)
+- ``miserver Generation``: the server's decode loop (:class:`miserver.serving.engine.generation.Generation`)
   in this process, without HTTP.
 - ``miserver HTTP stream`` / ``miserver HTTP``: a ``miserver serve`` subprocess on a free port,
   ``POST /v1/chat/completions`` streamed (time to first content chunk) and not.
@@ -174,8 +174,8 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
 
-    from miserver.serving.default_model import import_default, model_dir
-    from miserver.serving.generation import Generation, SamplingParams, TextDelta
+    from miserver.serving.engine.generation import Generation, SamplingParams, TextDelta
+    from miserver.serving.models.default_model import import_default, model_dir
     from miserver.spec.settings import default_home
 
     home = args.home or default_home()
@@ -267,8 +267,8 @@ def main() -> int:
 
         graph_modes = [m for m in modes if m != "off"]
         if graph_modes:
-            from miserver.serving.decode_graphs import DecodeEngine
-            from miserver.serving.generation import context_length
+            from miserver.serving.engine.decode_graphs import DecodeEngine
+            from miserver.serving.engine.generation import context_length
 
             for mode in graph_modes:
                 t0 = time.perf_counter()

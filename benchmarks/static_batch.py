@@ -161,8 +161,8 @@ def make_shape(home: str, name: str) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from miserver.serving.catalogue import Catalogue
-    from miserver.serving.default_model import model_dir
+    from miserver.serving.models.catalogue import Catalogue
+    from miserver.serving.models.default_model import model_dir
 
     catalogue = Catalogue(home)
     if catalogue.get_by_name(name) is not None:
@@ -188,10 +188,10 @@ def in_process(home: str, model_name: str, sizes: list[int], tokens: int) -> lis
     import torch
     from transformers import AutoModelForCausalLM
 
-    from miserver.serving.catalogue import Catalogue
-    from miserver.serving.decode_graphs import DecodeEngine
-    from miserver.serving.generation import _GraphDecoder, cache_kwarg
-    from miserver.serving.static_batch import BatchDecoder
+    from miserver.serving.engine.decode_graphs import DecodeEngine
+    from miserver.serving.engine.generation import _GraphDecoder, cache_kwarg
+    from miserver.serving.engine.static_batch import BatchDecoder
+    from miserver.serving.models.catalogue import Catalogue
 
     row = Catalogue(home).get_by_name(model_name)
     model = AutoModelForCausalLM.from_pretrained(row.path, dtype=torch.bfloat16).eval().cuda()
@@ -384,7 +384,7 @@ def main() -> int:
 
     home = args.home
     if home is None:
-        from miserver.serving.default_model import import_default
+        from miserver.serving.models.default_model import import_default
 
         home = tempfile.mkdtemp(prefix="miserver-bench-")
         import_default(home, progress=False)

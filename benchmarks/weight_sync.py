@@ -15,7 +15,7 @@ so a drift of the machine falls on both alike):
 - **miserver, pipelined**: a server process runs the real application
   (``miserver.http.app.create_app``: the real lifecycle, scheduler, audit and access logs,
   served as ``miserver serve`` serves it) whose model host loads a random model of the size
-  through the real attachable hook (``miserver.serving.loader.make_attachable``: one parameter
+  through the real attachable hook (``miserver.serving.models.loader.make_attachable``: one parameter
   arena). This process (the trainer) attaches with :class:`miserver.trainer.WeightsClient` and,
   per step, runs ``with client.commit(): write()``: quiesce + commit-begin pipelined on the
   keep-alive connection, the in-place write of every parameter (a ``torch._foreach_mul_``, then
@@ -380,9 +380,9 @@ def serve_miserver(size: str) -> None:
     from miserver.http.app import create_app
     from miserver.http.protocol import run_app
     from miserver.server import AccessLogger, configure_logging
-    from miserver.serving import loader as loader_module
-    from miserver.serving.catalogue import Catalogue
-    from miserver.serving.host import ModelHost
+    from miserver.serving.models import loader as loader_module
+    from miserver.serving.models.catalogue import Catalogue
+    from miserver.serving.models.host import ModelHost
     from miserver.spec.settings import load_settings
 
     settings = load_settings()

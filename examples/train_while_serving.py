@@ -425,8 +425,8 @@ class Demo:
         else from the GGUF file the default model was imported from (the same tokenizer)."""
         from transformers import AutoTokenizer
 
-        from miserver.serving.catalogue import Catalogue
-        from miserver.serving.default_model import gguf_path
+        from miserver.serving.models.catalogue import Catalogue
+        from miserver.serving.models.default_model import gguf_path
 
         if self.home:
             row = Catalogue(self.home).get_by_name(MODEL)

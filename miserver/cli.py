@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             from miserver.server import serve
 
             return serve(settings)
-        from miserver.serving.default_model import import_default
+        from miserver.serving.models.default_model import import_default
 
         import_default(settings.home, progress=True)
         return 0

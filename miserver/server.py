@@ -331,8 +331,12 @@ def prepare_home(settings: Settings) -> str | None:
 
     Returns None when ready, else the one-line configuration error (exit status 2).
     """
-    from miserver.serving.catalogue import Catalogue
-    from miserver.serving.default_model import DEFAULT_NAME, DefaultModelError, import_default
+    from miserver.serving.models.catalogue import Catalogue
+    from miserver.serving.models.default_model import (
+        DEFAULT_NAME,
+        DefaultModelError,
+        import_default,
+    )
 
     catalogue = Catalogue(settings.home)
     name = settings.default_model

@@ -48,7 +48,7 @@ def _no_heartbeat_thread_left_behind():
 def _cache_key() -> str:
     import transformers
 
-    import miserver.serving.default_model as dm
+    import miserver.serving.models.default_model as dm
 
     source = Path(dm.__file__).read_bytes()
     # The catalogue records the GGUF's path inside this environment: key on it too, so a second
@@ -61,7 +61,7 @@ def _cache_key() -> str:
 def default_home() -> str:
     """Path of a ``MISERVER_HOME`` holding the imported default (rows ``smollm2-135m-instruct``
     and ``smollm2-135m-instruct-q4``). Override the location with ``MISERVER_TEST_HOME``."""
-    from miserver.serving.default_model import import_default
+    from miserver.serving.models.default_model import import_default
 
     home = os.environ.get("MISERVER_TEST_HOME") or str(
         Path(tempfile.gettempdir()) / f"miserver-test-default-{os.getuid()}-{_cache_key()}"
@@ -79,7 +79,7 @@ def home_with_default(default_home: str, tmp_path: Path) -> str:
 def copy_default_rows(default_home: str, path: Path) -> str:
     """Register the shared default home's catalogue rows (their folders, not copies) in a new
     ``MISERVER_HOME`` at ``path``; returns ``path`` as a string."""
-    from miserver.serving.catalogue import Catalogue
+    from miserver.serving.models.catalogue import Catalogue
 
     fresh = Catalogue(path)
     for row in Catalogue(default_home).list():
@@ -112,7 +112,7 @@ def tiny_model_dir(default_home: str, tmp_path_factory: pytest.TempPathFactory) 
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from miserver.serving.default_model import model_dir
+    from miserver.serving.models.default_model import model_dir
 
     folder = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)

@@ -23,11 +23,11 @@ from aiohttp import web
 from miserver.http import batches, keys, management, shutdown, weights
 from miserver.http.errors import SCRUB_SECRETS, json_errors_middleware
 from miserver.http.management_auth import management_auth_middleware
-from miserver.serving.catalogue import Catalogue
-from miserver.serving.host import ModelHost
+from miserver.serving.engine.slot import Scheduler
 from miserver.serving.metrics import Metrics
-from miserver.serving.scheduler import Scheduler
-from miserver.serving.weights_runtime import WeightsRuntime
+from miserver.serving.models.catalogue import Catalogue
+from miserver.serving.models.host import ModelHost
+from miserver.serving.weights.runtime import WeightsRuntime
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
 from miserver.spec.settings import Settings, resolved_batch_delay_s, resolved_max_batch_size
@@ -161,7 +161,11 @@ async def load_default_model(app: web.Application) -> None:
     app[keys.HOST]
     catalogue = app[keys.CATALOGUE]
     try:
-        from miserver.serving.default_model import DEFAULT_NAME, import_default, repair_gguf_row
+        from miserver.serving.models.default_model import (
+            DEFAULT_NAME,
+            import_default,
+            repair_gguf_row,
+        )
 
         await asyncio.to_thread(repair_gguf_row, settings.home)  # an older home's q4 row
         if catalogue.get_by_name(name) is None and name == DEFAULT_NAME:

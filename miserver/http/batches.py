@@ -28,11 +28,11 @@ from aiohttp import BodyPartReader, web
 from miserver.http import keys
 from miserver.http.errors import json_response, openai_error_body, refuse_secret_name
 from miserver.http.v1 import run_completion
-from miserver.serving.batch_input import BatchRequestError
-from miserver.serving.batch_runner import BLOCKING_REASONS, BatchRunner, RowDeferred, RowExecutor
-from miserver.serving.batch_store import BatchStore
-from miserver.serving.host import Resident
-from miserver.serving.scheduler import Priority, Unit
+from miserver.serving.batches.input_file import BatchRequestError
+from miserver.serving.batches.runner import BLOCKING_REASONS, BatchRunner, RowDeferred, RowExecutor
+from miserver.serving.batches.store import BatchStore
+from miserver.serving.engine.slot import Priority, Unit
+from miserver.serving.models.host import Resident
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
 from miserver.spec.json_syntax import decode_error_message
@@ -256,7 +256,7 @@ _MAX_UPLOAD: web.AppKey[int] = web.AppKey("batch_max_upload_bytes", int)
 
 
 class ServerRowExecutor:
-    """The :class:`~miserver.serving.batch_runner.RowExecutor` of a live server (contract 7).
+    """The :class:`~miserver.serving.batches.runner.RowExecutor` of a live server (contract 7).
 
     ``waiting_reason(model)``: ``weights_torn`` while the lifecycle says torn
     (``keys.WEIGHTS_SUMMARY``), ``model_not_resident`` while ``model`` is not the resident's
@@ -271,8 +271,8 @@ class ServerRowExecutor:
     (``held_batch_chunks``, one per chunk), in the row's ``unit`` (its chunk, whose rows the
     scheduler grants together: one static batch). Refusals come back as ``(status, headers,
     OpenAI error body)`` (the runner turns the "not now" ones into waiting,
-    :func:`~miserver.serving.batch_runner.deferral_of`); a row found blocked inside the slot
-    raises :class:`~miserver.serving.batch_runner.RowDeferred`.
+    :func:`~miserver.serving.batches.runner.deferral_of`); a row found blocked inside the slot
+    raises :class:`~miserver.serving.batches.runner.RowDeferred`.
     """
 
     def __init__(self, app: web.Application) -> None:

@@ -13,11 +13,11 @@ from typing import Any
 
 from aiohttp import web
 
-from miserver.serving.catalogue import Catalogue
-from miserver.serving.host import ModelHost
+from miserver.serving.engine.slot import Scheduler
 from miserver.serving.metrics import Metrics
-from miserver.serving.scheduler import Scheduler
-from miserver.serving.weights_runtime import WeightsRuntime
+from miserver.serving.models.catalogue import Catalogue
+from miserver.serving.models.host import ModelHost
+from miserver.serving.weights.runtime import WeightsRuntime
 from miserver.spec.settings import Settings
 
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings", Settings)

@@ -19,16 +19,16 @@ from aiohttp import web
 
 from miserver.http import keys
 from miserver.http.errors import ok, refuse_secret_name
-from miserver.serving import checkpoints
-from miserver.serving.catalogue import (
+from miserver.serving.models import checkpoints
+from miserver.serving.models.catalogue import (
     DTYPES,
     CatalogueError,
     CatalogueRow,
     DuplicateName,
 )
-from miserver.serving.client_paths import ClientPathError, check_client_path
-from miserver.serving.loader import check_weight_files
-from miserver.serving.weights_jobs import refuse_applied_adapter_name
+from miserver.serving.models.client_paths import ClientPathError, check_client_path
+from miserver.serving.models.loader import check_weight_files
+from miserver.serving.weights.jobs import refuse_applied_adapter_name
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
 from miserver.spec.json_syntax import decode_error_message
@@ -186,12 +186,12 @@ def inspect_model_path(body: RegisterModel) -> dict[str, str]:
 
     A directory must hold ``config.json`` and at least one ``*.safetensors`` file, each with a
     readable safetensors header whose tensors lie inside the file
-    (:func:`~miserver.serving.loader.check_weight_files`); a file must be a GGUF file (magic
+    (:func:`~miserver.serving.models.loader.check_weight_files`); a file must be a GGUF file (magic
     ``GGUF``). Returns the row's ``{format, dtype, quantization, path}``.
 
     Raises:
         ApiError: 400 INVALID_REQUEST naming ``path`` (also for a path too long, a symlink loop
-            or one the server may not read: :func:`~miserver.serving.client_paths.check_client_path`),
+            or one the server may not read: :func:`~miserver.serving.models.client_paths.check_client_path`),
             ``dtype`` or ``quantization``.
     """
     try:

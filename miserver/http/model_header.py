@@ -21,7 +21,7 @@ ORIGINS = ("model", "checkpoint", "adapter")
 
 
 class ServedWeights(Protocol):
-    """What the header is built from (``miserver.serving.host.Resident`` has these)."""
+    """What the header is built from (``miserver.serving.models.host.Resident`` has these)."""
 
     served_name: str
     origin: str

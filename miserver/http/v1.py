@@ -10,10 +10,10 @@ The path of one request:
 2. :func:`admit` decides which resident serves it (the one admission decision; auto-load with
    ``X-miLLM-Load-Policy``);
 3. the prompt is tokenized and checked against the context window (400);
-4. the request waits for a scheduler slot (:class:`~miserver.serving.scheduler.Scheduler`,
+4. the request waits for a scheduler slot (:class:`~miserver.serving.engine.slot.Scheduler`,
    503 QUEUE_FULL when the queue is full) and keeps it until its generation thread has ended,
    so it is computed on one parameter set;
-5. the generation runs in a worker thread (:mod:`miserver.serving.generation`); a failure before
+5. the generation runs in a worker thread (:mod:`miserver.serving.engine.generation`); a failure before
    the first token is a JSON 500, after a stream opened it is one ``error`` event and no
    ``[DONE]``; a client that goes away cancels it within a decode step.
 
@@ -22,7 +22,7 @@ and a stream's terminal chunk (and its usage chunk) carries the same value as ``
 
 :func:`run_completion` is the one public entry point that runs a request body to its final
 (non-streamed) answer: the non-streamed ``/v1`` path and the Batch API's rows
-(:mod:`miserver.http.batches`, at :attr:`~miserver.serving.scheduler.Priority.BATCH`) both go
+(:mod:`miserver.http.batches`, at :attr:`~miserver.serving.engine.slot.Priority.BATCH`) both go
 through it, so a batch row is validated, admitted, computed and answered exactly as ``/v1`` would.
 """
 
@@ -64,7 +64,7 @@ from miserver.http.v1_rendering import (
     generation_failed,
     stream_response,
 )
-from miserver.serving.generation import (
+from miserver.serving.engine.generation import (
     Generation,
     GenerationError,
     SamplingParams,
@@ -72,9 +72,14 @@ from miserver.serving.generation import (
     StaticBatch,
     context_length,
 )
-from miserver.serving.host import Resident
-from miserver.serving.prompts import PromptError, chat_prompt_ids, max_token_chars, render_chat
-from miserver.serving.scheduler import Grant, Priority, Unit
+from miserver.serving.engine.prompts import (
+    PromptError,
+    chat_prompt_ids,
+    max_token_chars,
+    render_chat,
+)
+from miserver.serving.engine.slot import Grant, Priority, Unit
+from miserver.serving.models.host import Resident
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
 
@@ -163,7 +168,7 @@ def _check_context(
 def _check_length(resident: Resident, text: str, prompt_param: str) -> None:
     """Refuse, before tokenizing, a text too long for any tokenization of it to fit.
 
-    A token covers at most :func:`~miserver.serving.prompts.max_token_chars` characters, so a
+    A token covers at most :func:`~miserver.serving.engine.prompts.max_token_chars` characters, so a
     text of more than ``context * max_token_chars`` characters is more than ``context`` tokens:
     the 400 the context check would give after tokenizing (~10 CPU-seconds for 8 MB), at once.
     """
@@ -182,7 +187,7 @@ def _check_length(resident: Resident, text: str, prompt_param: str) -> None:
 
 def _chat_prompt(resident: Resident, req: schema.ChatCompletionRequest) -> list[int]:
     """The prompt ids of a chat request: the chat template, message content as text
-    (:func:`~miserver.serving.prompts.chat_prompt_ids`). Runs in a worker thread."""
+    (:func:`~miserver.serving.engine.prompts.chat_prompt_ids`). Runs in a worker thread."""
     tok = resident.tokenizer
     if getattr(tok, "chat_template", None) is None:
         raise _bad(
@@ -382,7 +387,7 @@ def _disconnect_watch() -> _DisconnectWatch:
 @dataclass
 class Running:
     """A request inside the slot: its ``n`` sequences (choice order), each one's
-    :class:`~miserver.serving.generation.Started`, and the ``X-miLLM-Model`` of the parameter
+    :class:`~miserver.serving.engine.generation.Started`, and the ``X-miLLM-Model`` of the parameter
     set computing them (the same for every request of the batch: one set per pass)."""
 
     gens: list[Generation]
@@ -401,7 +406,7 @@ class Running:
 
 def _join_batch(app: web.Application, grant: Grant, job: Job) -> list[Generation]:
     """Join the static batch of ``grant`` with ``job``'s ``n`` sequences; the batch starts once
-    every member has joined or left (:meth:`~miserver.serving.scheduler.SlotBatch.when_ready`)."""
+    every member has joined or left (:meth:`~miserver.serving.engine.slot.SlotBatch.when_ready`)."""
     batch = grant.batch
     if batch.work is None:
         work = batch.work = StaticBatch()
@@ -572,10 +577,10 @@ async def run_completion(
             anonymous ``/v1`` request under ``MANAGEMENT_AUTH=operator``,
             :func:`~miserver.http.v1_admission.caller_may_load`; refused 409
             MODEL_NOT_LOADED).
-        unit: the :class:`~miserver.serving.scheduler.Unit` the request waits in (a Batch API
+        unit: the :class:`~miserver.serving.engine.slot.Unit` the request waits in (a Batch API
             chunk): a held chunk counts once in ``held_batch_chunks``, and the rows of a unit
             made with ``members`` are granted together (one static batch). The caller makes
-            the unit's member leave (:meth:`~miserver.serving.scheduler.Unit.leave`) once this
+            the unit's member leave (:meth:`~miserver.serving.engine.slot.Unit.leave`) once this
             call has returned or raised. None: the request waits alone.
 
     Returns:

@@ -18,9 +18,9 @@ from typing import Any
 from aiohttp import web
 
 from miserver.http import keys
-from miserver.serving.generation import SamplingParams
-from miserver.serving.host import Resident, normalize_load_policy
-from miserver.serving.scheduler import Grant, Priority, QueueFull, Unit
+from miserver.serving.engine.generation import SamplingParams
+from miserver.serving.engine.slot import Grant, Priority, QueueFull, Unit
+from miserver.serving.models.host import Resident, normalize_load_policy
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
 
@@ -186,9 +186,9 @@ async def acquire_slot(
     """Wait for a slot at ``priority``, giving up (and leaving no trace) once ``cancelled()``.
 
     The request waits in the static batch's group of ``resident``
-    (:class:`~miserver.serving.scheduler.SlotBatch`): a grant takes the group's waiting
+    (:class:`~miserver.serving.engine.slot.SlotBatch`): a grant takes the group's waiting
     requests along, up to ``MAX_BATCH_SIZE`` sequences; ``size`` is this request's (its ``n``).
-    ``unit``: the :class:`~miserver.serving.scheduler.Unit` (a Batch API chunk) the request
+    ``unit``: the :class:`~miserver.serving.engine.slot.Unit` (a Batch API chunk) the request
     belongs to, passed to the scheduler: held, the chunk counts once in ``held_batch_chunks``,
     and its rows are granted together.
 
@@ -197,7 +197,7 @@ async def acquire_slot(
     one for a model that went away (409 MODEL_BUSY ``model_transition``, issue 16 item 8).
 
     Returns:
-        the request's :class:`~miserver.serving.scheduler.Grant`; release it with
+        the request's :class:`~miserver.serving.engine.slot.Grant`; release it with
         ``scheduler.release(grant)``.
 
     Raises:

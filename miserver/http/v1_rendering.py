@@ -22,7 +22,7 @@ from miserver.http import keys
 from miserver.http.errors import openai_error_body
 from miserver.http.model_header import HEADER, model_header
 from miserver.http.v1_admission import Job, RequestCancelled
-from miserver.serving.generation import (
+from miserver.serving.engine.generation import (
     Finished,
     GenerationError,
     NonFiniteLogits,

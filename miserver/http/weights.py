@@ -3,7 +3,7 @@
 Weights page, Routes. A handler never decides anything about the lifecycle: it decodes the body
 (msgspec), resolves the bearer token to a :class:`~miserver.serving.auth.Caller`, passes the
 ``X-miLLM-Attachment`` header through untouched, and lets
-:meth:`~miserver.serving.weights_runtime.WeightsRuntime.gated` decide under one lock. It then
+:meth:`~miserver.serving.weights.runtime.WeightsRuntime.gated` decide under one lock. It then
 renders the answer as the route's response Struct (``miserver/spec/weights.py``). A missing
 header is never a 422: the table answers 401 or 403 in its documented order.
 """
@@ -30,8 +30,8 @@ from miserver.http.errors import (
 from miserver.http.management import decode_body as decode_management_body
 from miserver.serving.audit import CURRENT_CALL, AuditRecord, AuditScope
 from miserver.serving.auth import ATTACHMENT_HEADER, Caller, attachment_ref, identify
-from miserver.serving.weights_runtime import CallResult, WeightsRuntime
-from miserver.serving.weights_transport import group_spec
+from miserver.serving.weights.runtime import CallResult, WeightsRuntime
+from miserver.serving.weights.transport import group_spec
 from miserver.spec import codes
 from miserver.spec import weights as W
 from miserver.spec.errors import ApiError
@@ -355,7 +355,7 @@ def setup_routes(app: web.Application, runtime: WeightsRuntime) -> None:
 @gated_route("save")
 async def save(request: web.Request) -> web.Response:
     """POST /api/weights/save: a holder call; writes a checkpoint inside the barrier."""
-    from miserver.serving.weights_jobs import prepare_save
+    from miserver.serving.weights.jobs import prepare_save
 
     runtime = request.app[RUNTIME]
     caller = _caller(request)
@@ -377,7 +377,7 @@ async def save(request: web.Request) -> web.Response:
 @gated_route("load")
 async def load(request: web.Request) -> web.Response:
     """POST /api/weights/load: a checkpoint (in place when the layout matches) or a row."""
-    from miserver.serving.weights_jobs import prepare_load
+    from miserver.serving.weights.jobs import prepare_load
 
     runtime = request.app[RUNTIME]
     caller = _caller(request)
@@ -416,7 +416,7 @@ async def lineage(request: web.Request) -> web.Response:
     """GET /api/weights/lineage: the served set's chain back to its base row: ``chain[0]`` is
     the row the resident is served as (the last save's checkpoint after a save), then its
     parents (contract 5)."""
-    from miserver.serving.weights_jobs import lineage as chain_of
+    from miserver.serving.weights.jobs import lineage as chain_of
 
     runtime = request.app[RUNTIME]
     resident = runtime.host.resident
@@ -437,7 +437,7 @@ async def lineage(request: web.Request) -> web.Response:
 
 async def list_checkpoints(request: web.Request) -> web.Response:
     """GET /api/weights/checkpoints: every checkpoint in the catalogue."""
-    from miserver.serving.weights_jobs import lineage_entry
+    from miserver.serving.weights.jobs import lineage_entry
 
     catalogue = request.app[RUNTIME].host.catalogue
     rows = [lineage_entry(r) for r in catalogue.list() if r.origin == "checkpoint"]
@@ -450,7 +450,7 @@ async def get_adapter(request: web.Request) -> web.Response:
 
 
 async def _adapter_change(request: web.Request, apply: bool) -> web.Response:
-    from miserver.serving.weights_jobs import prepare_adapter
+    from miserver.serving.weights.jobs import prepare_adapter
 
     runtime = request.app[RUNTIME]
     body = await decode_body(request, W.AdapterRequest) if apply else None
@@ -483,7 +483,7 @@ async def delete_adapter(request: web.Request) -> web.Response:
 
 def setup_checkpoint_routes(app: web.Application, runtime: WeightsRuntime) -> None:
     """Register the checkpoint and adapter routes and their pause jobs."""
-    from miserver.serving.weights_jobs import WeightsJobs
+    from miserver.serving.weights.jobs import WeightsJobs
 
     WeightsJobs(runtime, app[keys.SETTINGS].home)
     r = app.router

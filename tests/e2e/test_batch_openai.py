@@ -27,7 +27,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from miserver.http.model_header import parse_model_header  # noqa: E402
-from miserver.serving.batch_store import BatchStore  # noqa: E402
+from miserver.serving.batches.store import BatchStore  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from miserver.serving.catalogue import Catalogue
+from miserver.serving.models.catalogue import Catalogue
 from tests.e2e.test_serve import free_port
 from tests.unit.test_ipc_shm_ownership import TRAINER
 

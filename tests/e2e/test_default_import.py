@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from miserver.serving import default_model as dm
-from miserver.serving.catalogue import Catalogue
+from miserver.serving.models import default_model as dm
+from miserver.serving.models.catalogue import Catalogue
 from miserver.spec.settings import Settings
 
 pytestmark = pytest.mark.slow
@@ -75,7 +75,7 @@ def test_chat_template_survives(default_home: str) -> None:
 
 
 def test_greedy_answer_says_paris(default_home: str) -> None:
-    from miserver.serving.loader import load_model
+    from miserver.serving.models.loader import load_model
 
     row = Catalogue(default_home).get_by_name("smollm2-135m-instruct")
     loaded = load_model(row, Settings(home=default_home, device="cpu"))

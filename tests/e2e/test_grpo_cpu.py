@@ -66,7 +66,7 @@ def test_the_held_out_questions_are_fixed_and_never_trained_on() -> None:
 def tokenizer(default_home: str):
     from transformers import AutoTokenizer
 
-    from miserver.serving.catalogue import Catalogue
+    from miserver.serving.models.catalogue import Catalogue
 
     row = Catalogue(default_home).get_by_name(grpo.MODEL)
     return AutoTokenizer.from_pretrained(row.path)

@@ -69,7 +69,7 @@ class Server:
 def home(default_home: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A fresh ``MISERVER_HOME`` with the shared default's rows (no copy) and ``ALIAS``, a
     second row on the same folder (a loadable model that is not resident)."""
-    from miserver.serving.catalogue import Catalogue
+    from miserver.serving.models.catalogue import Catalogue
     from tests.conftest import copy_default_rows
 
     path = tmp_path_factory.mktemp("e2e-openai-home")

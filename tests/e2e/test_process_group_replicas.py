@@ -1,7 +1,7 @@
 """One trainer, two ``miserver serve`` replicas, one process group (contract section 10).
 
 Two real servers serve the embedded default on the CPU; a trainer process (this file, ``train``)
-attaches to both with :class:`miserver.trainer_replicas.ReplicaSet` (gloo over loopback, the
+attaches to both with :class:`miserver.trainer.replicas.ReplicaSet` (gloo over loopback, the
 trainer rank 0), starts from the model's own safetensors, and trains a few AdamW steps. Its
 copy is not served, so each step's optimizer runs outside the bracket; each bracket then sends
 two broadcasts into both arenas: first a copy whose norms are NaN, then the real weights. A chat
@@ -58,7 +58,7 @@ def trainer_main(mode: str, urls: list[str], token: str) -> None:
     from safetensors.torch import load_file
 
     from miserver.trainer import chat_batch, init_optimizer_state
-    from miserver.trainer_replicas import ReplicaSet
+    from miserver.trainer.replicas import ReplicaSet
 
     if mode == "die":
         print("ready", flush=True)

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from miserver.serving.catalogue import Catalogue
+from miserver.serving.models.catalogue import Catalogue
 
 SECRET = "operatorSecret0123456789abcdef"
 

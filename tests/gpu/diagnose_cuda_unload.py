@@ -3,7 +3,7 @@ pytest does not collect it).
 
 Runs the sequence of tests/gpu/test_model_host_cuda.py::test_load_unload_and_swap_return_cuda_memory
 (load ``smol-a``, swap to ``smol-b``, unload, in one coroutine with no yield between the steps)
-through :class:`miserver.serving.host.ModelHost` with the default model (SmolLM2-135M, bfloat16),
+through :class:`miserver.serving.models.host.ModelHost` with the default model (SmolLM2-135M, bfloat16),
 in four scenarios side by side:
 
 - ``fixed/attach-off``: the current code, no trainer token (the failing test's settings);
@@ -47,11 +47,11 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from miserver.serving import host as host_module  # noqa: E402
-from miserver.serving import loader as loader_module  # noqa: E402
-from miserver.serving.catalogue import Catalogue  # noqa: E402
-from miserver.serving.default_model import import_default, model_dir  # noqa: E402
-from miserver.serving.host import ModelHost  # noqa: E402
+from miserver.serving.models import host as host_module  # noqa: E402
+from miserver.serving.models import loader as loader_module  # noqa: E402
+from miserver.serving.models.catalogue import Catalogue  # noqa: E402
+from miserver.serving.models.default_model import import_default, model_dir  # noqa: E402
+from miserver.serving.models.host import ModelHost  # noqa: E402
 from miserver.spec.settings import Settings, WeightsToken  # noqa: E402
 
 MIB = 2**20

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from miserver.ipc.export import export_handles
-from miserver.serving.loader import place_model
+from miserver.serving.models.loader import place_model
 from miserver.spec.settings import Settings, WeightsToken
 
 pytestmark = [

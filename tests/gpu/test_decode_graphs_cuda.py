@@ -85,7 +85,7 @@ def _prompts(tokenizer=None, vocab: int = 0) -> list[list[int]]:
 def default_model(default_home):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from miserver.serving.default_model import model_dir
+    from miserver.serving.models.default_model import model_dir
 
     folder = model_dir(default_home)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval().to(DEVICE)
@@ -96,8 +96,8 @@ def test_default_model_captured_graphs_give_the_eager_tokens(default_model) -> N
     """SmolLM2-135M-Instruct, 20 chat prompts x 64 greedy tokens: the captured graphs' tokens
     equal the eager path's (DECODE_GRAPHS=off: the dynamic cache, one forward a token), over the
     served context (every bucket to 8192 captured)."""
-    from miserver.serving.decode_graphs import DecodeEngine
-    from miserver.serving.generation import _EagerDecoder, _GraphDecoder, context_length
+    from miserver.serving.engine.decode_graphs import DecodeEngine
+    from miserver.serving.engine.generation import _EagerDecoder, _GraphDecoder, context_length
 
     model, tokenizer = default_model
     prompts = _prompts(tokenizer)
@@ -135,8 +135,8 @@ def test_default_model_compiled_graphs_follow_the_eager_logits_and_an_in_place_w
     graphs compiled before the write, replayed unchanged, give the eager logits of the written
     weights within the tolerance, and differ from their own logits before the write by at least
     four times it (a graph that missed the write would have answered as before)."""
-    from miserver.serving.decode_graphs import DecodeEngine
-    from miserver.serving.generation import _EagerDecoder, _GraphDecoder
+    from miserver.serving.engine.decode_graphs import DecodeEngine
+    from miserver.serving.engine.generation import _EagerDecoder, _GraphDecoder
 
     model, tokenizer = default_model
     prompts = _prompts(tokenizer)
@@ -210,8 +210,8 @@ def test_random_shapes_captured_equals_the_eager_step(shape) -> None:
     graph's logits stay within :data:`RANDOM_SHAPE_TOLERANCE` of the eager step's over the same
     static cache, and its greedy tokens equal the eager step's up to a near-tie: where they first
     differ, the eager logits of the two tokens are within that tolerance of each other."""
-    from miserver.serving.decode_graphs import DecodeEngine
-    from miserver.serving.generation import _GraphDecoder
+    from miserver.serving.engine.decode_graphs import DecodeEngine
+    from miserver.serving.engine.generation import _GraphDecoder
 
     model = _random_model(shape)
     prompts = _prompts(vocab=model.config.vocab_size)
@@ -259,8 +259,8 @@ def test_a_full_reload_or_swap_rebuilds_and_an_adapter_invalidates(
 
     from miserver.http import keys
     from miserver.http.app import create_app
-    from miserver.serving.catalogue import Catalogue
-    from miserver.serving.default_model import model_dir
+    from miserver.serving.models.catalogue import Catalogue
+    from miserver.serving.models.default_model import model_dir
     from miserver.spec.settings import load_settings
 
     adapter = tmp_path / "lora"
@@ -372,7 +372,7 @@ def test_a_trainers_in_place_write_is_what_the_graph_serves(tmp_path, default_ho
     import time
     import urllib.request
 
-    from miserver.serving.default_model import model_dir
+    from miserver.serving.models.default_model import model_dir
 
     secret = "t" * 24
     with socket.socket() as s:
@@ -388,7 +388,7 @@ def test_a_trainers_in_place_write_is_what_the_graph_serves(tmp_path, default_ho
         "WEIGHTS_TOKENS": f"trn:trainer:{secret}",
         "LOG_FORMAT": "text",
     }
-    from miserver.serving.catalogue import Catalogue
+    from miserver.serving.models.catalogue import Catalogue
 
     Catalogue(str(home)).register(
         name="smollm2-135m-instruct",

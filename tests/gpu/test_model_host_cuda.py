@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from miserver.serving.catalogue import Catalogue
-from miserver.serving.default_model import model_dir
-from miserver.serving.host import ModelHost
+from miserver.serving.models.catalogue import Catalogue
+from miserver.serving.models.default_model import model_dir
+from miserver.serving.models.host import ModelHost
 from miserver.spec.settings import Settings, WeightsToken
 
 pytestmark = [

@@ -31,7 +31,7 @@ TOKENS = 32
 def default_model(default_home):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from miserver.serving.default_model import model_dir
+    from miserver.serving.models.default_model import model_dir
 
     folder = model_dir(default_home)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval().to(DEVICE)
@@ -39,8 +39,8 @@ def default_model(default_home):
 
 
 def _greedy_batch(model, prompts: list[list[int]]) -> list[list[int]]:
-    from miserver.serving.generation import cache_kwarg
-    from miserver.serving.static_batch import BatchDecoder
+    from miserver.serving.engine.generation import cache_kwarg
+    from miserver.serving.engine.static_batch import BatchDecoder
 
     dec = BatchDecoder(model, DEVICE, cache_kwarg(model))
     logits = torch.stack([dec.prefill(p, all_logits=False)[-1].float() for p in prompts])
@@ -102,8 +102,8 @@ def test_batched_graphs_follow_the_lone_sequences(default_model) -> None:
     prefill, one replay a step) against each prompt decoded alone through the one-sequence
     graphs, and against the eager batched decoder. Equal to rounding (other kernels per batch
     size): most prompts give the same tokens and every first token agrees."""
-    from miserver.serving.decode_graphs import DecodeEngine
-    from miserver.serving.generation import _GraphDecoder
+    from miserver.serving.engine.decode_graphs import DecodeEngine
+    from miserver.serving.engine.generation import _GraphDecoder
 
     model, tokenizer = default_model
     prompts = [_chat_ids(tokenizer, c) for c in CHATS]
@@ -154,8 +154,8 @@ def _forced_through(engine, model, prompts: list[list[int]], forced: list[list[i
 
 
 def _forced_eager(model, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
-    from miserver.serving.generation import cache_kwarg
-    from miserver.serving.static_batch import BatchDecoder
+    from miserver.serving.engine.generation import cache_kwarg
+    from miserver.serving.engine.static_batch import BatchDecoder
 
     dec = BatchDecoder(model, DEVICE, cache_kwarg(model))
     rows = [torch.stack([dec.prefill(p, all_logits=False)[-1].float() for p in prompts])]
@@ -176,7 +176,7 @@ def test_batched_graphs_serve_an_in_place_write(default_model) -> None:
     half a standard deviation of noise in every parameter, moves the logits by 1.8x the largest
     (H200, 2026-12-02), and through such a network the padded batched graphs and the eager batch
     round apart by up to 10 % (0.103 measured)."""
-    from miserver.serving.decode_graphs import DecodeEngine
+    from miserver.serving.engine.decode_graphs import DecodeEngine
 
     model, tokenizer = default_model
     prompts = [_chat_ids(tokenizer, c) for c in CHATS[:4]]

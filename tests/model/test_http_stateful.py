@@ -57,7 +57,7 @@ from miserver.fsm.state import Caller, Event
 from miserver.fsm.table import TABLE, Effect, Row
 from miserver.http import keys
 from miserver.http.app import create_app
-from miserver.serving.catalogue import Catalogue
+from miserver.serving.models.catalogue import Catalogue
 from miserver.spec import codes
 from miserver.spec.settings import load_settings
 
@@ -936,7 +936,7 @@ async def _drain_scenario(d: HttpDriver) -> None:
     """A forward pass holds the slot while the holder quiesces: resume and commit-begin are
     409 NOT_QUIESCED quiesce_in_progress, and the drain deadline answers the quiesce 409
     MODEL_BUSY drain_timeout, holding nothing (weights page: The write cycle 2, 5)."""
-    from miserver.serving.scheduler import Priority
+    from miserver.serving.engine.slot import Priority
 
     await d.gated("attach", "trn")
     await d.scheduler.acquire(Priority.INTERACTIVE)  # a request in its forward pass
@@ -1035,7 +1035,7 @@ async def _resident_changed_scenario(d: HttpDriver) -> None:
     drain), and inside its slot the request is then told by the table's ``v1_confirm`` (the
     model it was admitted for is gone) 409 model_busy with ``Retry-After: 1``; it is not
     auto-loaded again."""
-    from miserver.serving.scheduler import Priority
+    from miserver.serving.engine.slot import Priority
 
     for change in ("load_other", "unload"):
         model, target = d._v1_target("resident")

@@ -14,9 +14,9 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from miserver.serving import adapters as ad
-from miserver.serving import base_tensors
-from miserver.serving import checkpoints as ck
+from miserver.serving.models import adapters as ad
+from miserver.serving.models import base_tensors
+from miserver.serving.models import checkpoints as ck
 from miserver.spec import codes
 
 IDS = torch.tensor([[1, 5, 9, 17, 33, 64, 100, 2]])

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from miserver.serving import scheduler as scheduler_module
-from miserver.serving.scheduler import Priority, Scheduler
+from miserver.serving.engine import slot as scheduler_module
+from miserver.serving.engine.slot import Priority, Scheduler
 from miserver.spec.settings import (
     ConfigError,
     Settings,

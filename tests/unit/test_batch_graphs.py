@@ -11,8 +11,8 @@ import asyncio
 import pytest
 import torch
 
-from miserver.serving.decode_graphs import BatchGraphSession, DecodeEngine, row_buckets
-from miserver.serving.generation import (
+from miserver.serving.engine.decode_graphs import BatchGraphSession, DecodeEngine, row_buckets
+from miserver.serving.engine.generation import (
     Finished,
     SamplingParams,
     StaticBatch,
@@ -224,7 +224,7 @@ def test_pick_tokens_samples_every_row_as_pick_token_does() -> None:
     """Random logits, rows of every kind (greedy, temperatures, top-p cut or not, seeded draws,
     a non-finite row): each seeded or greedy row gets exactly ``pick_token``'s token with the
     same seed; an unseeded row a token inside its top-p set."""
-    from miserver.serving.generation import (
+    from miserver.serving.engine.generation import (
         NonFiniteLogits,
         SeedStream,
         pick_token,
@@ -262,7 +262,7 @@ async def test_a_batch_sampled_together_answers_as_row_by_row(
     """The decode loop with the batched sampler (forced on here; CUDA's path): seeded sampled
     choices, top-p, a greedy request: the same answers as sampling row by row (on the CPU the
     arithmetic agrees bit for bit, as the test above shows)."""
-    from miserver.serving import generation
+    from miserver.serving.engine import generation
 
     requests = [
         ("Once upon a time", SamplingParams(max_tokens=12, temperature=0.9, seed=3), 3),

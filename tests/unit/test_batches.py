@@ -25,10 +25,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from miserver.http import batches as batch_routes
 from miserver.http.errors import json_errors_middleware
-from miserver.serving.batch_input import BatchRequestError, parse_batch_input
-from miserver.serving.batch_runner import BatchRunner, RowDeferred
-from miserver.serving.batch_store import BatchStore
-from miserver.serving.scheduler import HeldCounts
+from miserver.serving.batches.input_file import BatchRequestError, parse_batch_input
+from miserver.serving.batches.runner import BatchRunner, RowDeferred
+from miserver.serving.batches.store import BatchStore
+from miserver.serving.engine.slot import HeldCounts
 from tests.waiting import eventually
 
 MODEL = "smollm2-135m-instruct"
@@ -679,8 +679,8 @@ def test_record_result_counts_a_row_once(store: BatchStore):
 
 _CHILD = textwrap.dedent("""
     import asyncio, os, sys
-    from miserver.serving.batch_runner import BatchRunner
-    from miserver.serving.batch_store import BatchStore
+    from miserver.serving.batches.runner import BatchRunner
+    from miserver.serving.batches.store import BatchStore
     home, log = sys.argv[1], sys.argv[2]
 
     class Slow:
@@ -864,7 +864,7 @@ async def live(tiny_folder: Path, tmp_path: Path):
     summary so a torn set can be shown without a trainer."""
     from miserver.http import keys
     from miserver.http.app import create_app
-    from miserver.serving.catalogue import Catalogue
+    from miserver.serving.models.catalogue import Catalogue
     from miserver.spec.settings import Settings
 
     home = tmp_path / "home"
@@ -1001,7 +1001,7 @@ async def test_a_batch_never_loads_a_model(live):
 
 def _spy_arrivals(scheduler: Any) -> list[Any]:
     """The ``unit`` of every batch-priority waiter that reaches ``scheduler.acquire``."""
-    from miserver.serving.scheduler import Priority
+    from miserver.serving.engine.slot import Priority
 
     arrived: list[Any] = []
     real = scheduler.acquire
@@ -1179,7 +1179,7 @@ async def test_the_real_lifecycle_quiesce_then_torn_then_recovered(
     from miserver.http import keys
     from miserver.http.app import create_app
     from miserver.http.model_header import parse_model_header
-    from miserver.serving.catalogue import Catalogue
+    from miserver.serving.models.catalogue import Catalogue
     from miserver.spec.settings import load_settings
 
     secret = "trainer-secret-0123456789"
@@ -1243,7 +1243,7 @@ async def test_a_quiesce_reports_a_held_chunk_of_five_rows_as_one(
     held_batch_chunks 1 (chunks, not rows; companion contract 7); after resume the five rows
     decode in one static batch."""
     from miserver.http import keys
-    from miserver.serving.scheduler import Priority
+    from miserver.serving.engine.slot import Priority
     from tests.unit.test_weights_routes import TRN, make_client
 
     client = await make_client(

@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from miserver.serving.catalogue import (
+from miserver.serving.models.catalogue import (
     Catalogue,
     CatalogueError,
     CatalogueRow,

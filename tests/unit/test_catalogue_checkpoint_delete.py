@@ -8,8 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from miserver.serving import checkpoints
-from miserver.serving.catalogue import CHECKPOINTS_DIR, DELETING_PREFIX, Catalogue, CatalogueError
+from miserver.serving.models import checkpoints
+from miserver.serving.models.catalogue import (
+    CHECKPOINTS_DIR,
+    DELETING_PREFIX,
+    Catalogue,
+    CatalogueError,
+)
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from miserver.serving.catalogue import MAX_ROW_ID, Catalogue, CatalogueError
+from miserver.serving.models.catalogue import MAX_ROW_ID, Catalogue, CatalogueError
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from miserver.http import keys
-from miserver.serving import checkpoints
+from miserver.serving.models import checkpoints
 from tests.unit.test_weights_checkpoints_routes import attach, bump, commit
 from tests.unit.test_weights_routes import OPS, auth, chat, make_client, post
 from tests.waiting import eventually

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from miserver.serving import checkpoints as ck
+from miserver.serving.models import checkpoints as ck
 from tests.unit.test_checkpoints import save, tiny_model, tiny_tokenizer
 
 

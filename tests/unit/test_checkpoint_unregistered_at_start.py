@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from miserver.serving import checkpoints as ck
-from miserver.serving.catalogue import CHECKPOINTS_DIR, Catalogue
+from miserver.serving.models import checkpoints as ck
+from miserver.serving.models.catalogue import CHECKPOINTS_DIR, Catalogue
 from tests.unit.model_free_app import model_free_client, model_free_settings
 from tests.unit.test_checkpoints import flip_byte_of, tiny_model, tiny_tokenizer
 

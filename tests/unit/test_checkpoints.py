@@ -22,7 +22,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from miserver.serving import checkpoints as ck
+from miserver.serving.models import checkpoints as ck
 from miserver.spec import codes
 
 NOW = 1_795_000_000.25  # 2026-11-18T11:06:40.25Z
@@ -470,7 +470,7 @@ def test_resolve_checkpoint_by_sha256_name_or_path(tmp_path):
 
 
 def test_resolve_checkpoint_works_on_catalogue_rows(tmp_path):
-    from miserver.serving.catalogue import CatalogueRow
+    from miserver.serving.models.catalogue import CatalogueRow
 
     row = CatalogueRow(
         id=4,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from miserver.serving import client_paths
-from miserver.serving.client_paths import ClientPathError, check_client_path
+from miserver.serving.models import client_paths
+from miserver.serving.models.client_paths import ClientPathError, check_client_path
 from tests.unit.test_weights_routes import make_client
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from miserver.fsm.table import Effect
-from miserver.serving import decode_graphs, generation
-from miserver.serving.decode_graphs import (
+from miserver.serving.engine import decode_graphs, generation
+from miserver.serving.engine.decode_graphs import (
     DecodeEngine,
     EngineUnavailable,
     bucket_lengths,
@@ -20,7 +20,7 @@ from miserver.serving.decode_graphs import (
     pick_bucket,
     resolve_mode,
 )
-from miserver.serving.generation import Finished, Generation, SamplingParams, TextDelta
+from miserver.serving.engine.generation import Finished, Generation, SamplingParams, TextDelta
 from miserver.spec.settings import ConfigError, load_settings
 from tests.unit.v1_fixtures import cached_tokenizer, tiny_model
 
@@ -269,7 +269,7 @@ class _Recorder:
 def test_graph_lifetime_follows_the_lifecycle_effects(effect, expected) -> None:
     from types import SimpleNamespace
 
-    from miserver.serving.weights_runtime import WeightsRuntime
+    from miserver.serving.weights.runtime import WeightsRuntime
 
     recorder = _Recorder()
     runtime = WeightsRuntime.__new__(WeightsRuntime)
@@ -281,8 +281,8 @@ def test_graph_lifetime_follows_the_lifecycle_effects(effect, expected) -> None:
 def test_the_host_closes_a_dropped_residents_engine(tmp_path) -> None:
     from types import SimpleNamespace
 
-    from miserver.serving.catalogue import Catalogue
-    from miserver.serving.host import ModelHost
+    from miserver.serving.models.catalogue import Catalogue
+    from miserver.serving.models.host import ModelHost
 
     settings = load_settings({"MISERVER_HOME": str(tmp_path), "DEFAULT_MODEL": ""})
     host = ModelHost(settings, Catalogue(settings.home))

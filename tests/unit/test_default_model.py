@@ -20,9 +20,9 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from miserver.http.app import create_app
-from miserver.serving import default_model as dm
-from miserver.serving.catalogue import Catalogue, CatalogueError
-from miserver.serving.loader import check_loadable
+from miserver.serving.models import default_model as dm
+from miserver.serving.models.catalogue import Catalogue, CatalogueError
+from miserver.serving.models.loader import check_loadable
 from miserver.spec.errors import ApiError
 from miserver.spec.settings import Settings
 

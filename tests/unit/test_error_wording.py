@@ -10,7 +10,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from miserver.http import keys
 from miserver.http.app import create_app
-from miserver.serving.catalogue import Catalogue
+from miserver.serving.models.catalogue import Catalogue
 from miserver.spec.settings import load_settings
 
 TRN = "trainer-secret-0123456789"

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from miserver.http import keys
-from miserver.serving import loader as loader_module
-from miserver.serving.catalogue import Catalogue
+from miserver.serving.models import loader as loader_module
+from miserver.serving.models.catalogue import Catalogue
 from miserver.spec.errors import ApiError
 from tests.unit.test_weights_routes import make_client
 

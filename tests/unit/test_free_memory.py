@@ -1,4 +1,4 @@
-"""What a dropped model gives back (``miserver.serving.host.free_memory``): cuBLAS's per-stream
+"""What a dropped model gives back (``miserver.serving.models.host.free_memory``): cuBLAS's per-stream
 workspaces go after a load's or an unload's drop, never at process shutdown, whose grace may
 have ended mid-pass (the swap finding of 2026-12-03, docs/benchmarks.md). CUDA is faked here;
 tests/gpu/test_model_host_cuda.py measures the real card."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from miserver.serving import host as host_module
-from miserver.serving.host import ModelHost, free_memory
+from miserver.serving.models import host as host_module
+from miserver.serving.models.host import ModelHost, free_memory
 
 
 def fake_cuda(monkeypatch) -> list[str]:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from miserver.http import keys
-from miserver.serving.scheduler import Priority
+from miserver.serving.engine.slot import Priority
 from tests.unit.test_weights_checkpoints_routes import make_adapter
 from tests.unit.test_weights_routes import make_client
 
@@ -79,7 +79,7 @@ SEEDS = [0, 1, 2**32, 2**32 + 1, 2**63, -1, 2**64 - 1, -(2**63), 2**64 - 2**32]
 
 
 def draws(seed: int, n: int = 12, vocab: int = 1000) -> list[int]:
-    from miserver.serving.generation import SamplingParams, SeedStream, pick_token
+    from miserver.serving.engine.generation import SamplingParams, SeedStream, pick_token
 
     stream = SeedStream(seed)
     params = SamplingParams(max_tokens=n, temperature=1.0, seed=seed)
@@ -93,7 +93,7 @@ def test_seeds_differing_only_above_32_bits_or_in_sign_sample_differently():
 
 
 def test_a_seeded_draw_follows_the_distribution_and_never_picks_a_zero_probability_token():
-    from miserver.serving.generation import SamplingParams, SeedStream, pick_token
+    from miserver.serving.engine.generation import SamplingParams, SeedStream, pick_token
 
     logits = torch.full((50,), -float("inf"))
     logits[[3, 7]] = torch.tensor([0.0, float(torch.log(torch.tensor(3.0)))])  # p = 1/4, 3/4
@@ -185,7 +185,7 @@ async def test_non_finite_logits_end_a_stream_with_an_error_event(client):
 
 
 def test_pick_token_refuses_nan_inf_and_all_minus_inf_logits():
-    from miserver.serving.generation import NonFiniteLogits, SamplingParams, pick_token
+    from miserver.serving.engine.generation import NonFiniteLogits, SamplingParams, pick_token
 
     for bad in (float("nan"), float("inf")):
         logits = torch.zeros(10)
@@ -260,9 +260,9 @@ async def slow_start_client(tmp_path, model_dir, gate: threading.Event):
     from aiohttp.test_utils import TestClient, TestServer
 
     from miserver.http.app import create_app
-    from miserver.serving import loader as loader_module
-    from miserver.serving.catalogue import Catalogue
-    from miserver.serving.host import ModelHost
+    from miserver.serving.models import loader as loader_module
+    from miserver.serving.models.catalogue import Catalogue
+    from miserver.serving.models.host import ModelHost
     from miserver.spec.settings import load_settings
 
     home = tmp_path / "home"
@@ -405,7 +405,7 @@ def disk_full_records(caplog) -> list[logging.LogRecord]:
 async def test_a_save_on_a_full_disk_is_507_and_leaves_no_partial_checkpoint(
     client, tmp_path, monkeypatch, caplog
 ):
-    from miserver.serving import checkpoints
+    from miserver.serving.models import checkpoints
     from tests.unit.test_weights_checkpoints_routes import attach
     from tests.unit.test_weights_routes import post
 
@@ -439,7 +439,7 @@ async def test_a_save_on_a_full_disk_is_507_and_leaves_no_partial_checkpoint(
 async def test_a_save_whose_catalogue_row_hits_a_full_database_is_507_and_keeps_no_folder(
     client, monkeypatch, caplog
 ):
-    from miserver.serving.catalogue import Catalogue
+    from miserver.serving.models.catalogue import Catalogue
     from tests.unit.test_weights_checkpoints_routes import attach
     from tests.unit.test_weights_routes import post
 
@@ -607,7 +607,7 @@ def test_the_gguf_dequantization_bar_is_silent_when_progress_is_off():
 
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    from miserver.serving.default_model import _no_gguf_bar
+    from miserver.serving.models.default_model import _no_gguf_bar
 
     shown = io.StringIO()
     list(gguf_utils.tqdm(range(3), desc="Converting", file=shown))
@@ -624,7 +624,7 @@ def test_the_first_start_imports_the_default_without_bars_under_a_json_log(
     tmp_path, monkeypatch, log_format, progress
 ):
     from miserver.server import prepare_home
-    from miserver.serving import default_model
+    from miserver.serving.models import default_model
     from miserver.spec.settings import Settings
 
     calls = []
@@ -653,7 +653,7 @@ async def test_a_checkpoints_model_safetensors_is_as_readable_as_its_other_files
 
 
 def test_the_imported_defaults_model_safetensors_is_as_readable_as_its_config(default_home):
-    from miserver.serving.default_model import model_dir
+    from miserver.serving.models.default_model import model_dir
 
     folder = model_dir(default_home)
     weights = stat.S_IMODE((folder / "model.safetensors").stat().st_mode)

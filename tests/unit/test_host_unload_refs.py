@@ -18,9 +18,9 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from miserver.http import keys
 from miserver.http.app import create_app
-from miserver.serving import loader as loader_module
-from miserver.serving.catalogue import Catalogue, CatalogueRow
-from miserver.serving.host import ModelHost, run_without_keeping
+from miserver.serving.models import loader as loader_module
+from miserver.serving.models.catalogue import Catalogue, CatalogueRow
+from miserver.serving.models.host import ModelHost, run_without_keeping
 from miserver.spec.settings import Settings, WeightsToken, load_settings
 
 TOKEN = WeightsToken(label="forge", role="trainer", secret="t" * 24)

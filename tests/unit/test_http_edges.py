@@ -333,7 +333,7 @@ async def served_tiny(tmp_path, model_dir) -> AsyncIterator[int]:
     from miserver.http import keys
     from miserver.http.app import create_app
     from miserver.http.protocol import AppRunner
-    from miserver.serving.catalogue import Catalogue
+    from miserver.serving.models.catalogue import Catalogue
     from miserver.spec.settings import load_settings
 
     home = tmp_path / "home"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from miserver.ipc.arena import ParameterArena
-from miserver.serving.loader import make_attachable
+from miserver.serving.models.loader import make_attachable
 from miserver.spec.settings import Settings, WeightsToken
 
 TOKEN = WeightsToken(label="forge", role="trainer", secret="s" * 24)

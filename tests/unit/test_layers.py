@@ -56,10 +56,10 @@ def test_the_layers_hold_and_there_is_no_import_circle():
         ),
         # the domain layer never imports the web layer (the first finding)
         (
-            "serving/weights_runtime.py",
+            "serving/weights/runtime.py",
             "from miserver.http import keys",
             "One-way layers",
-            "miserver.serving.weights_runtime -> miserver.http.keys",
+            "miserver.serving.weights.runtime -> miserver.http.keys",
         ),
         # the lifecycle's core and the IPC layer are independent of each other
         (
@@ -70,22 +70,22 @@ def test_the_layers_hold_and_there_is_no_import_circle():
         ),
         # the trainer side stands on ipc and spec alone
         (
-            "trainer_weights.py",
-            "import miserver.serving.host",
+            "trainer/weights.py",
+            "import miserver.serving.models.host",
             "The trainer side stands on ipc and spec only",
-            "miserver.trainer_weights -> miserver.serving.host",
+            "miserver.trainer.weights -> miserver.serving.models.host",
         ),
         # the server never imports the trainer side
         (
-            "serving/host.py",
-            "import miserver.trainer_weights",
+            "serving/models/host.py",
+            "import miserver.trainer.weights",
             "The server never imports the trainer side",
-            "miserver.serving.host -> miserver.trainer_weights",
+            "miserver.serving.models.host -> miserver.trainer.weights",
         ),
         # a circle: adapters imports base_tensors, so base_tensors may not import adapters
         (
-            "serving/base_tensors.py",
-            "import miserver.serving.adapters",
+            "serving/models/base_tensors.py",
+            "import miserver.serving.models.adapters",
             "No import circle",
             ".base_tensors -> .adapters (1 import)",
         ),

@@ -1,4 +1,4 @@
-"""Where the loader puts a model read on the CPU (``miserver.serving.loader.place_model``).
+"""Where the loader puts a model read on the CPU (``miserver.serving.models.loader.place_model``).
 
 An attachable CUDA load is copied from the CPU straight into the arena on the card (one copy
 there, never two); every other load moves with ``model.to``. No GPU here: the arena's CUDA
@@ -15,7 +15,7 @@ import torch
 
 from miserver.ipc import arena as ipc_arena
 from miserver.ipc.arena import ParameterArena
-from miserver.serving.loader import place_model
+from miserver.serving.models.loader import place_model
 from miserver.spec.settings import Settings, WeightsToken
 
 TOKEN = WeightsToken(label="forge", role="trainer", secret="s" * 24)
@@ -115,8 +115,8 @@ def test_a_cpu_load_without_attach_gets_no_arena(tmp_path, monkeypatch):
 def test_a_placement_failure_is_model_load_failed_naming_the_device(
     tmp_path, tiny_model_dir, monkeypatch
 ):
-    from miserver.serving.catalogue import Catalogue
-    from miserver.serving.loader import load_model
+    from miserver.serving.models.catalogue import Catalogue
+    from miserver.serving.models.loader import load_model
     from miserver.spec import codes
     from miserver.spec.errors import ApiError
 

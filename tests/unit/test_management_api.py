@@ -20,8 +20,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from miserver.http import keys
 from miserver.http.app import create_app
-from miserver.serving.catalogue import Catalogue
-from miserver.serving.default_model import gguf_path
+from miserver.serving.models.catalogue import Catalogue
+from miserver.serving.models.default_model import gguf_path
 from miserver.spec.settings import Settings
 from tests.waiting import eventually
 

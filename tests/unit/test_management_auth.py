@@ -11,7 +11,7 @@ import time
 import pytest
 
 from miserver.http import keys
-from miserver.serving.scheduler import Priority
+from miserver.serving.engine.slot import Priority
 from miserver.spec.settings import ConfigError, load_settings
 from tests.unit.model_free_app import model_free_client, model_free_settings
 from tests.unit.test_weights_routes import make_client

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from miserver.serving.catalogue import Catalogue
-from miserver.serving.host import ModelHost, normalize_load_policy
 from miserver.serving.metrics import Metrics
+from miserver.serving.models.catalogue import Catalogue
+from miserver.serving.models.host import ModelHost, normalize_load_policy
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
 from miserver.spec.settings import Settings
@@ -107,7 +107,7 @@ async def test_a_transition_while_one_runs_is_refused_and_changes_nothing(
     import asyncio
     import threading
 
-    from miserver.serving.loader import load_model
+    from miserver.serving.models.loader import load_model
 
     cat = Catalogue(tmp_path)
     for name in ("base", "other"):

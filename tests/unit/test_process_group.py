@@ -22,7 +22,7 @@ from miserver.ipc.process_group import (
     RangeError,
     resolve_ranges,
 )
-from miserver.trainer_group import FlatWeights, LayoutError, TrainerGroup
+from miserver.trainer.process_group import FlatWeights, LayoutError, TrainerGroup
 
 WAIT_S = 20.0  # a generous bound for things that take milliseconds
 
@@ -257,7 +257,7 @@ def test_a_receive_the_trainer_never_sends_fails_at_the_op_timeout_and_never_lan
 _DYING_TRAINER = textwrap.dedent(
     """
     import os, sys, time
-    from miserver.trainer_group import TrainerGroup
+    from miserver.trainer.process_group import TrainerGroup
     t = TrainerGroup(2, port=int(sys.argv[1]), timeout_s=120)
     print("listening", flush=True)
     t.connect()

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from miserver.http import v1
-from miserver.serving.detokenize import IncrementalDetokenizer, backend_decoder
-from miserver.serving.generation import (
+from miserver.serving.engine.detokenize import IncrementalDetokenizer, backend_decoder
+from miserver.serving.engine.generation import (
     Finished,
     Generation,
     GenerationError,

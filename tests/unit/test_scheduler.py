@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from miserver.serving.scheduler import (
+from miserver.serving.engine.slot import (
     DrainTimeout,
     HeldCounts,
     Priority,

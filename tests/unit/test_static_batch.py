@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from miserver.http import keys
-from miserver.serving.generation import StaticBatch
-from miserver.serving.scheduler import Priority, Scheduler
-from miserver.serving.static_batch import choice_seed
+from miserver.serving.engine.generation import StaticBatch
+from miserver.serving.engine.slot import Priority, Scheduler
+from miserver.serving.engine.static_batch import choice_seed
 from tests.unit.v1_fixtures import spy_batch_starts
 from tests.waiting import eventually
 
@@ -137,7 +137,7 @@ async def test_when_ready_waits_for_every_member_to_join_or_leave() -> None:
 
 
 async def test_a_drain_timeout_counts_the_requests_of_the_batch_not_its_slot() -> None:
-    from miserver.serving.scheduler import DrainTimeout
+    from miserver.serving.engine.slot import DrainTimeout
 
     scheduler = Scheduler(max_batch_size=8)
     grants = await _one_batch_of(scheduler, 3)
@@ -183,7 +183,7 @@ def test_choice_seeds_are_the_seed_then_distinct_and_stable() -> None:
 # --- the default model ------------------------------------------------------------------------
 @pytest.fixture
 async def client(default_home: str, tmp_path):
-    from miserver.serving.default_model import model_dir
+    from miserver.serving.models.default_model import model_dir
     from tests.unit.test_weights_routes import make_client
 
     c = await make_client(tmp_path, str(model_dir(default_home)), MAX_BATCH_SIZE="8")
@@ -378,7 +378,7 @@ async def test_a_client_that_disconnects_ends_only_its_own_sequence(
 async def test_a_quiesce_sent_during_a_batch_returns_after_the_whole_batch(
     client: Any, batches: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from miserver.serving import generation
+    from miserver.serving.engine import generation
     from tests.unit.test_weights_routes import TRN, auth
     from tests.unit.test_weights_routes import post as wpost
 
@@ -440,8 +440,8 @@ def test_the_batch_decoder_follows_each_sequence_as_it_decodes_alone(
     checks the bits)."""
     import torch
 
-    from miserver.serving import static_batch
-    from miserver.serving.generation import _EagerDecoder, cache_kwarg
+    from miserver.serving.engine import static_batch
+    from miserver.serving.engine.generation import _EagerDecoder, cache_kwarg
     from tests.unit.v1_fixtures import cached_tokenizer, tiny_model
 
     model = tiny_model(cached_tokenizer(tmp_path.parent / "miserver-v1-cache"))
@@ -479,8 +479,8 @@ async def test_one_sequence_that_fails_ends_alone_and_the_batch_goes_on(
 ) -> None:
     """A sequence whose sampling fails (here: non-finite logits in its row, injected) gets its
     GenerationError; the other sequences of the batch finish as they would have alone."""
-    from miserver.serving import generation
-    from miserver.serving.generation import (
+    from miserver.serving.engine import generation
+    from miserver.serving.engine.generation import (
         Finished,
         GenerationError,
         NonFiniteLogits,
@@ -529,7 +529,7 @@ async def test_a_request_cancelled_before_the_batch_starts_costs_no_prefill(tmp_
     its sequences end ``cancelled`` without a prefill of their own, and the others' answers are
     what they would have been (breaker14: the prompt was prefilled anyway, a whole prefill of
     the shared thread spent on an answer nobody reads before anyone's next token)."""
-    from miserver.serving.generation import Finished, SamplingParams, Started, TextDelta
+    from miserver.serving.engine.generation import Finished, SamplingParams, Started, TextDelta
     from tests.unit.v1_fixtures import SlowModel, cached_tokenizer, tiny_model
 
     tok = cached_tokenizer(tmp_path.parent / "miserver-v1-cache")
@@ -568,7 +568,7 @@ async def test_a_sequence_that_ends_at_its_first_token_is_done_before_the_next_p
     """``max_tokens=1`` in a batch: its answer is complete once its own prefill gave its token;
     the request is done then (its share of the slot given back, its answer sent), not after
     the prefills of every other member (breaker14)."""
-    from miserver.serving.generation import SamplingParams
+    from miserver.serving.engine.generation import SamplingParams
     from tests.unit.v1_fixtures import SlowModel, cached_tokenizer, tiny_model
 
     tok = cached_tokenizer(tmp_path.parent / "miserver-v1-cache")

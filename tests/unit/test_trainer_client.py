@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miserver import trainer, trainer_transport
+from miserver import trainer
 from miserver.spec import codes
 from miserver.trainer import (
     AlreadyAttached,
@@ -35,6 +35,7 @@ from miserver.trainer import (
     WeightsForbidden,
     WeightsUnauthorized,
 )
+from miserver.trainer import transport as trainer_transport
 from tests.waiting import wait_until
 
 TRN = "trainer-secret-0123456789"
@@ -47,7 +48,7 @@ class ThreadServer:
     """The real app on 127.0.0.1:<free port>, its loop in a daemon thread."""
 
     def __init__(self, tmp_path: Path, model_dir: str, **env: str) -> None:
-        from miserver.serving.catalogue import Catalogue
+        from miserver.serving.models.catalogue import Catalogue
         from miserver.spec.settings import load_settings
 
         home = tmp_path / "home"
@@ -634,7 +635,7 @@ def test_a_cleared_attachment_stops_the_heartbeat_and_the_next_commit_raises(
 
 
 def test_a_failed_rebuild_detaches_before_raising(client, monkeypatch):
-    import miserver.trainer_client as tc
+    import miserver.trainer.client as tc
 
     def refuse(body, on_release=None):
         raise trainer.ProducerMismatch({"torch": ("9.9", torch.__version__)})

@@ -14,10 +14,10 @@ from aiohttp import web
 
 from miserver.http import keys
 from miserver.http.app import create_app
-from miserver.serving.catalogue import Catalogue
+from miserver.serving.models.catalogue import Catalogue
 from miserver.spec.settings import load_settings
-from miserver.trainer_client import WeightsClient
-from miserver.trainer_replicas import ReplicaRefused, ReplicaSet
+from miserver.trainer.client import WeightsClient
+from miserver.trainer.replicas import ReplicaRefused, ReplicaSet
 from tests.unit.test_weights_routes import TRN, TRN2
 from tests.waiting import wait_until
 

@@ -22,7 +22,7 @@ from miserver.http.protocol import (
     peer_name,
     remove_unix_socket,
 )
-from miserver.serving.catalogue import Catalogue
+from miserver.serving.models.catalogue import Catalogue
 from miserver.spec.settings import MAX_SOCKET_PATH_BYTES, ConfigError, load_settings
 from miserver.trainer import TransportError, WeightsClient
 

@@ -18,7 +18,7 @@ import pytest
 
 from miserver.http import keys
 from miserver.http.v1 import run_completion
-from miserver.serving.scheduler import Priority
+from miserver.serving.engine.slot import Priority
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
 from tests.unit.test_weights_routes import TRN, auth, make_client, post

@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from miserver.http import keys
 from miserver.http.app import create_app
 from miserver.http.model_header import parse_model_header
-from miserver.serving.catalogue import Catalogue
+from miserver.serving.models.catalogue import Catalogue
 from miserver.spec.settings import Settings
 from tests.unit.v1_fixtures import SlowModel, tiny_model_folder
 from tests.waiting import eventually

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from miserver.serving.detokenize import IncrementalDetokenizer, StopMatcher, token_bytes
-from miserver.serving.generation import (
+from miserver.serving.engine.detokenize import IncrementalDetokenizer, StopMatcher, token_bytes
+from miserver.serving.engine.generation import (
     Finished,
     Generation,
     GenerationError,

@@ -20,8 +20,8 @@ from miserver.http.app import create_app
 from miserver.http.errors import openai_error_body
 from miserver.http.model_header import HEADER, parse_model_header
 from miserver.http.v1 import CompletionResult, RequestCancelled, run_completion
-from miserver.serving.catalogue import Catalogue
-from miserver.serving.scheduler import Priority
+from miserver.serving.engine.slot import Priority
+from miserver.serving.models.catalogue import Catalogue
 from miserver.spec.errors import ApiError
 from miserver.spec.settings import Settings
 from tests.unit.v1_fixtures import tiny_model_folder

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from miserver.http import keys
-from miserver.serving import adapters
+from miserver.serving.models import adapters
 from tests.unit.test_weights_checkpoints_routes import attach, make_adapter, scores
 from tests.unit.test_weights_routes import chat, make_client, post
 

@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from miserver.serving.catalogue import Catalogue
+from miserver.serving.models.catalogue import Catalogue
 from tests.unit.model_free_app import model_free_client, model_free_settings
 
 TRN = "trainer-secret-0123456789"
@@ -156,7 +156,7 @@ async def test_save_refusals_before_the_pause_are_audited_as_save(client, tmp_pa
 
 
 async def test_a_500_of_a_gated_route_is_audited_once(client, tmp_path, monkeypatch) -> None:
-    import miserver.serving.weights_jobs as jobs
+    import miserver.serving.weights.jobs as jobs
 
     def broken(host, body):  # fault injection: a bug of ours while the load is prepared
         raise RuntimeError("simulated fault")

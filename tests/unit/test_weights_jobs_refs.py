@@ -1,6 +1,6 @@
 """Nothing a save, a weights load or an adapter change did keeps a dropped model alive.
 
-The jobs of :mod:`miserver.serving.weights_jobs` hand the model, an applied adapter (which holds
+The jobs of :mod:`miserver.serving.weights.jobs` hand the model, an applied adapter (which holds
 the model) or a failure (whose frames hold the model) back from a worker thread. Through
 ``asyncio.to_thread`` the result stayed alive for the rest of the awaiting task's step, and a
 failure's traceback for as long as the runtime kept the error (it is the HTTP answer, kept as the
@@ -20,8 +20,8 @@ import msgspec
 import pytest
 
 from miserver.http import keys
-from miserver.serving.host import clear_traceback_frames, run_without_keeping
-from miserver.serving.weights_jobs import WeightsJobs
+from miserver.serving.models.host import clear_traceback_frames, run_without_keeping
+from miserver.serving.weights.jobs import WeightsJobs
 from tests.unit.test_host_unload_refs import OPS, TRN, Refs, make_adapter, make_client, post
 
 
@@ -112,7 +112,7 @@ async def test_a_failed_save_keeps_nothing_after_detach_and_unload(
     # writing, say another server sharing MISERVER_HOME: 409 CHECKPOINT_EXISTS). The error is
     # the answer and the runtime keeps it; its traceback (save_checkpoint's frame holds the
     # model) must not keep the model that was then unloaded.
-    from miserver.serving import checkpoints
+    from miserver.serving.models import checkpoints
 
     def taken(tmp: Path, final: Path) -> None:
         raise checkpoints.CheckpointExists(f"a checkpoint named {final.name!r} already exists")
@@ -145,7 +145,7 @@ async def test_a_failed_in_place_load_keeps_nothing_after_the_unload(
 ):
     # An in-place weights load that fails while writing (a disk error, say) leaves the set
     # torn; the unload that follows (allowed while torn) must free the model.
-    from miserver.serving import checkpoints
+    from miserver.serving.models import checkpoints
 
     client = await make_client(tmp_path, tiny_model_dir, attach=True)
     try:

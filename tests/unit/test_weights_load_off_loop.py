@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from miserver.serving import weights_jobs
+from miserver.serving.weights import jobs as weights_jobs
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
 from tests.unit.model_free_app import model_free_client, model_free_settings

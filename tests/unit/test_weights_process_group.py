@@ -13,7 +13,7 @@ import socket
 import torch
 
 from miserver.http import keys
-from miserver.trainer_group import TrainerGroup
+from miserver.trainer.process_group import TrainerGroup
 from tests.unit.test_weights_routes import OPS, TRN, audit_lines, auth, chat, make_client, post
 from tests.waiting import eventually
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from miserver.http import keys
-from miserver.serving import checkpoints
+from miserver.serving.models import checkpoints
 from tests.unit.test_weights_adapter_requests import apply, header, remove, status
 from tests.unit.test_weights_checkpoints_routes import attach, bump, commit, make_adapter, scores
 from tests.unit.test_weights_routes import OPS, auth, make_client, post

@@ -110,9 +110,9 @@ class SlowModel:
 
 def spy_batch_starts(monkeypatch: Any) -> list[int]:
     """Record the sequences of every static batch that starts
-    (:meth:`miserver.serving.generation.StaticBatch.start`), through ``monkeypatch``; returns
+    (:meth:`miserver.serving.engine.generation.StaticBatch.start`), through ``monkeypatch``; returns
     the list it appends to."""
-    from miserver.serving.generation import StaticBatch
+    from miserver.serving.engine.generation import StaticBatch
 
     sizes: list[int] = []
     real = StaticBatch.start

@@ -1,0 +1,354 @@
+"""The effects of the weights lifecycle, performed on the server (the runtime's hands).
+
+:class:`EffectsMixin` is the part of :class:`~miserver.serving.weights.runtime.WeightsRuntime`
+that translates each :class:`~miserver.fsm.table.Effect` of an accepted outcome into calls on the
+scheduler (hold, drain, release, refuse the held), the model host (a model load or unload, the
+decode engine's cache and graphs) and the IPC layer (export, reclaim, the address check), and runs
+the pauses' jobs (save, weights load, adapter change). No rule is decided here: the table decided;
+this module performs. It reads the runtime's ``lifecycle``, ``scheduler``, ``host``, ``settings``,
+``metrics``, ``lock`` and its pending-answer fields, and calls back :meth:`decide` and
+:meth:`event`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from typing import Any
+
+from miserver.fsm.machine import Outcome
+from miserver.fsm.state import Event
+from miserver.fsm.table import Answer, Effect
+from miserver.serving.engine.slot import DrainTimeout, Priority
+from miserver.serving.weights.refusals import WeightsTornError
+from miserver.spec import codes
+from miserver.spec.errors import ApiError, disk_full_error, is_disk_full
+
+log = logging.getLogger("miserver.weights")
+
+
+class EffectsMixin:
+    """Performs the lifecycle's effects (mixed into ``WeightsRuntime``)."""
+
+    # --- effects ----------------------------------------------------------------------------
+    def _perform(self, out: Outcome, outputs: dict[str, Any]) -> None:
+        if out.kind != "accepted":
+            return
+        for effect in out.effects:
+            self._effect(effect, out, outputs)
+
+    def _effect(self, effect: Effect, out: Outcome, outputs: dict[str, Any]) -> None:
+        sched = self.scheduler
+        if effect is Effect.EXPORT_HANDLES:
+            outputs["export"] = self._export()
+        elif effect is Effect.RELEASE_EXPORTS:
+            from miserver.ipc.export import reclaim
+
+            reclaim()
+            self.transport.ended()
+        elif effect is Effect.HOLD_ADMISSIONS:
+            sched.barrier_begin()
+        elif effect is Effect.START_DRAIN:
+            if sched.barrier_hold_if_drained():
+                self._drained_now = True  # nothing runs: `drained` follows in this decision
+            else:
+                self._drain_task = self._spawn(self._drain())
+        elif effect is Effect.CANCEL_DRAIN:
+            if self._drain_task is not None and not self._drain_task.done():
+                self._drain_task.cancel()
+            self._drain_task = None
+            sched.barrier_abandon()
+        elif effect is Effect.DROP_CACHE:
+            sched.drop_caches()
+            self._decode_engine_effect(effect)
+        elif effect is Effect.RELEASE_HELD:
+            sched.barrier_release()
+        elif effect is Effect.REFUSE_HELD_TORN:
+            sched.fail_held(WeightsTornError(), priorities=(Priority.INTERACTIVE,))
+        elif effect is Effect.ANSWER_PENDING:
+            self._settle(out.pending or Answer(200))
+        elif effect is Effect.FAIL_PENDING:
+            self._settle(self._pending_failure or Answer(500, codes.INTERNAL_ERROR))
+        elif effect in (Effect.BEGIN_SAVE, Effect.BEGIN_WEIGHTS_LOAD, Effect.BEGIN_ADAPTER_CHANGE):
+            self._decode_engine_effect(effect)
+            owner = {
+                Effect.BEGIN_SAVE: "save",
+                Effect.BEGIN_WEIGHTS_LOAD: "weights_load",
+                Effect.BEGIN_ADAPTER_CHANGE: "adapter",
+            }[effect]
+            self._spawn(self._run_job(owner))
+        elif effect in (Effect.START_MODEL_LOAD, Effect.START_MODEL_UNLOAD):
+            self._decode_engine_effect(effect)
+            # The row is bound now: a later event may set other parameters before the task runs.
+            outputs["transition"] = self._spawn(
+                self._run_transition(effect, dict(self._transition_params))
+            )
+        elif effect in (Effect.ADMIT, Effect.HOLD_REQUEST):
+            outputs["admission"] = effect
+        elif effect is Effect.APPLY_SETTINGS:
+            outputs["apply_settings"] = True
+        elif effect is Effect.ARM_RECEIVE:
+            self.transport.arm()
+        elif effect is Effect.DESTROY_GROUP:
+            self.transport.destroy()
+        elif effect in (
+            Effect.RECORD_OVERRUN,
+            Effect.RECORD_WATCHDOG,
+            Effect.RECORD_HOLD_TIMEOUT,
+            Effect.RECORD_STALE,
+        ):
+            log.warning("weights: %s", self._record_message(effect))
+        else:  # pragma: no cover - a new effect the runtime does not know
+            raise RuntimeError(f"unknown effect {effect}")
+
+    def _record_message(self, effect: Effect) -> str:
+        """The log line of a timer's or a late commit's record effect: what happened, and what
+        to do (the on-call runbook, docs/operations.md, has the same advice)."""
+        c = self.lifecycle.context
+        who = f"attachment {c.attachment_label or '?'} (role {c.attachment_role or '?'})"
+        st = self.settings
+        if effect is Effect.RECORD_WATCHDOG:
+            return (
+                f"the commit of {who} stayed open longer than WEIGHTS_COMMIT_WATCHDOG_MS "
+                f"({st.weights_commit_watchdog_ms:g} ms): the weights are torn, and every /v1 "
+                "request is 503 weights_torn until recovered: by the trainer's late commit-end "
+                "(recorded as an overrun) or by POST /api/weights/load with a checkpoint or "
+                '{"model_id": N}. If the trainer\'s steps take this long, raise '
+                "WEIGHTS_COMMIT_WATCHDOG_MS (on a CPU, 30000), and create the optimizer state "
+                "before the first commit"
+            )
+        if effect is Effect.RECORD_HOLD_TIMEOUT:
+            return (
+                f"{who} quiesced but sent neither commit-begin nor resume within "
+                f"WEIGHTS_HOLD_TIMEOUT_S ({st.weights_hold_timeout_s:g} s): serving resumed on "
+                "its own, held requests were let through, and nothing was written. If the "
+                "trainer needs longer between quiesce and commit-begin, raise "
+                "WEIGHTS_HOLD_TIMEOUT_S"
+            )
+        if effect is Effect.RECORD_STALE:
+            return (
+                f"{who} sent no heartbeat for WEIGHTS_HEARTBEAT_TIMEOUT_S "
+                f"({st.weights_heartbeat_timeout_s:g} s) and is stale. Serving continues; a new "
+                "attach and every model load are refused until it heartbeats again or an "
+                "operator clears it (POST /api/weights/clear-stale, operator token). Check "
+                "whether the trainer process is still alive"
+            )
+        return (
+            f"a commit-end from {who} came after the watchdog "
+            f"(WEIGHTS_COMMIT_WATCHDOG_MS, {st.weights_commit_watchdog_ms:g} ms) had torn the "
+            "set: the weights are clean again (GET /api/weights/status: last_overrun). If "
+            "steps take this long, raise WEIGHTS_COMMIT_WATCHDOG_MS"
+        )
+
+    def _decode_engine_effect(self, effect: Effect) -> None:
+        """What a lifecycle effect means for the resident's decode graphs (issue 13).
+
+        The graphs replay kernels over the served storages, which never move: a commit, a save
+        and an in-place weights load keep them (``BEGIN_SAVE``, ``BEGIN_WEIGHTS_LOAD``; a full
+        reload makes a new resident, whose engine is new, and the old one is closed by the
+        host). ``DROP_CACHE`` empties the static KV cache, the engine's only state between
+        requests. An adapter change (``BEGIN_ADAPTER_CHANGE``) changes which modules compute,
+        and a model transition (``START_MODEL_LOAD``, ``START_MODEL_UNLOAD``) the storages:
+        their graphs are dropped, captured again at next use over the model of that time.
+        """
+        resident = self.host.resident
+        engine = getattr(resident, "engine", None) if resident is not None else None
+        if engine is None:
+            return
+        if effect is Effect.DROP_CACHE:
+            engine.reset()
+        elif effect in (
+            Effect.BEGIN_ADAPTER_CHANGE,
+            Effect.START_MODEL_LOAD,
+            Effect.START_MODEL_UNLOAD,
+        ):
+            engine.invalidate()
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _settle(self, answer: Answer) -> None:
+        if self._pending is not None and not self._pending.done():
+            self._pending.set_result(answer)
+
+    async def _drain(self) -> None:
+        """Wait for the running forward passes, then report ``drained`` (the drain timer, a
+        core deadline, decides a drain that takes too long)."""
+        try:
+            await self.scheduler.barrier_wait_drained()
+        except asyncio.CancelledError:
+            return
+        async with self.lock:
+            if self._drain_task is not asyncio.current_task():
+                return  # cancelled in the meantime
+            self._drain_task = None
+            self.decide(Event("drained"))
+
+    async def _run_job(self, owner: str) -> None:
+        """Run a pause's work (save, weights load, adapter change) and report its end."""
+        job = self._jobs.get(owner)
+        done, failed = f"{owner}_done", f"{owner}_failed"
+        try:
+            if job is None:
+                raise ApiError(codes.INTERNAL_ERROR, f"no {owner} job is registered")
+            params = dict(self._job_params)
+            params["mark_writing"] = self._mark_writing
+            result = await job(params)
+        except ApiError as err:
+            async with self.lock:
+                self._pending_failure = Answer(err.status, err.code, err.reason)
+                self._job_result = {"error": err}
+                self.decide(Event(failed))
+            return
+        except Exception as exc:  # noqa: BLE001 - any failure of the job is reported, not lost
+            if is_disk_full(exc):  # one line, no traceback: 507 saying what to do (item 16)
+                log.error("weights: the %s failed: the disk is full (%s)", owner, exc)
+                err = disk_full_error(f"the {owner}", self.settings.home)
+            else:
+                log.exception("weights: the %s failed", owner)
+                err = ApiError(codes.INTERNAL_ERROR, f"the {owner} failed: {exc}")
+            async with self.lock:
+                self._pending_failure = Answer(err.status, err.code, err.reason)
+                self._job_result = {"error": err}
+                self.decide(Event(failed))
+            return
+        async with self.lock:
+            self._job_result = result
+            self.decide(
+                Event(
+                    done,
+                    name=result.get("served_name"),
+                    applied=result.get("applied", True),
+                    origin=result.get("origin"),
+                    commits=result.get("commits"),
+                )
+            )
+
+    async def _mark_writing(self) -> None:
+        """A weights load is about to write: the set is ``writing`` from here (contract 5)."""
+        await self.event(Event("weights_load_write"))
+
+    async def _run_transition(self, effect: Effect, params: dict[str, Any]) -> Any:
+        """Perform a model load or unload for the core and report its end.
+
+        First the generations running on the resident finish: the scheduler takes every slot
+        ahead of the queue (new ones are held) for at most WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S, the
+        drain the weights page names for quiesce and the pauses. So an unload or swap answers
+        once nothing runs on the old model, and a card never holds two models (contract 3).
+        Then the host loads or unloads, and the slots are released after the core has seen
+        the end (a request held meanwhile is then told its model changed, ``v1_confirm``).
+
+        Raises:
+            ApiError: 409 MODEL_BUSY ``drain_timeout`` when running generations did not finish
+                in time (the table's ``transition_abandoned``: nothing loaded or unloaded),
+                the host's own error (the table's ``transition_failed``, told whether the
+                resident was kept, the previous row loaded back, or nothing is resident).
+        """
+        timeout_s = self.settings.weights_quiesce_drain_timeout_s
+        try:
+            await self.scheduler.barrier_acquire(timeout_s)
+        except BaseException as exc:
+            async with self.lock:
+                out = self.decide(Event("transition_abandoned"))
+            if isinstance(exc, DrainTimeout) and out.pending is not None:
+                raise self._drain_timeout_error(
+                    out.pending, exc.running, "nothing was loaded or unloaded"
+                ) from None
+            raise
+        try:
+            before = self.host.resident
+            try:
+                if effect is Effect.START_MODEL_LOAD:
+                    resident = await self.host.load(params["row_id"])
+                    name, result = resident.served_name, resident
+                    # The row's origin: a checkpoint row is origin=checkpoint (finding N4).
+                    origin = resident.origin if resident.origin == "checkpoint" else "model"
+                else:
+                    result = await self.host.unload(params.get("row_id"))
+                    name = origin = None
+            except BaseException as exc:
+                after = self.host.resident
+                if after is None:
+                    event = Event("transition_failed")
+                elif after is before:  # refused before anything was dropped
+                    event = Event("transition_failed", after_failure="kept")
+                else:  # the previous row was loaded back (breaker finding F16)
+                    origin = "checkpoint" if after.origin == "checkpoint" else "model"
+                    event = Event(
+                        "transition_failed",
+                        after_failure="reloaded",
+                        name=after.served_name,
+                        origin=origin,
+                    )
+                async with self.lock:
+                    self.decide(event)
+                if isinstance(exc, ApiError | asyncio.CancelledError):
+                    raise
+                raise ApiError(codes.INTERNAL_ERROR, f"the model transition failed: {exc}") from exc
+            async with self.lock:
+                self.decide(Event("transition_done", name=name, origin=origin))
+            return result
+        finally:
+            self.scheduler.barrier_release()
+
+    # --- export -----------------------------------------------------------------------------
+    def _export(self) -> Any:
+        resident = self.host.resident
+        arena = getattr(resident, "arena", None)
+        if resident is None or arena is None:  # the core checked attachability: a bug
+            raise ApiError(codes.INTERNAL_ERROR, "the resident model has no parameter arena")
+        body = self.transport.export(arena, resident.model)  # the attach's transport
+        self.last_export = body
+        if self.metrics is not None:
+            self.metrics.pinned_bytes.set(body.release.pinned_bytes)
+        return body
+
+    def not_attachable_reason(self) -> str | None:
+        """The resident's own NOT_ATTACHABLE reason (gguf, quantized, dtype, not_on_gpu,
+        allocator), or None. The serving-wide reasons are the core's."""
+        from miserver.ipc.arena import parameter_devices, parameter_dtypes
+        from miserver.ipc.attachability import not_attachable_reason
+
+        resident = self.host.resident
+        if resident is None:
+            return None
+        row = resident.row
+        reason = not_attachable_reason(
+            fmt=row.format,
+            quantization=row.quantization,
+            param_dtypes=parameter_dtypes(resident.model),
+            devices=parameter_devices(resident.model),
+            arena=getattr(resident, "arena", None),
+            continuous_batching=False,
+            max_concurrent=1,
+            model_transition=False,
+            weights_writing=False,
+            cpu_attach=self.settings.weights_cpu_attach,
+        )
+        return (
+            reason if reason in ("gguf", "quantized", "dtype", "not_on_gpu", "allocator") else None
+        )
+
+    def check_addresses(self, *, full: bool = False) -> list[str]:
+        """Compare every parameter's address with the export; a move tears the set
+        (weights page: States). ``full`` also walks the module tree (new parameters); the
+        per-commit check reads the recorded parameters only. Call under :attr:`lock`."""
+        from miserver.ipc.export import moved_parameters, moved_parameters_fast
+
+        resident = self.host.resident
+        arena = getattr(resident, "arena", None) if resident is not None else None
+        if arena is None or self.lifecycle.state.attachment == "none":
+            return []
+        moved = (
+            moved_parameters(arena, resident.model)
+            if full or not arena.watch
+            else moved_parameters_fast(arena)
+        )
+        if moved:
+            log.error("weights: %d parameter(s) moved since export: %s", len(moved), moved[:3])
+            self.decide(Event("address_moved"))
+        return moved

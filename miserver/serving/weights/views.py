@@ -1,0 +1,107 @@
+"""The read-only views of the weights lifecycle: ``GET /api/weights/status`` and the weights block
+of ``/api/health/detailed`` (weights page: Status).
+
+:class:`StatusViewsMixin` is the part of
+:class:`~miserver.serving.weights.runtime.WeightsRuntime` that renders the core's status view
+with wall-clock stamps, the scheduler's counts and the resident's memory. It changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class StatusViewsMixin:
+    """The status views (mixed into ``WeightsRuntime``)."""
+
+    # --- views ----------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """GET /api/weights/status (weights page: Status). No token, no slot, no secret."""
+        from miserver.ipc.export import cuda_memory, exports_since_start
+
+        view = self.lifecycle.status_view(self.now())
+        resident = self.host.resident
+        att = view["attachment"]
+        if att is not None:
+            att = {
+                **att,
+                "attached_at": self.stamp(att["attached_at"]),
+                "last_heartbeat_at": self.stamp(att["last_heartbeat_at"]),
+                "stale_since": self.stamp(att["stale_since"]),
+                "transport": self.transport.name,
+                "process_group": self.transport.describe(),
+            }
+        commit = view["commit"]
+        if commit is not None:
+            commit = {
+                **commit,
+                "began_at": self.stamp(commit["began_at"]),
+                "open_ms": round(commit["open_ms"] or 0.0, 3),
+            }
+        overrun = view["last_overrun"]
+        if overrun is not None:
+            overrun = {"at": self.stamp(overrun["at"]), "commit_ms": round(overrun["commit_ms"], 3)}
+        counts = self.scheduler.counts()
+        return {
+            "attached": view["attached"],
+            "attachment": att,
+            "barrier": view["barrier"],
+            "quiesced_at": self.stamp(view["quiesced_at"]),
+            "held_requests": None if view["barrier"] == "serving" else counts.held_interactive,
+            "weights_state": view["weights_state"],
+            "resident_model": self.model_ref(),
+            "steps_since_load": view["steps_since_load"] if resident is not None else None,
+            "last_save": self.last_save,
+            "commit": commit,
+            "commit_overran": self.stamp(view["commit_overran"]),
+            "last_hold_timeout_at": self.stamp(view["last_hold_timeout_at"]),
+            "last_overrun": overrun,
+            "pause_unavailable": view["pause_unavailable"],
+            "adapter": self.adapter_block(),
+            "cuda_memory": _with_decode_memory(cuda_memory(), resident),
+            "exports_since_start": exports_since_start(),
+        }
+
+    def model_ref(self) -> dict[str, Any] | None:
+        """``{model_id, name, manifest_hash}`` of the resident (the base model's served name)."""
+        resident = self.host.resident
+        if resident is None:
+            return None
+        row = resident.row
+        return {
+            "model_id": row.id,
+            "name": resident.base_name,
+            "manifest_hash": getattr(row, "checkpoint_sha256", None),
+        }
+
+    def adapter_block(self) -> dict[str, Any] | None:
+        resident = self.host.resident
+        block = resident.adapter_block if resident is not None else None
+        return block if block is not None else {"applied": False}
+
+    def summary(self) -> dict[str, Any]:
+        """The short weights block of /api/health/detailed (weights page: Status)."""
+        view = self.lifecycle.status_view(self.now())
+        att = view["attachment"]
+        return {
+            "weights_state": view["weights_state"],
+            "barrier": view["barrier"],
+            "attached": view["attached"],
+            "attachment_state": att["state"] if att is not None else None,
+        }
+
+
+def _with_decode_memory(
+    cards: list[dict[str, Any]] | None, resident: Any
+) -> list[dict[str, Any]] | None:
+    """``cuda_memory`` with the resident's decode engine on its card: the static KV cache and
+    the graphs' private pool, MiB with 3 decimals (issue 13: memory is visible)."""
+    engine = getattr(resident, "engine", None) if resident is not None else None
+    if cards is None or engine is None or engine.closed:
+        return cards
+    index = engine.device.index or 0
+    for card in cards:
+        if card["device_index"] == index:
+            card["decode_cache_mb"] = round(engine.stats.cache_bytes / 2**20, 3)
+            card["decode_graphs_mb"] = round(engine.stats.graph_pool_bytes / 2**20, 3)
+    return cards

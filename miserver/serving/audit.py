@@ -62,6 +62,8 @@ OPERATIONS = (
     "file_delete",
     "batch_create",
     "batch_cancel",
+    "file_read",  # refused Batch API reads only (issue 32, item 9)
+    "batch_read",
 )
 
 

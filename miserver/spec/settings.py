@@ -238,9 +238,11 @@ DESCRIPTIONS: dict[str, str] = {
     "before they are ended with 503 SHUTTING_DOWN (0: end them at once). Keep it below "
     "Kubernetes' `terminationGracePeriodSeconds`.",
     "MANAGEMENT_AUTH": "`none` (the default: management routes are open, as the weights page "
-    "says) or `operator`: every mutating management and batch route, the adapter routes "
-    "(`POST`/`DELETE /api/weights/adapter`) included, needs an operator token (401/403 as the "
-    "weights routes, one audit line per call), and a `/v1` request naming a model that is not "
+    "says) or `operator`: every mutating management route, the adapter routes "
+    "(`POST`/`DELETE /api/weights/adapter`) included, and every Batch API route, its reads "
+    "(`GET /v1/files...`, `GET /v1/batches...`) included, needs an operator token (401/403 as "
+    "the weights routes, one audit line per call, per refused read), and a `/v1` request "
+    "naming a model that is not "
     "resident is 409 `model_not_loaded` instead of an auto-load unless it carries one; needs "
     "an operator token in `WEIGHTS_TOKENS` (else exit 2).",
     "CONTINUOUS_BATCHING": "Serve through a continuous-batching engine. Not implemented in this "

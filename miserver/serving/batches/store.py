@@ -370,7 +370,11 @@ class BatchStore(BatchDatabase):
             "total_tokens": row["input_tokens"] + row["output_tokens"],
         }
         obj["metadata"] = None if row["metadata"] is None else _json_decode(row["metadata"])
-        obj["waiting_reason"] = waiting_reason if row["status"] == "in_progress" else None
+        status = row["status"]
+        shown = status == "in_progress" or (
+            status in ACTIVE_STATUSES and waiting_reason == "disk_full"  # output not writable
+        )
+        obj["waiting_reason"] = waiting_reason if shown else None
         return obj
 
     def _batch_row(self, batch_id: str) -> sqlite3.Row:

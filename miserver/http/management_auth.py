@@ -108,6 +108,30 @@ def _audit(request: web.Request, operation: str, caller: Caller, code: str | Non
     )
 
 
+def token_refusal(request: web.Request) -> ApiError | None:
+    """The 401/403 this mode answers ``request`` with (no audit line written), or None when
+    its route is not guarded or the caller holds an operator token."""
+    if _operation(request) is None:
+        return None
+    settings = request.app[keys.SETTINGS]
+    caller = identify(request.headers.get("Authorization"), settings.weights_tokens)
+    return None if caller.role == "operator" else _refusal(caller)
+
+
+def _refusal(caller: Caller) -> ApiError:
+    if caller.role == "trainer":
+        return ApiError(
+            codes.WEIGHTS_FORBIDDEN,
+            "This token's role may not call this route: with MANAGEMENT_AUTH=operator it "
+            "needs an operator token.",
+        )
+    return ApiError(
+        codes.WEIGHTS_UNAUTHORIZED,
+        "A valid operator bearer token from WEIGHTS_TOKENS is required (MANAGEMENT_AUTH=operator).",
+        headers={"WWW-Authenticate": WWW_AUTHENTICATE},
+    )
+
+
 @web.middleware
 async def management_auth_middleware(
     request: web.Request, handler: web.Handler
@@ -121,19 +145,7 @@ async def management_auth_middleware(
         return await handler(request)
     caller = identify(request.headers.get("Authorization"), settings.weights_tokens)
     if caller.role != "operator":
-        if caller.role == "trainer":
-            err = ApiError(
-                codes.WEIGHTS_FORBIDDEN,
-                "This token's role may not call this route: with MANAGEMENT_AUTH=operator it "
-                "needs an operator token.",
-            )
-        else:
-            err = ApiError(
-                codes.WEIGHTS_UNAUTHORIZED,
-                "A valid operator bearer token from WEIGHTS_TOKENS is required "
-                "(MANAGEMENT_AUTH=operator).",
-                headers={"WWW-Authenticate": WWW_AUTHENTICATE},
-            )
+        err = _refusal(caller)
         _audit(request, operation, caller, err.code.name)
         raise err
     if operation in AUDITED_BY_ROUTE or operation in READS:

@@ -134,3 +134,52 @@ async def test_expect_100_continue_without_the_operator_token_gets_only_the_refu
         raw = await asyncio.to_thread(first_answer, p, data)
     assert not raw.startswith(b"HTTP/1.1 100"), raw[:200]
     assert status_and_error(raw)[0] == 401, raw[:300]
+
+
+def _answers(port: int, data: bytes) -> list[tuple[int, bytes]]:
+    """Send ``data`` in one write, read until the server closes; (status, body) of each answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(data)
+        raw = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := conn.recv(65536):
+                raw += chunk
+    out = []
+    while raw:
+        top, _, rest = raw.partition(b"\r\n\r\n")
+        length = next(
+            int(x.split(b":")[1])
+            for x in top.split(b"\r\n")
+            if x.lower().startswith(b"content-length:")
+        )
+        out.append((int(top.split()[1]), rest[:length]))
+        raw = rest[length:]
+    return out
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [b"GARBAGE\r\n\r\n", b"GET /x HTTP/1.1\r\nBad Header\r\n\r\n", b"\x16\x03\x01\x02\x00\x01\x00"],
+)
+async def test_a_valid_pipelined_request_before_an_unparseable_one_is_run_and_answered(port, bad):
+    """Issue 32, item 13: aiohttp's parser dropped every request of a read once one failed to
+    parse: the valid first request was neither run nor answered."""
+    body = b'{"max_queued_requests": 7}'
+    first = (
+        b"PATCH /api/settings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + OPS.encode() + b"\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body) + body
+    )
+    second = b"GET /api/health HTTP/1.1\r\nHost: x\r\n\r\n"
+    answers = await asyncio.to_thread(_answers, port, first + second + bad)
+    assert [s for s, _ in answers] == [200, 200, 400], answers
+    assert json.loads(answers[0][1])["data"]["max_queued_requests"] == 7  # it ran
+    assert json.loads(answers[2][1])["error"]["code"].upper() == "INVALID_REQUEST"
+
+
+async def test_pipelined_requests_are_all_answered_in_order(port):
+    one = b"GET /api/health HTTP/1.1\r\nHost: x\r\n\r\n"
+    last = b"GET /api/settings HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    answers = await asyncio.to_thread(_answers, port, one * 40 + last)
+    assert [s for s, _ in answers] == [200] * 41
+    assert "max_concurrent_requests" in json.loads(answers[-1][1])["data"]

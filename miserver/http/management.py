@@ -19,6 +19,7 @@ from aiohttp import web
 
 from miserver.http import keys
 from miserver.http.errors import ok, refuse_secret_name
+from miserver.http.path_privacy import path_syntax_ok, private_path_refusal
 from miserver.serving.models import checkpoints
 from miserver.serving.models.catalogue import (
     DTYPES,
@@ -295,7 +296,13 @@ async def register_model(request: web.Request) -> web.Response:
             details={"name": body.name, "model_id": existing.id},
         )
     refuse_applied_adapter_name(request.app[keys.HOST], body.name, "this row")
-    found = inspect_model_path(body)
+    syntax_ok = path_syntax_ok(body.path)
+    try:
+        found = inspect_model_path(body)
+    except ApiError as exc:
+        if syntax_ok and exc.param == "path":  # it looked at the server's files
+            raise private_path_refusal(request, exc) from None
+        raise
     try:
         row = catalogue.register(name=body.name, origin="model", **found)  # type: ignore[arg-type]
     except DuplicateName as exc:

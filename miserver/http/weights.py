@@ -28,6 +28,7 @@ from miserver.http.errors import (
     refuse_secret_name,
 )
 from miserver.http.management import decode_body as decode_management_body
+from miserver.http.path_privacy import path_syntax_ok, private_path_refusal
 from miserver.serving.audit import CURRENT_CALL, AuditRecord, AuditScope
 from miserver.serving.auth import ATTACHMENT_HEADER, Caller, attachment_ref, identify
 from miserver.serving.weights.runtime import CallResult, WeightsRuntime
@@ -467,7 +468,13 @@ async def _adapter_change(request: web.Request, apply: bool) -> web.Response:
     if apply:
         refuse_secret_name(request.app, body.name)
         refuse_secret_name(request.app, body.path, "path")  # GET /api/weights/adapter lists it
-        prepare_adapter(runtime.host, body)
+        syntax_ok = path_syntax_ok(body.path)
+        try:
+            prepare_adapter(runtime.host, body)
+        except ApiError as exc:  # one that looked at the server's files: told only to operators
+            if syntax_ok and (exc.param == "path" or exc.code is codes.ADAPTER_INVALID):
+                raise private_path_refusal(request, exc) from None
+            raise
     await runtime.gated(
         "adapter_change",
         _caller(request),  # MANAGEMENT_AUTH=operator checked the token (management_auth)

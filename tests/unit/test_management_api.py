@@ -22,6 +22,7 @@ from miserver.http import keys
 from miserver.http.app import create_app
 from miserver.serving.models.catalogue import Catalogue
 from miserver.serving.models.default_model import gguf_path
+from miserver.http.path_privacy import NOT_A_MODEL_FOLDER
 from miserver.spec.settings import Settings
 from tests.waiting import eventually
 
@@ -212,7 +213,10 @@ async def test_register_bad_paths_are_400_naming_path(
         )
         assert err["code"] == "INVALID_REQUEST", label
         assert err["details"] == {"field": "path"}, label
-        assert words in err["message"], (label, err["message"])
+        if label in ("relative", "empty"):  # the string alone: told to anyone
+            assert words in err["message"], (label, err["message"])
+        else:  # issue 32, item 13: an anonymous caller learns nothing of the server's files
+            assert err["message"] == NOT_A_MODEL_FOLDER, (label, err["message"])
     assert rows_by_name(client) == before
 
 
@@ -401,7 +405,8 @@ async def test_load_of_corrupt_weights_is_a_json_error(
             client, "POST", "/api/models", {"name": "corrupt", "path": str(copy)}, status=400
         )
     )
-    assert err["code"] == "INVALID_REQUEST" and "model.safetensors" in err["message"]
+    # (an anonymous caller is told only that it is not a model folder: issue 32, item 13)
+    assert err["code"] == "INVALID_REQUEST" and err["message"] == NOT_A_MODEL_FOLDER
     # ... and a row whose folder was damaged after it was registered is refused at its load,
     # before the resident is dropped
     host = client.app[keys.HOST]

@@ -20,9 +20,9 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from miserver.http import keys
 from miserver.http.app import create_app
+from miserver.http.path_privacy import NOT_A_MODEL_FOLDER
 from miserver.serving.models.catalogue import Catalogue
 from miserver.serving.models.default_model import gguf_path
-from miserver.http.path_privacy import NOT_A_MODEL_FOLDER
 from miserver.spec.settings import Settings
 from tests.waiting import eventually
 

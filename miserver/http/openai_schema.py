@@ -327,3 +327,22 @@ def check_completion(req: CompletionRequest) -> tuple[PromptSpec, tuple[str, ...
             "logprobs",
         )
     return prompt, stops
+
+
+def check_body(endpoint: str, body: Any) -> None:
+    """Every check ``endpoint`` (``/v1/chat/completions`` or ``/v1/completions``) makes of a
+    decoded JSON ``body`` before it looks at a model: the strict schema (:func:`decode`) and
+    :func:`check_chat` / :func:`check_completion`. A Batch input line's body is checked so at
+    upload (contract 7; issue 32, item 13); what needs the model (the context window, ``n``
+    against ``MAX_BATCH_SIZE``, the model's name) is checked when the row runs.
+
+    Raises:
+        ApiError: 400 INVALID_REQUEST naming the field, as the route would answer.
+        ValueError: ``endpoint`` is neither route.
+    """
+    if endpoint == "/v1/chat/completions":
+        check_chat(decode(msgspec.json.encode(body), ChatCompletionRequest))
+    elif endpoint == "/v1/completions":
+        check_completion(decode(msgspec.json.encode(body), CompletionRequest))
+    else:
+        raise ValueError(f"no request body is defined for {endpoint!r}")

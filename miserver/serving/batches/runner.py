@@ -24,6 +24,7 @@ import contextlib
 import errno
 import fcntl
 import logging
+import os
 import sqlite3
 from collections.abc import Callable, Mapping
 from typing import IO, Any, Protocol
@@ -278,7 +279,8 @@ class BatchRunner:
     async def _take_home_lock(self) -> IO[bytes]:
         path = self.store.home / LOCK_NAME
         path.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(path, "ab")  # noqa: SIM115 - held for the runner's life, closed by the caller
+        # held for the runner's life, closed by the caller; 0600 as the batch files
+        fh = open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")  # noqa: SIM115
         warned = False
         while True:
             try:

@@ -169,11 +169,11 @@ def save_checkpoint(
                 f"a checkpoint named {name!r} already exists",
                 details={"name": name, "path": str(root / name)},
             )
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
     saved_at = rfc3339(now)
     tmp = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=root))
     try:
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, PRIVATE_DIR_MODE)  # the served weights: the owner's only (issue 32)
         groups = tensor_groups(model)
         entries: list[TensorEntry] = []
         host: dict[str, torch.Tensor] = {}
@@ -220,7 +220,7 @@ def save_checkpoint(
         )
         data = encode_manifest(manifest)
         (tmp / MANIFEST_NAME).write_bytes(data)
-        ordinary_mode(tmp / WEIGHTS_NAME, like=tmp / MANIFEST_NAME)
+        private_modes(tmp)
         _fsync_tree(tmp)
         sha = hashlib.sha256(data).hexdigest()
         final_name = name if name is not None else default_name(base_name, steps_since_load, sha)
@@ -239,6 +239,20 @@ def save_checkpoint(
         dtype=dtype,
         weights_bytes=weights_bytes,
     )
+
+
+#: A checkpoint's folder and files: the weights a trainer wrote are its owner's (uid 1000 in the
+#: shipped deployments, the trainer's too), as the shared-memory files are (issue 32, item 13).
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def private_modes(folder: Path) -> None:
+    """Make ``folder`` and everything in it its owner's only: folders 0700, files 0600 (the
+    tokenizer's files are written with ``open()``, 0666 less the umask; safetensors' 0600)."""
+    os.chmod(folder, PRIVATE_DIR_MODE)
+    for path in folder.rglob("*"):
+        os.chmod(path, PRIVATE_DIR_MODE if path.is_dir() else PRIVATE_FILE_MODE)
 
 
 def ordinary_mode(path: Path, *, like: Path) -> None:

@@ -687,11 +687,17 @@ def run_app(
         loop = asyncio.get_running_loop()
         stop, force = asyncio.Event(), asyncio.Event()
 
-        def on_signal() -> None:  # the first stops, a second ends the grace at once
-            (force if stop.is_set() else stop).set()
+        def on_signal(sig: signal.Signals) -> None:  # the first stops, a second ends the grace
+            if stop.is_set():
+                force.set()
+                return
+            state = app.get(SHUTDOWN)
+            if state is not None:  # the messages name it: a Ctrl-C is SIGINT
+                state.signal = sig.name
+            stop.set()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal)
+            loop.add_signal_handler(sig, on_signal, sig)
         await runner.setup()
         unix: tuple[str, tuple[int, int]] | None = None
         try:

@@ -62,8 +62,9 @@ docs: $(DEV)
 	$(BIN)/miserver docs
 
 # The train-while-serving demo on the CPU (about six minutes), plot included.
+# PORT=9000 make demo serves on 9000, as PORT=9000 make serve does (default: a free port).
 demo: $(DEMO)
-	$(BIN)/python examples/train_while_serving.py --out demo-out
+	$(BIN)/python examples/train_while_serving.py --out demo-out $(if $(PORT),--port $(PORT))
 
 # The optional GGUF backend (llama-cpp-python) for the q4 catalogue row.
 gguf: $(GGUF)

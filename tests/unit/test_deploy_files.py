@@ -12,6 +12,7 @@ settings both deployments pass are fed to the real :func:`load_settings`.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -509,3 +510,23 @@ def test_make_serve_installs_the_runtime_only_and_make_test_the_dev_extras():
     assert ".[demo]" in _make_closure("demo") and ".[gguf]" in _make_closure("gguf")
     ci = (REPO / ".ci/run").read_text()
     assert "make test" in ci and "make quick" not in ci
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_make_demo_honours_port():
+    """Issue 32, item 6: ``PORT=9000 make demo`` serves on 9000, as ``make serve`` does."""
+
+    def demo_line(env: dict[str, str]) -> str:
+        out = subprocess.run(
+            ["make", "-n", "demo"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={k: v for k, v in os.environ.items() if k != "PORT"} | env,
+        )
+        assert out.returncode == 0, out.stderr
+        return next(x for x in out.stdout.splitlines() if "train_while_serving.py" in x)
+
+    assert shlex.split(demo_line({"PORT": "9123"}))[-2:] == ["--port", "9123"]
+    assert "--port" not in demo_line({})

@@ -32,7 +32,7 @@ from miserver.serving.models.loader import check_weight_files
 from miserver.serving.weights.jobs import refuse_applied_adapter_name
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
-from miserver.spec.json_syntax import decode_error_message
+from miserver.spec.json_syntax import decode_error_message, plain_validation_message
 
 T = TypeVar("T")
 
@@ -113,14 +113,12 @@ def decode_body(body: bytes, type_: type[T], *, hints: dict[str, str] | None = N
             ) from None
         if missing:
             field = missing.group(1)
-            raise _invalid(f"missing required field {field!r}", field) from None
+            raise _invalid(f"{field} is required", field) from None
         field = at.group(1) if at else None
         detail = _FIELD_AT.sub("", text)
         if field is None and detail.startswith("Expected `object`"):
-            raise _invalid(f"the request body must be a JSON object ({detail})", None) from None
-        raise _invalid(
-            f"invalid value for {field!r}: {detail}" if field else detail, field
-        ) from None
+            raise _invalid("the request body must be a JSON object", None) from None
+        raise _invalid(plain_validation_message(detail, field), field) from None
     except (msgspec.DecodeError, RecursionError) as exc:
         raise _invalid(decode_error_message(body, exc), None) from None
 

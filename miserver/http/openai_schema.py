@@ -20,7 +20,7 @@ import msgspec
 
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
-from miserver.spec.json_syntax import decode_error_message
+from miserver.spec.json_syntax import decode_error_message, plain_validation_message
 
 #: Seeds a ``torch.Generator`` accepts.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -200,7 +200,7 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
             raise _bad(
                 f"unsupported content part type at {param}: only text parts are supported", param
             ) from None
-        raise _bad(f"{message}" + (f" at {param}" if param else ""), param) from None
+        raise _bad(plain_validation_message(message, param), param) from None
     except (msgspec.DecodeError, RecursionError) as exc:
         raise _bad(decode_error_message(body, exc), None) from None
 

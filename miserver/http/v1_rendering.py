@@ -267,13 +267,43 @@ async def _merged(events: list[Any]) -> AsyncIterator[tuple[int, Any]]:
             task.cancel()
 
 
+async def _chain(
+    first: tuple[int, Any] | None, rest: AsyncIterator[tuple[int, Any]]
+) -> AsyncIterator[tuple[int, Any]]:
+    """``first`` (when there is one), then what ``rest`` yields; closing it closes ``rest``."""
+    try:
+        if first is not None:
+            yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+
+
 async def stream_response(request: web.Request, job: Job, running: Any) -> web.StreamResponse:
     """Stream a request's choices as server-sent events (contract 4): each chunk carries one
     choice's ``index``; each choice ends with its own chunk carrying its ``finish_reason`` and
     ``millm_model``; then the usage chunk (``stream_options.include_usage``, summed over the
-    choices) and ``data: [DONE]``. A generation error ends the stream with one error event."""
+    choices) and ``data: [DONE]``. The stream opens once the first token is out: a generation
+    error before it (the prompt's pass, the first token's logits) is the JSON 500
+    ``generation_failed`` (raised as :class:`ApiError`; docs/openai-compatibility.md, issue 32
+    item 13); one after it ends the stream with one error event."""
     header = running.header
     firsts: list[Started] = running.firsts
+    merged_events = _merged(running.events)
+    try:
+        opening: tuple[int, Any] | None = await merged_events.__anext__()
+    except StopAsyncIteration:
+        opening = None
+    except GenerationError as exc:
+        await merged_events.aclose()
+        running.cancel()
+        await running.wait()  # the slot is free before the client sees the answer
+        request[OUTCOME] = codes.GENERATION_FAILED.name
+        raise generation_failed(request.app, job, exc) from None
+    except BaseException:
+        await merged_events.aclose()
+        raise
     resp = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream; charset=utf-8",
@@ -336,7 +366,7 @@ async def stream_response(request: web.Request, job: Job, running: Any) -> web.S
                 )
         fins: dict[int, Finished] = {}
         try:
-            async with contextlib.aclosing(_merged(running.events)) as merged:
+            async with contextlib.aclosing(_chain(opening, merged_events)) as merged:
                 async for index, ev in merged:
                     if isinstance(ev, TextDelta):
                         if ev.text or ev.logprobs:

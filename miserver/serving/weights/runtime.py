@@ -152,7 +152,7 @@ class WeightsRuntime:
             transport=self.transport,
             lifecycle=self.lifecycle,
             lock=self.lock,
-            decide=self.decide,
+            decide=self._decide_late,
             refusals=self.refusals,
             metrics=metrics,
         )
@@ -160,7 +160,7 @@ class WeightsRuntime:
             host=host,
             lifecycle=self.lifecycle,
             lock=self.lock,
-            decide=self.decide,
+            decide=self._decide_late,
             effects=self.effects,
             refusals=self.refusals,
         )
@@ -249,6 +249,11 @@ class WeightsRuntime:
             self._wake.set()
 
     # --- the one entry point -------------------------------------------------------------------
+    def _decide_late(self, event: Event, params: dict[str, Any] | None = None) -> Outcome:
+        """The collaborators' way to :meth:`decide`: looked up at each call, so that whatever
+        stands in ``self.decide`` (a test's spy, a wrapper) sees every decision."""
+        return self.decide(event, params)
+
     def decide(self, event: Event, params: dict[str, Any] | None = None) -> Outcome:
         """Handle ``event`` and perform its effects. The caller must hold :attr:`lock`."""
         effects = self.effects

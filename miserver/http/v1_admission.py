@@ -77,6 +77,23 @@ def _operator_gate_refusal(
     )
 
 
+def _setting_refusal(err: ApiError, model: str, row_id: int, resident: str | None) -> ApiError:
+    """The table's 409 MODEL_NOT_LOADED for an auto-load that ``V1_LOAD_POLICY=refuse``
+    refused (issue 32, item 3), worded for ``/v1``: which model is served, and how an operator
+    loads the one named."""
+    served = f"the served model is {resident!r}" if resident else "nothing is resident"
+    return ApiError(
+        codes.MODEL_NOT_LOADED,
+        f"model {model!r} is not resident ({served}), and this server never loads a model for "
+        f"a /v1 request (V1_LOAD_POLICY=refuse): name the served model, or have an operator "
+        f"load it (POST /api/models/{row_id}/load)",
+        status=409,
+        details={"model": model, "model_id": row_id, "resident": resident},
+        param="model",
+        headers=err.headers,
+    )
+
+
 async def admit(
     app: web.Application,
     model: str,
@@ -94,11 +111,13 @@ async def admit(
     lifecycle table decides (serve / hold / refuse / auto-load, and after an auto-load whether
     the request may go on); the scheduler then holds a held request until the barrier is
     released. ``may_load`` False (:func:`caller_may_load`) refuses an auto-load as the refuse
-    policy does, in the table's same row, with a message naming the served model and how to load.
+    policy does, in the table's same row, with a message naming the served model and how to load;
+    so does the setting ``V1_LOAD_POLICY=refuse``, for every request (issue 32, item 3).
 
     Raises:
-        ApiError: 404 MODEL_NOT_FOUND, 409 MODEL_NOT_LOADED (policy refuse, or ``may_load``
-            False for a row that is not resident), 409 MODEL_BUSY
+        ApiError: 404 MODEL_NOT_FOUND, 409 MODEL_NOT_LOADED (policy refuse, the setting
+            ``V1_LOAD_POLICY=refuse``, or ``may_load`` False for a row that is not resident),
+            409 MODEL_BUSY
             (a load is in progress, or the model was unloaded or changed while the request
             waited for its auto-load: with ``Retry-After``), 400 INVALID_REQUEST (an unknown
             policy), the lifecycle's refusals (409 ALREADY_ATTACHED, 503 WEIGHTS_TORN /
@@ -111,15 +130,19 @@ async def admit(
     row_id = None
     if not host.answers_to(model):  # the resident, or the one a running swap replaces
         row_id = host.resolve_or_not_found(model).id
-    gated = not may_load and policy != "refuse"
+    pinned = app[keys.SETTINGS].v1_load_policy == "refuse" and policy != "refuse"
+    gated = not may_load and policy != "refuse" and not pinned
     try:
         return await app[keys.WEIGHTS].admit_v1(
-            refuse_policy=policy == "refuse" or not may_load, row_id=row_id, priority=priority
+            refuse_policy=policy == "refuse" or pinned or not may_load,
+            row_id=row_id,
+            priority=priority,
         )
     except ApiError as err:
-        if gated and row_id is not None and err.code is codes.MODEL_NOT_LOADED:
+        if (pinned or gated) and row_id is not None and err.code is codes.MODEL_NOT_LOADED:
             resident = host.resident
-            raise _operator_gate_refusal(
+            refusal = _setting_refusal if pinned else _operator_gate_refusal
+            raise refusal(
                 err, model, row_id, resident.served_name if resident is not None else None
             ) from None
         raise lifecycle_refusal(err) from None

@@ -72,6 +72,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     body_read_timeout_s: float = 20.0
     shutdown_grace_s: float = 10.0
     management_auth: str = "none"
+    v1_load_policy: str = "auto"
     log_level: str = "info"
     log_format: str = "json"
 
@@ -121,6 +122,7 @@ VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("BODY_READ_TIMEOUT_S", "body_read_timeout_s", "pos_float"),
     ("SHUTDOWN_GRACE_S", "shutdown_grace_s", "nonneg_float"),
     ("MANAGEMENT_AUTH", "management_auth", "management_auth"),
+    ("V1_LOAD_POLICY", "v1_load_policy", "load_policy"),
     ("LOG_LEVEL", "log_level", "log_level"),
     ("LOG_FORMAT", "log_format", "log_format"),
 )
@@ -145,6 +147,7 @@ KIND_FORMATS: dict[str, str] = {
     "batch_delay": "`auto` or a number of milliseconds, 0 to 1000 (0: no delay)",
     "nonneg_float": "a number, at least 0",
     "management_auth": "`none` or `operator`",
+    "load_policy": "`auto` or `refuse` (case-insensitive)",
 }
 
 #: What each variable of :data:`VARIABLES` does, for the settings reference (docs/settings.md,
@@ -243,6 +246,14 @@ DESCRIPTIONS: dict[str, str] = {
     "weights routes, one audit line per call), and a `/v1` request naming a model that is not "
     "resident is 409 `model_not_loaded` instead of an auto-load unless it carries one; needs "
     "an operator token in `WEIGHTS_TOKENS` (else exit 2).",
+    "V1_LOAD_POLICY": "Whether a `/v1` request may load a model: `auto` (the default, "
+    "contract 4) loads (swaps to) a catalogue row the request names that is not resident; "
+    "`refuse` never does, for every request, an operator token included: it is 409 "
+    "`model_not_loaded` (as `X-miLLM-Load-Policy: refuse` is for one request), naming the "
+    "served model and the management call that loads the one named "
+    "(`POST /api/models/{id}/load`). Requests naming the resident are served as usual; the "
+    "Batch API never loads either way. For a shared server whose clients must not swap the "
+    "model out from under each other.",
     "CONTINUOUS_BATCHING": "Serve through a continuous-batching engine. Not implemented in this "
     "version: only `0` is accepted.",
     "MAX_QUEUED_REQUESTS": "Interactive requests that may wait (queued plus held by the "
@@ -423,6 +434,11 @@ def _convert(variable: str, kind: str, raw: str) -> object:
         if low in ("none", "operator"):
             return low
         raise ConfigError(variable, f"expected none or operator, got {raw!r}")
+    if kind == "load_policy":
+        low = raw.lower()
+        if low in ("auto", "refuse"):
+            return low
+        raise ConfigError(variable, f"expected auto or refuse, got {raw!r}")
     if kind == "device":
         if raw == "auto" or raw == "cpu" or re.fullmatch(r"cuda(:\d+)?", raw):
             return raw

@@ -87,6 +87,24 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         weights page, Which models can be attached: ``allocator``)."""
         return any(token.role == "trainer" for token in self.weights_tokens)
 
+    def training_warning(self, max_concurrent: int | None = None) -> str | None:
+        """The warning that training is impossible, or None (issue 32, item 5): with a
+        trainer token configured and ``max_concurrent`` (default ``MAX_CONCURRENT_REQUESTS``;
+        the run-time value after a ``PATCH /api/settings``) above 1, the step barrier is off
+        (weights page, The write cycle 2: status ``pause_unavailable: "concurrency"``), so
+        every quiesce, save and weights load is 409 BARRIER_UNAVAILABLE. One line, logged at
+        start and listed in ``GET /api/health/detailed``'s ``warnings``."""
+        concurrency = self.max_concurrent_requests if max_concurrent is None else max_concurrent
+        if concurrency <= 1 or not self.has_trainer_token:
+            return None
+        return (
+            f"MAX_CONCURRENT_REQUESTS is {concurrency} and a trainer token is configured, but "
+            "the step barrier needs 1: every quiesce, save and weights load is 409 "
+            "BARRIER_UNAVAILABLE (reason concurrency), so no trainer can write the served "
+            "weights; set MAX_CONCURRENT_REQUESTS=1 (or PATCH /api/settings "
+            '{"max_concurrent_requests": 1})'
+        )
+
     def resolved_device(self) -> str:
         """``auto`` becomes ``cuda:0`` when CUDA is available, else ``cpu``."""
         if self.device != "auto":
@@ -197,8 +215,9 @@ DESCRIPTIONS: dict[str, str] = {
     "WEIGHTS_AUDIT_LOG": "Also append every `weights_audit` line (who called which weights "
     "route, the outcome) to this file, flushed per line. The lines always go to the log.",
     "MAX_CONCURRENT_REQUESTS": "Forward passes that may run at once. The step barrier needs 1 "
-    "(otherwise quiesce is 409 BARRIER_UNAVAILABLE, reason `concurrency`). Also changeable at "
-    "run time with `PATCH /api/settings`.",
+    "(otherwise quiesce is 409 BARRIER_UNAVAILABLE, reason `concurrency`; with a trainer token "
+    "configured, one warning line at start and in `GET /api/health/detailed`'s `warnings`). "
+    "Also changeable at run time with `PATCH /api/settings`.",
     "MAX_BATCH_SIZE": "Sequences one pass of the slot decodes together (a static batch, "
     "contract 4): when the slot is granted it takes the waiting requests of the resident model, "
     "interactive first, then batch rows, up to this many sequences (a request with `n` counts "

@@ -368,9 +368,5 @@ def _describe_imported(catalogue: Catalogue, home: Path) -> None:
         (GGUF_NAME, gguf_home_path(home), GGUF_DESCRIPTION),
     ):
         row = catalogue.get_by_name(name)
-        if (
-            row is not None
-            and not row.description
-            and Path(row.path).resolve() == path.resolve()
-        ):
+        if row is not None and not row.description and Path(row.path).resolve() == path.resolve():
             catalogue.set_description(row.id, description)

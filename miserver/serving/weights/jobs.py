@@ -450,6 +450,10 @@ class WeightsJobs:
                 except checkpoints.CheckpointError as exc:
                     raise exc.as_api_error() from None
             await mark_writing()
+            replaced = self.host.resident
+            if replaced is not None:  # held requests go on on the reloaded model (issue 32)
+                self.runtime.admission.note_reloaded(replaced)
+            del replaced
             await self.host.load(plan.row.id, reload=True)
         resident = self.host.resident
         self.applied = None  # a load replaces the adapted model (in place: removed first)

@@ -123,3 +123,46 @@ async def test_the_trainer_guide_and_the_server_agree_on_which_loads_are_in_plac
         assert st == 200 and data["data"]["in_place"] is True, data
     finally:
         await client.close()
+
+
+async def test_a_checkpoint_load_a_save_and_an_adapter_change_hold_the_chats(
+    tmp_path, tiny_model_dir
+):
+    """The other pauses of issue 32, item 2: chats sent during an in-place checkpoint load, a
+    save and an adapter change (apply, remove) are all answered 200, held while the pause
+    runs (three clients send one after another before, during and after each pause)."""
+    from tests.unit.test_weights_checkpoints_routes import make_adapter
+    from tests.unit.test_weights_routes import TRN, post
+
+    client = await make_client(tmp_path, tiny_model_dir)
+    try:
+        st, data, _ = await post(client, "/api/weights/attach", auth(TRN))
+        h = auth(TRN, data["data"]["attachment_id"])
+        assert (await post(client, "/api/weights/save", h, {"name": "ck"}))[0] == 200
+        adapter = make_adapter(tiny_model_dir, tmp_path / "adapter")
+        for path, payload, method in (
+            ("/api/weights/load", {"checkpoint": "ck"}, "post"),
+            ("/api/weights/save", {}, "post"),
+            ("/api/weights/adapter", {"name": "ad1", "path": str(adapter)}, "post"),
+            ("/api/weights/adapter", None, "delete"),
+        ):
+            gate = asyncio.Event()
+
+            async def storm(gate: asyncio.Event = gate) -> list:
+                out = []
+                while not gate.is_set():
+                    out.append(await _answer(client))
+                return out
+
+            tasks = [asyncio.create_task(storm()) for _ in range(3)]
+            await asyncio.sleep(0.1)
+            resp = await getattr(client, method)(path, headers=h, json=payload)
+            assert resp.status == 200, await resp.text()
+            await asyncio.sleep(0.05)
+            gate.set()
+            answers = [a for t in tasks for a in await t]
+            assert answers and all(status == 200 for status, _, _ in answers), [
+                (s, d.get("error")) for s, d, _ in answers if s != 200
+            ]
+    finally:
+        await client.close()

@@ -200,6 +200,7 @@ async def prepare_chat(
         want,
         adapter,
         req.n or 1,
+        req.model,
     )
 
 
@@ -233,4 +234,5 @@ async def prepare_completion(
         want,
         adapter,
         req.n or 1,
+        req.model,
     )

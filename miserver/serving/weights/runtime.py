@@ -313,10 +313,17 @@ class WeightsRuntime:
             refuse_policy=refuse_policy, row_id=row_id, priority=priority
         )
 
-    async def confirm_v1(self, resident: Any, *, adapter: dict[str, Any] | None = None) -> None:
+    async def confirm_v1(
+        self, resident: Any, *, adapter: dict[str, Any] | None = None, model: str | None = None
+    ) -> Any:
         """See :meth:`AdmissionGate.confirm_v1
         <miserver.serving.weights.admission.AdmissionGate.confirm_v1>`."""
-        await self.admission.confirm_v1(resident, adapter=adapter)
+        return await self.admission.confirm_v1(resident, adapter=adapter, model=model)
+
+    async def wait_reloaded(self, deadline: float) -> None:
+        """See :meth:`AdmissionGate.wait_reloaded
+        <miserver.serving.weights.admission.AdmissionGate.wait_reloaded>`."""
+        await self.admission.wait_reloaded(deadline)
 
     def catalogue_delete(self, row_id: int, name: str) -> None:
         """See :meth:`AdmissionGate.catalogue_delete

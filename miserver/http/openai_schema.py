@@ -328,7 +328,7 @@ def check_chat(req: ChatCompletionRequest) -> tuple[str, ...]:
                 f"messages[{i}].content is required for role {message.role}",
                 f"messages[{i}].content",
             )
-        if message.content is None and not message.tool_calls:
+        if message.content is None and message.tool_calls is None:
             raise _bad(f"messages[{i}].content is required", f"messages[{i}].content")
         if message.tool_calls is not None and message.role != "assistant":
             raise _bad(

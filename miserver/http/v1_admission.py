@@ -285,6 +285,9 @@ class Job:
     adapter: dict[str, Any] | None = None
     #: Choices to generate (OpenAI's ``n``, 1..``MAX_BATCH_SIZE``): sequences of the batch.
     n: int = 1
+    #: ``response_format`` / ``tools`` (a :class:`~miserver.serving.structured.request.Structured`),
+    #: or None: free text. Chat answers with tools are parsed for tool calls.
+    structured: Any = None
 
 
 async def wait_for_startup_load(

@@ -11,6 +11,7 @@ grammar alone. The tests run in file order (the tool tests swap the resident las
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import socket
@@ -297,6 +298,59 @@ def test_a_model_whose_template_takes_no_tools_answers_400_naming_tools(
             model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[WEATHER]
         )
     assert info.value.body["param"] == "tools"  # type: ignore[index]
+
+
+def test_batch_rows_take_the_same_fields(client: openai.OpenAI) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA}}
+    rows = [
+        {
+            "custom_id": "json",
+            "messages": [{"role": "user", "content": PROMPTS[2]}],
+            "response_format": fmt,
+            "max_tokens": 200,
+        },
+        {
+            "custom_id": "not",
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"not": {}}},
+            },
+        },
+        {"custom_id": "tools", "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]},
+    ]
+    data = b"".join(
+        json.dumps(
+            {
+                "custom_id": row.pop("custom_id"),
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": MODEL, **row},
+            }
+        ).encode()
+        + b"\n"
+        for row in rows
+    )
+    upload = client.files.create(file=("rows.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    deadline = time.monotonic() + 600
+    while (now := client.batches.retrieve(batch.id)).status != "completed":
+        assert now.status in ("in_progress", "finalizing"), now
+        assert time.monotonic() < deadline, now
+        time.sleep(0.5)
+    lines = []
+    for file_id in (now.output_file_id, now.error_file_id):
+        if file_id:
+            lines += [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+    by_id = {line["custom_id"]: line["response"] for line in lines}
+    assert by_id["json"]["status_code"] == 200
+    City.model_validate_json(by_id["json"]["body"]["choices"][0]["message"]["content"])
+    assert by_id["not"]["status_code"] == 400
+    assert by_id["not"]["body"]["error"]["param"] == "response_format.json_schema.schema.not"
+    assert by_id["tools"]["status_code"] == 400
+    assert by_id["tools"]["body"]["error"]["param"] == "tools"
 
 
 # --- tools on the tiny model with Qwen2.5's template (loads it: last) ------------------------------

@@ -120,10 +120,13 @@ class LLGuidanceMatcher:
             raise ConstraintError(f"{self._c.description}: {self._m.get_error()}")
 
     def fill_mask(self, logits: torch.Tensor) -> None:
+        """Raises :class:`ConstraintError` when the grammar allows no token (a failed matcher)."""
         self._check()
         bits = self._bits
         self._m.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
         self._check()
+        if not bool(bits.any()):  # sampling from nothing would read as non-finite logits
+            raise ConstraintError(f"{self._c.description}: the grammar allows no next token")
         allowed = np.unpackbits(bits.numpy().view(np.uint8), bitorder="little")
         allowed = torch.from_numpy(allowed[: logits.shape[-1]])
         if logits.shape[-1] > allowed.shape[0]:  # a row wider than the grammar's vocabulary

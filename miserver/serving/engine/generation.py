@@ -712,7 +712,7 @@ class _Sequence:
         caller has it: a greedy sequence takes its index (what :func:`pick_token` would).
         ``picked``: this row's :func:`pick_tokens` result, when the caller sampled the batch.
         ``unmasked``: for a constrained sequence whose row the caller already masked
-        (:meth:`mask`), the row before masking (its logprobs); without it a constrained
+        (:func:`_mask_constrained`), the row before masking (its logprobs); without it a constrained
         sequence masks a copy of ``logits`` here (``best`` and ``picked`` are then unused)."""
         gen = self.gen
         if gen._cancel.is_set():

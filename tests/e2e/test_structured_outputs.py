@@ -177,7 +177,7 @@ def test_parse_with_a_pydantic_model_validates_over_20_prompts_with_n_4(
 
 
 def test_json_object_output_always_parses(client: openai.OpenAI) -> None:
-    for prompt in PROMPTS[:5]:
+    for prompt in PROMPTS[:3]:
         completion = client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": prompt + " Answer in JSON."}],

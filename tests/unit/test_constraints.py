@@ -210,3 +210,20 @@ async def test_greedy_constrained_is_reproducible_and_logprobs_are_the_models_ow
     # unmasked logprobs: the model's own best alternative is often outside the grammar
     assert any(lp.top[0][0] != lp.token_id for lp in a[2])
     assert all(lp.logprob is not None and lp.logprob <= 0 for lp in a[2])
+
+
+def test_what_the_library_still_refuses_is_a_400_at_response_format(tiny: Any) -> None:
+    from miserver.serving.structured.response_format import compile_constraint
+
+    model, tok = tiny
+    fmt = parse_response_format(
+        {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "string", "format": "zip-code"}},
+        }
+    )
+    assert fmt is not None  # "format" is an enforced keyword: the library judges the value
+    with pytest.raises(ApiError) as info:
+        compile_constraint(fmt, model, tok, "response_format")
+    assert info.value.status == 400 and info.value.param == "response_format"
+    assert "zip-code" in str(info.value)

@@ -227,3 +227,53 @@ def test_what_the_library_still_refuses_is_a_400_at_response_format(tiny: Any) -
         compile_constraint(fmt, model, tok, "response_format")
     assert info.value.status == 400 and info.value.param == "response_format"
     assert "zip-code" in str(info.value)
+
+
+class _Script:
+    """A fake :class:`Constraint`: its matchers allow exactly ``tokens``, in order, and record
+    the calls the sampler makes (the hook's protocol, ENGINE_API "Constraint hook")."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.calls: list[tuple[str, int]] = []
+
+    def new_matcher(self) -> Any:
+        script = self
+
+        class _M:
+            at = 0
+
+            def fill_mask(self, logits: torch.Tensor) -> None:
+                script.calls.append(("mask", self.at))
+                keep = logits[script.tokens[self.at]].clone()
+                logits.fill_(float("-inf"))
+                logits[script.tokens[self.at]] = keep
+
+            def accept(self, token_id: int) -> None:
+                script.calls.append(("accept", token_id))
+                assert token_id == script.tokens[self.at]
+                self.at += 1
+
+            def is_terminated(self) -> bool:
+                return self.at == len(script.tokens)
+
+        return _M()
+
+
+async def test_the_hook_masks_before_the_choice_accepts_after_and_ends_as_stop(tiny: Any) -> None:
+    model, tok = tiny
+    tokens = tok.encode(" forced words here", add_special_tokens=False)
+    script = _Script(tokens)
+    params = SamplingParams(max_tokens=50, temperature=1.0, seed=3, constraint=script, logprobs=0)
+    free = SamplingParams(max_tokens=6, temperature=0)
+    results = await _run(model, tok, [(params, 2), (free, 1)])
+    for text, finish, lps in results[:2]:
+        assert (text, finish) == (" forced words here", "stop")
+        assert [lp.token_id for lp in lps] == tokens
+    # per choice: mask i, accept token i, in order (two matchers interleaved by the batch)
+    masks = [c for c in script.calls if c[0] == "mask"]
+    accepts = [c for c in script.calls if c[0] == "accept"]
+    assert sorted(accepts) == sorted(("accept", t) for t in tokens * 2)
+    assert len(masks) == len(accepts)
+    (alone,) = await _run(model, tok, [(free, 1)])
+    assert results[2][:2] == alone[:2]

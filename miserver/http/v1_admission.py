@@ -328,6 +328,9 @@ class Job:
     #: The ``model`` the request named (a held request goes on on a reloaded model that
     #: answers to it; issue 32, item 2).
     model: str | None = None
+    #: ``response_format`` / ``tools`` (a :class:`~miserver.serving.structured.request.Structured`),
+    #: or None: free text. Chat answers with tools are parsed for tool calls.
+    structured: Any = None
 
 
 async def wait_for_startup_load(

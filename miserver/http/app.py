@@ -317,6 +317,9 @@ def create_app(
 
     async def on_startup(app: web.Application) -> None:
         use_expect_continue(app)  # every route, those added after create_app included
+        warning = settings.training_warning(scheduler.max_concurrent)
+        if warning is not None:  # issue 32, item 5: training is impossible, said once
+            log.warning(warning)
         app[keys.STARTUP_LOAD] = asyncio.create_task(
             load_default_model(app), name="miserver-default-load"
         )

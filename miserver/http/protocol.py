@@ -421,7 +421,7 @@ class JsonErrorRequestHandler(RequestHandler):
             and not self._upgraded
             and not self._force_close
             and not self._close
-            and len(self._messages) < self._max_msg_queue_size
+            and len(self._messages) < getattr(self, "_max_msg_queue_size", 32)
             and not (self._messages and isinstance(self._messages[-1][0], _ErrInfo))
         ):
             count = self._request_count
@@ -538,17 +538,20 @@ class JsonErrorServer(web.Server):
         handler.__class__ = JsonErrorRequestHandler
         # aiohttp's parser, except that it stops after each request, buffering the rest of
         # the read (its own queue limit, 1): JsonErrorRequestHandler._parse_rest takes them.
-        handler._parser = HttpRequestParser(
-            handler,
-            handler._loop,
-            handler._read_bufsize,
-            max_line_size=handler.max_line_size,
-            max_field_size=handler.max_field_size,
-            max_headers=handler.max_headers,
-            payload_exception=RequestPayloadError,
-            auto_decompress=self._kwargs.get("auto_decompress", True),
-            max_msg_queue_size=1,
-        )
+        # An aiohttp before the per-message pause (3.14) keeps its own parser (TypeError): a
+        # malformed request there still drops the ones before it in the same read.
+        with contextlib.suppress(TypeError, AttributeError):
+            handler._parser = HttpRequestParser(
+                handler,
+                handler._loop,
+                handler._read_bufsize,
+                max_line_size=handler.max_line_size,
+                max_field_size=handler.max_field_size,
+                max_headers=handler.max_headers,
+                payload_exception=RequestPayloadError,
+                auto_decompress=self._kwargs.get("auto_decompress", True),
+                max_msg_queue_size=1,
+            )
         return handler
 
 

@@ -12,9 +12,9 @@ while the weights are torn the batch waits (``weights_torn``); while the barrier
 chunk is held in the scheduler (``quiesced``); while the disk of ``MISERVER_HOME`` is full
 (results or output files cannot be written) every active batch waits (``disk_full``), the results
 of the rows that finished meanwhile kept in memory and written once there is space, never computed
-again. Only the completion window (``24h``) ends a waiting batch, as ``expired``. At start the runner takes the home's lock file (one runner per home); the
-rows that were running at a crash (at most one chunk) kept no result and run again
-(:mod:`miserver.serving.batches.store`).
+again. Only the completion window (``24h``) ends a waiting batch, as ``expired``. At start the
+runner takes the home's lock file (one runner per home); the rows that were running at a crash
+(at most one chunk) kept no result and run again (:mod:`miserver.serving.batches.store`).
 """
 
 from __future__ import annotations

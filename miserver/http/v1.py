@@ -79,6 +79,7 @@ from miserver.serving.engine.prompts import (
     render_chat,
 )
 from miserver.serving.engine.slot import Grant, Priority, Unit
+from miserver.serving.models.gguf import GGUFBatch
 from miserver.serving.models.host import Resident
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
@@ -306,6 +307,13 @@ async def _prepare_completion(
     if echo:
         echo_text = prompt if isinstance(prompt, str) else resident.tokenizer.decode(prompt_ids)
     want = req.logprobs is not None
+    if echo and want and resident.kind == "gguf":
+        raise _bad(
+            f"echo with logprobs (the prompt's logprobs) is not available on "
+            f"{resident.served_name}: it is a GGUF model served by llama.cpp, which does not "
+            "score the prompt; drop echo or logprobs",
+            "echo",
+        )
     return Job(
         "completion",
         resident,
@@ -409,7 +417,8 @@ def _join_batch(app: web.Application, grant: Grant, job: Job) -> list[Generation
     every member has joined or left (:meth:`~miserver.serving.engine.slot.SlotBatch.when_ready`)."""
     batch = grant.batch
     if batch.work is None:
-        work = batch.work = StaticBatch()
+        # A GGUF resident's sequences run on llama.cpp's slots (contract 4a).
+        work = batch.work = GGUFBatch() if job.resident.kind == "gguf" else StaticBatch()
         metrics = app.get(keys.METRICS)
 
         def start() -> None:

@@ -500,9 +500,7 @@ async def test_continuous_batching_by_patch_is_the_weights_pages_cbm(client: Tes
     status = (await call(client, "GET", "/api/weights/status"))["data"]
     assert status["pause_unavailable"] == "cbm"
     # cbm wins over concurrency while both are set (the lifecycle's one record)
-    data = (
-        await call(client, "PATCH", "/api/settings", {"max_concurrent_requests": 2})
-    )["data"]
+    data = (await call(client, "PATCH", "/api/settings", {"max_concurrent_requests": 2}))["data"]
     assert (data["continuous_batching"], data["max_concurrent_requests"]) == (True, 2)
     assert (await call(client, "GET", "/api/weights/status"))["data"]["pause_unavailable"] == "cbm"
     data = (await call(client, "PATCH", "/api/settings", {"continuous_batching": False}))["data"]

@@ -206,21 +206,16 @@ def gguf_context_length(path: str) -> int:
     return 2048
 
 
-def load_gguf(row: Any, settings: Settings) -> Any:
+def load_gguf(row: Any, settings: Settings) -> tuple[GGUFModel, Any]:
     """Load a GGUF row: its tokenizer (transformers, from the file) and llama.cpp's server.
 
-    Blocking (seconds): call it in a worker thread. Returns a
-    :class:`~miserver.serving.models.loader.LoadedModel` whose ``model`` is a
-    :class:`GGUFModel` on the CPU, never attachable.
+    Blocking (seconds): call it in a worker thread. Returns ``(model, tokenizer)``: the
+    :class:`GGUFModel` (CPU, never attachable) and the transformers tokenizer.
 
     Raises:
         ApiError: as :func:`preflight`; 500 MODEL_LOAD_FAILED when llama.cpp cannot open the
             file (the message says so).
     """
-    import torch
-
-    from miserver.serving.models.loader import LoadedModel
-
     preflight(row)
     path = Path(row.path)
     try:
@@ -253,9 +248,7 @@ def load_gguf(row: Any, settings: Settings) -> Any:
         threads,
         parallel,
     )
-    return LoadedModel(
-        model=model, tokenizer=tokenizer, device=torch.device("cpu"), attachable=False
-    )
+    return model, tokenizer
 
 
 def is_gguf(model: Any) -> bool:

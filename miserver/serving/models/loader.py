@@ -322,7 +322,10 @@ def load_model(row: CatalogueRow, settings: Settings) -> LoadedModel:
     if row.format == "gguf":  # llama.cpp (contract 4a)
         from miserver.serving.models import gguf
 
-        return gguf.load_gguf(row, settings)
+        model, tokenizer = gguf.load_gguf(row, settings)
+        return LoadedModel(
+            model=model, tokenizer=tokenizer, device=torch.device("cpu"), attachable=False
+        )
     check_loadable(row)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -249,6 +249,77 @@ def test_a_client_that_goes_away_stops_its_generation(q4: Server) -> None:
         time.sleep(0.1)
 
 
+def test_the_queue_and_queue_full_hold_on_a_gguf_resident(q4: Server) -> None:
+    """One request decodes, one waits (MAX_QUEUED_REQUESTS 1), the rest are 503 queue_full with
+    Retry-After; the metrics count them."""
+    assert q4.call("PATCH", "/api/settings", json={"max_queued_requests": 1}).status_code == 200
+    client = q4.client()
+
+    def one(i: int) -> str:
+        try:
+            client.completions.create(
+                model=Q4, prompt=f"Tell me {i}", max_tokens=48, temperature=0.9, seed=i
+            )
+            return "ok"
+        except openai.APIStatusError as err:
+            assert err.status_code == 503 and err.response.headers.get("retry-after")
+            return err.body["code"]  # type: ignore[index]
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            first = pool.submit(one, 0)
+            t0 = time.monotonic()
+            while q4.get("/api/health/detailed")["data"]["queue"]["running"] == 0:
+                assert time.monotonic() - t0 < 60
+                time.sleep(0.02)
+            rest = [pool.submit(one, i) for i in (1, 2, 3)]
+            outcomes = [first.result()] + [f.result() for f in rest]
+    finally:
+        q4.call("PATCH", "/api/settings", json={"max_queued_requests": 64})
+    assert outcomes[0] == "ok" and "queue_full" in outcomes and outcomes.count("ok") >= 2
+    metrics = requests.get(f"{q4.base}/metrics", timeout=10).text
+    assert 'code="QUEUE_FULL"' in metrics
+
+
+def test_the_batch_api_runs_on_a_gguf_resident(q4: Server) -> None:
+    import io
+    import json
+
+    client = q4.client()
+    lines = [
+        {
+            "custom_id": f"row-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {
+                "model": Q4,
+                "prompt": "The capital of France is",
+                "max_tokens": 3,
+                "temperature": 0,
+            },
+        }
+        for i in range(2)
+    ]
+    data = "\n".join(json.dumps(line) for line in lines).encode()
+    file = client.files.create(file=("rows.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=file.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    t0 = time.monotonic()
+    while batch.status not in ("completed", "failed", "cancelled", "expired"):
+        assert time.monotonic() - t0 < 120, batch
+        time.sleep(0.5)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    out = [
+        json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()
+    ]
+    assert sorted(o["custom_id"] for o in out) == ["row-0", "row-1"]
+    for o in out:
+        assert o["response"]["status_code"] == 200
+        assert o["response"]["body"]["choices"][0]["text"].startswith(" Paris")
+
+
 # --- what a GGUF resident cannot do (weights page: Which models can be attached) -------------
 def test_attach_is_not_attachable_reason_gguf(q4: Server) -> None:
     r = q4.call("POST", "/api/weights/attach", headers=TRAINER)
@@ -392,6 +463,18 @@ def test_continuous_batching_from_the_start_refuses_the_barrier(cbm_server: Serv
     assert cbm_server.call("POST", f"/api/models/{cbm_server.row_id(Q4)}/load").status_code == 200
     r = cbm_server.call("POST", "/api/weights/attach", headers=TRAINER)
     assert _refusal(r) == (400, "NOT_ATTACHABLE", "gguf")
+    assert cbm_server.call("POST", f"/api/models/{cbm_server.row_id(BF16)}/load").status_code == 200
+
+
+def test_the_newcomer_path_a_chat_naming_the_q4_row_answers(cbm_server: Server) -> None:
+    """What the README tells a newcomer: the server as `make serve` starts it (the bfloat16 row
+    resident), then a chat naming the q4 row: it is loaded (a swap) and answers."""
+    raw = cbm_server.client().chat.completions.with_raw_response.create(
+        model=Q4, messages=[{"role": "user", "content": "Hi!"}], max_tokens=8
+    )
+    assert raw.parse().choices[0].message.content
+    assert parse_model_header(raw.headers["x-millm-model"])[0] == Q4
+    assert cbm_server.resident() == Q4
     assert cbm_server.call("POST", f"/api/models/{cbm_server.row_id(BF16)}/load").status_code == 200
 
 

@@ -216,7 +216,9 @@ def test_seed_repeats_and_n_gives_n_choices(q4: Server) -> None:
     assert first.choices[0].text == again.choices[0].text
     many = client.completions.create(**kw, n=3)
     assert [c.index for c in many.choices] == [0, 1, 2]
-    assert many.choices[0].text == first.choices[0].text  # choice 0 samples with the seed
+    # Choice 0 samples with the seed too, but llama.cpp decodes the 3 choices together in its
+    # parallel slots, and a batched pass may differ from a lone one in the logits' last bits:
+    # the same seed repeats an answer when the request is decoded alone (docs/decisions.md).
     assert len({c.text for c in many.choices}) > 1
     assert 3 <= many.usage.completion_tokens <= 3 * 12
 

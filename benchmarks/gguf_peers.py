@@ -7,8 +7,11 @@ Both servers run as subprocesses at once, each with ``--threads`` llama.cpp thre
 llama.cpp: ``GGUF_THREADS``, ``MAX_BATCH_SIZE``), and are measured in turns (miserver, then
 llama.cpp, then miserver, ...) so background load hits both alike; medians are reported.
 
-Rows: one chat (batch 1, greedy, ``--tokens`` tokens: tokens/s of the completion), and
-``--concurrent`` chats sent at once (total completion tokens / wall time of the whole set). The
+Rows: one chat (batch 1, greedy, ``--tokens`` tokens: tokens/s of the completion),
+``--concurrent`` chats sent at once (total completion tokens / wall time of the whole set), and
+on miserver one chat asking for ``n = --concurrent`` choices (how ``n`` runs on a GGUF
+resident: in llama.cpp's parallel slots; compare with ``--concurrent`` times one chat's rate for
+what running them one after another would give). The
 ratio column is miserver's tokens/s over llama.cpp's (the target: at least 0.90, issue 31).
 Each request is ``POST /v1/chat/completions`` with the same body on both servers; the token
 counts are each server's own ``usage``.
@@ -43,14 +46,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _chat(base: str, model: str, tokens: int, seed: int) -> int:
-    """One non-streamed greedy chat; returns its completion tokens."""
+def _chat(base: str, model: str, tokens: int, seed: int, n: int = 1) -> int:
+    """One non-streamed greedy chat with ``n`` choices; returns its completion tokens."""
     body = {
         "model": model,
         "messages": PROMPT,
         "max_tokens": tokens,
         "temperature": 0,
         "seed": seed,
+        "n": n,
     }
     req = urllib.request.Request(
         f"{base}/v1/chat/completions",
@@ -66,6 +70,13 @@ def _rate(base: str, model: str, tokens: int, k: int) -> float:
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(k) as pool:
         done = sum(pool.map(lambda i: _chat(base, model, tokens, i), range(k)))
+    return done / (time.perf_counter() - t0)
+
+
+def _rate_n(base: str, model: str, tokens: int, n: int) -> float:
+    """Completion tokens per second of one chat asking for ``n`` choices."""
+    t0 = time.perf_counter()
+    done = _chat(base, model, tokens, 0, n)
     return done / (time.perf_counter() - t0)
 
 
@@ -186,6 +197,10 @@ def main() -> int:
             for k in (1, args.concurrent):
                 for name, (base, model) in peers.items():
                     results.setdefault((name, k), []).append(_rate(base, model, args.tokens, k))
+            base, model = peers["miserver (q4 row)"]
+            results.setdefault(("miserver, one request", -1), []).append(
+                _rate_n(base, model, args.tokens, args.concurrent)
+            )
     finally:
         for proc in (mi, ll):
             proc.terminate()
@@ -204,6 +219,15 @@ def main() -> int:
         for name in peers:
             rate = statistics.median(results[(name, k)])
             print(f"| {k:>13} | {name:<18} | {rate:>9.1f} | {rate / ref:>12.2f} |")
+    rate = statistics.median(results[("miserver, one request", -1)])
+    ref = statistics.median(results[("llama.cpp server", args.concurrent)])
+    label = f"n={args.concurrent}"
+    print(f"| {label:>13} | {'miserver (q4 row)':<18} | {rate:>9.1f} | {rate / ref:>12.2f} |")
+    print(
+        f"\nn={args.concurrent}: one request for {args.concurrent} choices on miserver (its "
+        "choices share llama.cpp's parallel slots), against llama.cpp's "
+        f"{args.concurrent} concurrent chats."
+    )
     print(f"\nlogs: {logs}")
     return 0
 

@@ -395,7 +395,8 @@ class GGUFGeneration:
             "cache_prompt": True,
         }
         if p.seed is not None:
-            body["seed"] = p.seed % 2**32
+            # llama.cpp's seeds are 32 bits, and 0xFFFFFFFF is its "random" (LLAMA_DEFAULT_SEED)
+            body["seed"] = min(p.seed % 2**32, 2**32 - 2)
         if p.logprobs is not None:
             body["n_probs"] = max(1, p.logprobs)
         return body

@@ -234,6 +234,14 @@ def test_errors_are_openai_shaped_before_anything_runs(q4: Server) -> None:
         client.completions.create(model=Q4, prompt="hi", max_tokens=2, echo=True, logprobs=1)
     assert err.value.body["param"] == "echo"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=Q4,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2,
+            response_format={"type": "json_object"},
+        )
+    assert err.value.body["param"] == "response_format"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=Q4, prompt="hi", max_tokens=2, n=5)  # MAX_BATCH_SIZE 4
     assert err.value.body["param"] == "n"  # type: ignore[index]
 

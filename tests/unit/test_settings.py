@@ -28,6 +28,10 @@ def test_defaults_are_the_contracts():
         8388608,
     )
     assert s.weights_tokens == ()
+    assert s.v1_load_policy == "auto"  # contract 4's auto-load
+    assert load_settings({"MISERVER_HOME": "/x", "V1_LOAD_POLICY": "Refuse"}).v1_load_policy == (
+        "refuse"
+    )
 
 
 @pytest.mark.parametrize(
@@ -45,6 +49,7 @@ def test_defaults_are_the_contracts():
         ({"CONTINUOUS_BATCHING": "maybe"}, "CONTINUOUS_BATCHING"),
         ({"GGUF_THREADS": "0"}, "GGUF_THREADS"),
         ({"GGUF_THREADS": "many"}, "GGUF_THREADS"),
+        ({"V1_LOAD_POLICY": "never"}, "V1_LOAD_POLICY"),
         ({"WEIGHTS_TOKENS": f"Bad Label:trainer:{SECRET}"}, "WEIGHTS_TOKENS"),
         ({"WEIGHTS_TOKENS": f"a:admin:{SECRET}"}, "WEIGHTS_TOKENS"),
         ({"WEIGHTS_TOKENS": "a:trainer:short"}, "WEIGHTS_TOKENS"),

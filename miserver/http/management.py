@@ -437,11 +437,17 @@ _SETTINGS_HINTS = {
 }
 
 
+def _continuous_batching(app: web.Application) -> bool:
+    """Whether ``CONTINUOUS_BATCHING`` is on: the lifecycle's pause availability is ``cbm``
+    (the one record of it, set at start and by :func:`patch_settings`; contract 1)."""
+    return app[keys.WEIGHTS].lifecycle.state.avail == "cbm"
+
+
 def _settings_view(app: web.Application) -> dict[str, Any]:
     scheduler = app[keys.SCHEDULER]
     return {
         "max_concurrent_requests": scheduler.max_concurrent,
-        "continuous_batching": False,
+        "continuous_batching": _continuous_batching(app),
         "max_queued_requests": scheduler.max_queued,
     }
 
@@ -453,14 +459,14 @@ async def get_settings(request: web.Request) -> web.Response:
 
 async def patch_settings(request: web.Request) -> web.Response:
     """``PATCH /api/settings``: change any of ``max_concurrent_requests``,
-    ``continuous_batching`` (only false: not implemented), ``max_queued_requests``."""
+    ``continuous_batching`` (the weights page's cbm) and ``max_queued_requests`` (contract 1).
+
+    The resulting pause availability (``cbm`` while continuous batching is on, else
+    ``concurrency`` while ``MAX_CONCURRENT_REQUESTS`` is not 1, else ``ok``) goes through the
+    lifecycle table: 409 MODEL_BUSY while the barrier is held or a commit is open; accepted
+    while a trainer is attached and idle (its next quiesce is then 409 BARRIER_UNAVAILABLE).
+    """
     patch = await read_body(request, SettingsPatch, hints=_SETTINGS_HINTS)
-    if patch.continuous_batching is True:
-        raise _invalid(
-            "continuous batching is not implemented in this version; "
-            "continuous_batching can only be false",
-            "continuous_batching",
-        )
     kwargs = {}
     if patch.max_concurrent_requests is not msgspec.UNSET:
         kwargs["max_concurrent"] = patch.max_concurrent_requests
@@ -471,7 +477,13 @@ async def patch_settings(request: web.Request) -> web.Response:
     # its message and details the table's; contract 1) and records the resulting pause
     # availability (weights page: Status).
     scheduler = request.app[keys.SCHEDULER]
-    await request.app[keys.WEIGHTS].settings_change("ok" if concurrency == 1 else "concurrency")
+    continuous = (
+        _continuous_batching(request.app)
+        if patch.continuous_batching is msgspec.UNSET
+        else patch.continuous_batching
+    )
+    avail = "cbm" if continuous else ("ok" if concurrency == 1 else "concurrency")
+    await request.app[keys.WEIGHTS].settings_change(avail)
     before = scheduler.max_concurrent
     if kwargs:
         scheduler.set_limits(**kwargs)

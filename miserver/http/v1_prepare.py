@@ -156,6 +156,14 @@ async def _constraint(resident: Resident, structured: Structured) -> Any:
     thread: llguidance's view of a tokenizer costs seconds the first time), or None."""
     if not structured.any:
         return None
+    if resident.kind == "gguf":  # llama.cpp samples: miserver's grammar hook is not there
+        field = "response_format" if structured.output is not None else "tools"
+        raise bad_request(
+            f"{field} (constrained output) is not available on {resident.served_name}: it is a "
+            "GGUF model served by llama.cpp, where miserver's grammar cannot steer the sampler; "
+            "use a safetensors row",
+            field,
+        )
     return await asyncio.to_thread(
         request_constraint, structured, resident.model, resident.tokenizer
     )
@@ -276,6 +284,13 @@ async def prepare_completion(
     if echo:
         echo_text = prompt if isinstance(prompt, str) else resident.tokenizer.decode(prompt_ids)
     want = req.logprobs is not None
+    if echo and want and resident.kind == "gguf":
+        raise bad_request(
+            f"echo with logprobs (the prompt's logprobs) is not available on "
+            f"{resident.served_name}: it is a GGUF model served by llama.cpp, which does not "
+            "score the prompt; drop echo or logprobs",
+            "echo",
+        )
     constraint = await _constraint(resident, structured)
     return Job(
         "completion",

@@ -128,6 +128,10 @@ NOT_ATTACHABLE = _c(
 C = "companion contract"
 MODEL_RESIDENT = _c("MODEL_RESIDENT", 409, src=C + " 3")
 BACKEND_UNAVAILABLE = _c("BACKEND_UNAVAILABLE", 400, "gguf", src=C + " 3")
+# What a GGUF resident (served by llama.cpp, whose weights miserver does not hold) cannot do:
+# a save, a weights load of a checkpoint (in place), an adapter change. Refused before anything
+# is paused or touched; attach is NOT_ATTACHABLE reason gguf (the weights page).
+GGUF_UNSUPPORTED = _c("GGUF_UNSUPPORTED", 400, "save", "weights_load", "adapter", src=C + " 4a")
 # A registered row whose files cannot be loaded (deleted, corrupt, unsupported architecture):
 # 400 when a check before the load found it (the resident model stays), 500 when the load
 # itself failed (the previous model is loaded back when it can be).
@@ -198,8 +202,12 @@ MEANINGS: dict[str, str] = {
     "DEFAULT_MODEL, or it holds the only save of the resident weights' commits. Unload it "
     "(POST /api/models/{id}/unload), change DEFAULT_MODEL, or save the weights under another "
     "name first; the message says which.",
-    "BACKEND_UNAVAILABLE": "The row needs a backend this version does not include (reason "
-    "gguf: a GGUF file). The resident model stays; load a safetensors row instead.",
+    "BACKEND_UNAVAILABLE": "The row needs a backend this installation lacks (reason gguf: a "
+    "GGUF file and the xllamacpp package is missing; reinstall with make serve or pip install "
+    "-e .). The resident model stays; load a safetensors row instead.",
+    "GGUF_UNSUPPORTED": "The resident is a GGUF file served by llama.cpp, which this operation "
+    "cannot reach (reason save, weights_load or adapter): its weights are quantized and not "
+    "held by miserver. Load a safetensors row first (POST /api/models/{id}/load).",
     "MODEL_LOAD_FAILED": "The row's files could not be loaded (moved, deleted, unreadable or "
     "damaged weights). 400 when the files were checked before anything was unloaded (the "
     "resident keeps serving), 500 when the load failed after. Fix or re-register the folder.",

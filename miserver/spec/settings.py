@@ -66,6 +66,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_batch_delay_ms: float | None = None
     decode_graphs: str = "captured"
     continuous_batching: bool = False
+    #: None: ``auto``, the CPU cores this process may run on (``os.sched_getaffinity``).
+    gguf_threads: int | None = None
     max_queued_requests: int = 64
     max_request_bytes: int = 8 * 1024 * 1024
     header_read_timeout_s: float = 20.0
@@ -134,6 +136,7 @@ VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("MAX_BATCH_DELAY_MS", "max_batch_delay_ms", "batch_delay"),
     ("DECODE_GRAPHS", "decode_graphs", "decode_graphs"),
     ("CONTINUOUS_BATCHING", "continuous_batching", "bool"),
+    ("GGUF_THREADS", "gguf_threads", "threads"),
     ("MAX_QUEUED_REQUESTS", "max_queued_requests", "pos_int"),
     ("MAX_REQUEST_BYTES", "max_request_bytes", "pos_int"),
     ("HEADER_READ_TIMEOUT_S", "header_read_timeout_s", "pos_float"),
@@ -162,6 +165,7 @@ KIND_FORMATS: dict[str, str] = {
     "log_format": "`json` or `text`",
     "decode_graphs": "`captured`, `compiled` or `off` (case-insensitive)",
     "batch_size": "`auto` or an integer 1 to 256",
+    "threads": "`auto` or an integer 1 to 1024",
     "batch_delay": "`auto` or a number of milliseconds, 0 to 1000 (0: no delay)",
     "nonneg_float": "a number, at least 0",
     "management_auth": "`none` or `operator`",
@@ -275,8 +279,15 @@ DESCRIPTIONS: dict[str, str] = {
     "(`POST /api/models/{id}/load`). Requests naming the resident are served as usual; the "
     "Batch API never loads either way. For a shared server whose clients must not swap the "
     "model out from under each other.",
-    "CONTINUOUS_BATCHING": "Serve through a continuous-batching engine. Not implemented in this "
-    "version: only `0` is accepted.",
+    "CONTINUOUS_BATCHING": "The weights page's cbm: `1` rules hot updates out. `GET "
+    "/api/weights/status` reports `pause_unavailable: cbm`; quiesce, a weights load and an "
+    "adapter change are 409 `BARRIER_UNAVAILABLE` (reason `cbm`) and attach is 400 "
+    "`NOT_ATTACHABLE` (reason `continuous_batching_running`). For an operator who serves and "
+    "never trains in place; the engine batches either way. Also changeable with "
+    "`PATCH /api/settings` (409 `MODEL_BUSY` while the barrier is held or a commit is open).",
+    "GGUF_THREADS": "CPU threads llama.cpp uses for a GGUF resident (format `gguf`, section 4a "
+    "of the contract): `auto` is the cores this process may run on (its CPU affinity, so a "
+    "container's CPU set counts); read at each load of a GGUF row.",
     "MAX_QUEUED_REQUESTS": "Interactive requests that may wait (queued plus held by the "
     "barrier); beyond it a request is 503 QUEUE_FULL with `Retry-After`. Also changeable with "
     "`PATCH /api/settings`.",
@@ -329,7 +340,7 @@ def format_default(field: str, kind: str) -> str:
     if field == "home":
         return "the platform's user data dir + `/miserver`"
     value = setting_default(field)
-    if value is None and kind == "batch_size":
+    if value is None and kind in ("batch_size", "threads"):
         return "auto"
     if value is None or value == "":
         return "empty"
@@ -395,6 +406,18 @@ def resolved_batch_delay_s(settings: Settings, device_type: str) -> float:
         return settings.max_batch_delay_ms / 1000.0
     ms = DEFAULT_MAX_BATCH_DELAY_MS.get(device_type, DEFAULT_MAX_BATCH_DELAY_MS["cpu"])
     return ms / 1000.0
+
+
+def resolved_gguf_threads(settings: Settings) -> int:
+    """``GGUF_THREADS``: the setting, or (``auto``) the CPU cores this process may run on."""
+    if settings.gguf_threads is not None:
+        return settings.gguf_threads
+    import os
+
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def resolved_max_batch_size(settings: Settings, device_type: str) -> int:
@@ -480,6 +503,16 @@ def _convert(variable: str, kind: str, raw: str) -> object:
             raise ConfigError(variable, f"expected auto or an integer, got {raw!r}") from None
         if not 1 <= value <= MAX_BATCH_SIZE_LIMIT:
             raise ConfigError(variable, f"must be auto or 1 to {MAX_BATCH_SIZE_LIMIT}, got {value}")
+        return value
+    if kind == "threads":
+        if raw.lower() in ("", "auto"):
+            return None
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ConfigError(variable, f"expected auto or an integer, got {raw!r}") from None
+        if not 1 <= value <= 1024:
+            raise ConfigError(variable, f"must be auto or 1 to 1024, got {value}")
         return value
     if kind == "batch_delay":
         if raw.strip().lower() in ("", "auto"):
@@ -623,10 +656,5 @@ def load_settings(
             "MANAGEMENT_AUTH",
             "operator needs at least one operator token in WEIGHTS_TOKENS (label:operator:secret);"
             " without one every guarded management call would be refused",
-        )
-    if settings.continuous_batching:
-        raise ConfigError(
-            "CONTINUOUS_BATCHING",
-            "continuous batching is not implemented in this version; set CONTINUOUS_BATCHING=0",
         )
     return settings

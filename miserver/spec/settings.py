@@ -201,16 +201,14 @@ DESCRIPTIONS: dict[str, str] = {
     "MAX_CONCURRENT_REQUESTS": "Forward passes that may run at once. The step barrier needs 1 "
     "(otherwise quiesce is 409 BARRIER_UNAVAILABLE, reason `concurrency`). Also changeable at "
     "run time with `PATCH /api/settings`.",
-    "MAX_BATCH_SIZE": "Sequences one pass of the slot decodes together (a static batch, "
-    "contract 4): when the slot is granted it takes the waiting requests of the resident model, "
-    "interactive first, then batch rows, up to this many sequences (a request with `n` counts "
-    "`n`), and decodes them one forward pass a token until the last one ends; it is also the "
-    "largest `n` a request may ask for. `auto`: 8 on the CPU (two cores: 16 concurrent chats of "
-    "32 tokens finished 3.5x sooner than at 1, a step of 8 sequences 1.4x a step of one), 64 on "
-    "CUDA (an H200, SmolLM2-135M: a graph step of 64 sequences 5.3 ms against 3.3 ms for one, "
-    "tokens a second 40x; 1.4x the throughput of 32 for 1.2x the step; docs/benchmarks.md); the "
-    "rows of the batch cache are cut to a quarter of the card's free memory. A batch is one "
-    "holder of the slot: a quiesce drains it as it drains one request.",
+    "MAX_BATCH_SIZE": "The most sequences the continuous engine decodes in one step (issue 29): "
+    "requests join the running batch at the next step, interactive before batch rows, and a "
+    "request with `n` counts `n`; beyond it sequences wait for a running one to end. It is also "
+    "the largest `n` a request may ask for. `auto`: 64 on the CPU and on CUDA (16 concurrent "
+    "long-tailed chats and a GRPO group of 4 x 8 fit in one step; docs/benchmarks.md, "
+    "\"miserver beside vLLM\"). The running batch is one holder of the slot: a quiesce drains "
+    "it as it drains one request. A model the engine cannot hold is served by the static batch "
+    "(up to this many sequences a grant, decoded until the last one ends).",
     "MAX_BATCH_DELAY_MS": "How long a free slot waits for more requests to join its static "
     "batch (a max batch delay, as in TorchServe or Triton's dynamic batcher): a request that "
     "finds the slot free is granted it once `MAX_BATCH_SIZE` sequences wait, once no further "
@@ -241,7 +239,8 @@ DESCRIPTIONS: dict[str, str] = {
     "sequence is preempted and recomputed later, never failed. `auto`: 1 GiB on the CPU (for "
     "SmolLM2-135M, 23,040 bytes a token, about 46,000 tokens in flight: 64 chats of 700 tokens), "
     "on CUDA a quarter of the card's free memory once the model is loaded (the rest stays free "
-    "for a trainer sharing the card). Shown in `GET /api/weights/status` (`cuda_memory[]."
+    "for a trainer sharing the card); either way at most twice what `MAX_BATCH_SIZE` sequences "
+    "at the model's full context hold. Shown in `GET /api/weights/status` (`cuda_memory[]."
     "kv_cache_mb`), `GET /api/health/detailed` (`kv_cache`) and `/metrics` "
     "(`miserver_kv_cache_bytes`, `miserver_kv_cache_blocks`). Takes effect at the next load.",
     "HEADER_READ_TIMEOUT_S": "A connection whose request head (request line and headers) has not "
@@ -362,7 +361,7 @@ def default_home() -> str:
 #: The largest ``MAX_BATCH_SIZE`` accepted.
 MAX_BATCH_SIZE_LIMIT = 256
 #: ``MAX_BATCH_SIZE=auto`` on each device type (measured: docs/benchmarks.md, "Static batch").
-DEFAULT_MAX_BATCH_SIZE = {"cpu": 8, "cuda": 64}
+DEFAULT_MAX_BATCH_SIZE = {"cpu": 64, "cuda": 64}
 
 
 #: ``KV_CACHE_BYTES=auto`` on the CPU, bytes (see its description in :data:`DESCRIPTIONS`).

@@ -124,3 +124,23 @@ def spy_batch_starts(monkeypatch: Any) -> list[int]:
 
     monkeypatch.setattr(StaticBatch, "start", spy)
     return sizes
+
+
+def slow_resident(resident: Any, delay: float = 0.0, fail_at: int | None = None) -> Any:
+    """Wrap ``resident``'s model in a :class:`SlowModel` where its forward passes run: the
+    resident's ``model`` and, on the continuous engine, the engine's model runner (the one
+    that computes every request). Returns the wrapper; :func:`unslow_resident` undoes it."""
+    slow = SlowModel(resident.model, delay, fail_at)
+    resident.model = slow
+    loop = getattr(resident, "engine_loop", None)
+    if loop is not None:
+        loop.engine.runner.model = slow
+    return slow
+
+
+def unslow_resident(resident: Any) -> None:
+    """Undo :func:`slow_resident`."""
+    resident.model = resident.model.inner
+    loop = getattr(resident, "engine_loop", None)
+    if loop is not None:
+        loop.engine.runner.model = resident.model

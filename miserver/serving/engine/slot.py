@@ -14,6 +14,14 @@ member tells the batch it is ready with :meth:`Grant.join` (or leaves it by rele
 every member has joined or left, the batch's ``when_ready`` callbacks run (the generation
 starts). Work that arrives meanwhile waits for the next grant, as it waits for the slot.
 
+**Joining the running batch** (``join_running``, the continuous engine, issue 29). With it, a
+grouped waiter does not wait for the running batch of its group to end: it is granted at once
+into that batch (a new member of the one holder of the slot) while the barrier neither holds
+nor drains and no waiter of its priority or a better one waits; held waiters join it, in
+priority order, once the barrier is released. The engine that decodes the batch admits them at
+its next step. The slot stays one holder until the last member released its grant, so a
+drain waits for every sequence that joined before ``barrier_begin`` and for none after.
+
 **The batch delay** (``MAX_BATCH_DELAY_MS``, contract 1; the max batch delay of TorchServe and
 Triton's dynamic batcher). With a delay set, a grouped waiter that finds a slot free does not
 take it alone at once: the free slot *gathers*. It is granted (to the waiters queued by then,
@@ -168,6 +176,7 @@ class SlotBatch:
         self.grants: list[Grant] = []
         self.sequences = 0
         self.work: Any = None
+        self.group: Hashable | None = None  # set when waiters may join it (join_running)
         self._pending: set[int] = set()  # members that have neither joined nor left
         self._holding: set[int] = set()  # members that have not released their grant
         self._ready_callbacks: list[Callable[[], None]] = []
@@ -267,8 +276,16 @@ class Scheduler:
         max_queued: int = 64,
         max_batch_size: int = 1,
         batch_delay_s: float = 0.0,
+        join_running: bool = False,
     ) -> None:
         self._max_concurrent = 1
+        #: Grouped waiters join the running batch of their group (module docstring).
+        self.join_running = bool(join_running)
+        self._open: dict[Hashable, SlotBatch] = {}  # group -> its running batch (join_running)
+        #: Interactive requests granted into a running batch whose engine has not begun them
+        #: yet (``join_running``; a callable the engine sets): counted as queued, and toward
+        #: ``max_queued``.
+        self.batch_waiting: Callable[[], int] | None = None
         self._max_queued = 1
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
             raise ValueError(f"max_batch_size must be an integer, got {max_batch_size!r}")
@@ -344,7 +361,7 @@ class Scheduler:
             chunks = len({id(w.unit) for w in batch if w.unit is not None})
             chunks += sum(1 for w in batch if w.unit is None)
             return HeldCounts(inter, chunks, self._running, len(waiting) - inter - len(batch))
-        return HeldCounts(0, 0, self._running, len(waiting))
+        return HeldCounts(0, 0, self._running, len(waiting) + self._waiting_in_batch())
 
     def interactive_waiting(self) -> int:
         """Interactive requests waiting for a slot, queued or held by the barrier: what
@@ -352,9 +369,13 @@ class Scheduler:
         return self._waiting_interactive()
 
     def _waiting_interactive(self) -> int:
-        return sum(
+        return self._waiting_in_batch() + sum(
             1 for w in self._heap if w.priority == Priority.INTERACTIVE and not w.future.done()
         )
+
+    def _waiting_in_batch(self) -> int:
+        source = self.batch_waiting
+        return int(source()) if source is not None else 0
 
     # --- slots --------------------------------------------------------------------------------
     async def acquire(
@@ -394,8 +415,12 @@ class Scheduler:
             and self.max_batch_size > 1
             and size < self.max_batch_size
         )
+        if not gathering and group is not None and self._can_join_now(group, priority):
+            if priority == Priority.INTERACTIVE and self._waiting_interactive() >= self._max_queued:
+                raise QueueFull(self._max_queued)
+            return self._join_open(self._open[group], priority, size)
         if not gathering and not delayed and self._can_grant_now(priority):
-            return self._new_batch(priority, size)
+            return self._new_batch(priority, size, group)
         start_gather = not gathering and delayed and self._can_grant_now(priority)
         if priority == Priority.INTERACTIVE and self._waiting_interactive() >= self._max_queued:
             raise QueueFull(self._max_queued)
@@ -484,13 +509,43 @@ class Scheduler:
         requests). What a drain waits for, counted as the drain timeout's message counts it."""
         return self._running_requests
 
-    def _new_batch(self, priority: Priority, size: int) -> Grant:
+    def _new_batch(self, priority: Priority, size: int, group: Hashable | None = None) -> Grant:
         self._running += 1
         self._running_requests += 1
         batch = SlotBatch()
+        if self.join_running and group is not None:
+            batch.group = group
+            self._open[group] = batch
         grant = Grant(batch, size, priority)
         batch._add(grant)
         return grant
+
+    def _can_join_now(self, group: Hashable, priority: Priority) -> bool:
+        """A running batch of ``group`` takes a new member now (``join_running``)."""
+        if not self.join_running or group not in self._open or self._blocked():
+            return False
+        return not any(w.priority <= priority and w.ready() for w in self._heap)
+
+    def _join_open(self, batch: SlotBatch, priority: Priority, size: int) -> Grant:
+        self._running_requests += 1
+        grant = Grant(batch, size, priority)
+        batch._add(grant)
+        batch._settle(grant)  # already running: nothing to wait for
+        return grant
+
+    def _grant_into_open(self) -> None:
+        """Grant the ready waiters of each running batch's group into it, best first."""
+        if not self._open or self._blocked():
+            return
+        joined = [w for w in sorted(self._heap) if w.ready() and w.group in self._open]
+        if not joined:
+            return
+        taken = {id(w) for w in joined}
+        self._heap = [w for w in self._heap if id(w) not in taken]
+        heapq.heapify(self._heap)
+        for waiter in joined:
+            grant = self._join_open(self._open[waiter.group], waiter.priority, waiter.size)
+            waiter.future.set_result(grant)
 
     def release(self, grant: Grant | None = None) -> None:
         """Give a grant back; the slot is free once every member of its batch released, and the
@@ -506,6 +561,8 @@ class Scheduler:
             batch._settle(grant)
             if batch._holding:
                 return  # other members still decode: the batch holds the slot
+            if batch.group is not None and self._open.get(batch.group) is batch:
+                del self._open[batch.group]
         if self._running <= 0:
             raise RuntimeError("release() without a held slot")
         if grant is None:
@@ -553,6 +610,9 @@ class Scheduler:
                 continue
             self._running += 1
             batch = SlotBatch()
+            if self.join_running and waiter.group is not None:
+                batch.group = waiter.group
+                self._open[waiter.group] = batch
             members = [waiter]
             if waiter.group is not None and self.max_batch_size > 1:
                 room = self.max_batch_size - waiter.size
@@ -575,6 +635,7 @@ class Scheduler:
                 member.future.set_result(grant)
         for waiter in kept:
             heapq.heappush(self._heap, waiter)
+        self._grant_into_open()
 
     # --- the barrier --------------------------------------------------------------------------
     def barrier_begin(self) -> None:

@@ -42,7 +42,11 @@ from miserver.serving.models.catalogue import Catalogue, CatalogueRow
 from miserver.serving.models.loader import LoadedModel
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
-from miserver.spec.settings import Settings, resolved_max_batch_size
+from miserver.spec.settings import (
+    Settings,
+    resolved_kv_cache_bytes,
+    resolved_max_batch_size,
+)
 
 log = logging.getLogger("miserver.host")
 
@@ -107,6 +111,9 @@ class Resident:
     engine: Any = None
     #: Why ``engine`` is None (a sentence; None when there is an engine).
     engine_off_reason: str | None = None
+    #: The continuous engine's thread (:class:`~miserver.serving.engine.engine_loop.EngineLoop`)
+    #: that runs every forward pass of requests on this resident; None: the static batch.
+    engine_loop: Any = None
 
     def names(self) -> tuple[str, ...]:
         """The names a request may use for this model: served name and base name, and while an
@@ -211,6 +218,11 @@ class ModelHost:
         #: holds the model) forgets it here, or the unload frees nothing.
         self.drop_hooks: list[Callable[[Resident], None]] = []
         self._said_cpu_eager = False
+        #: Serve through the continuous engine (:meth:`_build_engine_loop`); False: the static
+        #: batch (a model the engine cannot hold falls back to it with a warning).
+        self.use_engine = True
+        #: The server's scheduler (set by the app): counts the engine's waiting requests.
+        self.scheduler: Any = None
         catalogue.set_resident(None)
 
     # --- state ---------------------------------------------------------------------------------
@@ -413,7 +425,13 @@ class ModelHost:
     async def _load_resident(self, row: CatalogueRow) -> Resident:
         """Read ``row`` (worker threads), build its decode engine, make it :attr:`resident`."""
         loaded = await run_without_keeping(self._loader, row, self.settings)
-        engine, engine_off = await run_without_keeping(self._build_engine, loaded.model)
+        engine_loop = await run_without_keeping(
+            self._build_engine_loop, loaded.model, loaded.tokenizer, row.name
+        )
+        if engine_loop is not None:  # the continuous engine decodes every sequence
+            engine, engine_off = None, "the continuous engine decodes (its own graphs)"
+        else:
+            engine, engine_off = await run_without_keeping(self._build_engine, loaded.model)
         origin = "checkpoint" if row.origin == "checkpoint" else "model"
         self.resident = Resident(
             row=msgspec.structs.replace(row, resident=True),
@@ -429,8 +447,9 @@ class ModelHost:
             arena=getattr(loaded, "arena", None),
             engine=engine,
             engine_off_reason=engine_off,
+            engine_loop=engine_loop,
         )
-        del loaded, engine
+        del loaded, engine, engine_loop
         self.catalogue.set_resident(row.id)
         if self.metrics:
             self.metrics.set_resident(row.name)
@@ -498,6 +517,67 @@ class ModelHost:
             headers=base.headers,
         )
 
+    def _build_engine_loop(self, model: torch.nn.Module, tokenizer: Any, name: str) -> Any:
+        """The continuous engine of a freshly loaded model and its thread
+        (:class:`~miserver.serving.engine.engine_loop.EngineLoop`), its paged KV cache allocated
+        once from ``KV_CACHE_BYTES`` (on CUDA ``auto`` takes a quarter of the card's free memory
+        now, after the load); None when :attr:`use_engine` is off (the static batch serves).
+        A model the engine cannot serve fails the load with the engine's error."""
+        if not self.use_engine:
+            return None
+        from miserver.serving.engine.continuous import ContinuousEngine
+        from miserver.serving.engine.decode_graphs import device_of
+        from miserver.serving.engine.engine_loop import EngineLoop
+
+        device = device_of(model)
+        free = None
+        if device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+        budget = resolved_kv_cache_bytes(self.settings, device.type, free)
+        max_seqs = resolved_max_batch_size(self.settings, device.type)
+        if self.settings.kv_cache_bytes is None:
+            # auto never takes more than twice what every running sequence at full context
+            # holds (the rest could only ever keep prefixes)
+            from miserver.serving.engine.generation import context_length
+            from miserver.serving.engine.kv_cache import cache_shape
+
+            full = 2 * max_seqs * context_length(model) * cache_shape(model).bytes_per_token
+            budget = min(budget, max(full, 1 << 20))
+        started = time.perf_counter()
+        try:
+            engine = ContinuousEngine(
+                model,
+                budget,
+                max_num_seqs=max_seqs,
+                decode_graphs=self.settings.decode_graphs if device.type == "cuda" else "off",
+            )
+        except Exception as exc:  # noqa: BLE001 - the model still serves, through the old path
+            log.warning(
+                "continuous engine unavailable for %s (%s: %s); serving it with the static batch",
+                name,
+                type(exc).__name__,
+                str(exc)[:300],
+            )
+            return None
+        stats = engine.stats()
+        log.info(
+            "continuous engine for %s: KV cache %.1f MiB (KV_CACHE_BYTES %s), %d blocks of %d "
+            "positions, up to %d sequences a step, in %.2f s",
+            name,
+            stats["cache_bytes"] / 2**20,
+            "auto" if self.settings.kv_cache_bytes is None else self.settings.kv_cache_bytes,
+            stats["blocks_total"],
+            stats["block_size"],
+            max_seqs,
+            time.perf_counter() - started,
+        )
+        loop = EngineLoop(engine, model, tokenizer, name=f"engine-{name}")
+        if self.scheduler is not None:
+            self.scheduler.batch_waiting = loop.interactive_waiting
+        if self.metrics:
+            self.metrics.set_engine_loop(loop)
+        return loop
+
     def _build_engine(self, model: torch.nn.Module) -> tuple[Any, str | None]:
         """The decode engine for a freshly loaded model (``DECODE_GRAPHS``), or None and why:
         graphs off, a CPU resident (said once in the log), too little memory, an unsupported
@@ -561,6 +641,11 @@ class ModelHost:
         if self.metrics:
             self.metrics.model_unloads.inc()
             self.metrics.set_resident(None)
+        if dropped.engine_loop is not None:
+            dropped.engine_loop.close(wait_s=5.0 if drained else 0.0)  # its cache goes too
+            dropped.engine_loop = None
+            if self.metrics:
+                self.metrics.set_engine_loop(None)
         if dropped.engine is not None:
             dropped.engine.close()  # its graphs and cache are freed with the model
             dropped.engine = None

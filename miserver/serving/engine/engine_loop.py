@@ -183,8 +183,21 @@ class EngineLoop:
         name: the thread's name.
     """
 
-    def __init__(self, engine: Any, model: Any, tokenizer: Any, name: str = "engine") -> None:
+    def __init__(
+        self,
+        engine: Any,
+        model: Any,
+        tokenizer: Any,
+        name: str = "engine",
+        *,
+        cross_request_prefix_cache: bool = True,
+    ) -> None:
         self.engine = engine
+        #: False: every new request prefills its whole prompt (the cache is forgotten before
+        #: it is admitted), so an answer never depends on what ran before it; the ``n`` choices
+        #: of one request still share their prefill (issue 29: on the CPU a prefill of a
+        #: prompt's tail alone rounds otherwise than the whole prompt's).
+        self.cross_request_prefix_cache = cross_request_prefix_cache
         self.tokenizer = tokenizer
         self._ends = end_token_ids(model, tokenizer)
         self._cv = threading.Condition()
@@ -340,6 +353,8 @@ class EngineLoop:
     def _add(self, streams: list[SequenceStream], priority: int) -> None:
         from miserver.serving.engine.sequence import Sequence as EngineSequence
 
+        if not self.cross_request_prefix_cache:
+            self.engine.drop_prefix_cache()
         group = object()
         now = time.perf_counter()
         for stream in streams:

@@ -571,7 +571,16 @@ class ModelHost:
             max_seqs,
             time.perf_counter() - started,
         )
-        loop = EngineLoop(engine, model, tokenizer, name=f"engine-{name}")
+        # On the CPU a prompt whose head comes from the prefix cache is computed in another
+        # shape than the whole prompt and rounds otherwise: keep an answer independent of
+        # what ran before it (docs/decisions.md)
+        loop = EngineLoop(
+            engine,
+            model,
+            tokenizer,
+            name=f"engine-{name}",
+            cross_request_prefix_cache=device.type != "cpu",
+        )
         if self.scheduler is not None:
             self.scheduler.batch_waiting = loop.interactive_waiting
         if self.metrics:

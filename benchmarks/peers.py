@@ -187,7 +187,6 @@ def start_vllm(
         str(port),
         "--max-model-len",
         "2048",
-        "--disable-log-requests",
     ]
     proc = subprocess.Popen(  # noqa: S603 - the operator's own interpreter
         cmd,

@@ -26,7 +26,7 @@ async def client(default_home: str, tmp_path):
     from miserver.serving.models.default_model import model_dir
     from tests.unit.test_weights_routes import make_client
 
-    c = await make_client(tmp_path, str(model_dir(default_home)))
+    c = await make_client(tmp_path, str(model_dir(default_home)), ENGINE="continuous")
     yield c
     await c.close()
 
@@ -134,7 +134,9 @@ async def test_a_cache_too_small_preempts_and_still_completes_with_the_same_gree
     from tests.unit.test_weights_routes import make_client
 
     # 4 MiB: 11 blocks of 16 positions (23,040 bytes a position): about two of these at once
-    c = await make_client(tmp_path, str(model_dir(default_home)), KV_CACHE_BYTES="4MiB")
+    c = await make_client(
+        tmp_path, str(model_dir(default_home)), ENGINE="continuous", KV_CACHE_BYTES="4MiB"
+    )
     try:
         loop = engine_loop(c)
         assert loop.stats()["blocks_total"] <= 12

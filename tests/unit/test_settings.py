@@ -145,7 +145,7 @@ def test_max_batch_size_is_auto_or_1_to_256_and_auto_takes_the_devices_default()
 
     auto = load_settings({"MISERVER_HOME": "/x"})
     assert auto.max_batch_size is None
-    assert resolved_max_batch_size(auto, "cpu") == 64 and resolved_max_batch_size(auto, "cuda") == 64
+    assert resolved_max_batch_size(auto, "cpu") == 8 and resolved_max_batch_size(auto, "cuda") == 64
     for raw, value in (("auto", None), ("AUTO", None), ("1", 1), ("64", 64), ("256", 256)):
         got = load_settings({"MISERVER_HOME": "/x", "MAX_BATCH_SIZE": raw})
         assert got.max_batch_size == value

@@ -50,9 +50,10 @@ async def make_client(folder: Path, home: Path, **settings: Any) -> TestClient:
     return client
 
 
-@pytest.fixture
-async def client(folder: Path, tmp_path: Path):
-    c = await make_client(folder, tmp_path / "home")
+@pytest.fixture(params=["static", "continuous"])
+async def client(folder: Path, tmp_path: Path, request: pytest.FixtureRequest):
+    # every /v1 behaviour on both engines (ENGINE; issue 29)
+    c = await make_client(folder, tmp_path / "home", engine=request.param)
     yield c
     await c.close()
 
@@ -269,9 +270,34 @@ def _slow(client: TestClient, delay: float, fail_at: int | None = None) -> Any:
 
 
 async def test_queue_full_is_503_and_the_queue_drains(folder: Path, tmp_path: Path) -> None:
-    # One sequence a step: the second request waits (in the engine, not begun) while the
-    # first decodes.
-    client = await make_client(folder, tmp_path / "home", max_queued_requests=1, max_batch_size=1)
+    client = await make_client(folder, tmp_path / "home", max_queued_requests=1)
+    try:
+        _slow(client, 0.05)
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "temperature": 0}
+        scheduler = client.app[keys.SCHEDULER]
+        first = asyncio.ensure_future(post(client, "/v1/completions", body))
+        await eventually(lambda: scheduler.counts().running == 1, "the first request runs")
+        second = asyncio.ensure_future(post(client, "/v1/completions", body))
+        await eventually(lambda: scheduler.counts().queued == 1, "the second request waits")
+        status, err, headers = await post(client, "/v1/completions", body)
+        assert status == 503 and err["error"]["code"] == "queue_full"
+        assert err["error"]["type"] == "server_error" and headers["Retry-After"] == "1"
+        assert (await first)[0] == 200 and (await second)[0] == 200
+        metrics = await (await client.get("/metrics")).text()
+        assert (
+            'miserver_requests_refused_total{code="QUEUE_FULL",route="/v1/completions"} 1.0'
+            in metrics
+        )
+    finally:
+        await client.close()
+
+
+async def test_queue_full_on_the_engine_counts_requests_it_has_not_begun(
+    folder: Path, tmp_path: Path
+) -> None:
+    client = await make_client(
+        folder, tmp_path / "home", max_queued_requests=1, max_batch_size=1, engine="continuous"
+    )
     try:
         _slow(client, 0.05)
         body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "temperature": 0}
@@ -353,9 +379,35 @@ async def test_generation_error_before_and_after_the_stream_opens(client: TestCl
 
 
 async def test_concurrent_requests_run_at_once(folder: Path, tmp_path: Path) -> None:
+    client = await make_client(folder, tmp_path / "home", max_concurrent_requests=2)
+    try:
+        slow = _slow(client, 0.03)
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 6, "temperature": 0}
+        results = await asyncio.gather(*(post(client, "/v1/completions", body) for _ in range(2)))
+        assert all(r[0] == 200 for r in results)
+        threads = {w[2] for w in slow.windows}
+        assert len(threads) == 2
+        a, b = ([w for w in slow.windows if w[2] == t] for t in sorted(threads))
+        assert a[0][0] < b[-1][1] and b[0][0] < a[-1][1], "the two generations overlapped"
+    finally:
+        await client.close()
+
+
+async def test_one_slot_serialises_generations(client: TestClient) -> None:
+    slow = _slow(client, 0.02)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "temperature": 0}
+    await asyncio.gather(*(post(client, "/v1/completions", body) for _ in range(2)))
+    # Generation threads are reused, so a generation is told apart by its prefill call: with one
+    # slot the second prefill comes only after every step of the first generation.
+    starts = [i for i, prefill in enumerate(slow.prefills) if prefill]
+    assert len(starts) == 2 and len(slow.windows) % 2 == 0
+    assert starts == [0, len(slow.windows) // 2], "the two generations interleaved"
+
+
+async def test_concurrent_requests_share_the_engines_steps(folder: Path, tmp_path: Path) -> None:
     # The continuous engine computes both requests in the same forward passes (issue 29): one
     # engine thread, each step a token for every running sequence.
-    client = await make_client(folder, tmp_path / "home", max_concurrent_requests=2)
+    client = await make_client(folder, tmp_path / "home", engine="continuous")
     try:
         slow = _slow(client, 0.03)
         body = {"model": MODEL, "prompt": "x", "max_tokens": 6, "temperature": 0}
@@ -368,10 +420,10 @@ async def test_concurrent_requests_run_at_once(folder: Path, tmp_path: Path) -> 
         await client.close()
 
 
-async def test_one_slot_serialises_generations(folder: Path, tmp_path: Path) -> None:
+async def test_one_sequence_a_step_serialises_the_engine(folder: Path, tmp_path: Path) -> None:
     # MAX_BATCH_SIZE 1: one sequence a step, so the engine runs the second request only once
     # the first has ended.
-    client = await make_client(folder, tmp_path / "home", max_batch_size=1)
+    client = await make_client(folder, tmp_path / "home", max_batch_size=1, engine="continuous")
     try:
         _slow(client, 0.02)
         steps: list[list[int]] = []

@@ -43,6 +43,7 @@ from miserver.serving.models.loader import LoadedModel
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
 from miserver.spec.settings import (
+    DEFAULT_ENGINE_MAX_SEQS,
     Settings,
     resolved_kv_cache_bytes,
     resolved_max_batch_size,
@@ -220,7 +221,7 @@ class ModelHost:
         self._said_cpu_eager = False
         #: Serve through the continuous engine (:meth:`_build_engine_loop`); False: the static
         #: batch (a model the engine cannot hold falls back to it with a warning).
-        self.use_engine = True
+        self.use_engine = settings.engine == "continuous"
         #: The server's scheduler (set by the app): counts the engine's waiting requests.
         self.scheduler: Any = None
         catalogue.set_resident(None)
@@ -534,7 +535,7 @@ class ModelHost:
         if device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(device)
         budget = resolved_kv_cache_bytes(self.settings, device.type, free)
-        max_seqs = resolved_max_batch_size(self.settings, device.type)
+        max_seqs = self.settings.max_batch_size or DEFAULT_ENGINE_MAX_SEQS
         if self.settings.kv_cache_bytes is None:
             # auto never takes more than twice what every running sequence at full context
             # holds (the rest could only ever keep prefixes)

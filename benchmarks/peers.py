@@ -30,7 +30,8 @@ Usage::
 
 ``--home`` is a ``MISERVER_HOME`` (default: a temporary one importing the default model);
 ``--kv-cache-gib`` sizes both servers' KV cache alike (miserver ``KV_CACHE_BYTES``, vLLM
-``VLLM_CPU_KVCACHE_SPACE``); ``--only`` picks workloads by number (1-4).
+``VLLM_CPU_KVCACHE_SPACE``); ``--only`` picks workloads by number (1-4); ``--engine`` is
+miserver's ``ENGINE`` (default ``continuous``; ``static`` measures the static batch).
 """
 
 from __future__ import annotations
@@ -257,6 +258,9 @@ def main() -> int:
     parser.add_argument("--home", default=None, help="a MISERVER_HOME (default: a temporary one)")
     parser.add_argument("--vllm-python", default=None, help="a Python with vllm-cpu 0.32")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
+    parser.add_argument(
+        "--engine", default="continuous", choices=("continuous", "static"), help="miserver ENGINE"
+    )
     parser.add_argument("--only", default="1,2,3,4", help="workload numbers, e.g. 1,3")
     parser.add_argument("--log", default=None, help="append both servers' logs here")
     args = parser.parse_args()
@@ -267,7 +271,10 @@ def main() -> int:
     proc, base = start_server(
         home,
         "cpu",
-        extra_env={"KV_CACHE_BYTES": f"{int(args.kv_cache_gib * (1 << 30))}"},
+        extra_env={
+            "KV_CACHE_BYTES": f"{int(args.kv_cache_gib * (1 << 30))}",
+            "ENGINE": args.engine,
+        },
         log_path=log_path,
     )
     try:

@@ -393,15 +393,20 @@ async def test_concurrent_requests_run_at_once(folder: Path, tmp_path: Path) -> 
         await client.close()
 
 
-async def test_one_slot_serialises_generations(client: TestClient) -> None:
-    slow = _slow(client, 0.02)
-    body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "temperature": 0}
-    await asyncio.gather(*(post(client, "/v1/completions", body) for _ in range(2)))
-    # Generation threads are reused, so a generation is told apart by its prefill call: with one
-    # slot the second prefill comes only after every step of the first generation.
-    starts = [i for i, prefill in enumerate(slow.prefills) if prefill]
-    assert len(starts) == 2 and len(slow.windows) % 2 == 0
-    assert starts == [0, len(slow.windows) // 2], "the two generations interleaved"
+async def test_one_slot_serialises_generations(folder: Path, tmp_path: Path) -> None:
+    # the static batch's slot (ENGINE=static); the engine's: the test below
+    client = await make_client(folder, tmp_path / "home", engine="static")
+    try:
+        slow = _slow(client, 0.02)
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "temperature": 0}
+        await asyncio.gather(*(post(client, "/v1/completions", body) for _ in range(2)))
+        # Generation threads are reused, so a generation is told apart by its prefill call: with one
+        # slot the second prefill comes only after every step of the first generation.
+        starts = [i for i, prefill in enumerate(slow.prefills) if prefill]
+        assert len(starts) == 2 and len(slow.windows) % 2 == 0
+        assert starts == [0, len(slow.windows) // 2], "the two generations interleaved"
+    finally:
+        await client.close()
 
 
 async def test_concurrent_requests_share_the_engines_steps(folder: Path, tmp_path: Path) -> None:

@@ -14,13 +14,9 @@ member tells the batch it is ready with :meth:`Grant.join` (or leaves it by rele
 every member has joined or left, the batch's ``when_ready`` callbacks run (the generation
 starts). Work that arrives meanwhile waits for the next grant, as it waits for the slot.
 
-**Joining the running batch** (``join_running``, the continuous engine, issue 29). With it, a
-grouped waiter does not wait for the running batch of its group to end: it is granted at once
-into that batch (a new member of the one holder of the slot) while the barrier neither holds
-nor drains and no waiter of its priority or a better one waits; held waiters join it, in
-priority order, once the barrier is released. The engine that decodes the batch admits them at
-its next step. The slot stays one holder until the last member released its grant, so a
-drain waits for every sequence that joined before ``barrier_begin`` and for none after.
+**Joining the running batch** (``join_running``, issue 29): a grouped waiter is granted at once
+into its group's running batch (one holder) unless the barrier holds or drains or a waiter as
+good waits; the engine admits it at its next step; a drain waits for every member.
 
 **The batch delay** (``MAX_BATCH_DELAY_MS``, contract 1; the max batch delay of TorchServe and
 Triton's dynamic batcher). With a delay set, a grouped waiter that finds a slot free does not
@@ -28,16 +24,14 @@ take it alone at once: the free slot *gathers*. It is granted (to the waiters qu
 in the usual order) when the waiting grouped work fills ``max_batch_size`` sequences, when no
 new grouped waiter has arrived for ``batch_delay_s`` (a quiet gap: a burst of clients that
 keep arriving keeps the slot gathering), or at the latest ``GATHER_CAP_FACTOR`` x
-``batch_delay_s`` after the gathering began. A lone request pays the gap once; 64 clients that
-start together become one batch instead of a batch of one followed by one of 63. A gathering
+``batch_delay_s`` after the gathering began (a lone request pays the gap once). A gathering
 slot holds nothing: the barrier's drain does not wait for it (its waiters are held), and a
 slot freed with work already queued is granted at once.
 
 **Units** (a Batch API chunk). A waiter may belong to a :class:`Unit`: the held counts count a
 unit's held batch waiters once (``held_batch`` is chunks, not rows), and a unit made with
 ``members`` gathers: none of its waiters is granted until every member is waiting or has left
-it, so the rows of a chunk that reach the queue at different moments are granted together, in
-one static batch, and never the first alone.
+it, so a chunk's rows are granted together, never the first alone.
 
 The step barrier is built on :meth:`Scheduler.barrier_acquire`: it stops granting slots, waits
 until every running holder has released its slot (the drain), then holds all of them. Waiters
@@ -279,13 +273,10 @@ class Scheduler:
         join_running: bool = False,
     ) -> None:
         self._max_concurrent = 1
-        #: Grouped waiters join the running batch of their group (module docstring).
-        self.join_running = bool(join_running)
+        self.join_running = bool(join_running)  #: see the module docstring
         self._open: dict[Hashable, SlotBatch] = {}  # group -> its running batch (join_running)
-        #: Interactive requests granted into a running batch whose engine has not begun them
-        #: yet (``join_running``; a callable the engine sets): counted as queued, and toward
-        #: ``max_queued``.
-        self.batch_waiting: Callable[[], int] | None = None
+        #: Interactive requests in a running batch not begun by its engine (queued, max_queued).
+        self.batch_waiting: Callable[[], int] = lambda: 0
         self._max_queued = 1
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
             raise ValueError(f"max_batch_size must be an integer, got {max_batch_size!r}")
@@ -361,7 +352,7 @@ class Scheduler:
             chunks = len({id(w.unit) for w in batch if w.unit is not None})
             chunks += sum(1 for w in batch if w.unit is None)
             return HeldCounts(inter, chunks, self._running, len(waiting) - inter - len(batch))
-        return HeldCounts(0, 0, self._running, len(waiting) + self._waiting_in_batch())
+        return HeldCounts(0, 0, self._running, len(waiting) + self.batch_waiting())
 
     def interactive_waiting(self) -> int:
         """Interactive requests waiting for a slot, queued or held by the barrier: what
@@ -369,13 +360,9 @@ class Scheduler:
         return self._waiting_interactive()
 
     def _waiting_interactive(self) -> int:
-        return self._waiting_in_batch() + sum(
+        return self.batch_waiting() + sum(
             1 for w in self._heap if w.priority == Priority.INTERACTIVE and not w.future.done()
         )
-
-    def _waiting_in_batch(self) -> int:
-        source = self.batch_waiting
-        return int(source()) if source is not None else 0
 
     # --- slots --------------------------------------------------------------------------------
     async def acquire(
@@ -417,7 +404,7 @@ class Scheduler:
         )
         if not gathering and group is not None and self._can_join_now(group, priority):
             if priority == Priority.INTERACTIVE and self._waiting_interactive() >= self._max_queued:
-                raise QueueFull(self._max_queued)
+                raise QueueFull(self._max_queued)  # the engine's not-begun requests count
             return self._join_open(self._open[group], priority, size)
         if not gathering and not delayed and self._can_grant_now(priority):
             return self._new_batch(priority, size, group)
@@ -512,19 +499,19 @@ class Scheduler:
     def _new_batch(self, priority: Priority, size: int, group: Hashable | None = None) -> Grant:
         self._running += 1
         self._running_requests += 1
-        batch = SlotBatch()
-        if self.join_running and group is not None:
-            batch.group = group
-            self._open[group] = batch
+        batch = self._opened(SlotBatch(), group)
         grant = Grant(batch, size, priority)
         batch._add(grant)
         return grant
 
+    def _opened(self, batch: SlotBatch, group: Hashable | None) -> SlotBatch:
+        if self.join_running and group is not None:  # later waiters of the group may join it
+            batch.group, self._open[group] = group, batch
+        return batch
+
     def _can_join_now(self, group: Hashable, priority: Priority) -> bool:
-        """A running batch of ``group`` takes a new member now (``join_running``)."""
-        if not self.join_running or group not in self._open or self._blocked():
-            return False
-        return not any(w.priority <= priority and w.ready() for w in self._heap)
+        better = any(w.priority <= priority and w.ready() for w in self._heap)
+        return self.join_running and group in self._open and not self._blocked() and not better
 
     def _join_open(self, batch: SlotBatch, priority: Priority, size: int) -> Grant:
         self._running_requests += 1
@@ -535,13 +522,10 @@ class Scheduler:
 
     def _grant_into_open(self) -> None:
         """Grant the ready waiters of each running batch's group into it, best first."""
-        if not self._open or self._blocked():
-            return
         joined = [w for w in sorted(self._heap) if w.ready() and w.group in self._open]
-        if not joined:
+        if not joined or self._blocked():
             return
-        taken = {id(w) for w in joined}
-        self._heap = [w for w in self._heap if id(w) not in taken]
+        self._heap = [w for w in self._heap if w not in joined]
         heapq.heapify(self._heap)
         for waiter in joined:
             grant = self._join_open(self._open[waiter.group], waiter.priority, waiter.size)
@@ -609,10 +593,7 @@ class Scheduler:
                 kept.append(waiter)
                 continue
             self._running += 1
-            batch = SlotBatch()
-            if self.join_running and waiter.group is not None:
-                batch.group = waiter.group
-                self._open[waiter.group] = batch
+            batch = self._opened(SlotBatch(), waiter.group)
             members = [waiter]
             if waiter.group is not None and self.max_batch_size > 1:
                 room = self.max_batch_size - waiter.size

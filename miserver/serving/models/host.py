@@ -42,12 +42,7 @@ from miserver.serving.models.catalogue import Catalogue, CatalogueRow
 from miserver.serving.models.loader import LoadedModel
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
-from miserver.spec.settings import (
-    DEFAULT_ENGINE_MAX_SEQS,
-    Settings,
-    resolved_kv_cache_bytes,
-    resolved_max_batch_size,
-)
+from miserver.spec.settings import Settings, resolved_max_batch_size
 
 log = logging.getLogger("miserver.host")
 
@@ -519,74 +514,13 @@ class ModelHost:
         )
 
     def _build_engine_loop(self, model: torch.nn.Module, tokenizer: Any, name: str) -> Any:
-        """The continuous engine of a freshly loaded model and its thread
-        (:class:`~miserver.serving.engine.engine_loop.EngineLoop`), its paged KV cache allocated
-        once from ``KV_CACHE_BYTES`` (on CUDA ``auto`` takes a quarter of the card's free memory
-        now, after the load); None when :attr:`use_engine` is off (the static batch serves).
-        A model the engine cannot serve fails the load with the engine's error."""
+        """The continuous engine's thread for a freshly loaded model, or None when
+        :attr:`use_engine` is off (:func:`~miserver.serving.engine.engine_loop.build`)."""
         if not self.use_engine:
             return None
-        from miserver.serving.engine.continuous import ContinuousEngine
-        from miserver.serving.engine.decode_graphs import device_of
-        from miserver.serving.engine.engine_loop import EngineLoop
+        from miserver.serving.engine.engine_loop import build
 
-        device = device_of(model)
-        free = None
-        if device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(device)
-        budget = resolved_kv_cache_bytes(self.settings, device.type, free)
-        max_seqs = self.settings.max_batch_size or DEFAULT_ENGINE_MAX_SEQS
-        if self.settings.kv_cache_bytes is None:
-            # auto never takes more than twice what every running sequence at full context
-            # holds (the rest could only ever keep prefixes)
-            from miserver.serving.engine.generation import context_length
-            from miserver.serving.engine.kv_cache import cache_shape
-
-            full = 2 * max_seqs * context_length(model) * cache_shape(model).bytes_per_token
-            budget = min(budget, max(full, 1 << 20))
-        started = time.perf_counter()
-        try:
-            engine = ContinuousEngine(
-                model,
-                budget,
-                max_num_seqs=max_seqs,
-                decode_graphs=self.settings.decode_graphs if device.type == "cuda" else "off",
-            )
-        except Exception as exc:  # noqa: BLE001 - the model still serves, through the old path
-            log.warning(
-                "continuous engine unavailable for %s (%s: %s); serving it with the static batch",
-                name,
-                type(exc).__name__,
-                str(exc)[:300],
-            )
-            return None
-        stats = engine.stats()
-        log.info(
-            "continuous engine for %s: KV cache %.1f MiB (KV_CACHE_BYTES %s), %d blocks of %d "
-            "positions, up to %d sequences a step, in %.2f s",
-            name,
-            stats["cache_bytes"] / 2**20,
-            "auto" if self.settings.kv_cache_bytes is None else self.settings.kv_cache_bytes,
-            stats["blocks_total"],
-            stats["block_size"],
-            max_seqs,
-            time.perf_counter() - started,
-        )
-        # On the CPU a prompt whose head comes from the prefix cache is computed in another
-        # shape than the whole prompt and rounds otherwise: keep an answer independent of
-        # what ran before it (docs/decisions.md)
-        loop = EngineLoop(
-            engine,
-            model,
-            tokenizer,
-            name=f"engine-{name}",
-            cross_request_prefix_cache=device.type != "cpu",
-        )
-        if self.scheduler is not None:
-            self.scheduler.batch_waiting = loop.interactive_waiting
-        if self.metrics:
-            self.metrics.set_engine_loop(loop)
-        return loop
+        return build(model, tokenizer, name, self.settings, self.scheduler, self.metrics)
 
     def _build_engine(self, model: torch.nn.Module) -> tuple[Any, str | None]:
         """The decode engine for a freshly loaded model (``DECODE_GRAPHS``), or None and why:

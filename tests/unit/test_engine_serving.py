@@ -112,6 +112,8 @@ async def test_rows_leave_and_their_blocks_are_reused(client: Any) -> None:
         for t, m in (("a forest", 8), ("the moon", 40), ("a city", 16), ("rain", 64))
     ]
     await asyncio.gather(*(post(client, b) for b in bodies))
+    # the answers may arrive before the engine thread logged the last step
+    await eventually(lambda: log.stats[-1]["running"] == 0, "the last step is logged")
     running = [s["running"] for s in log.stats]
     free = [s["blocks_free"] for s in log.stats]
     # a sequence left while others still ran, and its blocks were free at the next step

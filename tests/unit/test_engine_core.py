@@ -314,3 +314,50 @@ def test_the_fixed_shape_decode_path_matches_the_per_sequence_path(model: Any) -
             engine.add(Sequence(i, p, greedy(10)))
     assert run(fixed) == run(loop)
     assert fixed.runner.graphs is not None and fixed.runner.graphs.buckets == (1, 2, 4, 8)
+
+
+class _FakeGraph:
+    """Stands in for ``torch.cuda.CUDAGraph`` on the CPU: replay reruns the recorded step."""
+
+    def __init__(self, replay: Any) -> None:
+        self.replay = replay
+
+
+def test_decode_graphs_capture_once_per_bucket_replay_and_fall_back(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from miserver.serving.engine.model_runner import DecodeGraphs, decode_buckets
+
+    assert decode_buckets(20) == (1, 2, 4, 8, 16, 24) and decode_buckets(1) == (1,)
+    captured: list[int] = []
+
+    def fake_capture(self: DecodeGraphs, rows: int) -> None:
+        captured.append(rows)
+        if rows == 4:
+            raise RuntimeError("capture failed")  # that bucket runs eagerly from then on
+
+        def replay() -> None:
+            self._outputs[rows] = self._step(rows)
+
+        self._graphs[rows] = _FakeGraph(replay)
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", fake_capture)
+    graphed = make_engine(model, decode_graphs="captured", max_num_seqs=8)
+    loop = make_engine(model)
+    for engine in (graphed, loop):
+        for i, p in enumerate(PROMPTS[:3]):
+            engine.add(Sequence(i, p, greedy(6 + 2 * i)))  # 3, then 2, then 1 decoding
+    assert run(graphed) == run(loop)
+    graphs = graphed.runner.graphs
+    assert graphs is not None
+    assert sorted(set(captured)) == [1, 2, 4] and captured.count(4) == 1  # no retry a step
+    assert graphs.failed == {4} and graphs.replays > 0
+    # padding rows of a bucket write only the scratch block and attend one position
+    graphs.fill([], 2)
+    assert graphs.slot_mapping[:2].tolist() == [
+        graphed.cache.scratch_block * 4,
+        graphed.cache.scratch_block * 4 + 1,
+    ]
+    assert graphs.context_lens[:2].tolist() == [1, 1]
+    graphs.drop()
+    assert graphs._graphs == {} and graphs.failed == set()

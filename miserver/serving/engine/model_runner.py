@@ -72,6 +72,13 @@ class StepResult:
     prompt_logits: dict[int, torch.Tensor]
 
 
+def _token_at(seq: Sequence, position: int) -> int:
+    prompt = seq.num_prompt_tokens
+    if position < prompt:
+        return seq.prompt_token_ids[position]
+    return seq.output_token_ids[position - prompt]
+
+
 def decode_buckets(max_rows: int) -> tuple[int, ...]:
     """Batch sizes that get a decode graph: 1, 2, 4, 8, then multiples of 8 up to
     ``max_rows`` (a batch replays the smallest bucket that holds it, padded).
@@ -149,12 +156,7 @@ class ModelRunner:
             table = seq.block_table
             q_start = len(tokens)
             if item.num_new == 1:
-                prompt = seq.num_prompt_tokens
-                tokens.append(
-                    seq.prompt_token_ids[start]
-                    if start < prompt
-                    else seq.output_token_ids[start - prompt]
-                )
+                tokens.append(_token_at(seq, start))
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
                 decode_rows.append(q_start)
@@ -307,9 +309,7 @@ class DecodeGraphs:
         table = torch.full((rows, self.max_blocks), scratch, dtype=torch.long)
         for r, seq in enumerate(seqs):
             p = seq.num_computed_tokens
-            ids.append(
-                seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
-            )
+            ids.append(_token_at(seq, p))
             pos.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
             lens.append(p + 1)

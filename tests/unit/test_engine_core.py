@@ -361,3 +361,21 @@ def test_decode_graphs_capture_once_per_bucket_replay_and_fall_back(
     assert graphs.context_lens[:2].tolist() == [1, 1]
     graphs.drop()
     assert graphs._graphs == {} and graphs.failed == set()
+
+
+def test_a_request_arriving_during_a_long_decode_starts_at_once_and_ended_rows_free_blocks(
+    model: Any,
+) -> None:
+    engine = make_engine(model, blocks=20)
+    engine.add(Sequence("long", PROMPTS[1], greedy(40)))
+    for _ in range(3):
+        engine.step()
+    engine.add(Sequence("late", PROMPTS[0], greedy(2)))
+    first = engine.step()
+    assert {o.seq_id for o in first if o.new_token_ids} == {"long", "late"}  # the next step
+    used_with_both = engine.stats()["blocks_total"] - engine.stats()["blocks_free"]
+    second = engine.step()
+    assert [o.finish_reason for o in second if o.seq_id == "late"] == ["length"]
+    used_after = engine.stats()["blocks_total"] - engine.stats()["blocks_free"]
+    assert used_after < used_with_both  # the ended row's blocks are free for the next step
+    assert engine.stats()["running"] == 1

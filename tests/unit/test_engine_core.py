@@ -379,3 +379,13 @@ def test_a_request_arriving_during_a_long_decode_starts_at_once_and_ended_rows_f
     used_after = engine.stats()["blocks_total"] - engine.stats()["blocks_free"]
     assert used_after < used_with_both  # the ended row's blocks are free for the next step
     assert engine.stats()["running"] == 1
+
+
+def test_close_ends_everything_and_releases_the_cache(model: Any) -> None:
+    engine = make_engine(model)
+    engine.add(Sequence("a", PROMPTS[0], greedy(20)))
+    engine.step()
+    engine.add(Sequence("b", PROMPTS[1], greedy(20)))
+    assert sorted(engine.close()) == ["a", "b"]
+    assert engine.cache.keys == [] and not engine.has_work()
+    assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0

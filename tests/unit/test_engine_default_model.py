@@ -16,27 +16,30 @@ from miserver.serving.engine.sequence import Sequence
 
 PROMPTS = [
     "The capital of France is",
-    "Write a short poem about the sea, the wind and the long grey evenings of the north:",
+    "Write a short poem about the sea and the wind:",
     "def fibonacci(n):",
 ]
-TOKENS = [20, 12, 16]
+TOKENS = [12, 6, 9]
 
 
 @pytest.fixture(scope="module")
-def loaded(default_home: str) -> tuple[Any, Any]:
+def loaded(default_home: str) -> Any:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from miserver.serving.models.default_model import model_dir
 
     path = model_dir(default_home)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    return model, AutoTokenizer.from_pretrained(path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a shared CI machine: no spinning OpenMP team (same bits either way)
+    yield model, AutoTokenizer.from_pretrained(path)
+    torch.set_num_threads(threads)
 
 
-def _engine(model: Any, blocks: int = 64) -> ContinuousEngine:
-    budget = cache_shape(model).bytes_per_token * 16 * (blocks + 1)
+def _engine(model: Any, blocks: int = 64, block_size: int = 16) -> ContinuousEngine:
+    budget = cache_shape(model).bytes_per_token * block_size * (blocks + 1)
     return ContinuousEngine(
-        model, budget, block_size=16, prefill_chunk=16, max_num_batched_tokens=32
+        model, budget, block_size=block_size, prefill_chunk=16, max_num_batched_tokens=32
     )
 
 
@@ -48,6 +51,7 @@ def _drain(engine: ContinuousEngine) -> dict[Any, list[int]]:
     return got
 
 
+@pytest.mark.timeout(1500)
 def test_greedy_text_is_independent_of_batch_neighbours(loaded: tuple[Any, Any]) -> None:
     model, tok = loaded
     ids = [tok(p)["input_ids"] for p in PROMPTS]
@@ -70,7 +74,7 @@ def test_greedy_text_is_independent_of_batch_neighbours(loaded: tuple[Any, Any])
         got.setdefault(k, []).extend(v)
     assert [got[i] for i in range(3)] == alone
     # a cache too small for the three at once: preempted, recomputed, the same text
-    small = _engine(model, blocks=4)
+    small = _engine(model, blocks=6, block_size=4)  # 14 blocks wanted at once
     for i, p in enumerate(ids):
         small.add(Sequence(i, p, SamplingParams(max_tokens=TOKENS[i], temperature=0)))
     assert [_d[i] for _d in [_drain(small)] for i in range(3)] == alone

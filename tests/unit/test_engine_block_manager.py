@@ -85,3 +85,26 @@ def test_fork_shares_blocks_and_a_write_into_the_shared_partial_block_copies_it(
     assert copies == [(shared, child.block_table[1])] and child.block_table[1] != shared
     assert bm.ref_counts[shared] == 1 and child.block_table[0] == parent.block_table[0]
     assert bm.append_cost(parent, 7) == 0  # the parent owns its block alone now
+
+
+def test_a_sequence_started_before_a_drop_never_keys_its_blocks() -> None:
+    bm = BlockManager(num_blocks=8, block_size=2)
+    seq = _seq([1, 2, 3, 4, 5])
+    bm.allocate(seq, 5)
+    seq.num_computed_tokens = 4
+    bm.register_full_blocks(seq)
+    assert bm.cached_blocks == 2
+    bm.drop_prefix_cache()  # the weights changed: blocks 0-1 hold old-weight keys and values
+    seq.num_computed_tokens = 5
+    seq.output_token_ids.append(6)
+    seq.num_computed_tokens = 6
+    bm.register_full_blocks(seq)
+    # not even the block computed after the drop: it attended to old-weight keys and values
+    assert bm.cached_blocks == 0
+    bm.free(seq)
+    again = _seq([1, 2, 3, 4, 5, 6, 7], 1)  # a sequence started after the drop keys its blocks
+    assert bm.match_prefix(again) == 0
+    bm.allocate(again, 7)
+    again.num_computed_tokens = 7
+    bm.register_full_blocks(again)
+    assert bm.cached_blocks == 3

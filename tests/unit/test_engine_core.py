@@ -314,3 +314,78 @@ def test_the_fixed_shape_decode_path_matches_the_per_sequence_path(model: Any) -
             engine.add(Sequence(i, p, greedy(10)))
     assert run(fixed) == run(loop)
     assert fixed.runner.graphs is not None and fixed.runner.graphs.buckets == (1, 2, 4, 8)
+
+
+class _FakeGraph:
+    """Stands in for ``torch.cuda.CUDAGraph`` on the CPU: replay reruns the recorded step."""
+
+    def __init__(self, replay: Any) -> None:
+        self.replay = replay
+
+
+def test_decode_graphs_capture_once_per_bucket_replay_and_fall_back(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from miserver.serving.engine.model_runner import DecodeGraphs, decode_buckets
+
+    assert decode_buckets(20) == (1, 2, 4, 8, 16, 24) and decode_buckets(1) == (1,)
+    captured: list[int] = []
+
+    def fake_capture(self: DecodeGraphs, rows: int) -> None:
+        captured.append(rows)
+        if rows == 4:
+            raise RuntimeError("capture failed")  # that bucket runs eagerly from then on
+
+        def replay() -> None:
+            self._outputs[rows] = self._step(rows)
+
+        self._graphs[rows] = _FakeGraph(replay)
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", fake_capture)
+    graphed = make_engine(model, decode_graphs="captured", max_num_seqs=8)
+    loop = make_engine(model)
+    for engine in (graphed, loop):
+        for i, p in enumerate(PROMPTS[:3]):
+            engine.add(Sequence(i, p, greedy(6 + 2 * i)))  # 3, then 2, then 1 decoding
+    assert run(graphed) == run(loop)
+    graphs = graphed.runner.graphs
+    assert graphs is not None
+    assert sorted(set(captured)) == [1, 2, 4] and captured.count(4) == 1  # no retry a step
+    assert graphs.failed == {4} and graphs.replays > 0
+    # padding rows of a bucket write only the scratch block and attend one position
+    graphs.fill([], 2)
+    assert graphs.slot_mapping[:2].tolist() == [
+        graphed.cache.scratch_block * 4,
+        graphed.cache.scratch_block * 4 + 1,
+    ]
+    assert graphs.context_lens[:2].tolist() == [1, 1]
+    graphs.drop()
+    assert graphs._graphs == {} and graphs.failed == set()
+
+
+def test_a_request_arriving_during_a_long_decode_starts_at_once_and_ended_rows_free_blocks(
+    model: Any,
+) -> None:
+    engine = make_engine(model, blocks=20)
+    engine.add(Sequence("long", PROMPTS[1], greedy(40)))
+    for _ in range(3):
+        engine.step()
+    engine.add(Sequence("late", PROMPTS[0], greedy(2)))
+    first = engine.step()
+    assert {o.seq_id for o in first if o.new_token_ids} == {"long", "late"}  # the next step
+    used_with_both = engine.stats()["blocks_total"] - engine.stats()["blocks_free"]
+    second = engine.step()
+    assert [o.finish_reason for o in second if o.seq_id == "late"] == ["length"]
+    used_after = engine.stats()["blocks_total"] - engine.stats()["blocks_free"]
+    assert used_after < used_with_both  # the ended row's blocks are free for the next step
+    assert engine.stats()["running"] == 1
+
+
+def test_close_ends_everything_and_releases_the_cache(model: Any) -> None:
+    engine = make_engine(model)
+    engine.add(Sequence("a", PROMPTS[0], greedy(20)))
+    engine.step()
+    engine.add(Sequence("b", PROMPTS[1], greedy(20)))
+    assert sorted(engine.close()) == ["a", "b"]
+    assert engine.cache.keys == [] and not engine.has_work()
+    assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0

@@ -51,6 +51,7 @@ class BlockManager:
         # Free blocks, least recently freed first: a freed block with a key stays findable as
         # long as possible.
         self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.epoch = 0  # drop_prefix_cache() calls so far
         self.prefix_hits = 0  # blocks taken from the prefix cache
         self.prefix_queries = 0  # full blocks looked up
 
@@ -110,6 +111,9 @@ class BlockManager:
             parent = key
         seq.num_computed_tokens = taken
         seq.num_cached_tokens = taken
+        seq.num_hashed_blocks = taken // bs
+        seq.last_block_hash = parent
+        seq.hash_epoch = self.epoch
         return taken
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
@@ -121,6 +125,8 @@ class BlockManager:
         need = self.blocks_needed(seq, num_tokens)
         if need > len(self.free_blocks):
             raise NoFreeBlocks(f"{need} blocks needed, {len(self.free_blocks)} free")
+        if not seq.block_table:
+            seq.hash_epoch = self.epoch
         for _ in range(need):
             seq.block_table.append(self._take())
 
@@ -168,25 +174,33 @@ class BlockManager:
             self._ref(block)
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
+        child.num_hashed_blocks = parent.num_hashed_blocks
+        child.last_block_hash = parent.last_block_hash
+        child.hash_epoch = parent.hash_epoch
 
-    def register_full_blocks(self, seq: Sequence, tokens: Seq[int] | None = None) -> None:
-        """Key ``seq``'s computed full blocks in the prefix cache (those not keyed yet)."""
-        tokens = seq.token_ids() if tokens is None else tokens
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Key ``seq``'s newly computed full blocks in the prefix cache. Each block is looked at
+        once (``seq.num_hashed_blocks``). A sequence that started before the last
+        :meth:`drop_prefix_cache` keys nothing more: its blocks hold, or attended to, keys and
+        values of the old weights."""
+        if seq.hash_epoch != self.epoch:
+            return
         bs = self.block_size
-        full = min(seq.num_computed_tokens, len(tokens)) // bs
-        parent: int | None = None
-        for index in range(full):
+        full = seq.num_computed_tokens // bs
+        start = seq.num_hashed_blocks
+        if full <= start:
+            return
+        tokens = seq.token_ids()
+        parent = seq.last_block_hash if start else None
+        for index in range(start, full):
+            key = block_hash(parent, tokens[index * bs : (index + 1) * bs])
             block = seq.block_table[index]
-            key = self.block_hashes[block]
-            if key is None:
-                key = block_hash(parent, tokens[index * bs : (index + 1) * bs])
-                if key not in self.hash_to_block:
-                    self.hash_to_block[key] = block
-                    self.block_hashes[block] = key
-                else:
-                    parent = key
-                    continue
+            if self.block_hashes[block] is None and key not in self.hash_to_block:
+                self.hash_to_block[key] = block
+                self.block_hashes[block] = key
             parent = key
+        seq.num_hashed_blocks = full
+        seq.last_block_hash = parent
 
     def free(self, seq: Sequence) -> None:
         """Give back every block of ``seq`` (a keyed block stays in the prefix cache until
@@ -201,10 +215,13 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
+        seq.num_hashed_blocks = 0
+        seq.last_block_hash = None
 
     def drop_prefix_cache(self) -> int:
         """Forget every key (``DROP_CACHE``); returns how many blocks were keyed."""
         dropped = len(self.hash_to_block)
+        self.epoch += 1
         self.hash_to_block.clear()
         self.block_hashes = [None] * self.num_blocks
         return dropped

@@ -170,6 +170,30 @@ class ContinuousEngine:
         """Forget every prefix-cache key (``DROP_CACHE``); returns how many blocks were keyed."""
         return self.blocks.drop_prefix_cache()
 
+    def drop_graphs(self) -> None:
+        """Forget the captured decode graphs (an adapter change, a reload: the modules that
+        compute changed; a commit does not need this, the storages never move)."""
+        if self.runner.graphs is not None:
+            self.runner.graphs.drop()
+
+    def close(self) -> list[Any]:
+        """End every sequence (the resident is going away) and let go of the cache tensors;
+        returns the ids of the sequences that were still live. The engine is unusable after."""
+        with self._lock:
+            live = list(self._live)
+            self._live.clear()
+            self._pending.clear()
+            self._aborts.clear()
+            self._open = False
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = seq.finish_reason or "cancelled"
+        self.drop_graphs()
+        self.cache.keys.clear()
+        self.cache.values.clear()
+        return live
+
     def stats(self) -> dict[str, Any]:
         """Counts: ``blocks_total``, ``blocks_free``, ``block_size``, ``cache_bytes``,
         ``running``, ``waiting``, ``prefix_cache_hits`` (blocks taken from the cache),

@@ -13,7 +13,8 @@ the same bits whatever the other rows are, as long as there are at least two (a 
 row takes another kernel that rounds otherwise: see
 :mod:`~miserver.serving.engine.static_batch`). So a step of one token is padded with a second
 row (it writes the cache's scratch block, never a sequence's), and so is a logits read of one
-row. Attention is computed per sequence over its own keys (the ``loop`` path).
+row. Attention: one masked call for every one-query row, one call per prefill chunk
+(:mod:`~miserver.serving.engine.paged_attention`).
 
 CUDA. :class:`DecodeGraphs` captures the decode step of ``B`` sequences (one token each) as a
 CUDA graph per batch-size bucket over static input buffers and the paged cache (whose tensors
@@ -35,6 +36,7 @@ from miserver.serving.engine.paged_attention import (
     ATTENTION_NAME,
     PagedMetadata,
     SeqSpan,
+    decode_mask,
     model_configs,
     register,
     use_paged_attention,
@@ -68,6 +70,13 @@ class StepResult:
 
     logits: torch.Tensor
     prompt_logits: dict[int, torch.Tensor]
+
+
+def _token_at(seq: Sequence, position: int) -> int:
+    prompt = seq.num_prompt_tokens
+    if position < prompt:
+        return seq.prompt_token_ids[position]
+    return seq.output_token_ids[position - prompt]
 
 
 def decode_buckets(max_rows: int) -> tuple[int, ...]:
@@ -136,29 +145,33 @@ class ModelRunner:
         spans: list[SeqSpan] = []
         keep: list[int] = []
         echo: list[tuple[int, int, int]] = []  # (id(seq), first keep index, count)
+        decode_rows: list[int] = []  # flattened index of each one-query row
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         device = self.device
         for item in batch:
             seq = item.seq
             start = seq.num_computed_tokens
             end = start + item.num_new
-            if item.num_new == 1:
-                new = [
-                    seq.output_token_ids[-1]
-                    if end > seq.num_prompt_tokens
-                    else seq.prompt_token_ids[start]
-                ]
-            else:
-                new = seq.token_ids()[start:end]
             table = seq.block_table
             q_start = len(tokens)
-            tokens.extend(new)
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            mask = None
-            if 1 < item.num_new < end:
-                mask = torch.ones(item.num_new, end, dtype=torch.bool, device=device).tril(start)
-            blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=device)
-            spans.append(SeqSpan(q_start, item.num_new, end, blocks, mask))
+            if item.num_new == 1:
+                tokens.append(_token_at(seq, start))
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+                decode_rows.append(q_start)
+                decode_tables.append(table[: -(-end // bs)])
+                decode_lens.append(end)
+            else:
+                tokens.extend(seq.token_ids()[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                mask = None
+                if item.num_new < end:
+                    mask = torch.ones(item.num_new, end, dtype=torch.bool, device=device)
+                    mask = mask.tril(start)
+                blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=device)
+                spans.append(SeqSpan(q_start, item.num_new, end, blocks, mask))
             if item.prompt_logits:
                 # prompt positions start .. min(end, n_prompt - 1) - 1 predict tokens 1 .. n-1
                 last = min(end, seq.num_prompt_tokens - 1)
@@ -168,11 +181,14 @@ class ModelRunner:
             if item.sample:
                 keep.append(q_start + item.num_new - 1)
         real = len(tokens)
-        scratch = self.cache.scratch_block * bs
-        while len(tokens) < self.min_rows:
+        scratch = self.cache.scratch_block
+        while len(tokens) < self.min_rows:  # a padding row: one query over the scratch block
+            decode_rows.append(len(tokens))
             tokens.append(tokens[-1])
             positions.append(positions[-1])
-            slots.append(scratch + len(tokens) % bs)
+            slots.append(scratch * bs + len(tokens) % bs)
+            decode_tables.append([scratch])
+            decode_lens.append(1)
         kept = len(keep)
         if kept == 0:
             keep.append(real - 1)
@@ -181,6 +197,17 @@ class ModelRunner:
         meta = PagedMetadata(
             self.cache, torch.tensor(slots, dtype=torch.long, device=device), spans
         )
+        if decode_rows:
+            width = max(len(t) for t in decode_tables)
+            meta.block_tables = torch.tensor(
+                [t + [scratch] * (width - len(t)) for t in decode_tables],
+                dtype=torch.long,
+                device=device,
+            )
+            meta.context_lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
+            meta.decode_mask = decode_mask(meta.context_lens, width * bs)
+            if len(decode_rows) < len(tokens):
+                meta.decode_index = torch.tensor(decode_rows, dtype=torch.long, device=device)
         ids = torch.tensor(tokens, dtype=torch.long, device=device)
         pos = torch.tensor(positions, dtype=torch.long, device=device)
         keep_t = torch.tensor(keep, dtype=torch.long, device=device)
@@ -262,7 +289,6 @@ class DecodeGraphs:
             self.slot_mapping[:rows],
             block_tables=self.block_tables[:rows],
             context_lens=self.context_lens[:rows],
-            mode="batched",
         )
         kwargs = {ATTENTION_NAME: meta}
         with use_paged_attention(self.configs):
@@ -283,9 +309,7 @@ class DecodeGraphs:
         table = torch.full((rows, self.max_blocks), scratch, dtype=torch.long)
         for r, seq in enumerate(seqs):
             p = seq.num_computed_tokens
-            ids.append(
-                seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
-            )
+            ids.append(_token_at(seq, p))
             pos.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
             lens.append(p + 1)

@@ -70,6 +70,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # positions whose K/V are in the cache
     num_cached_tokens: int = 0  # of those, taken from the prefix cache at admission
+    num_hashed_blocks: int = 0  # leading full blocks the prefix cache has looked at
+    last_block_hash: int | None = None  # the hash chain's value after those blocks
+    hash_epoch: int = 0  # the block manager's drop count when its first block was taken
     finish_reason: str | None = None
     parked: bool = False  # preempted by preempt_all: waits for open admission
     arrival: int = field(default_factory=lambda: next(_ARRIVALS))

@@ -309,6 +309,9 @@ class EngineLoop:
         if wait_s > 0 and self._thread is not threading.current_thread():
             self._thread.join(wait_s)
         if not self._thread.is_alive():
+            close = getattr(self.engine, "close", None)
+            if close is not None:
+                close()  # ends anything left, lets go of the cache tensors
             self.engine = _Closed()
 
     @property

@@ -284,6 +284,10 @@ def create_app(
         max_batch_size=resolved_max_batch_size(settings, device_type),
         batch_delay_s=resolved_batch_delay_s(settings, device_type),
     )
+    # The continuous engine: requests join the running batch of their resident at the next
+    # step instead of waiting for it to end (slot.py, "Joining the running batch").
+    scheduler.join_running = host.use_engine
+    host.scheduler = scheduler
     app = web.Application(
         middlewares=app_middlewares(settings), client_max_size=settings.max_request_bytes
     )

@@ -563,6 +563,27 @@ def _not_attachable(app: web.Application) -> dict[str, Any] | None:
     return {"reason": reason, "message": refusal_message("NOT_ATTACHABLE", reason)}
 
 
+def kv_cache_summary(resident: Any) -> dict[str, Any] | None:
+    """The ``kv_cache`` block of ``/api/health/detailed`` (issue 29): the resident's paged KV
+    cache, ``{bytes, blocks_total, blocks_free, block_size, running, waiting}`` (``bytes``:
+    ``KV_CACHE_BYTES`` rounded down to whole blocks); None with nothing resident or no engine."""
+    loop = getattr(resident, "engine_loop", None) if resident is not None else None
+    if loop is None or loop.closed:
+        return None
+    try:
+        stats = loop.stats()
+    except Exception as exc:  # noqa: BLE001 - reported, never a 500 on a health route
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {
+        "bytes": stats.get("cache_bytes"),
+        "blocks_total": stats.get("blocks_total"),
+        "blocks_free": stats.get("blocks_free"),
+        "block_size": stats.get("block_size"),
+        "running": stats.get("running"),
+        "waiting": stats.get("waiting"),
+    }
+
+
 async def health_detailed(request: web.Request) -> web.Response:
     """``GET /api/health/detailed``: resident model, device, queue, weights summary. A resident
     that cannot be attached says why (``resident.not_attachable: {reason, message}``).
@@ -594,6 +615,7 @@ async def health_detailed(request: web.Request) -> web.Response:
             "warnings": [
                 w for w in (app[keys.SETTINGS].training_warning(scheduler.max_concurrent),) if w
             ],
+            "kv_cache": kv_cache_summary(host.resident),
         }
     )
 

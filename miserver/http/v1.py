@@ -202,6 +202,17 @@ class Running:
 def _join_batch(app: web.Application, grant: Grant, job: Job) -> list[Generation]:
     """Join the static batch of ``grant`` with ``job``'s ``n`` sequences; the batch starts once
     every member has joined or left (:meth:`~miserver.serving.engine.slot.SlotBatch.when_ready`)."""
+    engine_loop = getattr(job.resident, "engine_loop", None)
+    if engine_loop is not None:  # the continuous engine: the request joins its running batch
+        streams = engine_loop.submit(
+            job.prompt_ids,
+            job.params,
+            n=job.n,
+            stream=job.stream,  # a whole answer: each sequence's text as one delta, at its end
+            priority=grant.priority,
+        )
+        grant.join()
+        return list(streams)
     batch = grant.batch
     if batch.work is None:
         # A GGUF resident's sequences run on llama.cpp's slots (contract 4a).

@@ -197,6 +197,54 @@ class Metrics:
             registry=r,
         )
         self.decode_graph_replays.set_function(lambda: self._engine_stat("replays"))
+        # The continuous engine (issue 29): its paged KV cache and what runs in it.
+        self._engine_loop: Any = None
+        self.kv_cache_bytes = Gauge(
+            "miserver_kv_cache_bytes",
+            "Bytes of the continuous engine's paged KV cache (KV_CACHE_BYTES; 0: no engine)",
+            registry=r,
+        )
+        self.kv_cache_bytes.set_function(lambda: self._loop_stat("cache_bytes"))
+        self.kv_cache_blocks = Gauge(
+            "miserver_kv_cache_blocks",
+            "Blocks of the paged KV cache, by state (total, free)",
+            ["state"],
+            registry=r,
+        )
+        self.kv_cache_blocks.labels(state="total").set_function(
+            lambda: self._loop_stat("blocks_total")
+        )
+        self.kv_cache_blocks.labels(state="free").set_function(
+            lambda: self._loop_stat("blocks_free")
+        )
+        self.engine_sequences = Gauge(
+            "miserver_engine_sequences",
+            "Sequences in the continuous engine, by state (running, waiting)",
+            ["state"],
+            registry=r,
+        )
+        for state in ("running", "waiting"):
+            self.engine_sequences.labels(state=state).set_function(
+                lambda state=state: self._loop_stat(state)
+            )
+        self.engine_steps = Gauge(
+            "miserver_engine_steps",
+            "Steps (one forward pass each) the resident's continuous engine has run",
+            registry=r,
+        )
+        self.engine_steps.set_function(lambda: self._loop_stat("steps"))
+        self.engine_prefix_cache_hits = Gauge(
+            "miserver_engine_prefix_cache_hits",
+            "KV blocks taken from the prefix cache (shared prompt prefixes) since the load",
+            registry=r,
+        )
+        self.engine_prefix_cache_hits.set_function(lambda: self._loop_stat("prefix_cache_hits"))
+        self.engine_preemptions = Gauge(
+            "miserver_engine_preemptions",
+            "Running sequences preempted (blocks freed, recomputed later) since the load",
+            registry=r,
+        )
+        self.engine_preemptions.set_function(lambda: self._loop_stat("preemptions"))
         self._hold_started: float | None = None
         self._call_counters: dict[tuple[str, str, str], Any] = {}  # labels() once per series
 
@@ -247,6 +295,19 @@ class Metrics:
     def set_decode_engine(self, engine: Any) -> None:
         """The resident's decode engine, read by the decode gauges (None: no engine)."""
         self._engine = engine
+
+    def set_engine_loop(self, loop: Any) -> None:
+        """The resident's continuous engine thread, read by the engine gauges (None: none)."""
+        self._engine_loop = loop
+
+    def _loop_stat(self, name: str) -> float:
+        loop = self._engine_loop
+        if loop is None or loop.closed:
+            return 0.0
+        try:
+            return float(loop.stats().get(name, 0))
+        except Exception:  # noqa: BLE001 - a scrape never fails for a gauge
+            return 0.0
 
     def _engine_stat(self, name: str) -> float:
         engine = self._engine

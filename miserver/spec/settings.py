@@ -65,6 +65,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     #: None: ``auto``, the measured default of the device (0 on both: no delay).
     max_batch_delay_ms: float | None = None
     decode_graphs: str = "captured"
+    #: ``static`` (the static batch) or ``continuous`` (the continuous engine, issue 29).
+    engine: str = "static"
+    #: None: ``auto``, the device's default (:data:`DEFAULT_KV_CACHE_BYTES_CPU`).
+    kv_cache_bytes: int | None = None
     continuous_batching: bool = False
     #: None: ``auto``, the CPU cores this process may run on (``os.sched_getaffinity``).
     gguf_threads: int | None = None
@@ -135,6 +139,8 @@ VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("MAX_BATCH_SIZE", "max_batch_size", "batch_size"),
     ("MAX_BATCH_DELAY_MS", "max_batch_delay_ms", "batch_delay"),
     ("DECODE_GRAPHS", "decode_graphs", "decode_graphs"),
+    ("ENGINE", "engine", "engine"),
+    ("KV_CACHE_BYTES", "kv_cache_bytes", "memory_bytes"),
     ("CONTINUOUS_BATCHING", "continuous_batching", "bool"),
     ("GGUF_THREADS", "gguf_threads", "threads"),
     ("MAX_QUEUED_REQUESTS", "max_queued_requests", "pos_int"),
@@ -168,6 +174,9 @@ KIND_FORMATS: dict[str, str] = {
     "threads": "`auto` or an integer 1 to 1024",
     "batch_delay": "`auto` or a number of milliseconds, 0 to 1000 (0: no delay)",
     "nonneg_float": "a number, at least 0",
+    "engine": "`static` or `continuous` (case-insensitive)",
+    "memory_bytes": "`auto`, or a size in bytes: an integer, optionally with a unit `KiB`, "
+    "`MiB`, `GiB` (powers of 1024) or `KB`, `MB`, `GB` (powers of 1000), at least 1 MiB",
     "management_auth": "`none` or `operator`",
     "load_policy": "`auto` or `refuse` (case-insensitive)",
 }
@@ -231,7 +240,9 @@ DESCRIPTIONS: dict[str, str] = {
     "CUDA (an H200, SmolLM2-135M: a graph step of 64 sequences 5.3 ms against 3.3 ms for one, "
     "tokens a second 40x; 1.4x the throughput of 32 for 1.2x the step; docs/benchmarks.md); the "
     "rows of the batch cache are cut to a quarter of the card's free memory. A batch is one "
-    "holder of the slot: a quiesce drains it as it drains one request.",
+    "holder of the slot: a quiesce drains it as it drains one request. With `ENGINE=continuous`"
+    " it is the most sequences the engine decodes in one step (`auto`: 64 on every device; "
+    "requests join the running batch at the next step) and still the largest `n`.",
     "MAX_BATCH_DELAY_MS": "How long a free slot waits for more requests to join its static "
     "batch (a max batch delay, as in TorchServe or Triton's dynamic batcher): a request that "
     "finds the slot free is granted it once `MAX_BATCH_SIZE` sequences wait, once no further "
@@ -254,6 +265,25 @@ DESCRIPTIONS: dict[str, str] = {
     "cached under `MISERVER_HOME/compile-cache`), or `off` (one eager forward pass a token). On "
     "the CPU decoding is always eager, said once in the log. A build or capture that fails "
     "falls back to eager with one warning and `miserver_decode_graph_fallbacks_total`.",
+    "ENGINE": "What decodes requests. `static` (the default in this version): the static batch "
+    "(`MAX_BATCH_SIZE`). `continuous`: the continuous engine (issue 29): one engine thread per "
+    "resident whose every step admits waiting sequences (chunked prefill) and decodes one token "
+    "for every running one, so a request joins the running batch at the next step and leaves "
+    "it the moment it ends, over a paged KV cache of `KV_CACHE_BYTES`; the running batch is one "
+    "holder of the slot (a quiesce drains it). The default becomes `continuous` once its CPU "
+    "answers are bit-identical to a request run alone (docs/decisions.md).",
+    "KV_CACHE_BYTES": "The memory the continuous engine's paged KV cache takes, allocated "
+    "once when a model loads (never grown, never moved while it is resident): the blocks every "
+    "running sequence's keys and values live in, shared between the `n` choices of a request "
+    "and, on CUDA, between requests with the same prompt prefix. It bounds how many tokens are in "
+    "flight at once, not how many requests are accepted: when the blocks run out a running "
+    "sequence is preempted and recomputed later, never failed. `auto`: 1 GiB on the CPU (for "
+    "SmolLM2-135M, 23,040 bytes a token, about 46,000 tokens in flight: 64 chats of 700 tokens), "
+    "on CUDA a quarter of the card's free memory once the model is loaded (the rest stays free "
+    "for a trainer sharing the card); either way at most twice what the engine's most "
+    "sequences a step hold at the model's full context. Shown in `GET /api/weights/status` (`cuda_memory[]."
+    "kv_cache_mb`), `GET /api/health/detailed` (`kv_cache`) and `/metrics` "
+    "(`miserver_kv_cache_bytes`, `miserver_kv_cache_blocks`). Takes effect at the next load.",
     "HEADER_READ_TIMEOUT_S": "A connection whose request head (request line and headers) has not "
     "arrived this many seconds after it opened, or after the first byte of a later request's "
     "head, is answered 408 (JSON) and closed. Idle keep-alive connections are not affected.",
@@ -340,7 +370,7 @@ def format_default(field: str, kind: str) -> str:
     if field == "home":
         return "the platform's user data dir + `/miserver`"
     value = setting_default(field)
-    if value is None and kind in ("batch_size", "threads"):
+    if value is None and kind in ("batch_size", "threads", "memory_bytes"):
         return "auto"
     if value is None or value == "":
         return "empty"
@@ -390,6 +420,64 @@ def default_home() -> str:
 MAX_BATCH_SIZE_LIMIT = 256
 #: ``MAX_BATCH_SIZE=auto`` on each device type (measured: docs/benchmarks.md, "Static batch").
 DEFAULT_MAX_BATCH_SIZE = {"cpu": 8, "cuda": 64}
+#: ``MAX_BATCH_SIZE=auto`` for the continuous engine's sequences a step, on every device.
+DEFAULT_ENGINE_MAX_SEQS = 64
+
+
+#: ``KV_CACHE_BYTES=auto`` on the CPU, bytes (see its description in :data:`DESCRIPTIONS`).
+DEFAULT_KV_CACHE_BYTES_CPU = 1 << 30
+#: ``KV_CACHE_BYTES=auto`` on CUDA: this share of the card's free memory after the load.
+DEFAULT_KV_CACHE_CUDA_FREE_FRACTION = 0.25
+#: The smallest ``KV_CACHE_BYTES`` accepted (1 MiB: a few blocks of a small model).
+MIN_KV_CACHE_BYTES = 1 << 20
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+
+def parse_memory_bytes(variable: str, raw: str) -> int | None:
+    """A size such as ``512MiB``, ``2GiB``, ``1.5GB`` or ``1073741824`` in bytes; ``auto`` (or
+    empty) is None. Raises :class:`ConfigError` naming ``variable`` for anything else, or a size
+    below :data:`MIN_KV_CACHE_BYTES`."""
+    text = raw.strip()
+    if text.lower() in ("", "auto"):
+        return None
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([A-Za-z]*)", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ConfigError(
+            variable,
+            f"expected auto or a size such as 512MiB, 2GiB or a number of bytes, got {raw!r}",
+        )
+    value = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if value < MIN_KV_CACHE_BYTES:
+        raise ConfigError(
+            variable, f"must be at least {MIN_KV_CACHE_BYTES} bytes (1 MiB), got {raw!r}"
+        )
+    return value
+
+
+def resolved_kv_cache_bytes(
+    settings: Settings, device_type: str, free_bytes: int | None = None
+) -> int:
+    """``KV_CACHE_BYTES`` for a model loaded on ``device_type`` (``cpu`` or ``cuda``): the
+    setting, else on CUDA :data:`DEFAULT_KV_CACHE_CUDA_FREE_FRACTION` of ``free_bytes`` (the
+    card's free memory after the load; at least :data:`MIN_KV_CACHE_BYTES`), else
+    :data:`DEFAULT_KV_CACHE_BYTES_CPU`. Bytes (int)."""
+    if settings.kv_cache_bytes is not None:
+        return settings.kv_cache_bytes
+    if device_type == "cuda" and free_bytes is not None:
+        return max(MIN_KV_CACHE_BYTES, int(free_bytes * DEFAULT_KV_CACHE_CUDA_FREE_FRACTION))
+    return DEFAULT_KV_CACHE_BYTES_CPU
 
 
 #: The largest ``MAX_BATCH_DELAY_MS`` accepted.
@@ -528,6 +616,13 @@ def _convert(variable: str, kind: str, raw: str) -> object:
                 variable, f"must be auto or 0 to {MAX_BATCH_DELAY_LIMIT_MS:g} ms, got {raw!r}"
             )
         return delay
+    if kind == "memory_bytes":
+        return parse_memory_bytes(variable, raw)
+    if kind == "engine":
+        low = raw.lower()
+        if low in ("static", "continuous"):
+            return low
+        raise ConfigError(variable, f"expected static or continuous, got {raw!r}")
     if kind == "decode_graphs":
         low = raw.lower()
         if low in ("captured", "compiled", "off"):

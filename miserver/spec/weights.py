@@ -244,6 +244,9 @@ class CudaMemory(_Body):
     #: the resident decodes eagerly. Both are included in allocated/reserved.
     decode_cache_mb: float = 0.0
     decode_graphs_mb: float = 0.0
+    #: The continuous engine's paged KV cache on this card (``KV_CACHE_BYTES``, issue 29),
+    #: allocated once at load; included in allocated/reserved. 0 without an engine.
+    kv_cache_mb: float = 0.0
 
 
 class AdapterBlock(_Body, omit_defaults=True):

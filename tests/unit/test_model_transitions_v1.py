@@ -104,10 +104,9 @@ async def test_v1_during_a_swap_from_an_unsaved_resident_is_model_busy(tmp_path,
 
 def slow_resident(host: Any, delay: float) -> Any:
     """Wrap the resident's model so every forward pass takes ``delay`` seconds more."""
-    from tests.unit.v1_fixtures import SlowModel
+    from tests.unit import v1_fixtures
 
-    host.resident.model = SlowModel(host.resident.model, delay)
-    return host.resident.model
+    return v1_fixtures.slow_resident(host.resident, delay)
 
 
 def record_drops(host: Any) -> list[float]:

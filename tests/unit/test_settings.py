@@ -167,6 +167,31 @@ def test_max_batch_size_is_auto_or_1_to_256_and_auto_takes_the_devices_default()
             load_settings({"MISERVER_HOME": "/x", "MAX_BATCH_SIZE": bad})
 
 
+def test_kv_cache_bytes_takes_sizes_with_units_and_auto_is_the_devices_default() -> None:
+    from miserver.spec.settings import resolved_kv_cache_bytes
+
+    auto = load_settings({"MISERVER_HOME": "/x"})
+    assert auto.kv_cache_bytes is None
+    assert resolved_kv_cache_bytes(auto, "cpu") == 1 << 30
+    assert resolved_kv_cache_bytes(auto, "cuda", free_bytes=80 << 30) == 20 << 30
+    for raw, value in (
+        ("auto", None),
+        ("", None),
+        ("512MiB", 512 << 20),
+        ("2GiB", 2 << 30),
+        ("2 gib", 2 << 30),
+        ("1.5GB", 1_500_000_000),
+        ("1048576", 1 << 20),
+    ):
+        got = load_settings({"MISERVER_HOME": "/x", "KV_CACHE_BYTES": raw})
+        assert got.kv_cache_bytes == value, raw
+    fixed = load_settings({"MISERVER_HOME": "/x", "KV_CACHE_BYTES": "64MiB"})
+    assert resolved_kv_cache_bytes(fixed, "cuda", free_bytes=80 << 30) == 64 << 20
+    for bad in ("0", "1000", "-5MiB", "lots", "5XB", "1e9", "nan"):
+        with pytest.raises(ConfigError, match="KV_CACHE_BYTES"):
+            load_settings({"MISERVER_HOME": "/x", "KV_CACHE_BYTES": bad})
+
+
 def test_a_bad_switch_lists_every_accepted_spelling():
     with pytest.raises(ConfigError) as info:
         load_settings({"MISERVER_HOME": "/tmp/x", "WEIGHTS_CPU_ATTACH": "maybe"})

@@ -17,7 +17,7 @@ from miserver.http.app import create_app
 from miserver.http.model_header import parse_model_header
 from miserver.serving.models.catalogue import Catalogue
 from miserver.spec.settings import Settings
-from tests.unit.v1_fixtures import SlowModel, tiny_model_folder
+from tests.unit.v1_fixtures import slow_resident, tiny_model_folder, unslow_resident
 from tests.waiting import eventually
 
 MODEL = "tiny"
@@ -50,9 +50,10 @@ async def make_client(folder: Path, home: Path, **settings: Any) -> TestClient:
     return client
 
 
-@pytest.fixture
-async def client(folder: Path, tmp_path: Path):
-    c = await make_client(folder, tmp_path / "home")
+@pytest.fixture(params=["static", "continuous"])
+async def client(folder: Path, tmp_path: Path, request: pytest.FixtureRequest):
+    # every /v1 behaviour on both engines (ENGINE; issue 29)
+    c = await make_client(folder, tmp_path / "home", engine=request.param)
     yield c
     await c.close()
 
@@ -265,13 +266,38 @@ async def test_token_id_prompt_matches_string_prompt(client: TestClient) -> None
 
 
 def _slow(client: TestClient, delay: float, fail_at: int | None = None) -> Any:
-    resident = client.app[keys.HOST].resident
-    resident.model = SlowModel(resident.model, delay, fail_at)
-    return resident.model
+    return slow_resident(client.app[keys.HOST].resident, delay, fail_at)
 
 
 async def test_queue_full_is_503_and_the_queue_drains(folder: Path, tmp_path: Path) -> None:
     client = await make_client(folder, tmp_path / "home", max_queued_requests=1)
+    try:
+        _slow(client, 0.05)
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "temperature": 0}
+        scheduler = client.app[keys.SCHEDULER]
+        first = asyncio.ensure_future(post(client, "/v1/completions", body))
+        await eventually(lambda: scheduler.counts().running == 1, "the first request runs")
+        second = asyncio.ensure_future(post(client, "/v1/completions", body))
+        await eventually(lambda: scheduler.counts().queued == 1, "the second request waits")
+        status, err, headers = await post(client, "/v1/completions", body)
+        assert status == 503 and err["error"]["code"] == "queue_full"
+        assert err["error"]["type"] == "server_error" and headers["Retry-After"] == "1"
+        assert (await first)[0] == 200 and (await second)[0] == 200
+        metrics = await (await client.get("/metrics")).text()
+        assert (
+            'miserver_requests_refused_total{code="QUEUE_FULL",route="/v1/completions"} 1.0'
+            in metrics
+        )
+    finally:
+        await client.close()
+
+
+async def test_queue_full_on_the_engine_counts_requests_it_has_not_begun(
+    folder: Path, tmp_path: Path
+) -> None:
+    client = await make_client(
+        folder, tmp_path / "home", max_queued_requests=1, max_batch_size=1, engine="continuous"
+    )
     try:
         _slow(client, 0.05)
         body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "temperature": 0}
@@ -336,7 +362,7 @@ async def test_generation_error_before_and_after_the_stream_opens(client: TestCl
     assert "injected failure" in events[0]["error"]["message"]
     assert scheduler.counts().running == 0
     resident = client.app[keys.HOST].resident
-    resident.model = resident.model.inner
+    unslow_resident(resident)
     slow = _slow(client, 0.0, fail_at=4)  # a decode step fails: one error event, no [DONE]
     status, events, _ = await sse(
         client, "/v1/chat/completions", {**CHAT, "max_tokens": 10, "stream": True}
@@ -347,7 +373,7 @@ async def test_generation_error_before_and_after_the_stream_opens(client: TestCl
     assert all("error" not in e for e in events[:-1])
     assert slow.calls == 4
     assert scheduler.counts().running == 0
-    resident.model = resident.model.inner
+    unslow_resident(resident)
     status, _, _ = await post(client, "/v1/completions", body)
     assert status == 200
 
@@ -367,15 +393,56 @@ async def test_concurrent_requests_run_at_once(folder: Path, tmp_path: Path) -> 
         await client.close()
 
 
-async def test_one_slot_serialises_generations(client: TestClient) -> None:
-    slow = _slow(client, 0.02)
-    body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "temperature": 0}
-    await asyncio.gather(*(post(client, "/v1/completions", body) for _ in range(2)))
-    # Generation threads are reused, so a generation is told apart by its prefill call: with one
-    # slot the second prefill comes only after every step of the first generation.
-    starts = [i for i, prefill in enumerate(slow.prefills) if prefill]
-    assert len(starts) == 2 and len(slow.windows) % 2 == 0
-    assert starts == [0, len(slow.windows) // 2], "the two generations interleaved"
+async def test_one_slot_serialises_generations(folder: Path, tmp_path: Path) -> None:
+    # the static batch's slot (ENGINE=static); the engine's: the test below
+    client = await make_client(folder, tmp_path / "home", engine="static")
+    try:
+        slow = _slow(client, 0.02)
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "temperature": 0}
+        await asyncio.gather(*(post(client, "/v1/completions", body) for _ in range(2)))
+        # Generation threads are reused, so a generation is told apart by its prefill call: with one
+        # slot the second prefill comes only after every step of the first generation.
+        starts = [i for i, prefill in enumerate(slow.prefills) if prefill]
+        assert len(starts) == 2 and len(slow.windows) % 2 == 0
+        assert starts == [0, len(slow.windows) // 2], "the two generations interleaved"
+    finally:
+        await client.close()
+
+
+async def test_concurrent_requests_share_the_engines_steps(folder: Path, tmp_path: Path) -> None:
+    # The continuous engine computes both requests in the same forward passes (issue 29): one
+    # engine thread, each step a token for every running sequence.
+    client = await make_client(folder, tmp_path / "home", engine="continuous")
+    try:
+        slow = _slow(client, 0.03)
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 6, "temperature": 0}
+        results = await asyncio.gather(*(post(client, "/v1/completions", body) for _ in range(2)))
+        assert all(r[0] == 200 for r in results)
+        assert all(r[1]["usage"]["completion_tokens"] == 6 for r in results)
+        # alone, each takes a prefill and 5 decode passes: 12 one after the other
+        assert len(slow.windows) <= 8, "the two generations did not share forward passes"
+    finally:
+        await client.close()
+
+
+async def test_one_sequence_a_step_serialises_the_engine(folder: Path, tmp_path: Path) -> None:
+    # MAX_BATCH_SIZE 1: one sequence a step, so the engine runs the second request only once
+    # the first has ended.
+    client = await make_client(folder, tmp_path / "home", max_batch_size=1, engine="continuous")
+    try:
+        _slow(client, 0.02)
+        steps: list[list[int]] = []
+        loop = client.app[keys.HOST].resident.engine_loop
+        loop.on_step = lambda _n, outputs: steps.append([o.seq_id for o in outputs])
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "temperature": 0}
+        await asyncio.gather(*(post(client, "/v1/completions", body) for _ in range(2)))
+        order = [ids[0] for ids in steps if ids]
+        assert all(len(ids) == 1 for ids in steps if ids), steps
+        first, second = order[0], order[-1]
+        assert first != second
+        assert order == [first] * order.count(first) + [second] * order.count(second), order
+    finally:
+        await client.close()
 
 
 # --- issue 16, breaker findings F11, F12, F15, F18 ----------------------------------------------

@@ -109,9 +109,12 @@ class SlowModel:
 
 
 def spy_batch_starts(monkeypatch: Any) -> list[int]:
-    """Record the sequences of every static batch that starts
-    (:meth:`miserver.serving.engine.generation.StaticBatch.start`), through ``monkeypatch``; returns
-    the list it appends to."""
+    """Record the sequences of every batch that starts, through ``monkeypatch``; returns the
+    list it appends to. A static batch (:meth:`miserver.serving.engine.generation.StaticBatch.
+    start`) counts its sequences; on the continuous engine a batch is a busy period of the
+    resident's engine: a request submitted while it computes nothing starts one, and every
+    request submitted while it runs adds its ``n`` to it."""
+    from miserver.serving.engine.engine_loop import EngineLoop
     from miserver.serving.engine.generation import StaticBatch
 
     sizes: list[int] = []
@@ -123,4 +126,37 @@ def spy_batch_starts(monkeypatch: Any) -> list[int]:
         real(self)
 
     monkeypatch.setattr(StaticBatch, "start", spy)
+    real_submit = EngineLoop.submit
+
+    def submit(self: EngineLoop, *args: Any, **kwargs: Any) -> Any:
+        with self._cv:
+            idle = not self._choices and not self._inbox and not self._has_work()
+        streams = real_submit(self, *args, **kwargs)
+        if idle or not sizes:
+            sizes.append(len(streams))
+        else:
+            sizes[-1] += len(streams)
+        return streams
+
+    monkeypatch.setattr(EngineLoop, "submit", submit)
     return sizes
+
+
+def slow_resident(resident: Any, delay: float = 0.0, fail_at: int | None = None) -> Any:
+    """Wrap ``resident``'s model in a :class:`SlowModel` where its forward passes run: the
+    resident's ``model`` and, on the continuous engine, the engine's model runner (the one
+    that computes every request). Returns the wrapper; :func:`unslow_resident` undoes it."""
+    slow = SlowModel(resident.model, delay, fail_at)
+    resident.model = slow
+    loop = getattr(resident, "engine_loop", None)
+    if loop is not None:
+        loop.engine.runner.model = slow
+    return slow
+
+
+def unslow_resident(resident: Any) -> None:
+    """Undo :func:`slow_resident`."""
+    resident.model = resident.model.inner
+    loop = getattr(resident, "engine_loop", None)
+    if loop is not None:
+        loop.engine.runner.model = resident.model

@@ -14,22 +14,24 @@ member tells the batch it is ready with :meth:`Grant.join` (or leaves it by rele
 every member has joined or left, the batch's ``when_ready`` callbacks run (the generation
 starts). Work that arrives meanwhile waits for the next grant, as it waits for the slot.
 
+**Joining the running batch** (``join_running``, issue 29): a grouped waiter is granted at once
+into its group's running batch (one holder) unless the barrier holds or drains or a waiter as
+good waits; the engine admits it at its next step; a drain waits for every member.
+
 **The batch delay** (``MAX_BATCH_DELAY_MS``, contract 1; the max batch delay of TorchServe and
 Triton's dynamic batcher). With a delay set, a grouped waiter that finds a slot free does not
 take it alone at once: the free slot *gathers*. It is granted (to the waiters queued by then,
 in the usual order) when the waiting grouped work fills ``max_batch_size`` sequences, when no
 new grouped waiter has arrived for ``batch_delay_s`` (a quiet gap: a burst of clients that
 keep arriving keeps the slot gathering), or at the latest ``GATHER_CAP_FACTOR`` x
-``batch_delay_s`` after the gathering began. A lone request pays the gap once; 64 clients that
-start together become one batch instead of a batch of one followed by one of 63. A gathering
+``batch_delay_s`` after the gathering began (a lone request pays the gap once). A gathering
 slot holds nothing: the barrier's drain does not wait for it (its waiters are held), and a
 slot freed with work already queued is granted at once.
 
 **Units** (a Batch API chunk). A waiter may belong to a :class:`Unit`: the held counts count a
 unit's held batch waiters once (``held_batch`` is chunks, not rows), and a unit made with
 ``members`` gathers: none of its waiters is granted until every member is waiting or has left
-it, so the rows of a chunk that reach the queue at different moments are granted together, in
-one static batch, and never the first alone.
+it, so a chunk's rows are granted together, never the first alone.
 
 The step barrier is built on :meth:`Scheduler.barrier_acquire`: it stops granting slots, waits
 until every running holder has released its slot (the drain), then holds all of them. Waiters
@@ -168,6 +170,7 @@ class SlotBatch:
         self.grants: list[Grant] = []
         self.sequences = 0
         self.work: Any = None
+        self.group: Hashable | None = None  # set when waiters may join it (join_running)
         self._pending: set[int] = set()  # members that have neither joined nor left
         self._holding: set[int] = set()  # members that have not released their grant
         self._ready_callbacks: list[Callable[[], None]] = []
@@ -267,8 +270,13 @@ class Scheduler:
         max_queued: int = 64,
         max_batch_size: int = 1,
         batch_delay_s: float = 0.0,
+        join_running: bool = False,
     ) -> None:
         self._max_concurrent = 1
+        self.join_running = bool(join_running)  #: see the module docstring
+        self._open: dict[Hashable, SlotBatch] = {}  # group -> its running batch (join_running)
+        #: Interactive requests in a running batch not begun by its engine (queued, max_queued).
+        self.batch_waiting: Callable[[], int] = lambda: 0
         self._max_queued = 1
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
             raise ValueError(f"max_batch_size must be an integer, got {max_batch_size!r}")
@@ -344,7 +352,7 @@ class Scheduler:
             chunks = len({id(w.unit) for w in batch if w.unit is not None})
             chunks += sum(1 for w in batch if w.unit is None)
             return HeldCounts(inter, chunks, self._running, len(waiting) - inter - len(batch))
-        return HeldCounts(0, 0, self._running, len(waiting))
+        return HeldCounts(0, 0, self._running, len(waiting) + self.batch_waiting())
 
     def interactive_waiting(self) -> int:
         """Interactive requests waiting for a slot, queued or held by the barrier: what
@@ -352,7 +360,7 @@ class Scheduler:
         return self._waiting_interactive()
 
     def _waiting_interactive(self) -> int:
-        return sum(
+        return self.batch_waiting() + sum(
             1 for w in self._heap if w.priority == Priority.INTERACTIVE and not w.future.done()
         )
 
@@ -394,8 +402,12 @@ class Scheduler:
             and self.max_batch_size > 1
             and size < self.max_batch_size
         )
+        if not gathering and group is not None and self._can_join_now(group, priority):
+            if priority == Priority.INTERACTIVE and self._waiting_interactive() >= self._max_queued:
+                raise QueueFull(self._max_queued)  # the engine's not-begun requests count
+            return self._join_open(self._open[group], priority, size)
         if not gathering and not delayed and self._can_grant_now(priority):
-            return self._new_batch(priority, size)
+            return self._new_batch(priority, size, group)
         start_gather = not gathering and delayed and self._can_grant_now(priority)
         if priority == Priority.INTERACTIVE and self._waiting_interactive() >= self._max_queued:
             raise QueueFull(self._max_queued)
@@ -484,13 +496,40 @@ class Scheduler:
         requests). What a drain waits for, counted as the drain timeout's message counts it."""
         return self._running_requests
 
-    def _new_batch(self, priority: Priority, size: int) -> Grant:
+    def _new_batch(self, priority: Priority, size: int, group: Hashable | None = None) -> Grant:
         self._running += 1
         self._running_requests += 1
-        batch = SlotBatch()
+        batch = self._opened(SlotBatch(), group)
         grant = Grant(batch, size, priority)
         batch._add(grant)
         return grant
+
+    def _opened(self, batch: SlotBatch, group: Hashable | None) -> SlotBatch:
+        if self.join_running and group is not None:  # later waiters of the group may join it
+            batch.group, self._open[group] = group, batch
+        return batch
+
+    def _can_join_now(self, group: Hashable, priority: Priority) -> bool:
+        better = any(w.priority <= priority and w.ready() for w in self._heap)
+        return self.join_running and group in self._open and not self._blocked() and not better
+
+    def _join_open(self, batch: SlotBatch, priority: Priority, size: int) -> Grant:
+        self._running_requests += 1
+        grant = Grant(batch, size, priority)
+        batch._add(grant)
+        batch._settle(grant)  # already running: nothing to wait for
+        return grant
+
+    def _grant_into_open(self) -> None:
+        """Grant the ready waiters of each running batch's group into it, best first."""
+        joined = [w for w in sorted(self._heap) if w.ready() and w.group in self._open]
+        if not joined or self._blocked():
+            return
+        self._heap = [w for w in self._heap if w not in joined]
+        heapq.heapify(self._heap)
+        for waiter in joined:
+            grant = self._join_open(self._open[waiter.group], waiter.priority, waiter.size)
+            waiter.future.set_result(grant)
 
     def release(self, grant: Grant | None = None) -> None:
         """Give a grant back; the slot is free once every member of its batch released, and the
@@ -506,6 +545,8 @@ class Scheduler:
             batch._settle(grant)
             if batch._holding:
                 return  # other members still decode: the batch holds the slot
+            if batch.group is not None and self._open.get(batch.group) is batch:
+                del self._open[batch.group]
         if self._running <= 0:
             raise RuntimeError("release() without a held slot")
         if grant is None:
@@ -552,7 +593,7 @@ class Scheduler:
                 kept.append(waiter)
                 continue
             self._running += 1
-            batch = SlotBatch()
+            batch = self._opened(SlotBatch(), waiter.group)
             members = [waiter]
             if waiter.group is not None and self.max_batch_size > 1:
                 room = self.max_batch_size - waiter.size
@@ -575,6 +616,7 @@ class Scheduler:
                 member.future.set_result(grant)
         for waiter in kept:
             heapq.heappush(self._heap, waiter)
+        self._grant_into_open()
 
     # --- the barrier --------------------------------------------------------------------------
     def barrier_begin(self) -> None:

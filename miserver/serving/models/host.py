@@ -107,6 +107,9 @@ class Resident:
     engine: Any = None
     #: Why ``engine`` is None (a sentence; None when there is an engine).
     engine_off_reason: str | None = None
+    #: The continuous engine's thread (:class:`~miserver.serving.engine.engine_loop.EngineLoop`)
+    #: that runs every forward pass of requests on this resident; None: the static batch.
+    engine_loop: Any = None
 
     @property
     def kind(self) -> Literal["transformers", "gguf"]:
@@ -217,6 +220,11 @@ class ModelHost:
         #: holds the model) forgets it here, or the unload frees nothing.
         self.drop_hooks: list[Callable[[Resident], None]] = []
         self._said_cpu_eager = False
+        #: Serve through the continuous engine (:meth:`_build_engine_loop`); False: the static
+        #: batch (a model the engine cannot hold falls back to it with a warning).
+        self.use_engine = settings.engine == "continuous"
+        #: The server's scheduler (set by the app): counts the engine's waiting requests.
+        self.scheduler: Any = None
         catalogue.set_resident(None)
 
     # --- state ---------------------------------------------------------------------------------
@@ -420,10 +428,17 @@ class ModelHost:
     async def _load_resident(self, row: CatalogueRow) -> Resident:
         """Read ``row`` (worker threads), build its decode engine, make it :attr:`resident`."""
         loaded = await run_without_keeping(self._loader, row, self.settings)
+        engine_loop = None
         if row.format == "gguf":  # llama.cpp decodes (contract 4a): no engine of ours
             engine, engine_off = None, "a GGUF resident is decoded by llama.cpp"
         else:
-            engine, engine_off = await run_without_keeping(self._build_engine, loaded.model)
+            engine_loop = await run_without_keeping(
+                self._build_engine_loop, loaded.model, loaded.tokenizer, row.name
+            )
+            if engine_loop is not None:  # the continuous engine decodes every sequence
+                engine, engine_off = None, "the continuous engine decodes (its own graphs)"
+            else:
+                engine, engine_off = await run_without_keeping(self._build_engine, loaded.model)
         origin = "checkpoint" if row.origin == "checkpoint" else "model"
         self.resident = Resident(
             row=msgspec.structs.replace(row, resident=True),
@@ -439,8 +454,9 @@ class ModelHost:
             arena=getattr(loaded, "arena", None),
             engine=engine,
             engine_off_reason=engine_off,
+            engine_loop=engine_loop,
         )
-        del loaded, engine
+        del loaded, engine, engine_loop
         self.catalogue.set_resident(row.id)
         if self.metrics:
             self.metrics.set_resident(row.name)
@@ -508,6 +524,15 @@ class ModelHost:
             headers=base.headers,
         )
 
+    def _build_engine_loop(self, model: torch.nn.Module, tokenizer: Any, name: str) -> Any:
+        """The continuous engine's thread for a freshly loaded model, or None when
+        :attr:`use_engine` is off (:func:`~miserver.serving.engine.engine_loop.build`)."""
+        if not self.use_engine:
+            return None
+        from miserver.serving.engine.engine_loop import build
+
+        return build(model, tokenizer, name, self.settings, self.scheduler, self.metrics)
+
     def _build_engine(self, model: torch.nn.Module) -> tuple[Any, str | None]:
         """The decode engine for a freshly loaded model (``DECODE_GRAPHS``), or None and why:
         graphs off, a CPU resident (said once in the log), too little memory, an unsupported
@@ -571,6 +596,11 @@ class ModelHost:
         if self.metrics:
             self.metrics.model_unloads.inc()
             self.metrics.set_resident(None)
+        if dropped.engine_loop is not None:
+            dropped.engine_loop.close(wait_s=5.0 if drained else 0.0)  # its cache goes too
+            dropped.engine_loop = None
+            if self.metrics:
+                self.metrics.set_engine_loop(None)
         if dropped.engine is not None:
             dropped.engine.close()  # its graphs and cache are freed with the model
             dropped.engine = None

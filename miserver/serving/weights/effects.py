@@ -33,7 +33,9 @@ PauseJob = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 def decode_engine_effect(host: Any, effect: Effect) -> None:
-    """What a lifecycle effect means for the resident's decode graphs (issue 13).
+    """What a lifecycle effect means for the resident's decode graphs (issue 13) and its
+    continuous engine (issue 29: ``DROP_CACHE`` forgets its prefix cache, so nothing computed
+    on old weights is reused; the effects that drop graphs drop its graphs).
 
     The graphs replay kernels over the served storages, which never move: a commit, a save
     and an in-place weights load keep them (``BEGIN_SAVE``, ``BEGIN_WEIGHTS_LOAD``; a full
@@ -45,6 +47,16 @@ def decode_engine_effect(host: Any, effect: Effect) -> None:
     ``host``: the :class:`~miserver.serving.models.host.ModelHost` (its resident's engine).
     """
     resident = host.resident
+    loop = getattr(resident, "engine_loop", None) if resident is not None else None
+    if loop is not None:  # the continuous engine: its prefix cache, its graphs
+        if effect is Effect.DROP_CACHE:
+            loop.drop_prefix_cache()
+        elif effect in (
+            Effect.BEGIN_ADAPTER_CHANGE,
+            Effect.START_MODEL_LOAD,
+            Effect.START_MODEL_UNLOAD,
+        ):
+            loop.drop_graphs()
     engine = getattr(resident, "engine", None) if resident is not None else None
     if engine is None:
         return

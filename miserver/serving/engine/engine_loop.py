@@ -1,0 +1,625 @@
+"""The engine thread of a resident: the one place its forward passes run (issue 29).
+
+An :class:`EngineLoop` owns one :class:`~miserver.serving.engine.continuous.ContinuousEngine`
+and one daemon thread. While the engine has work the thread runs
+:meth:`~miserver.serving.engine.continuous.ContinuousEngine.step` in a loop (one scheduler step
+and one forward pass each); between two steps it takes what the event loop handed over (new
+sequences, cancellations), so requests join and leave the running batch at step boundaries. With
+no work it sleeps.
+
+Requests reach it through :meth:`EngineLoop.submit`, which returns one :class:`SequenceStream`
+per choice: the :class:`~miserver.serving.engine.generation.Generation` facade the ``/v1`` and
+Batch API code already reads (``events()``: one ``Started``, ``TextDelta`` s, one ``Finished``;
+``cancel()``; ``wait()``; ``add_done_callback()``). Text is released as
+:class:`~miserver.serving.engine.generation.Generation` releases it (whole UTF-8 characters,
+stop sequences never emitted: :class:`~miserver.serving.engine.detokenize.StopMatcher`).
+
+**The slot.** The caller holds a share of the scheduler's slot for each request
+(:class:`~miserver.serving.engine.slot.Scheduler` with ``join_running``: the requests of the
+resident's running batch are one holder). A stream is *done* (:meth:`SequenceStream.wait`
+returns, its done callbacks run, the share is released) only once the engine has dropped its
+sequence (the step that reported it finished has returned), so a drain that sees every share
+released sees an engine with nothing to compute, and no forward pass runs until a new request
+joins (after the barrier's release).
+
+**No reader can stall the engine.** The thread never waits on the event loop: events are posted
+with ``call_soon_threadsafe``. A stream whose reader has left more than
+:data:`STREAM_BUFFER_EVENTS` events unread (a client that stopped reading its stream: the
+handler is stuck in a socket write) is cancelled at the next step, with a warning naming the
+reason; it costs only its own sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import torch
+
+from miserver.serving.engine.detokenize import token_bytes, token_text
+from miserver.serving.engine.generation import (
+    Event,
+    Finished,
+    Generation,
+    GenerationError,
+    SamplingParams,
+    Started,
+    TextDelta,
+    TokenLogprob,
+    _Failed,
+    _Sequence,
+    end_token_ids,
+)
+from miserver.serving.engine.slot import Priority
+
+log = logging.getLogger("miserver.engine")
+
+#: Undelivered events (text deltas) one streamed sequence may have before it is cancelled as a
+#: reader that stopped reading (issue 29, "No client can stall the engine").
+STREAM_BUFFER_EVENTS = 1024
+
+_SEQ_IDS = itertools.count(1)
+
+
+class SequenceStream(Generation):
+    """One choice of one request on the engine: :class:`Generation`'s event facade.
+
+    Made by :meth:`EngineLoop.submit` (bound to the running event loop); never started by
+    itself. ``seq_id`` is its sequence's id in the engine. ``cancel()`` asks the engine thread
+    to drop the sequence at its next step boundary (``Finished("cancelled")`` follows).
+    """
+
+    def __init__(
+        self,
+        loop: EngineLoop,
+        tokenizer: Any,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        stream: bool,
+    ) -> None:
+        super().__init__(None, tokenizer, prompt_ids, params, stream=stream)
+        self.seq_id = next(_SEQ_IDS)
+        self._engine_loop = loop
+        self._request: _Request | None = None  # set by EngineLoop.submit
+        self._posted = 0  # events posted (engine thread)
+        self._taken = 0  # events taken by the reader (event loop)
+        self.bind()
+
+    def start(self) -> None:  # pragma: no cover - the engine loop runs it
+        raise RuntimeError("an engine sequence is started by EngineLoop.submit")
+
+    def cancel(self) -> None:
+        """Drop the sequence at the engine's next step (thread-safe, idempotent)."""
+        if not self._cancel.is_set():
+            self._cancel.set()
+            self._engine_loop._request_abort(self)
+
+    @property
+    def undelivered(self) -> int:
+        """Events posted to the reader and not yet taken."""
+        return self._posted - self._taken
+
+    async def events(self) -> AsyncIterator[Event]:
+        """As :meth:`Generation.events`."""
+        assert self._queue is not None
+        while True:
+            event = await self._queue.get()
+            self._taken += 1
+            if isinstance(event, _Failed):
+                raise GenerationError(
+                    f"generation failed: {type(event.error).__name__}: {event.error}"
+                ) from event.error
+            yield event
+            if isinstance(event, Finished):
+                return
+
+    def _post(self, callback: Callable[..., None], *args: Any) -> None:
+        self._posted += 2 if callback == self._put_two else 1
+        super()._post(callback, *args)
+
+
+class _Choice(_Sequence):
+    """The engine thread's state of one :class:`SequenceStream`: text released when final."""
+
+    def __init__(self, stream: SequenceStream, ends: frozenset[int]) -> None:
+        super().__init__(stream, ends)
+        self.started = False
+        self.ended = False  # its Finished (or failure) is sent; the engine may still hold it
+
+    def take(self, token: int, entry: TokenLogprob | None) -> bool:
+        """One sampled token; False once the sequence ended here (its ``Finished`` sent)."""
+        gen = self.gen
+        self.generated += 1
+        gen.timing.steps = self.generated
+        if token in self.ends:
+            self._finish("stop", matched_stop=False)
+            return False
+        if entry is not None:
+            self.pending_lp.append((self.decoded, entry))
+        piece = self.detok.add(token)
+        self.decoded += len(piece)
+        text, matched_stop = self.stopper.feed(piece)
+        self.released += len(text)
+        ready: tuple[TokenLogprob, ...] = ()
+        if self.pending_lp:
+            released = self.released
+            ready = tuple(e for start, e in self.pending_lp if start < released)
+            if ready:
+                self.pending_lp = [(s, e) for s, e in self.pending_lp if s >= released]
+        if text or ready:
+            gen._emit(TextDelta(text, ready))
+        if matched_stop:
+            self._finish("stop", matched_stop=True)
+            return False
+        if self.generated >= self.params.max_tokens:
+            self._finish("length", matched_stop=False)
+            return False
+        return True
+
+    def _finish(self, reason: str, *, matched_stop: bool) -> None:
+        if not self.ended:
+            self.ended = True
+            self._end(reason, matched_stop)
+
+    def failed(self, exc: BaseException) -> None:
+        if not self.ended:
+            self.ended = True
+            self.fail(exc)
+
+
+class EngineLoop:
+    """The engine thread of one resident (module docstring).
+
+    Args:
+        engine: a :class:`~miserver.serving.engine.continuous.ContinuousEngine` (``add``,
+            ``abort``, ``step``, ``has_work``, ``drop_prefix_cache``, ``stats``).
+        model: the resident's model (its end tokens; ``echo`` scoring is the engine's).
+        tokenizer: its tokenizer (token texts for logprobs, the detokenizer).
+        name: the thread's name.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        model: Any,
+        tokenizer: Any,
+        name: str = "engine",
+        *,
+        cross_request_prefix_cache: bool = True,
+    ) -> None:
+        self.engine = engine
+        #: False: every new request prefills its whole prompt (the cache is forgotten before
+        #: it is admitted), so an answer never depends on what ran before it; the ``n`` choices
+        #: of one request still share their prefill (issue 29: on the CPU a prefill of a
+        #: prompt's tail alone rounds otherwise than the whole prompt's).
+        self.cross_request_prefix_cache = cross_request_prefix_cache
+        self.tokenizer = tokenizer
+        self._ends = end_token_ids(model, tokenizer)
+        self._cv = threading.Condition()
+        self._inbox: list[tuple[str, Any]] = []  # ("add", [streams]) / ("abort", stream)
+        self._choices: dict[int, _Choice] = {}  # engine thread only
+        self._step_lock = threading.Lock()  # held by the engine thread around a step
+        self._closed = False
+        #: Steps run since the start (each one scheduler step and one forward pass).
+        self.steps = 0
+        self._unbegun: dict[int, _Request] = {}  # submitted requests no choice of has begun
+        #: Called on the engine thread after every step with the step's outputs (tests).
+        self.on_step: Callable[[int, list[Any]], None] | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"miserver-{name}")
+        self._thread.start()
+
+    # --- event-loop side ----------------------------------------------------------------------
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        n: int = 1,
+        stream: bool = True,
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> list[SequenceStream]:
+        """Add one request's ``n`` choices (call on the event loop); they join the running batch
+        at the engine's next step. Choice ``i`` samples with
+        :func:`~miserver.serving.engine.static_batch.choice_seed` of ``params.seed``; the ``n``
+        sequences share one prefill of the prompt (one group). ``stream`` False: each choice's
+        text comes as one delta at its end. Returns the streams in choice order.
+
+        Raises:
+            RuntimeError: the loop is closed (its resident was dropped).
+            ValueError: ``n`` below 1 or an empty prompt.
+        """
+        from miserver.serving.engine.static_batch import choice_seed
+
+        if n < 1:
+            raise ValueError(f"n must be at least 1, got {n}")
+        if self._closed:
+            raise RuntimeError("the engine of this model is closed")
+        streams = [
+            SequenceStream(
+                self,
+                self.tokenizer,
+                prompt_ids,
+                dataclasses.replace(params, seed=choice_seed(params.seed, i)),
+                stream,
+            )
+            for i in range(n)
+        ]
+        request = _Request(int(priority))
+        for stream in streams:
+            stream._request = request
+        with self._cv:
+            self._unbegun[id(request)] = request
+            self._inbox.append(("add", (streams, int(priority))))
+            self._cv.notify()
+        return streams
+
+    def waiting(self, priority: Priority = Priority.INTERACTIVE) -> int:
+        """Requests of ``priority`` submitted whose sequences all wait for admission (none is
+        prefilling or decoding yet): what the scheduler counts as queued."""
+        with self._cv:
+            requests = list(self._unbegun.values())
+        return sum(1 for r in requests if r.priority == int(priority) and r.waiting())
+
+    def interactive_waiting(self) -> int:
+        """:meth:`waiting` of interactive requests (the scheduler's ``batch_waiting``)."""
+        return self.waiting(Priority.INTERACTIVE)
+
+    def _request_abort(self, stream: SequenceStream) -> None:
+        with self._cv:
+            self._inbox.append(("abort", stream))
+            self._cv.notify()
+
+    def drop_prefix_cache(self) -> int:
+        """Forget every cached prefix block (the table's ``DROP_CACHE``: nothing computed on old
+        weights is reused); returns how many blocks were forgotten. Waits for a step in flight
+        (inside the barrier none is)."""
+        with self._step_lock:
+            return int(self.engine.drop_prefix_cache())
+
+    def drop_graphs(self) -> None:
+        """Drop the engine's captured decode graphs (an adapter change or a model transition:
+        the effects that drop graphs; captured again at next use)."""
+        drop = getattr(self.engine, "drop_graphs", None)
+        if drop is None:  # the engine's runner's graphs (ContinuousEngine has no method yet)
+            graphs = getattr(getattr(self.engine, "runner", None), "graphs", None)
+            drop = getattr(graphs, "drop", None)
+        if drop is not None:
+            with self._step_lock:
+                drop()
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's :meth:`~miserver.serving.engine.continuous.ContinuousEngine.stats`
+        plus ``steps``."""
+        stats = dict(self.engine.stats())
+        stats["steps"] = self.steps
+        return stats
+
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop the thread once it is idle (the resident is dropped; nothing runs after a
+        drain), waiting up to ``wait_s`` seconds for it to end; then the engine (its KV cache)
+        is let go. Idempotent."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if wait_s > 0 and self._thread is not threading.current_thread():
+            self._thread.join(wait_s)
+        if not self._thread.is_alive():
+            close = getattr(self.engine, "close", None)
+            if close is not None:
+                close()  # ends anything left, lets go of the cache tensors
+            self.engine = _Closed()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # --- engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while not self._inbox and not self._closed and not self._has_work():
+                        self._cv.wait()
+                    if self._closed and not self._inbox and not self._has_work():
+                        return
+                    inbox, self._inbox = self._inbox, []
+                for kind, item in inbox:
+                    try:
+                        if kind == "add":
+                            self._add(*item)
+                        else:
+                            self._abort(item, "cancelled")
+                    except Exception as exc:  # noqa: BLE001 - that request fails, others go on
+                        log.exception("engine: %s failed", kind)
+                        for stream in item[0] if kind == "add" else (item,):
+                            self._fail_stream(stream, exc)
+                try:
+                    if self._has_work():
+                        self._step()
+                    self._settle_idle()
+                except Exception:  # noqa: BLE001 - the thread must outlive any bug of a step
+                    log.exception("engine loop: a step's bookkeeping failed")
+                    time.sleep(0.05)
+
+    def _has_work(self) -> bool:
+        try:
+            return bool(self.engine.has_work())
+        except Exception:  # noqa: BLE001 - an engine that cannot say has nothing to run
+            log.exception("engine: has_work failed")
+            return False
+
+    def _add(self, streams: list[SequenceStream], priority: int) -> None:
+        from miserver.serving.engine.sequence import Sequence as EngineSequence
+
+        if not self.cross_request_prefix_cache:
+            self.engine.drop_prefix_cache()
+        group = object()
+        now = time.perf_counter()
+        for stream in streams:
+            stream.timing.started = now
+            stream.timing.thread = threading.current_thread().name
+            self._choices[stream.seq_id] = _Choice(stream, self._ends)
+            if stream.cancelled:  # its client left before it was added
+                self._end_now(stream, "cancelled")
+                continue
+            seq = EngineSequence(
+                seq_id=stream.seq_id,
+                prompt_token_ids=list(stream.prompt_ids),
+                params=stream.params,
+                priority=priority,
+                group=group if len(streams) > 1 else None,
+                stop_token_ids=self._ends,
+            )
+            self.engine.add(seq)
+            if stream._request is not None:
+                stream._request.sequences.append(seq)
+
+    def _abort(self, stream: SequenceStream, reason: str) -> None:
+        choice = self._choices.get(stream.seq_id)
+        if choice is None:
+            return  # finished and gone
+        self.engine.abort(stream.seq_id, reason)
+
+    def _end_now(self, stream: SequenceStream, reason: str) -> None:
+        """End a stream the engine never held (or no longer holds) at once."""
+        choice = self._choices.pop(stream.seq_id, None)
+        if choice is None:
+            return
+        if not choice.started:
+            choice.started = True
+            choice.begin(None)
+        choice._finish(reason, matched_stop=False)
+        self._done(stream)
+
+    def _fail_stream(self, stream: SequenceStream, exc: BaseException) -> None:
+        choice = self._choices.pop(stream.seq_id, None)
+        if choice is not None:
+            choice.failed(exc)
+            self._done(stream)
+
+    def _begun(self, stream: SequenceStream) -> None:
+        request = stream._request
+        if request is not None and not request.begun:
+            request.begun = True
+            with self._cv:
+                self._unbegun.pop(id(request), None)
+
+    def _done(self, stream: SequenceStream) -> None:
+        self._begun(stream)
+        stream.timing.ended = time.perf_counter()
+        stream._finish_thread()
+
+    def _step(self) -> None:
+        try:
+            with self._step_lock:
+                outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - every running sequence fails with it
+            log.warning("engine step failed: %s: %s", type(exc).__name__, exc)
+            for seq_id, choice in list(self._choices.items()):
+                try:
+                    self.engine.abort(seq_id, "error")
+                except Exception:  # noqa: BLE001 - the sequence fails anyway
+                    log.exception("engine: abort after a failed step")
+                choice.failed(exc)
+                del self._choices[seq_id]
+                self._done(choice.gen)  # type: ignore[arg-type]
+            time.sleep(0.05)  # an engine that fails every step must not spin the core
+            return
+        self.steps += 1
+        for out in outputs:
+            choice = self._choices.get(out.seq_id)
+            if choice is None:
+                continue
+            self._take(choice, out)
+        for choice in list(self._choices.values()):
+            stream = choice.gen
+            if (
+                not choice.ended
+                and stream._held is None
+                and stream.undelivered > STREAM_BUFFER_EVENTS
+                and not stream.cancelled
+            ):
+                log.warning(
+                    "engine: cancelling sequence %s: its reader left %d events unread (a "
+                    "client that stopped reading its stream; STREAM_BUFFER_EVENTS %d)",
+                    stream.seq_id,
+                    stream.undelivered,
+                    STREAM_BUFFER_EVENTS,
+                )
+                stream._cancel.set()
+                self.engine.abort(stream.seq_id, "cancelled")
+        if self.on_step is not None:
+            self.on_step(self.steps, outputs)
+
+    def _take(self, choice: _Choice, out: Any) -> None:
+        stream = choice.gen
+        assert isinstance(stream, SequenceStream)
+        if (
+            not choice.started
+            and out.error is None
+            and (out.new_token_ids or out.first or out.finished)
+        ):
+            choice.started = True
+            self._begun(stream)
+            choice.begin(self._prompt_entries(stream, out.prompt_logprobs))
+        if out.error is not None:
+            choice.failed(out.error)
+        elif not choice.ended:
+            entries = out.logprobs or []
+            for i, token in enumerate(out.new_token_ids):
+                entry = self._entry(entries[i]) if i < len(entries) else None
+                if not choice.take(int(token), entry):
+                    if not out.finished:
+                        self.engine.abort(stream.seq_id, choice_reason(choice))
+                    break
+        if out.finished:
+            if not choice.ended:
+                reason = out.finish_reason or "stop"
+                choice._finish(
+                    reason if reason in ("stop", "length") else "cancelled", matched_stop=False
+                )
+            del self._choices[stream.seq_id]
+            self._done(stream)
+
+    def _settle_idle(self) -> None:
+        """Nothing left to compute: a stream the engine no longer reports on ends now (its
+        sequence left without a final output), so no share of the slot is kept for ever."""
+        if self._choices and not self._has_work():
+            with self._cv:
+                if self._inbox:
+                    return
+            for stream in [c.gen for c in self._choices.values()]:
+                assert isinstance(stream, SequenceStream)
+                self._end_now(stream, "cancelled")
+
+    def _entry(self, item: Any) -> TokenLogprob:
+        tok = self.tokenizer
+        top = tuple(
+            (int(i), token_text(tok, int(i)), float(v), token_bytes(tok, int(i)))
+            for i, v in item.top
+        )
+        token = int(item.token_id)
+        return TokenLogprob(
+            token, token_text(tok, token), token_bytes(tok, token), float(item.logprob), top
+        )
+
+    def _prompt_entries(
+        self, stream: SequenceStream, items: Sequence[Any] | None
+    ) -> tuple[TokenLogprob, ...] | None:
+        if items is None or not (stream.params.echo and stream.params.logprobs is not None):
+            return None
+        tok = self.tokenizer
+        first = stream.prompt_ids[0]
+        head = TokenLogprob(first, token_text(tok, first), token_bytes(tok, first), None)
+        return (head, *(self._entry(item) for item in items))
+
+
+@dataclasses.dataclass
+class _Request:
+    """The choices of one submitted request: whether any of them has begun."""
+
+    priority: int
+    begun: bool = False
+    sequences: list[Any] = dataclasses.field(default_factory=list)  # the engine's, once added
+
+    def waiting(self) -> bool:
+        """Not begun, and no sequence admitted (each one still waits, or is not added yet)."""
+        from miserver.serving.engine.sequence import SequenceStatus
+
+        if self.begun:
+            return False
+        return all(s.status is SequenceStatus.WAITING for s in list(self.sequences))
+
+
+class _Closed:
+    """The engine of a closed loop: nothing to do, nothing held."""
+
+    def has_work(self) -> bool:
+        return False
+
+    def drop_prefix_cache(self) -> int:
+        return 0
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+def choice_reason(choice: _Choice) -> str:
+    """The reason an engine sequence is dropped after its text ended it (a stop sequence or
+    the length the stream counted): for the log."""
+    return "stop" if choice.generated < choice.params.max_tokens else "length"
+
+
+def build(
+    model: Any, tokenizer: Any, name: str, settings: Any, scheduler: Any = None, metrics: Any = None
+) -> EngineLoop | None:
+    """The continuous engine of a freshly loaded model and its thread: its paged KV cache
+    allocated once from ``KV_CACHE_BYTES`` (on CUDA ``auto`` takes a quarter of the card's free
+    memory now, after the load; never more than twice what the engine's most sequences hold at
+    the model's full context), up to ``MAX_BATCH_SIZE`` sequences a step (``auto``: 64). None,
+    with a warning, when the engine cannot hold the model (the static batch serves it).
+    ``scheduler`` counts the engine's waiting requests; ``metrics`` reads its gauges."""
+    from miserver.serving.engine.continuous import ContinuousEngine
+    from miserver.serving.engine.decode_graphs import device_of
+    from miserver.serving.engine.generation import context_length
+    from miserver.serving.engine.kv_cache import cache_shape
+    from miserver.spec.settings import DEFAULT_ENGINE_MAX_SEQS, resolved_kv_cache_bytes
+
+    device = device_of(model)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    budget = resolved_kv_cache_bytes(settings, device.type, free)
+    max_seqs = settings.max_batch_size or DEFAULT_ENGINE_MAX_SEQS
+    started = time.perf_counter()
+    try:
+        if settings.kv_cache_bytes is None:
+            full = 2 * max_seqs * context_length(model) * cache_shape(model).bytes_per_token
+            budget = min(budget, max(full, 1 << 20))
+        engine = ContinuousEngine(
+            model,
+            budget,
+            max_num_seqs=max_seqs,
+            decode_graphs=settings.decode_graphs if device.type == "cuda" else "off",
+        )
+    except Exception as exc:  # noqa: BLE001 - the model still serves, through the old path
+        log.warning(
+            "continuous engine unavailable for %s (%s: %s); serving it with the static batch",
+            name,
+            type(exc).__name__,
+            str(exc)[:300],
+        )
+        return None
+    stats = engine.stats()
+    log.info(
+        "continuous engine for %s: KV cache %.1f MiB (KV_CACHE_BYTES %s), %d blocks of %d "
+        "positions, up to %d sequences a step, in %.2f s",
+        name,
+        stats["cache_bytes"] / 2**20,
+        "auto" if settings.kv_cache_bytes is None else settings.kv_cache_bytes,
+        stats["blocks_total"],
+        stats["block_size"],
+        max_seqs,
+        time.perf_counter() - started,
+    )
+    # On the CPU a prompt whose head comes from the prefix cache is computed in another shape
+    # than the whole prompt and rounds otherwise: keep an answer independent of what ran
+    # before it (docs/decisions.md)
+    loop = EngineLoop(
+        engine,
+        model,
+        tokenizer,
+        name=f"engine-{name}",
+        cross_request_prefix_cache=device.type != "cpu",
+    )
+    if scheduler is not None:
+        scheduler.batch_waiting = loop.interactive_waiting
+    if metrics is not None:
+        metrics.set_engine_loop(loop)
+    return loop
+
+
+__all__ = ["STREAM_BUFFER_EVENTS", "EngineLoop", "SequenceStream", "Started", "build"]

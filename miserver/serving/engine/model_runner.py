@@ -1,0 +1,369 @@
+"""One forward pass of the continuous engine over the paged cache (issue 29).
+
+:class:`ModelRunner` turns a step's scheduled sequences into the model's inputs: the new tokens
+of every sequence flattened into one row (``input_ids`` / ``position_ids`` ``[1, T]``), the cache
+slot of each token (``slot_mapping``), each sequence's blocks and context length
+(:class:`~miserver.serving.engine.paged_attention.PagedMetadata`); runs the model's own forward
+with the ``miserver_paged`` attention function; returns the logits of the positions asked for
+(each sampling sequence's last position; every prompt position of an ``echo`` sequence).
+
+CPU invariance (issue 29: a sequence's greedy text does not depend on its neighbours). The
+linear layers see the step's tokens as rows of one matrix; the CPU's matrix kernels give a row
+the same bits whatever the other rows are, as long as there are at least two (a product of one
+row takes another kernel that rounds otherwise: see
+:mod:`~miserver.serving.engine.static_batch`). So a step of one token is padded with a second
+row (it writes the cache's scratch block, never a sequence's), and so is a logits read of one
+row. Attention: one masked call for every one-query row, one call per prefill chunk
+(:mod:`~miserver.serving.engine.paged_attention`).
+
+CUDA. :class:`DecodeGraphs` captures the decode step of ``B`` sequences (one token each) as a
+CUDA graph per batch-size bucket over static input buffers and the paged cache (whose tensors
+never move: a graph stays valid across weight commits), using the fixed-shape ``batched``
+attention path. ``DECODE_GRAPHS`` modes as :mod:`~miserver.serving.engine.decode_graphs`:
+``captured`` (eager forward captured), ``compiled`` (``torch.compile``, then captured), ``off``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from miserver.serving.engine.kv_cache import PagedKVCache
+from miserver.serving.engine.paged_attention import (
+    ATTENTION_NAME,
+    PagedMetadata,
+    SeqSpan,
+    decode_mask,
+    model_configs,
+    register,
+    use_paged_attention,
+)
+from miserver.serving.engine.sequence import Sequence
+
+log = logging.getLogger("miserver.engine")
+
+#: The fewest rows a CPU matrix product computes (module docstring).
+MIN_ROWS = 2
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's work in a step: compute positions ``num_computed_tokens ..
+    num_computed_tokens + num_new - 1``; ``sample``: those reach the sequence's end (its next
+    token is sampled from the last one's logits); ``prompt_logits``: also return the logits of
+    its prompt positions in the run (``echo`` with ``logprobs``)."""
+
+    seq: Sequence
+    num_new: int
+    sample: bool
+    prompt_logits: bool = False
+
+
+@dataclass
+class StepResult:
+    """``logits``: ``[number of sampling sequences, vocab]`` float32, in schedule order;
+    ``prompt_logits``: per echo sequence (by ``id``), ``[positions, vocab]`` of its prompt
+    positions in this run."""
+
+    logits: torch.Tensor
+    prompt_logits: dict[int, torch.Tensor]
+
+
+def _token_at(seq: Sequence, position: int) -> int:
+    prompt = seq.num_prompt_tokens
+    if position < prompt:
+        return seq.prompt_token_ids[position]
+    return seq.output_token_ids[position - prompt]
+
+
+def decode_buckets(max_rows: int) -> tuple[int, ...]:
+    """Batch sizes that get a decode graph: 1, 2, 4, 8, then multiples of 8 up to
+    ``max_rows`` (a batch replays the smallest bucket that holds it, padded).
+
+    >>> decode_buckets(20)
+    (1, 2, 4, 8, 16, 24)
+    >>> decode_buckets(3)
+    (1, 2, 4)
+    """
+    out = [1, 2, 4, 8]
+    while out[-1] < max_rows:
+        out.append(out[-1] + 8)
+    while len(out) > 1 and out[-2] >= max_rows:
+        out.pop()
+    return tuple(out)
+
+
+class ModelRunner:
+    """Runs the served ``model`` over ``cache`` (module docstring).
+
+    Args:
+        model: a transformers causal LM (eval mode) whose attention modules call
+            ``ALL_ATTENTION_FUNCTIONS`` (Llama-like); never modified.
+        cache: the paged cache (made for this model).
+        graphs: a :class:`DecodeGraphs` for the decode steps (CUDA), or None.
+    """
+
+    def __init__(self, model: Any, cache: PagedKVCache, graphs: DecodeGraphs | None = None):
+        register()
+        self.model = model
+        self.cache = cache
+        self.device = cache.device
+        self.configs = model_configs(model)
+        self.min_rows = MIN_ROWS if self.device.type == "cpu" else 1
+        self.graphs = graphs
+        self.forward_passes = 0
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: Any, meta: PagedMetadata):
+        kwargs = {ATTENTION_NAME: meta}
+        with use_paged_attention(self.configs):
+            out = self.model(
+                input_ids=ids[None],
+                position_ids=pos[None],
+                use_cache=False,
+                logits_to_keep=keep,
+                **kwargs,
+            )
+        self.forward_passes += 1
+        return out.logits[0]
+
+    def run(self, batch: list[ScheduledSeq]) -> StepResult:
+        """One forward pass over ``batch`` (non-empty). The caller has made every position
+        writable (blocks allocated, copies on write done)."""
+        if (
+            self.graphs is not None
+            and all(s.num_new == 1 and s.sample and not s.prompt_logits for s in batch)
+            and self.graphs.fits(len(batch))
+        ):
+            return StepResult(self.graphs.run([s.seq for s in batch]), {})
+        bs = self.cache.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        spans: list[SeqSpan] = []
+        keep: list[int] = []
+        echo: list[tuple[int, int, int]] = []  # (id(seq), first keep index, count)
+        decode_rows: list[int] = []  # flattened index of each one-query row
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        device = self.device
+        for item in batch:
+            seq = item.seq
+            start = seq.num_computed_tokens
+            end = start + item.num_new
+            table = seq.block_table
+            q_start = len(tokens)
+            if item.num_new == 1:
+                tokens.append(_token_at(seq, start))
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+                decode_rows.append(q_start)
+                decode_tables.append(table[: -(-end // bs)])
+                decode_lens.append(end)
+            else:
+                tokens.extend(seq.token_ids()[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                mask = None
+                if item.num_new < end:
+                    mask = torch.ones(item.num_new, end, dtype=torch.bool, device=device)
+                    mask = mask.tril(start)
+                blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=device)
+                spans.append(SeqSpan(q_start, item.num_new, end, blocks, mask))
+            if item.prompt_logits:
+                # prompt positions start .. min(end, n_prompt - 1) - 1 predict tokens 1 .. n-1
+                last = min(end, seq.num_prompt_tokens - 1)
+                if last > start:
+                    echo.append((id(seq), len(keep), last - start))
+                    keep.extend(range(q_start, q_start + last - start))
+            if item.sample:
+                keep.append(q_start + item.num_new - 1)
+        real = len(tokens)
+        scratch = self.cache.scratch_block
+        while len(tokens) < self.min_rows:  # a padding row: one query over the scratch block
+            decode_rows.append(len(tokens))
+            tokens.append(tokens[-1])
+            positions.append(positions[-1])
+            slots.append(scratch * bs + len(tokens) % bs)
+            decode_tables.append([scratch])
+            decode_lens.append(1)
+        kept = len(keep)
+        if kept == 0:
+            keep.append(real - 1)
+        while len(keep) < self.min_rows:
+            keep.append(keep[-1])
+        meta = PagedMetadata(
+            self.cache, torch.tensor(slots, dtype=torch.long, device=device), spans
+        )
+        if decode_rows:
+            width = max(len(t) for t in decode_tables)
+            meta.block_tables = torch.tensor(
+                [t + [scratch] * (width - len(t)) for t in decode_tables],
+                dtype=torch.long,
+                device=device,
+            )
+            meta.context_lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
+            meta.decode_mask = decode_mask(meta.context_lens, width * bs)
+            if len(decode_rows) < len(tokens):
+                meta.decode_index = torch.tensor(decode_rows, dtype=torch.long, device=device)
+        ids = torch.tensor(tokens, dtype=torch.long, device=device)
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        keep_t = torch.tensor(keep, dtype=torch.long, device=device)
+        logits = self._forward(ids, pos, keep_t, meta)
+        prompt: dict[int, torch.Tensor] = {}
+        sampled_rows: list[int] = []
+        cursor = 0
+        echo_at = {first: (key, count) for key, first, count in echo}
+        while cursor < kept:
+            if cursor in echo_at:
+                key, count = echo_at[cursor]
+                prompt[key] = logits[cursor : cursor + count]
+                cursor += count
+            else:
+                sampled_rows.append(cursor)
+                cursor += 1
+        rows = logits[sampled_rows] if sampled_rows else logits[:0]
+        return StepResult(rows.float(), prompt)
+
+
+class DecodeGraphs:
+    """The decode step of ``B`` one-token sequences, one CUDA graph per batch-size bucket
+    (module docstring), over static buffers: ``input_ids`` / ``positions`` / ``slot_mapping``
+    ``[max_rows]``, ``block_tables`` ``[max_rows, max_blocks]``, ``context_lens``
+    ``[max_rows]``. A bucket's padding rows write the scratch block and attend one position.
+
+    Args:
+        model: the served model (never modified).
+        cache: the paged cache.
+        max_rows: the largest batch with a graph (a larger one runs eagerly).
+        max_blocks: blocks of the longest sequence (``ceil(context / block_size)``).
+        mode: ``captured``, ``compiled`` or ``eager`` (``eager``: the same fixed-shape step
+            without graphs; what the CPU tests run).
+    """
+
+    def __init__(
+        self, model: Any, cache: PagedKVCache, max_rows: int, max_blocks: int, mode: str
+    ) -> None:
+        if mode not in ("captured", "compiled", "eager"):
+            raise ValueError(f"decode graph mode must be captured, compiled or eager: {mode!r}")
+        register()
+        self.model = model
+        self.cache = cache
+        self.mode = mode
+        self.buckets = decode_buckets(max_rows)
+        self.max_blocks = max_blocks
+        device = cache.device
+        rows = self.buckets[-1]
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slot_mapping = torch.zeros(rows, dtype=torch.long, device=device)
+        self.block_tables = torch.full(
+            (rows, max_blocks), cache.scratch_block, dtype=torch.long, device=device
+        )
+        self.context_lens = torch.ones(rows, dtype=torch.long, device=device)
+        self.configs = model_configs(model)
+        self._graphs: dict[int, Any] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._pool: Any = None
+        self._forward = model
+        if mode == "compiled":
+            self._forward = torch.compile(model, dynamic=False)
+        self.replays = 0
+        self.failed: set[int] = set()
+
+    def fits(self, rows: int) -> bool:
+        return rows <= self.buckets[-1]
+
+    def bucket(self, rows: int) -> int:
+        """The smallest bucket holding ``rows``."""
+        for size in self.buckets:
+            if rows <= size:
+                return size
+        raise ValueError(f"{rows} rows exceed the largest decode bucket {self.buckets[-1]}")
+
+    def _step(self, rows: int) -> torch.Tensor:
+        meta = PagedMetadata(
+            self.cache,
+            self.slot_mapping[:rows],
+            block_tables=self.block_tables[:rows],
+            context_lens=self.context_lens[:rows],
+        )
+        kwargs = {ATTENTION_NAME: meta}
+        with use_paged_attention(self.configs):
+            out = self._forward(
+                input_ids=self.input_ids[:rows][None],
+                position_ids=self.positions[:rows][None],
+                use_cache=False,
+                **kwargs,
+            )
+        return out.logits[0]
+
+    def fill(self, seqs: list[Sequence], rows: int) -> None:
+        """Write ``seqs``' next step into the static buffers; rows past them are padding."""
+        bs = self.cache.block_size
+        scratch = self.cache.scratch_block
+        n = len(seqs)
+        ids, pos, slots, lens = [], [], [], []
+        table = torch.full((rows, self.max_blocks), scratch, dtype=torch.long)
+        for r, seq in enumerate(seqs):
+            p = seq.num_computed_tokens
+            ids.append(_token_at(seq, p))
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+            used = seq.block_table[: -(-(p + 1) // bs)]
+            table[r, : len(used)] = torch.tensor(used, dtype=torch.long)
+        for r in range(n, rows):
+            ids.append(0)
+            pos.append(0)
+            slots.append(scratch * bs + r % bs)
+            lens.append(1)
+        device = self.input_ids.device
+        self.input_ids[:rows].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
+        self.positions[:rows].copy_(torch.tensor(pos, dtype=torch.long), non_blocking=True)
+        self.slot_mapping[:rows].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
+        self.context_lens[:rows].copy_(torch.tensor(lens, dtype=torch.long), non_blocking=True)
+        self.block_tables[:rows].copy_(table.to(device), non_blocking=True)
+
+    def _capture(self, rows: int) -> None:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.input_ids.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3 if self.mode == "compiled" else 2):
+                self._step(rows)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._outputs[rows] = self._step(rows)
+        self._graphs[rows] = graph
+
+    def run(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits ``[len(seqs), vocab]`` float32 of one decode step of ``seqs``."""
+        rows = self.bucket(len(seqs))
+        self.fill(seqs, rows)
+        if self.mode == "eager" or rows in self.failed:
+            return self._step(rows)[: len(seqs)].float()
+        if rows not in self._graphs:
+            try:
+                self.fill([], rows)  # capture over padding: writes the scratch block only
+                self._capture(rows)
+            except Exception as exc:  # noqa: BLE001 - that bucket runs eagerly from now on
+                log.warning("decode graph of %d rows failed: %s: %s", rows, type(exc).__name__, exc)
+                self.failed.add(rows)
+            self.fill(seqs, rows)
+            if rows in self.failed:
+                return self._step(rows)[: len(seqs)].float()
+        self._graphs[rows].replay()
+        self.replays += 1
+        return self._outputs[rows][: len(seqs)].float()
+
+    def drop(self) -> None:
+        """Forget every captured graph (an adapter change, a reload: the modules that compute
+        changed); the next use recaptures."""
+        self._graphs.clear()
+        self._outputs.clear()
+        self.failed.clear()

@@ -1,0 +1,237 @@
+"""Attention over the paged KV cache, plugged in through transformers' own extension point.
+
+:func:`register` adds :func:`paged_attention_forward` to transformers' ``AttentionInterface``
+under the name ``"miserver_paged"`` (issue 29). The engine's forward calls run with
+``config._attn_implementation`` set to that name for the duration of the call
+(:func:`use_paged_attention`) and pass the step's :class:`PagedMetadata` as the keyword
+argument ``miserver_paged``, which transformers hands through every layer to the attention
+function. Nothing of the model is replaced, copied or moved: the same modules, the same
+parameter storages (the arena invariant); only the attention function and the cache differ.
+Because ``"miserver_paged"`` has no mask function registered, transformers builds no mask
+(``masking_utils``: a custom attention without a mask function gets none): the metadata carries
+what each sequence may attend to.
+
+The step's tokens are flattened into one row (``input_ids`` ``[1, T]``): each sequence's new
+tokens are a contiguous run. Per layer the function
+
+1. writes the run's keys and values into the cache at ``slot_mapping`` (``block * block_size +
+   offset`` per token), then
+2. attends, per sequence, its queries over its own cached positions (``[0, context_len)``),
+   causal within the run.
+
+Two attention paths, chosen per sequence by its query count (never by its neighbours):
+
+- one query (a decode, or a one-token chunk): one masked ``scaled_dot_product_attention`` call
+  for all such rows over their block tables padded to the widest (``[B, max_blocks]``). On the
+  CPU a row's result is bit-identical whatever the padding width (measured, torch 2.13: widths
+  16 to 2048), so it does not depend on its neighbours (issue 29); fixed shapes and no host
+  reads, so a CUDA graph can capture it (:mod:`~miserver.serving.engine.model_runner`).
+- several queries (a prefill chunk): one call per sequence over its own gathered keys, causal
+  within the chunk.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from miserver.serving.engine.kv_cache import PagedKVCache
+
+#: The name under which the function is registered in transformers' ``AttentionInterface``.
+ATTENTION_NAME = "miserver_paged"
+
+_REGISTER_LOCK = threading.Lock()
+_SWITCH_LOCK = threading.Lock()
+
+
+@dataclass
+class SeqSpan:
+    """One sequence's part of a step.
+
+    Attributes:
+        q_start: index of its first new token in the flattened step.
+        q_len: its new tokens this step.
+        context_len: positions it attends to after this step's write (cached + new).
+        blocks: its block ids covering ``context_len`` (int64, on the cache's device).
+        mask: ``[q_len, context_len]`` bool (True: attend) when ``1 < q_len < context_len``;
+            None otherwise (one query: no mask; ``q_len == context_len``: plain causal).
+    """
+
+    q_start: int
+    q_len: int
+    context_len: int
+    blocks: torch.Tensor
+    mask: torch.Tensor | None = None
+
+
+@dataclass
+class PagedMetadata:
+    """What :func:`paged_attention_forward` needs for one forward pass.
+
+    Attributes:
+        cache: the paged cache.
+        slot_mapping: ``[T]`` int64, the cache slot each flattened token writes (``block *
+            block_size + offset``).
+        spans: per sequence, for the ``loop`` path.
+        block_tables: ``[B, max_blocks]`` int64: the one-query rows' blocks (padded with the
+            scratch block), for the batched decode path.
+        context_lens: ``[B]`` int64, their context lengths.
+        decode_index: ``[B]`` int64, which flattened tokens those rows are; None: every token
+            (a pure decode step, the graph path).
+        decode_mask: ``[B, 1, 1, max_blocks * block_size]`` bool, made once a step (else per
+            layer from ``context_lens``).
+    """
+
+    cache: PagedKVCache
+    slot_mapping: torch.Tensor
+    spans: list[SeqSpan] = field(default_factory=list)
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    decode_index: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+
+
+def _write(cache: PagedKVCache, layer: int, key: torch.Tensor, value: torch.Tensor, slots: Any):
+    kc, vc = cache.keys[layer], cache.values[layer]
+    heads, dim = kc.shape[2], kc.shape[3]
+    # key/value: [1, kv_heads, T, head_dim] -> [T, kv_heads, head_dim]
+    kc.view(-1, heads, dim).index_copy_(0, slots, key[0].transpose(0, 1))
+    vc.view(-1, heads, dim).index_copy_(0, slots, value[0].transpose(0, 1))
+    return kc, vc
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: ``query`` ``[1, heads, T, head_dim]``,
+    ``key``/``value`` ``[1, kv_heads, T, head_dim]`` (this step's tokens only); returns
+    ``([1, T, heads, head_dim], None)``. The step's :class:`PagedMetadata` comes as the
+    ``miserver_paged`` keyword (module docstring).
+
+    Raises:
+        RuntimeError: called without metadata (a forward outside the engine while the model
+            is switched to this function).
+    """
+    meta: PagedMetadata | None = kwargs.get(ATTENTION_NAME)
+    if meta is None:
+        raise RuntimeError(
+            "miserver_paged attention called without the engine's metadata: only the "
+            "continuous engine's forward passes may use it"
+        )
+    layer = module.layer_idx
+    kc, vc = _write(meta.cache, layer, key, value, meta.slot_mapping)
+    if meta.block_tables is not None and meta.decode_index is None:
+        return _batched_decode(query, kc, vc, meta, scaling), None  # every row one query
+    kv_heads, dim = kc.shape[2], kc.shape[3]
+    tokens = query.shape[2]
+    heads = query.shape[1]
+    covered = sum(s.q_len for s in meta.spans)
+    if meta.decode_index is not None:
+        covered += meta.decode_index.shape[0]
+    out = (query.new_empty if covered == tokens else query.new_zeros)(1, tokens, heads, dim)
+    if meta.decode_index is not None:
+        rows = _batched_decode(query.index_select(2, meta.decode_index), kc, vc, meta, scaling)
+        out[0].index_copy_(0, meta.decode_index, rows[0])
+    for span in meta.spans:
+        q = query[:, :, span.q_start : span.q_start + span.q_len]
+        n = span.context_len
+        k = kc.index_select(0, span.blocks).view(-1, kv_heads, dim)[:n].transpose(0, 1)[None]
+        v = vc.index_select(0, span.blocks).view(-1, kv_heads, dim)[:n].transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=span.mask,
+            is_causal=span.mask is None and span.q_len > 1,
+            scale=scaling,
+            enable_gqa=heads != kv_heads,
+        )
+        out[0, span.q_start : span.q_start + span.q_len] = o[0].transpose(0, 1)
+    return out, None
+
+
+def decode_mask(context_lens: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B, 1, 1, length]`` bool: position ``p`` of row ``b`` is attended iff ``p <
+    context_lens[b]``."""
+    positions = torch.arange(length, device=context_lens.device)
+    return (positions[None, :] < context_lens[:, None])[:, None, None, :]
+
+
+def _batched_decode(
+    query: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    meta: PagedMetadata,
+    scaling: float | None,
+) -> torch.Tensor:
+    """One query per sequence over its blocks, padded to the table's width and masked:
+    ``query`` ``[1, heads, B, head_dim]`` -> ``[1, B, heads, head_dim]``. Fixed shapes, no
+    host reads (graph-capturable). On the CPU a row's result does not depend on the padding
+    width, so not on its neighbours (measured: bit-identical for widths 16..2048)."""
+    tables, lens = meta.block_tables, meta.context_lens
+    assert tables is not None and lens is not None
+    rows, max_blocks = tables.shape
+    block_size, kv_heads, dim = kc.shape[1], kc.shape[2], kc.shape[3]
+    length = max_blocks * block_size
+    flat = tables.reshape(-1)  # index_select: measured faster than kc[tables] on the CPU
+    k = kc.index_select(0, flat).view(rows, length, kv_heads, dim).transpose(1, 2)
+    v = vc.index_select(0, flat).view(rows, length, kv_heads, dim).transpose(1, 2)
+    mask = meta.decode_mask if meta.decode_mask is not None else decode_mask(lens, length)
+    q = query[0].transpose(0, 1)[:, :, None]  # [B, heads, 1, head_dim]
+    heads = q.shape[1]
+    gqa = heads != kv_heads
+    if gqa and q.is_cuda:  # expand: enable_gqa with a mask is not fused on every CUDA kernel
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+        gqa = False
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    return o[:, :, 0][None]  # [1, B, heads, head_dim]
+
+
+def register() -> None:
+    """Register :func:`paged_attention_forward` as ``"miserver_paged"`` (idempotent)."""
+    from transformers import AttentionInterface
+
+    with _REGISTER_LOCK:
+        if AttentionInterface._global_mapping.get(ATTENTION_NAME) is not paged_attention_forward:
+            AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+
+
+def model_configs(model: Any) -> list[Any]:
+    """Every distinct config object the model's modules read ``_attn_implementation`` from."""
+    seen: dict[int, Any] = {}
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+    for module in modules:
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            seen.setdefault(id(config), config)
+    return list(seen.values())
+
+
+@contextmanager
+def use_paged_attention(configs: list[Any]) -> Iterator[None]:
+    """Run the body with ``configs`` (a model's :func:`model_configs`) switched to
+    ``"miserver_paged"``, restored after (the parameters, modules and their storages are
+    untouched)."""
+    with _SWITCH_LOCK:
+        before = [c._attn_implementation for c in configs]
+        for c in configs:
+            c._attn_implementation = ATTENTION_NAME
+        try:
+            yield
+        finally:
+            for c, b in zip(configs, before, strict=True):
+                c._attn_implementation = b

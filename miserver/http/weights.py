@@ -70,6 +70,7 @@ _EMPTY: dict[type, msgspec.Struct] = {
     W.EmptyRequest: W.EmptyRequest(),
     W.AttachRequest: W.AttachRequest(),
     W.CommitBeginRequest: W.CommitBeginRequest(),
+    W.QuiesceRequest: W.QuiesceRequest(),
 }
 
 
@@ -179,6 +180,8 @@ async def _gated(
         body = await decode_body(request, struct)
         if struct is W.AttachRequest:  # contract 10: the body names the transport
             extra["group_spec"] = group_spec(body)
+        elif struct is W.QuiesceRequest:  # contract 4b: finish or hold the running sequences
+            fields["running"] = body.running
     result = await runtime.gated(
         trigger,
         caller,
@@ -247,13 +250,14 @@ async def heartbeat(request: web.Request) -> web.Response:
 @gated_route("weights_quiesce")
 async def quiesce(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
-    await _gated(request, "quiesce", "weights_quiesce")
+    await _gated(request, "quiesce", "weights_quiesce", struct=W.QuiesceRequest)
     view = _state(runtime)
     counts = runtime.scheduler.counts()
     return ok(
         W.QuiesceResponse(
             held_requests=counts.held_interactive,
             held_batch_chunks=counts.held_batch,
+            parked_sequences=runtime.effects.parked_sequences(),
             weights_state=view["weights_state"],
             quiesced_at=runtime.stamp(view["quiesced_at"]) or "",
             hold_deadline=runtime.stamp(view["hold_deadline"]),

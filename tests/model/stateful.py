@@ -105,6 +105,9 @@ class World:
         self.records: list[str] = []
         self.answered = 0
         self.failed = 0
+        self.parked = False  # contract 4b: the running sequences a hold parked
+        self.resumed = 0
+        self.ended = 0
 
     def perform(self, out: Outcome, ref: Reference, what: str) -> None:
         """Apply ``out``'s effects in order; ``ref`` is the reference after the event."""
@@ -125,6 +128,18 @@ class World:
                 self.held = 0
             elif effect is Effect.REFUSE_HELD_TORN:
                 self.held = 0
+            elif effect is Effect.PARK_RUNNING:
+                assert not self.parked, f"{what}: parked twice ({out.row})"
+                self.parked = True
+            elif effect is Effect.RESUME_PARKED:
+                assert self.parked, f"{what}: resumed with nothing parked ({out.row})"
+                self.parked, self.resumed = False, self.resumed + 1
+                # a parked sequence is prefilled again on today's weights: nothing computed on
+                # the weights it was parked on may be reused (contract 4b)
+                self._run(ref, what, out, "a parked sequence prefilled again")
+            elif effect is Effect.END_PARKED_TORN:
+                assert self.parked, f"{what}: ended with nothing parked ({out.row})"
+                self.parked, self.ended = False, self.ended + 1
             elif effect is Effect.HOLD_REQUEST:
                 if Effect.START_MODEL_LOAD not in out.effects:
                     self.held += 1  # an auto-load's request waits for the load, not the hold
@@ -157,6 +172,9 @@ class World:
             "records": ref.records,
             "answered": ref.answered,
             "failed": ref.failed,
+            "parked": ref.parked,
+            "resumed": ref.resumed,
+            "ended": ref.ended,
         }
         got = {
             "exported": self.exported,
@@ -164,6 +182,9 @@ class World:
             "records": self.records,
             "answered": self.answered,
             "failed": self.failed,
+            "parked": self.parked,
+            "resumed": self.resumed,
+            "ended": self.ended,
         }
         diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
         assert not diff, f"{what}: effects differ (core, reference): {diff}"
@@ -272,6 +293,27 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
             """A gated call by the holder (or, with nothing attached, a trainer token): the
             state checks after auth, reached far more often than through ``gated``."""
             self.gated(route, "holder", flag)
+
+        @rule(
+            who=st.sampled_from(WHO),
+            supported=st.sampled_from([True, True, True, False]),
+            full=st.sampled_from([False] * 7 + [True]),
+        )
+        def quiesce_hold(self, who: str, supported: bool, full: bool) -> None:
+            """A quiesce ``{"running": "hold"}`` (contract 4b), now and then while the engine
+            cannot park or the queue is full: its refusals after every other, its parking, and
+            (with the timer settings of ``start``) every timer that ends or tears the hold."""
+            caller = self.caller(who)
+            self.both(
+                Event(
+                    "quiesce",
+                    caller=caller,
+                    queue_full=full,
+                    running="hold",
+                    hold_supported=supported,
+                ),
+                lambda: self.ref.quiesce(caller, self.now, full, "hold", supported),
+            )
 
         @rule(
             route=st.sampled_from((*GATED, "attach")),

@@ -249,6 +249,16 @@ async def heartbeat(request: web.Request) -> web.Response:
 
 @gated_route("weights_quiesce")
 async def quiesce(request: web.Request) -> web.Response:
+    """Hold new requests and return once no forward pass runs. Optional body
+    ``{"running": "finish" | "hold"}`` (contract 4b): ``finish`` (the default, and no body)
+    waits for the running sequences to finish; ``hold`` parks them at the next decode step
+    (they continue after resume, prefilled again on the new weights) and is 409
+    ``BARRIER_UNAVAILABLE`` ``hold_unsupported`` where the engine cannot park. The answer's
+    ``parked_sequences`` (beside ``held_requests``) counts what a hold parked; bodies and
+    answers: [the JSON schema](schemas/millm-weights-api-v1.json); refusals in order:
+    [state-machine.md](state-machine.md)
+
+    A bad body is 400 INVALID_REQUEST naming the field, and holds nothing."""
     runtime = request.app[RUNTIME]
     await _gated(request, "quiesce", "weights_quiesce", struct=W.QuiesceRequest)
     view = _state(runtime)

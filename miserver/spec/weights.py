@@ -414,6 +414,22 @@ class CheckpointsResponse(_Body):
     checkpoints: list[LineageEntry]
 
 
+class WeightSpan(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One entry of a ``/v1`` choice's ``millm_weight_spans`` (contract 4; issue 30): ``tokens``
+    consecutive tokens of the choice produced by the parameter set whose ``X-miLLM-Model``
+    ``commits`` is ``commits`` (absent where not known, never 0 for unknown). A choice carries
+    the list, in order, only when its tokens span more than one set (a sequence held across a
+    commit with ``{"running": "hold"}``); a stream carries it on the choice's terminal chunk,
+    the Batch API on the output line."""
+
+    commits: int | msgspec.UnsetType = msgspec.UNSET
+    tokens: int
+
+
+#: The ``/v1`` extension fields described beside the routes in the JSON schema's ``$defs``.
+V1_EXTENSIONS: dict[str, Any] = {"MillmWeightSpans": list[WeightSpan]}
+
+
 #: Route -> (request body, response data) for the docs and the JSON schema generator.
 ROUTES: dict[str, tuple[type[msgspec.Struct] | None, type[msgspec.Struct]]] = {
     "POST /api/weights/attach": (AttachRequest, AttachResponse),

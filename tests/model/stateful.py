@@ -369,13 +369,18 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                 self.both(Event(kind), lambda: self.ref.adapter_change(self.now))
             elif kind == "quiesce":
                 self.both(Event(kind, caller=holder), lambda: self.ref.quiesce(holder, self.now))
+            elif kind == "quiesce_hold":  # contract 4b: the running sequences are parked
+                self.both(
+                    Event("quiesce", caller=holder, running="hold"),
+                    lambda: self.ref.quiesce(holder, self.now, False, "hold"),
+                )
             else:
                 self.both(
                     Event(kind, caller=holder), lambda: getattr(self.ref, kind)(holder, self.now)
                 )
 
         @rule(
-            kind=st.sampled_from(["quiesce", "save", "weights_load", "adapter_change"]),
+            kind=st.sampled_from(TOUR_KINDS),
             stage=st.sampled_from(TOUR_STAGES),
             route=st.sampled_from(
                 (*GATED, "attach", "adapter_change", "model_load", "model_unload", "v1")
@@ -400,7 +405,7 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                 )
             holder = self.caller("holder")
             if stage in ("writing", "torn", "takeover", "takeover_torn", "takeover_writing"):
-                self.start_pause("quiesce")
+                self.start_pause("quiesce_hold" if kind == "quiesce_hold" else "quiesce")
                 self.both(Event("drained"), lambda: self.ref.drained(self.now))
                 if stage in ("writing", "torn"):
                     self.both(
@@ -409,7 +414,7 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                     )
                     if stage == "torn":
                         self.advance("at", 0.0)
-                elif kind != "quiesce":
+                elif kind not in ("quiesce", "quiesce_hold"):
                     self.start_pause(kind)  # takes over the holder's hold
                     if stage == "takeover_torn":
                         self.both(Event("address_moved"), lambda: self.ref.address_moved(self.now))
@@ -448,6 +453,12 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                 )
             elif route == "model_unload":
                 self.both(Event(route), lambda: self.ref.model_unload(self.now))
+            elif route == "quiesce_hold":  # contract 4b; flag: the engine can park
+                caller = self.caller(who)
+                self.both(
+                    Event("quiesce", caller=caller, running="hold", hold_supported=flag),
+                    lambda: self.ref.quiesce(caller, self.now, False, "hold", flag),
+                )
             elif route == "quiesce_full":  # a quiesce while the interactive queue is full
                 caller = self.caller(who)
                 self.both(
@@ -742,7 +753,7 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
 
 #: The tour's stages, routes and callers (``interleave``'s arguments); who: the holder, no
 #: token, a trainer that is not the holder, an operator that is not the holder.
-TOUR_KINDS = ("quiesce", "save", "weights_load", "adapter_change")
+TOUR_KINDS = ("quiesce", "quiesce_hold", "save", "weights_load", "adapter_change")
 #: ``job_writing``: a pause drained from serving, then (a weights load) writing;
 #: ``takeover_writing``: a weights load that took over the holder's hold, writing;
 #: ``quiesced_torn`` / ``draining_torn``: the set tore (a moved address) while the pause holds
@@ -790,6 +801,7 @@ TOUR_REQUESTS = (
     "v1_refuse",
     "v1_full",
     "quiesce_full",
+    "quiesce_hold",
 )
 TOUR_ROUTES = (*TOUR_REQUESTS, *INTERNAL)
 TOUR_WHO = ("holder", "none", "wrong_id", "operator")
@@ -800,6 +812,7 @@ _FLAGGED = (
     "v1_refuse",
     "v1_full",
     "quiesce",
+    "quiesce_hold",
     "v1_confirm",
     "adapter_done",
 )

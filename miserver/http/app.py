@@ -270,6 +270,9 @@ def create_app(
     batches.setup_routes(app)  # /v1/files, /v1/batches and the batch runner (contract 7)
 
     async def on_startup(app: web.Application) -> None:
+        warning = settings.training_warning(scheduler.max_concurrent)
+        if warning is not None:  # issue 32, item 5: training is impossible, said once
+            log.warning(warning)
         app[keys.STARTUP_LOAD] = asyncio.create_task(
             load_default_model(app), name="miserver-default-load"
         )

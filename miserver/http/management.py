@@ -9,6 +9,7 @@ nothing changes. No route here needs a token.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from datetime import datetime
 from pathlib import Path
@@ -32,6 +33,8 @@ from miserver.serving.weights.jobs import refuse_applied_adapter_name
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
 from miserver.spec.json_syntax import decode_error_message
+
+log = logging.getLogger("miserver.management")
 
 T = TypeVar("T")
 
@@ -462,9 +465,14 @@ async def patch_settings(request: web.Request) -> web.Response:
     # The lifecycle decides (409 MODEL_BUSY while the barrier is held or weights are writing,
     # its message and details the table's; contract 1) and records the resulting pause
     # availability (weights page: Status).
+    scheduler = request.app[keys.SCHEDULER]
     await request.app[keys.WEIGHTS].settings_change("ok" if concurrency == 1 else "concurrency")
+    before = scheduler.max_concurrent
     if kwargs:
-        request.app[keys.SCHEDULER].set_limits(**kwargs)
+        scheduler.set_limits(**kwargs)
+    warning = request.app[keys.SETTINGS].training_warning(scheduler.max_concurrent)
+    if warning is not None and before <= 1:  # the barrier just went off (issue 32, item 5)
+        log.warning(warning)
     return ok(_settings_view(request.app))
 
 
@@ -540,7 +548,10 @@ def _not_attachable(app: web.Application) -> dict[str, Any] | None:
 
 async def health_detailed(request: web.Request) -> web.Response:
     """``GET /api/health/detailed``: resident model, device, queue, weights summary. A resident
-    that cannot be attached says why (``resident.not_attachable: {reason, message}``)."""
+    that cannot be attached says why (``resident.not_attachable: {reason, message}``).
+    ``warnings``: what the operator should know about the configuration, one line each (empty
+    when none): a trainer token with ``MAX_CONCURRENT_REQUESTS`` above 1, the barrier off
+    (:meth:`~miserver.spec.settings.Settings.training_warning`, issue 32 item 5)."""
     app = request.app
     host = app[keys.HOST]
     scheduler = app[keys.SCHEDULER]
@@ -563,6 +574,9 @@ async def health_detailed(request: web.Request) -> web.Response:
                 "max_queued_requests": scheduler.max_queued,
             },
             "weights": weights_summary(app),
+            "warnings": [
+                w for w in (app[keys.SETTINGS].training_warning(scheduler.max_concurrent),) if w
+            ],
         }
     )
 

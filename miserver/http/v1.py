@@ -245,8 +245,8 @@ async def _generation(
             the first token.
         RequestCancelled: ``cancelled()`` became true while waiting for the slot.
     """
-    grant = await acquire_slot(
-        app, job.resident, priority, cancelled, job.adapter, job.n, unit=unit
+    grant, job.resident = await acquire_slot(
+        app, job.resident, priority, cancelled, job.adapter, job.n, unit=unit, model=job.model
     )
     scheduler = app[keys.SCHEDULER]
 

@@ -27,6 +27,7 @@ from miserver.http.model_header import (
     spans_extra,
 )
 from miserver.http.v1_admission import Job, RequestCancelled
+from miserver.http.v1_structured import ChoiceDeltas, chat_message
 from miserver.serving.engine.generation import (
     Finished,
     GenerationError,
@@ -137,8 +138,11 @@ def _usage(fins: list[Finished]) -> dict[str, int]:
     }
 
 
-def _finish_reason(fin: Finished) -> str:
-    return "length" if fin.finish_reason == "length" else "stop"
+def _finish_reason(fin: Finished, called: bool = False) -> str:
+    """``length``, ``tool_calls`` (the answer ended holding a tool call) or ``stop``."""
+    if fin.finish_reason == "length":
+        return "length"
+    return "tool_calls" if called else "stop"
 
 
 def generation_failed(app: web.Application, job: Job, exc: GenerationError) -> ApiError:
@@ -217,14 +221,15 @@ async def _collect(
     choices = []
     for index, ((text, lps, fin), first) in enumerate(zip(results, firsts, strict=True)):
         if job.kind == "chat":
+            message, called = chat_message(text, job.structured)
             choices.append(
                 {
                     "index": index,
-                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "message": message,
                     "logprobs": {"content": [_chat_logprob(lp) for lp in lps], "refusal": None}
                     if job.want_logprobs
                     else None,
-                    "finish_reason": _finish_reason(fin),
+                    "finish_reason": _finish_reason(fin, called),
                     **spans_extra(fin.weight_spans),
                 }
             )
@@ -316,6 +321,7 @@ async def stream_response(request: web.Request, job: Job, running: Any) -> web.S
     cid = _completion_id("chatcmpl" if chat else "cmpl")
     obj = "chat.completion.chunk" if chat else "text_completion"
     lp_blocks = [_CompletionLogprobs(job.resident.tokenizer) for _ in firsts]
+    deltas = [ChoiceDeltas(job.structured) for _ in firsts]  # chat: content and tool calls
 
     def chunk(choice: dict[str, Any] | None, **extra: Any) -> bytes:
         body: dict[str, Any] = {
@@ -335,13 +341,15 @@ async def stream_response(request: web.Request, job: Job, running: Any) -> web.S
         lps: tuple[TokenLogprob, ...] | list[TokenLogprob],
         finish: str | None = None,
         role: bool = False,
+        delta: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if chat:
-            delta: dict[str, Any] = {}
-            if role:
-                delta["role"] = "assistant"
-            if text or role:
-                delta["content"] = text
+            if delta is None:
+                delta = {}
+                if role:
+                    delta["role"] = "assistant"
+                if text or role:
+                    delta["content"] = text
             logprobs = (
                 {"content": [_chat_logprob(lp) for lp in lps], "refusal": None}
                 if job.want_logprobs and lps
@@ -366,15 +374,26 @@ async def stream_response(request: web.Request, job: Job, running: Any) -> web.S
             async with contextlib.aclosing(_merged(running.events)) as merged:
                 async for index, ev in merged:
                     if isinstance(ev, TextDelta):
-                        if ev.text or ev.logprobs:
+                        if chat:
+                            pieces = deltas[index].feed(ev.text) if ev.text else []
+                            if not pieces and ev.logprobs:
+                                pieces = [{}]  # the text is held (maybe a tool call)
+                            for i, piece in enumerate(pieces):
+                                lps = ev.logprobs if i == 0 else ()
+                                await resp.write(chunk(delta_choice(index, "", lps, delta=piece)))
+                        elif ev.text or ev.logprobs:
                             await resp.write(chunk(delta_choice(index, ev.text, ev.logprobs)))
                     elif isinstance(ev, Finished):
                         fins[index] = ev
                         if ev.finish_reason == "cancelled":
                             break
+                        if chat:
+                            for piece in deltas[index].finish():
+                                await resp.write(chunk(delta_choice(index, "", (), delta=piece)))
                         if len(fins) == len(firsts):
                             await running.wait()  # the slot is free before the client sees the end
-                        final = delta_choice(index, "", (), finish=_finish_reason(ev))
+                        called = chat and deltas[index].calls > 0
+                        final = delta_choice(index, "", (), finish=_finish_reason(ev, called))
                         if not chat:
                             final["logprobs"] = None
                         final.update(spans_extra(ev.weight_spans))  # contract 4

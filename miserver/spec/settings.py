@@ -72,6 +72,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     body_read_timeout_s: float = 20.0
     shutdown_grace_s: float = 10.0
     management_auth: str = "none"
+    v1_load_policy: str = "auto"
     log_level: str = "info"
     log_format: str = "json"
 
@@ -85,6 +86,24 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         """At least one trainer token is configured (a 16-bit load is then made attachable;
         weights page, Which models can be attached: ``allocator``)."""
         return any(token.role == "trainer" for token in self.weights_tokens)
+
+    def training_warning(self, max_concurrent: int | None = None) -> str | None:
+        """The warning that training is impossible, or None (issue 32, item 5): with a
+        trainer token configured and ``max_concurrent`` (default ``MAX_CONCURRENT_REQUESTS``;
+        the run-time value after a ``PATCH /api/settings``) above 1, the step barrier is off
+        (weights page, The write cycle 2: status ``pause_unavailable: "concurrency"``), so
+        every quiesce, save and weights load is 409 BARRIER_UNAVAILABLE. One line, logged at
+        start and listed in ``GET /api/health/detailed``'s ``warnings``."""
+        concurrency = self.max_concurrent_requests if max_concurrent is None else max_concurrent
+        if concurrency <= 1 or not self.has_trainer_token:
+            return None
+        return (
+            f"MAX_CONCURRENT_REQUESTS is {concurrency} and a trainer token is configured, but "
+            "the step barrier needs 1: every quiesce, save and weights load is 409 "
+            "BARRIER_UNAVAILABLE (reason concurrency), so no trainer can write the served "
+            "weights; set MAX_CONCURRENT_REQUESTS=1 (or PATCH /api/settings "
+            '{"max_concurrent_requests": 1})'
+        )
 
     def resolved_device(self) -> str:
         """``auto`` becomes ``cuda:0`` when CUDA is available, else ``cpu``."""
@@ -121,6 +140,7 @@ VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("BODY_READ_TIMEOUT_S", "body_read_timeout_s", "pos_float"),
     ("SHUTDOWN_GRACE_S", "shutdown_grace_s", "nonneg_float"),
     ("MANAGEMENT_AUTH", "management_auth", "management_auth"),
+    ("V1_LOAD_POLICY", "v1_load_policy", "load_policy"),
     ("LOG_LEVEL", "log_level", "log_level"),
     ("LOG_FORMAT", "log_format", "log_format"),
 )
@@ -145,6 +165,7 @@ KIND_FORMATS: dict[str, str] = {
     "batch_delay": "`auto` or a number of milliseconds, 0 to 1000 (0: no delay)",
     "nonneg_float": "a number, at least 0",
     "management_auth": "`none` or `operator`",
+    "load_policy": "`auto` or `refuse` (case-insensitive)",
 }
 
 #: What each variable of :data:`VARIABLES` does, for the settings reference (docs/settings.md,
@@ -194,8 +215,9 @@ DESCRIPTIONS: dict[str, str] = {
     "WEIGHTS_AUDIT_LOG": "Also append every `weights_audit` line (who called which weights "
     "route, the outcome) to this file, flushed per line. The lines always go to the log.",
     "MAX_CONCURRENT_REQUESTS": "Forward passes that may run at once. The step barrier needs 1 "
-    "(otherwise quiesce is 409 BARRIER_UNAVAILABLE, reason `concurrency`). Also changeable at "
-    "run time with `PATCH /api/settings`.",
+    "(otherwise quiesce is 409 BARRIER_UNAVAILABLE, reason `concurrency`; with a trainer token "
+    "configured, one warning line at start and in `GET /api/health/detailed`'s `warnings`). "
+    "Also changeable at run time with `PATCH /api/settings`.",
     "MAX_BATCH_SIZE": "Sequences one pass of the slot decodes together (a static batch, "
     "contract 4): when the slot is granted it takes the waiting requests of the resident model, "
     "interactive first, then batch rows, up to this many sequences (a request with `n` counts "
@@ -243,6 +265,14 @@ DESCRIPTIONS: dict[str, str] = {
     "weights routes, one audit line per call), and a `/v1` request naming a model that is not "
     "resident is 409 `model_not_loaded` instead of an auto-load unless it carries one; needs "
     "an operator token in `WEIGHTS_TOKENS` (else exit 2).",
+    "V1_LOAD_POLICY": "Whether a `/v1` request may load a model: `auto` (the default, "
+    "contract 4) loads (swaps to) a catalogue row the request names that is not resident; "
+    "`refuse` never does, for every request, an operator token included: it is 409 "
+    "`model_not_loaded` (as `X-miLLM-Load-Policy: refuse` is for one request), naming the "
+    "served model and the management call that loads the one named "
+    "(`POST /api/models/{id}/load`). Requests naming the resident are served as usual; the "
+    "Batch API never loads either way. For a shared server whose clients must not swap the "
+    "model out from under each other.",
     "CONTINUOUS_BATCHING": "Serve through a continuous-batching engine. Not implemented in this "
     "version: only `0` is accepted.",
     "MAX_QUEUED_REQUESTS": "Interactive requests that may wait (queued plus held by the "
@@ -423,6 +453,11 @@ def _convert(variable: str, kind: str, raw: str) -> object:
         if low in ("none", "operator"):
             return low
         raise ConfigError(variable, f"expected none or operator, got {raw!r}")
+    if kind == "load_policy":
+        low = raw.lower()
+        if low in ("auto", "refuse"):
+            return low
+        raise ConfigError(variable, f"expected auto or refuse, got {raw!r}")
     if kind == "device":
         if raw == "auto" or raw == "cpu" or re.fullmatch(r"cuda(:\d+)?", raw):
             return raw

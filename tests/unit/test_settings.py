@@ -28,6 +28,10 @@ def test_defaults_are_the_contracts():
         8388608,
     )
     assert s.weights_tokens == ()
+    assert s.v1_load_policy == "auto"  # contract 4's auto-load
+    assert load_settings({"MISERVER_HOME": "/x", "V1_LOAD_POLICY": "Refuse"}).v1_load_policy == (
+        "refuse"
+    )
 
 
 @pytest.mark.parametrize(
@@ -43,6 +47,7 @@ def test_defaults_are_the_contracts():
         ({"LOG_FORMAT": "xml"}, "LOG_FORMAT"),
         ({"WEIGHTS_HEARTBEAT_INTERVAL_HINT_S": "30"}, "WEIGHTS_HEARTBEAT_INTERVAL_HINT_S"),
         ({"CONTINUOUS_BATCHING": "1"}, "CONTINUOUS_BATCHING"),
+        ({"V1_LOAD_POLICY": "never"}, "V1_LOAD_POLICY"),
         ({"WEIGHTS_TOKENS": f"Bad Label:trainer:{SECRET}"}, "WEIGHTS_TOKENS"),
         ({"WEIGHTS_TOKENS": f"a:admin:{SECRET}"}, "WEIGHTS_TOKENS"),
         ({"WEIGHTS_TOKENS": "a:trainer:short"}, "WEIGHTS_TOKENS"),

@@ -97,6 +97,7 @@ def job(kind: str, n: int = 1) -> SimpleNamespace:
         echo_text=None,
         include_usage=True,
         n=n,
+        structured=None,
     )
 
 

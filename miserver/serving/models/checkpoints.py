@@ -24,8 +24,8 @@ one into its answer with :meth:`CheckpointError.as_api_error`.
 The routes' recipe:
 
 - save: check the catalogue for a row named ``name`` first (409), then :func:`save_checkpoint`
-  inside the pause, then register the row (origin ``checkpoint``, parent the base row,
-  ``checkpoint_sha256``, ``dtype`` from :class:`SavedCheckpoint`); if registering fails, delete
+  inside the pause, then register the row (origin ``checkpoint``, parent the checkpoint the
+  weights were loaded from, else the base row, ``checkpoint_sha256``, ``dtype`` from :class:`SavedCheckpoint`); if registering fails, delete
   ``saved.path`` so no unregistered checkpoint is left.
 - load ``{checkpoint}``: :func:`resolve_checkpoint` over the catalogue rows, then
   :func:`open_checkpoint` on the row's path and :func:`verify`, then inside the pause, *before*
@@ -130,6 +130,7 @@ def save_checkpoint(
     parent_sha256: str | None,
     steps_since_load: int,
     now: float,
+    parent_name: str | None = None,
 ) -> SavedCheckpoint:
     """Write the model's current weights as the checkpoint ``root/<name>/``, atomically.
 
@@ -152,6 +153,9 @@ def save_checkpoint(
         parent_sha256: the checkpoint the resident weights were loaded from, or None.
         steps_since_load: commits since the weights became resident (weights page).
         now: the wall-clock time of the save, Unix seconds.
+        parent_name: the catalogue name of the row the weights were loaded from (the loaded
+            checkpoint's, else the base row's; ``base_name`` when None): the default name is
+            ``<parent_name>-step<steps_since_load>-<sha8>``, what the weights are.
 
     Returns:
         The :class:`SavedCheckpoint`.
@@ -223,7 +227,11 @@ def save_checkpoint(
         ordinary_mode(tmp / WEIGHTS_NAME, like=tmp / MANIFEST_NAME)
         _fsync_tree(tmp)
         sha = hashlib.sha256(data).hexdigest()
-        final_name = name if name is not None else default_name(base_name, steps_since_load, sha)
+        final_name = (
+            name
+            if name is not None
+            else default_name(parent_name or base_name, steps_since_load, sha)
+        )
         final = root / final_name
         weights_bytes = (tmp / WEIGHTS_NAME).stat().st_size
         _publish(tmp, final)

@@ -414,8 +414,11 @@ class Run:
         schedule: Schedule,
         stop: StopRequest | None = None,
         unix_socket: str | None = None,
+        running: str = "finish",
     ) -> None:
         self.base = base
+        #: what each commit's quiesce does with running generations (contract 4b)
+        self.running = running
         self.token = token
         self.unix_socket = unix_socket
         self.schedule = schedule
@@ -592,7 +595,9 @@ class Run:
         from miserver.trainer import WeightsClient, init_optimizer_state
 
         s = self.schedule
-        with WeightsClient(self.base, self.token, unix_socket=self.unix_socket) as client:
+        with WeightsClient(
+            self.base, self.token, unix_socket=self.unix_socket, running=self.running
+        ) as client:
             att = client.attach()
             check_attachment(att, self.notes, "this example trains")
             self.tokenizer = client.tokenizer()
@@ -643,7 +648,7 @@ class Run:
         sampled = time.monotonic()
         loss, in_loss, gap = self.gradients(model, groups)
         graded = time.monotonic()
-        with client.commit() as cycle:  # POST /quiesce, POST /commit-begin
+        with client.commit() as cycle:  # POST /quiesce (running: finish|hold), /commit-begin
             opt.step()  # the write: in place, into the served tensors
         held = time.monotonic() - graded  # POST /commit-end and POST /resume answered
         opt.zero_grad(set_to_none=True)
@@ -736,6 +741,8 @@ class Run:
             "sample_s_p50": percentile([r.sample_s for r in self.steps], 50),
             "grad_s_p50": percentile([r.grad_s for r in self.steps], 50),
             "hold_s_p50": percentile([r.hold_s for r in self.steps], 50),
+            "running": self.running,
+            "step_s_p50": percentile([r.sample_s + r.grad_s + r.hold_s for r in self.steps], 50),
             "wall_s": time.monotonic() - self.t0,
             "interrupted": self.stop.requested,
             "notes": self.notes,
@@ -803,6 +810,10 @@ def results_table(results: dict[str, Any]) -> str:
             f"{fmt(s['commit_ms_p50'], ' ms', 1)} / {fmt(s['commit_ms_max'], ' ms', 1)}",
         ),
         ("commits that overran the watchdog", fmt(s["commits_overran"])),
+        (
+            f"step time p50 (quiesce running={s.get('running', 'finish')})",
+            fmt(s.get("step_s_p50"), " s", 2),
+        ),
         ("wall time", fmt(s["wall_s"], " s", 1)),
         ("result", "PASS" if s["passed"] else "FAIL"),
     ]
@@ -903,6 +914,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="override the schedule's seed (the questions drawn and every request's seed)",
     )
     p.add_argument(
+        "--running",
+        choices=("finish", "hold"),
+        default="finish",
+        help="what each commit's quiesce does with running generations (contract 4b): finish "
+        "them first (default) or hold them (parked at the next decode step, continued on the "
+        "new weights); the summary shows the step time with it",
+    )
+    p.add_argument(
         "--no-early-stop",
         action="store_true",
         help="run every step of the schedule (the short one stops when both targets are met)",
@@ -944,7 +963,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     def train(stop: StopRequest) -> dict[str, Any]:
         with contextlib.ExitStack() as stack:
             conn = connect(stack, args, out, device, stop, server_settings(schedule))
-            return Run(conn.base, conn.token, schedule, stop, conn.unix_socket).run()
+            return Run(
+                conn.base, conn.token, schedule, stop, conn.unix_socket, running=args.running
+            ).run()
 
     return run_example("grpo_in_place", out, device, train, plot, results_table)
 

@@ -57,7 +57,14 @@ def alphabet(triggers: Iterable[str]) -> tuple[Event, ...]:
                 for r in ("gguf", "quantized", "dtype", "not_on_gpu", "allocator")
             ]
         elif trigger == "quiesce":
-            events.append(Event(trigger, caller=HOLDER, queue_full=True))
+            # contract 4b: the hold variant with each fact that changes its decision
+            events += [
+                Event(trigger, caller=HOLDER, queue_full=True),
+                Event(trigger, caller=HOLDER, running="hold"),
+                Event(trigger, caller=HOLDER, running="hold", queue_full=True),
+                Event(trigger, caller=HOLDER, running="hold", hold_supported=False),
+                Event(trigger, caller=Caller("trainer", "t2"), running="hold"),
+            ]
         elif trigger == "commit_end":
             events.append(Event(trigger, caller=HOLDER, received=False))
         elif trigger == "commit_begin":

@@ -193,6 +193,11 @@ def _(s, c, e):
     return s.unsaved
 
 
+@_g("parked", "parked", "a hold quiesce parked the running sequences (contract 4b)")
+def _(s, c, e):
+    return s.parked
+
+
 for _timer in ("hold", "watchdog", "heartbeat", "drain"):
 
     def _mk_t(field: str) -> Predicate:
@@ -277,6 +282,20 @@ def _(s, c, e):
 )
 def _(s, c, e):
     return not e.group_ok
+
+
+@_g("running_hold", "event", 'the quiesce asks {"running": "hold"} (contract 4b)')
+def _(s, c, e):
+    return e.running == "hold"
+
+
+@_g(
+    "hold_unsupported",
+    "event",
+    "the resident's engine cannot park running sequences (a hold is refused; contract 4b)",
+)
+def _(s, c, e):
+    return not e.hold_supported
 
 
 @_g("applies_adapter", "event", "the adapter change applied an adapter (not removed it)")

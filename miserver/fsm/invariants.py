@@ -128,6 +128,12 @@ def _unavailable_serves(s: LifecycleState) -> bool:
     return s.avail == "ok" or (s.barrier == "serving" and s.owner == "none")
 
 
+def _parked_only_while_held(s: LifecycleState) -> bool:
+    """Parked sequences exist only while the barrier is held and the set is not torn: they
+    continue when the hold ends and a tear ends them (contract 4b)."""
+    return not s.parked or (s.barrier != "serving" and s.weights != "torn")
+
+
 STATE_INVARIANTS: tuple[tuple[str, Callable[[LifecycleState], bool]], ...] = (
     *((name, (lambda f: lambda s: f(_fields(s)))(fn)) for name, fn in STRUCTURE),
     ("hold_timer_armed_exactly_when_clean_holder_quiesce_without_commit_or_takeover", _hold_exact),
@@ -139,6 +145,7 @@ STATE_INVARIANTS: tuple[tuple[str, Callable[[LifecycleState], bool]], ...] = (
     ("nothing_resident_carries_no_commits_or_adapter", _empty_carries_nothing),
     ("model_transition_runs_unheld", _transition_unheld),
     ("nothing_holds_the_barrier_while_pauses_are_unavailable", _unavailable_serves),
+    ("parked_sequences_only_while_held_and_not_torn", _parked_only_while_held),
 )
 
 
@@ -546,6 +553,25 @@ def _catalogue_delete_blocked(b: LifecycleState, e: Event, row: Row, a: Lifecycl
     )
 
 
+def _parking_follows_hold(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """Contract 4b: an accepted quiesce parks the running sequences exactly when it asks
+    ``{"running": "hold"}`` (``PARK_RUNNING`` exactly when parking starts); parked sequences
+    leave only by being continued (``RESUME_PARKED``, the set not torn) or ended with the torn
+    error (``END_PARKED_TORN``, the set torn), never onto weights being written."""
+    parks = not b.parked and a.parked
+    if e.trigger == "quiesce" and row.kind == "accepted" and parks != (e.running == "hold"):
+        return False
+    if not _iff(Effect.PARK_RUNNING, row, parks):
+        return False
+    if Effect.RESUME_PARKED in row.effects and a.weights == "writing":
+        return False
+    leaves = b.parked and not a.parked
+    torn = a.weights == "torn"
+    return _iff(Effect.RESUME_PARKED, row, leaves and not torn) and _iff(
+        Effect.END_PARKED_TORN, row, leaves and torn
+    )
+
+
 EDGE_INVARIANTS: tuple[tuple[str, Callable[..., bool]], ...] = (
     ("nothing_served_unless_clean_and_not_held", _served_clean_unheld),
     ("torn_left_only_by_late_commit_end_weights_load_or_unload", _torn_exits),
@@ -594,4 +620,5 @@ EDGE_INVARIANTS: tuple[tuple[str, Callable[..., bool]], ...] = (
         "a_catalogue_delete_is_refused_exactly_while_a_load_or_save_needs_the_rows",
         _catalogue_delete_blocked,
     ),
+    ("parked_sequences_parked_by_a_hold_and_continued_or_ended_torn", _parking_follows_hold),
 )

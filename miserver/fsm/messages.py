@@ -63,6 +63,9 @@ _REASON_MESSAGES: dict[tuple[str, str], str] = {
     "again, and recover with POST /api/weights/load.",
     ("NOT_QUIESCED", "quiesce_in_progress"): "Quiesce is still draining in-flight work; wait "
     "for it to return, then retry.",
+    ("BARRIER_UNAVAILABLE", "hold_unsupported"): 'A quiesce with {"running": "hold"} needs '
+    "the continuous engine, which parks running sequences at a step boundary; the resident's "
+    'engine cannot (contract 4b). Quiesce with {"running": "finish"} (the default) instead.',
     ("MODEL_BUSY", "drain_timeout"): "Running requests did not finish within "
     "WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S; nothing is held.",
     ("MODEL_BUSY", "model_transition"): "A model load, unload, save, weights load or adapter "

@@ -37,6 +37,7 @@ DOMAINS: dict[str, tuple[object, ...]] = {
     "watchdog_armed": (False, True),
     "heartbeat_armed": (False, True),
     "drain_armed": (False, True),
+    "parked": (False, True),
 }
 
 #: Components that make up the ``transitions.Machine`` state names.
@@ -69,6 +70,10 @@ class LifecycleState:
         unsaved: the resident carries commits no checkpoint records.
         adapter: an adapter is applied.
         hold_armed, watchdog_armed, heartbeat_armed, drain_armed: which timers are armed.
+        parked: the holder's quiesce was a ``hold`` (contract 4b): the sequences that were
+            running are parked in the engine (blocks freed, tokens kept) and continue, each
+            prefilled again on the weights of that time, when the hold is released; a tear
+            ends them.
     """
 
     resident: bool = False
@@ -86,6 +91,7 @@ class LifecycleState:
     watchdog_armed: bool = False
     heartbeat_armed: bool = False
     drain_armed: bool = False
+    parked: bool = False
 
     def named(self) -> str:
         """The ``transitions.Machine`` state name of this state (its ``NAMED`` components)."""
@@ -106,6 +112,7 @@ class LifecycleState:
             "takeover" if self.takeover else "",
             "unsaved" if self.unsaved else "",
             "adapter" if self.adapter else "",
+            "parked" if self.parked else "",
         ]
         armed = [t for t in TIMERS if getattr(self, f"{t}_armed")]
         if armed:
@@ -205,6 +212,10 @@ class Event:
             True for the other transports, whose write the server cannot see.
         group_ok: ``commit_begin``: the attachment's process group can still receive (it is
             joining or joined, not failed or destroyed); always True for the other transports.
+        running: ``quiesce``: what happens to the running sequences (contract 4b): ``finish``
+            (the weights page's drain) or ``hold`` (parked at the next step boundary).
+        hold_supported: ``quiesce``: the resident's engine can park its running sequences
+            (``ContinuousEngine.preempt_all``); a ``hold`` is refused while it cannot.
     """
 
     trigger: str
@@ -225,6 +236,8 @@ class Event:
     loads_checking: bool = False
     received: bool = True
     group_ok: bool = True
+    running: Literal["finish", "hold"] = "finish"
+    hold_supported: bool = True
 
     def short(self) -> str:
         """A compact rendering for traces: ``quiesce(trainer holder)``."""
@@ -249,6 +262,8 @@ class Event:
             "loads_checking",
             "received",
             "group_ok",
+            "running",
+            "hold_supported",
         ):
             if getattr(self, f) != getattr(defaults, f):
                 args.append(f"{f}={getattr(self, f)}")

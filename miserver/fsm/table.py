@@ -48,6 +48,10 @@ class Effect(StrEnum):
     RECORD_HOLD_TIMEOUT = "RECORD_HOLD_TIMEOUT"  # a hold timed out (last_hold_timeout_at)
     RECORD_STALE = "RECORD_STALE"  # the attachment became stale
     APPLY_SETTINGS = "APPLY_SETTINGS"  # PATCH /api/settings takes effect
+    # contract 4b (a quiesce that holds running work):
+    PARK_RUNNING = "PARK_RUNNING"  # stop at the next step boundary; park the running sequences
+    RESUME_PARKED = "RESUME_PARKED"  # prefill the parked sequences again on today's weights
+    END_PARKED_TORN = "END_PARKED_TORN"  # end every parked sequence with 503 WEIGHTS_TORN
     # contract 10 (the process-group transport); nothing for the other transports:
     ARM_RECEIVE = "ARM_RECEIVE"  # commit-begin: post the broadcast from rank 0 into the arena
     DESTROY_GROUP = "DESTROY_GROUP"  # detach, clear-stale, a tear: the attachment's group ends
@@ -485,12 +489,13 @@ def _remove_attachment(trigger: str, *, tears: bool) -> list[Row]:
         ),
         _accept(
             trigger,
-            when=("held_by_holder", "commit_mine"),
+            when=("held_by_holder", "commit_mine", "torn"),
             effects=(E.RELEASE_HELD, E.RELEASE_EXPORTS, E.DESTROY_GROUP),
             barrier="serving",
             owner="none",
             commit="orphan",
             **gone,
+            note="the holder's commit was torn by the watchdog (writing is the row above)",
         ),
         _accept(
             trigger,
@@ -569,10 +574,12 @@ def build_rows() -> tuple[Row, ...]:
         _refuse(t, codes.QUEUE_FULL, when=("queue_full",)),
         _accept(
             t,
+            unless=("running_hold",),
             effects=(E.HOLD_ADMISSIONS, E.START_DRAIN),
             barrier="draining",
             owner="holder",
             drain_armed=True,
+            note='{"running": "finish"} (the default): the running sequences finish first',
         ),
     ]
 
@@ -1135,7 +1142,76 @@ def build_rows() -> tuple[Row, ...]:
         _accept(t, note="the handler deletes the row (no lifecycle state changes)"),
     ]
 
-    return tuple(_with_id(row, n) for n, row in enumerate(r))
+    # --- quiesce {"running": "hold"} (contract 4b) -----------------------------------------
+    # Appended last so that no earlier row's id moves. The quiesce rows above check every
+    # refusal first, in the weights page's order, and their accepted row is the finish
+    # variant's (``unless running_hold``): so every refusal of quiesce applies to both
+    # variants, and a hold's own refusal comes after them. Where the parked sequences go when
+    # the hold ends is :func:`_parked_variant`'s rule.
+    t = "quiesce"
+    r += [
+        _refuse(
+            t,
+            codes.BARRIER_UNAVAILABLE,
+            "hold_unsupported",
+            when=("running_hold", "hold_unsupported"),
+            note="the resident's engine cannot park running sequences: a hold is refused, "
+            "never faked by a drain",
+        ),
+        _accept(
+            t,
+            effects=(E.HOLD_ADMISSIONS, E.PARK_RUNNING, E.START_DRAIN),
+            barrier="draining",
+            owner="holder",
+            drain_armed=True,
+            parked=True,
+            note='{"running": "hold"}: the engine stops at the next step boundary and parks '
+            "the running sequences; the drain ends with that step (drained drops their cache)",
+        ),
+    ]
+
+    table: list[Row] = []
+    for n, row in enumerate(r):
+        row = _with_id(row, n)
+        parked = _parked_variant(row)
+        if parked is not None:
+            table.append(parked)
+        table.append(row)
+    return tuple(table)
+
+
+def _parked_variant(row: Row) -> Row | None:
+    """Contract 4b: the parked sequences follow the held requests. Before every row that
+    answers the held requests 503 WEIGHTS_TORN, or releases them, comes its variant for a hold
+    that parked running sequences (guard ``parked``, id ``<row>.parked``): the same row, and a
+    tear also ends every parked sequence with that error (``END_PARKED_TORN``: nothing
+    computed on a torn set is served), a release first continues them (``RESUME_PARKED``,
+    before ``RELEASE_HELD``: they were admitted first), each prefilled again on the weights of
+    that time. Either leaves nothing parked. ``None`` for a row that does neither, or that
+    fires only on a torn set."""
+    from dataclasses import replace
+
+    effects = row.effects
+    if "torn" in row.when:  # nothing is parked on a torn set: the tear ended it
+        return None
+    if E.REFUSE_HELD_TORN in effects:
+        at = effects.index(E.REFUSE_HELD_TORN) + 1
+        effects = (*effects[:at], E.END_PARKED_TORN, *effects[at:])
+        note = "parked sequences end with 503 WEIGHTS_TORN"
+    elif E.RELEASE_HELD in effects:
+        at = effects.index(E.RELEASE_HELD)
+        effects = (*effects[:at], E.RESUME_PARKED, *effects[at:])
+        note = "parked sequences continue, prefilled again"
+    else:
+        return None
+    return replace(
+        row,
+        when=(*row.when, "parked"),
+        effects=effects,
+        set=(*row.set, ("parked", False)),
+        note=f"{row.note}; {note}" if row.note else note,
+        id=f"{row.id}.parked",
+    )
 
 
 def _with_id(row: Row, n: int) -> Row:

@@ -8,13 +8,22 @@ The value is an RFC 8941 string item with parameters, built and parsed with ``ht
 (None), and written as 0 only when 0 is known. Non-streamed ``/v1`` responses and Batch API output
 lines carry it as a header; a stream carries the same value as ``millm_model`` on its terminal
 chunk. :func:`model_header` is the one place the value is built.
+
+A response held in flight across a commit (contract 4b) spans two or more sets and says so
+(contract 4): ``commits`` is the set of its last token and the parameter ``from_commits=<n>``
+the set of its first (absent when one set produced every token, or the first set's count is
+not known); each choice carries ``millm_weight_spans`` (:func:`weight_spans_json`).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import http_sfv
+
+from miserver.serving.engine.provenance import WeightSpan
 
 HEADER = "X-miLLM-Model"
 ORIGINS = ("model", "checkpoint", "adapter")
@@ -28,8 +37,10 @@ class ServedWeights(Protocol):
     commits: int | None
 
 
-def model_header(weights: ServedWeights) -> str:
-    """The ``X-miLLM-Model`` value for ``weights``.
+def model_header(weights: ServedWeights, *, from_commits: int | None = None) -> str:
+    """The ``X-miLLM-Model`` value for ``weights``; ``from_commits``: the set of the first
+    token when it is not ``weights``' (contract 4), written as the parameter ``from_commits``
+    (``None``: absent).
 
     Raises:
         ValueError: ``origin`` is not model, checkpoint or adapter; ``commits`` is negative or
@@ -50,7 +61,68 @@ def model_header(weights: ServedWeights) -> str:
         if isinstance(commits, bool) or not isinstance(commits, int) or commits < 0:
             raise ValueError(f"commits must be a non-negative integer or None, got {commits!r}")
         item.params["commits"] = commits
+    if from_commits is not None:
+        if isinstance(from_commits, bool) or not isinstance(from_commits, int) or from_commits < 0:
+            raise ValueError(f"from_commits must be a non-negative integer, got {from_commits!r}")
+        item.params["from_commits"] = from_commits
     return str(item)
+
+
+@dataclass(frozen=True)
+class _SetOf:
+    served_name: str
+    origin: str
+    commits: int | None
+
+
+def weight_spans_json(spans: Sequence[WeightSpan]) -> list[dict[str, int]] | None:
+    """A choice's ``millm_weight_spans``: ``[{"commits": n, "tokens": k}, ...]`` in order, when
+    its tokens span more than one parameter set, else ``None`` (the field is left out).
+    ``commits`` is omitted from a span whose set's count is not known (never written as 0)."""
+    if len({span.set_id for span in spans}) < 2:
+        return None
+    out: list[dict[str, int]] = []
+    for span in spans:
+        entry: dict[str, int] = {} if span.commits is None else {"commits": span.commits}
+        entry["tokens"] = span.tokens
+        out.append(entry)
+    return out
+
+
+def response_model_header(weights: ServedWeights, choices: Iterable[Sequence[WeightSpan]]) -> str:
+    """The ``X-miLLM-Model`` of a whole response (every choice's spans; contract 4): the set of
+    its last token (the latest set any choice ended on) with ``from_commits`` naming the set of
+    its first (the earliest set any choice began on) when they differ. Choices without spans
+    (one set, an engine that records none) leave it :func:`model_header` of ``weights``.
+    ``weights`` gives the served name and origin (and ``commits`` when no choice has spans)."""
+    spanned = [list(spans) for spans in choices if spans]
+    if not spanned:
+        return model_header(weights)
+    first = min((spans[0] for spans in spanned), key=lambda span: span.set_id)
+    last = max((spans[-1] for spans in spanned), key=lambda span: span.set_id)
+    at_last = _SetOf(weights.served_name, weights.origin, last.commits)
+    if first.set_id == last.set_id:
+        return model_header(at_last)
+    return model_header(at_last, from_commits=first.commits)
+
+
+def spans_extra(spans: Sequence[WeightSpan]) -> dict[str, Any]:
+    """``{"millm_weight_spans": [...]}`` for a choice that spans sets, else ``{}``."""
+    rendered = weight_spans_json(spans)
+    return {} if rendered is None else {"millm_weight_spans": rendered}
+
+
+def parse_from_commits(value: str) -> int | None:
+    """The ``from_commits`` parameter of an ``X-miLLM-Model`` value (contract 4), or ``None``
+    when absent. Raises ``ValueError`` as :func:`parse_model_header` does, and when it is not an
+    integer."""
+    parse_model_header(value)
+    item = http_sfv.Item()
+    item.parse(value.encode("ascii"))
+    found = item.params.get("from_commits")
+    if found is not None and (isinstance(found, bool) or not isinstance(found, int)):
+        raise ValueError(f"from_commits is not an integer: {value!r}")
+    return found
 
 
 def parse_model_header(value: str) -> tuple[str, str, int | None]:

@@ -67,7 +67,7 @@ from miserver.http.v1_prepare import (
 from miserver.http.v1_rendering import (
     DISCONNECTED,
     OUTCOME,
-    collect,
+    collect_with_header,
     generation_failed,
     stream_response,
 )
@@ -409,8 +409,10 @@ async def run_completion(
         raise bad_request("stream must be false or absent: this answer is not streamed", "stream")
     job = await _prepare(app, req, load_policy, priority, cancelled, may_load)
     async with _generation(app, job, priority, cancelled, check_in_slot, unit) as running:
-        answer = await collect(app, job, running.events, running.firsts)
-    return CompletionResult(answer, running.header)
+        answer, header = await collect_with_header(
+            app, job, running.events, running.firsts, running.header
+        )
+    return CompletionResult(answer, header)
 
 
 # --- metrics ----------------------------------------------------------------------------------

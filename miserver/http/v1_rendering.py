@@ -20,7 +20,12 @@ from aiohttp import web
 
 from miserver.http import keys
 from miserver.http.errors import openai_error_body
-from miserver.http.model_header import HEADER, model_header
+from miserver.http.model_header import (
+    HEADER,
+    model_header,
+    response_model_header,
+    spans_extra,
+)
 from miserver.http.v1_admission import Job, RequestCancelled
 from miserver.http.v1_structured import ChoiceDeltas, chat_message
 from miserver.serving.engine.generation import (
@@ -185,6 +190,25 @@ async def collect(
         ApiError: 500 GENERATION_FAILED.
         RequestCancelled: a choice was cancelled (the client went away).
     """
+    body, _fins = await _collect(app, job, events, firsts)
+    return body
+
+
+async def collect_with_header(
+    app: web.Application, job: Job, events: list[Any], firsts: list[Started], header: str
+) -> tuple[dict[str, Any], str]:
+    """:func:`collect`, and the response's ``X-miLLM-Model``: ``header`` (the set the request
+    was admitted on) unless a choice spans sets (contract 4: then the set of the last token,
+    with ``from_commits`` the set of the first). Raises as :func:`collect`."""
+    body, fins = await _collect(app, job, events, firsts)
+    if any(fin.weight_spans for fin in fins):
+        header = response_model_header(job.resident, [fin.weight_spans for fin in fins])
+    return body, header
+
+
+async def _collect(
+    app: web.Application, job: Job, events: list[Any], firsts: list[Started]
+) -> tuple[dict[str, Any], list[Finished]]:
     try:
         results = await asyncio.gather(*(_choice(stream) for stream in events))
     except GenerationError as exc:
@@ -206,6 +230,7 @@ async def collect(
                     if job.want_logprobs
                     else None,
                     "finish_reason": _finish_reason(fin, called),
+                    **spans_extra(fin.weight_spans),
                 }
             )
             continue
@@ -220,10 +245,11 @@ async def collect(
                 "text": (job.echo_text or "") + text,
                 "logprobs": logprobs,
                 "finish_reason": _finish_reason(fin),
+                **spans_extra(fin.weight_spans),
             }
         )
     chat = job.kind == "chat"
-    return {
+    body = {
         "id": _completion_id("chatcmpl" if chat else "cmpl"),
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
@@ -232,6 +258,7 @@ async def collect(
         "choices": choices,
         "usage": _usage(fins),
     }
+    return body, fins
 
 
 def _sse(payload: Any) -> bytes:
@@ -399,7 +426,14 @@ async def stream_response(request: web.Request, job: Job, running: Any) -> web.S
                         final = delta_choice(index, "", (), finish=_finish_reason(ev, called))
                         if not chat:
                             final["logprobs"] = None
-                        await resp.write(chunk(final, millm_model=header))
+                        final.update(spans_extra(ev.weight_spans))  # contract 4
+                        # the set of this choice's last token (and its first, when another)
+                        said = (
+                            response_model_header(job.resident, [ev.weight_spans])
+                            if ev.weight_spans
+                            else header
+                        )
+                        await resp.write(chunk(final, millm_model=said))
         except GenerationError as exc:
             err = generation_failed(request.app, job, exc)
             log.warning("stream ended by a generation error: %s", exc)
@@ -414,8 +448,10 @@ async def stream_response(request: web.Request, job: Job, running: Any) -> web.S
             request[OUTCOME] = DISCONNECTED
             return resp
         if job.include_usage:
+            spans = [fins[i].weight_spans for i in sorted(fins)]
+            said = response_model_header(job.resident, spans) if any(spans) else header
             await resp.write(
-                chunk(None, usage=_usage([fins[i] for i in sorted(fins)]), millm_model=header)
+                chunk(None, usage=_usage([fins[i] for i in sorted(fins)]), millm_model=said)
             )
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

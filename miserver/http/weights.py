@@ -71,6 +71,7 @@ _EMPTY: dict[type, msgspec.Struct] = {
     W.EmptyRequest: W.EmptyRequest(),
     W.AttachRequest: W.AttachRequest(),
     W.CommitBeginRequest: W.CommitBeginRequest(),
+    W.QuiesceRequest: W.QuiesceRequest(),
 }
 
 
@@ -190,6 +191,8 @@ async def _gated(
         body = await decode_body(request, struct)
         if struct is W.AttachRequest:  # contract 10: the body names the transport
             extra["group_spec"] = group_spec(body)
+        elif struct is W.QuiesceRequest:  # contract 4b: finish or hold the running sequences
+            fields["running"] = body.running
     result = await runtime.gated(
         trigger,
         caller,
@@ -257,14 +260,25 @@ async def heartbeat(request: web.Request) -> web.Response:
 
 @gated_route("weights_quiesce")
 async def quiesce(request: web.Request) -> web.Response:
+    """Hold new requests and return once no forward pass runs. Optional body
+    ``{"running": "finish" | "hold"}`` (contract 4b): ``finish`` (the default, and no body)
+    waits for the running sequences to finish; ``hold`` parks them at the next decode step
+    (they continue after resume, prefilled again on the new weights) and is 409
+    ``BARRIER_UNAVAILABLE`` ``hold_unsupported`` where the engine cannot park. The answer's
+    ``parked_sequences`` (beside ``held_requests``) counts what a hold parked; bodies and
+    answers: [the JSON schema](schemas/millm-weights-api-v1.json); refusals in order:
+    [state-machine.md](state-machine.md)
+
+    A bad body is 400 INVALID_REQUEST naming the field, and holds nothing."""
     runtime = request.app[RUNTIME]
-    await _gated(request, "quiesce", "weights_quiesce")
+    await _gated(request, "quiesce", "weights_quiesce", struct=W.QuiesceRequest)
     view = _state(runtime)
     counts = runtime.scheduler.counts()
     return ok(
         W.QuiesceResponse(
             held_requests=counts.held_interactive,
             held_batch_chunks=counts.held_batch,
+            parked_sequences=runtime.effects.parked_sequences(),
             weights_state=view["weights_state"],
             quiesced_at=runtime.stamp(view["quiesced_at"]) or "",
             hold_deadline=runtime.stamp(view["hold_deadline"]),

@@ -102,7 +102,8 @@ BARRIER_UNAVAILABLE = _c(
     409,
     "cbm",
     "concurrency",
-    src=W + ": The write cycle 2; Status pause_unavailable",
+    "hold_unsupported",
+    src=W + ": The write cycle 2; Status pause_unavailable; contract 4b",
 )
 NOT_QUIESCED = _c("NOT_QUIESCED", 409, "quiesce_in_progress", src=W + ": The write cycle 3, 5")
 NO_OPEN_COMMIT = _c("NO_OPEN_COMMIT", 409, src=W + ": The write cycle 4")

@@ -47,6 +47,19 @@ def weights_api_schema() -> dict[str, Any]:
         name: {"status": sorted({c.status, *c.other_statuses}), "reasons": list(c.reasons)}
         for name, c in sorted(codes.ALL.items())
     }
+    from miserver.spec.weights import V1_EXTENSIONS
+
+    ext_refs, ext_defs = msgspec.json.schema_components(
+        list(V1_EXTENSIONS.values()), ref_template="#/$defs/{name}"
+    )
+    defs.update(ext_defs)
+    for name, schema in zip(V1_EXTENSIONS, ext_refs, strict=True):
+        defs[name] = {
+            **schema,
+            "description": "/v1 extension (contract 4): a choice's millm_weight_spans, the "
+            "tokens each parameter set produced, in order; present only when they span more "
+            "than one set",
+        }
     defs["Error"] = {
         "type": "object",
         "properties": {

@@ -32,9 +32,10 @@ class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 # --- requests -------------------------------------------------------------------------------
 class EmptyRequest(_Request):
-    """The body of detach, heartbeat, quiesce, resume, commit-end and clear-stale: nothing (or
-    ``{}``). The caller is the token and X-miLLM-Attachment. Attach and commit-begin take an
-    optional body (:class:`AttachRequest`, :class:`CommitBeginRequest`)."""
+    """The body of detach, heartbeat, resume, commit-end and clear-stale: nothing (or
+    ``{}``). The caller is the token and X-miLLM-Attachment. Attach, quiesce and commit-begin
+    take an optional body (:class:`AttachRequest`, :class:`QuiesceRequest`,
+    :class:`CommitBeginRequest`)."""
 
 
 class AttachRequest(_Request):
@@ -57,6 +58,15 @@ class CommitBeginRequest(_Request):
     order, instead of every storage whole."""
 
     ranges: list[list[int]] | None = None
+
+
+class QuiesceRequest(_Request):
+    """POST /api/weights/quiesce (contract 4b). No body, ``{}`` or ``{"running": "finish"}``:
+    the weights page's drain (the running sequences finish first). ``{"running": "hold"}``:
+    the engine stops at the next step boundary and parks the running sequences; they continue
+    after the hold ends, each prefilled again on the weights of that time."""
+
+    running: Literal["finish", "hold"] = "finish"
 
 
 class SaveRequest(_Request):
@@ -296,10 +306,13 @@ class HeartbeatResponse(_Body):
 
 class QuiesceResponse(_Body):
     """POST /quiesce, returned once no forward pass runs. ``hold_deadline``: when the hold
-    resumes on its own unless commit-begin or resume comes first."""
+    resumes on its own unless commit-begin or resume comes first. ``parked_sequences``: the
+    running sequences a ``{"running": "hold"}`` parked (a request with ``n`` choices counts
+    ``n``); 0 for a ``finish`` quiesce (contract 4b)."""
 
     held_requests: int
     held_batch_chunks: int
+    parked_sequences: int
     weights_state: WeightsStateName
     quiesced_at: str
     hold_deadline: str | None
@@ -345,6 +358,7 @@ class StatusResponse(_Body):
     barrier: BarrierName
     quiesced_at: str | None
     held_requests: int | None
+    parked_sequences: int | None
     weights_state: WeightsStateName
     resident_model: ModelRef | None
     steps_since_load: int | None
@@ -405,12 +419,28 @@ class CheckpointsResponse(_Body):
     checkpoints: list[LineageEntry]
 
 
+class WeightSpan(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One entry of a ``/v1`` choice's ``millm_weight_spans`` (contract 4; issue 30): ``tokens``
+    consecutive tokens of the choice produced by the parameter set whose ``X-miLLM-Model``
+    ``commits`` is ``commits`` (absent where not known, never 0 for unknown). A choice carries
+    the list, in order, only when its tokens span more than one set (a sequence held across a
+    commit with ``{"running": "hold"}``); a stream carries it on the choice's terminal chunk,
+    the Batch API on the output line."""
+
+    commits: int | msgspec.UnsetType = msgspec.UNSET
+    tokens: int
+
+
+#: The ``/v1`` extension fields described beside the routes in the JSON schema's ``$defs``.
+V1_EXTENSIONS: dict[str, Any] = {"MillmWeightSpans": list[WeightSpan]}
+
+
 #: Route -> (request body, response data) for the docs and the JSON schema generator.
 ROUTES: dict[str, tuple[type[msgspec.Struct] | None, type[msgspec.Struct]]] = {
     "POST /api/weights/attach": (AttachRequest, AttachResponse),
     "POST /api/weights/detach": (EmptyRequest, DetachResponse),
     "POST /api/weights/heartbeat": (EmptyRequest, HeartbeatResponse),
-    "POST /api/weights/quiesce": (EmptyRequest, QuiesceResponse),
+    "POST /api/weights/quiesce": (QuiesceRequest, QuiesceResponse),
     "POST /api/weights/resume": (EmptyRequest, ResumeResponse),
     "POST /api/weights/commit-begin": (CommitBeginRequest, CommitBeginResponse),
     "POST /api/weights/commit-end": (EmptyRequest, CommitEndResponse),

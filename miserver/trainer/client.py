@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -61,6 +61,16 @@ HEARTBEAT_TERMINAL = frozenset(
 )
 
 
+#: What a quiesce does with the running sequences (contract 4b).
+Running = Literal["finish", "hold"]
+
+
+def _check_running(running: object) -> Running:
+    if running not in ("finish", "hold"):
+        raise ValueError(f'running must be "finish" or "hold", not {running!r}')
+    return running  # type: ignore[return-value]
+
+
 # --- the client ---------------------------------------------------------------------------------
 class WeightsClient:
     """A synchronous client of ``/api/weights`` for one trainer process (weights page).
@@ -78,6 +88,12 @@ class WeightsClient:
             (docs/benchmarks.md).
             ``https://`` with a socket is a ``ValueError``; a path with no server behind it is a
             :class:`TransportError` on the first call, as a closed port is.
+        running: what :meth:`quiesce` and :meth:`commit` do with the sequences the server is
+            generating (contract 4b): ``"finish"`` (the default; the weights page's drain: the
+            commit waits for the longest running generation) or ``"hold"`` (the server parks
+            them at the next decode step and continues them on the new weights after resume:
+            the commit waits at most one step; docs/trainer-guide.md says when to use which).
+            Each call may override it. Anything else is a ``ValueError``.
 
     HTTP goes over one keep-alive connection (``http.client``, the standard library; about
     0.05 ms above a bare round trip, where ``requests`` adds 0.5 to 3 ms: benchmarks/barrier.py)
@@ -96,6 +112,7 @@ class WeightsClient:
         timeout: float = 120.0,
         heartbeat: bool = True,
         unix_socket: str | os.PathLike[str] | None = None,
+        running: Running = "finish",
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError("base_url must start with http:// or https://")
@@ -103,6 +120,7 @@ class WeightsClient:
             raise ValueError("unix_socket takes an http:// base_url (no TLS on a local socket)")
         if not isinstance(token, str) or not token:
             raise ValueError("token must be a non-empty string")
+        self.running: Running = _check_running(running)
         self.base_url = base_url.rstrip("/")
         self.timeout = float(timeout)
         self._auth = _Bearer(token)
@@ -156,7 +174,7 @@ class WeightsClient:
         return _unwrap(method, path, resp)
 
     def _pipelined(
-        self, first: str, second: str
+        self, first: str, second: str, first_body: dict[str, Any] | None = None
     ) -> tuple[dict[str, Any] | TrainerError, dict[str, Any] | TrainerError]:
         """POST two holder calls of the write cycle (``/api/weights/<first>``, then
         ``<second>``) in one write on the keep-alive connection and read both answers, in
@@ -178,7 +196,8 @@ class WeightsClient:
             ATTACHMENT_HEADER: att,
         }
         paths = (f"/api/weights/{first}", f"/api/weights/{second}")
-        one, two = self._session.request_pair("POST", paths, headers, self.timeout)
+        body = None if first_body is None else json.dumps(first_body).encode()
+        one, two = self._session.request_pair("POST", paths, headers, self.timeout, body)
         out: list[dict[str, Any] | TrainerError] = []
         for path, resp in zip(paths, (one, two), strict=True):
             if isinstance(resp, TrainerError):
@@ -265,12 +284,23 @@ class WeightsClient:
         The thread started by :meth:`attach` calls it every ``interval_hint_s`` seconds."""
         return self._request("POST", "/api/weights/heartbeat", holder=True)
 
-    def quiesce(self) -> dict[str, Any]:
+    def quiesce(self, *, running: Running | None = None) -> dict[str, Any]:
         """POST /quiesce; returns once no forward pass runs (write cycle 2).
 
-        Raises WeightsNotClean, AlreadyQuiesced, PauseInProgress, BarrierUnavailable,
-        ModelBusy (reason drain_timeout), QueueFull."""
-        return self._request("POST", "/api/weights/quiesce", holder=True)
+        ``running``: ``"finish"`` or ``"hold"`` (contract 4b; ``None``: this client's
+        :attr:`running`). The answer's ``parked_sequences`` counts what a hold parked.
+
+        Raises WeightsNotClean, AlreadyQuiesced, PauseInProgress, BarrierUnavailable (also
+        reason ``hold_unsupported``: the server's engine cannot park), ModelBusy (reason
+        drain_timeout), QueueFull; ``ValueError`` for another ``running``."""
+        return self._request(
+            "POST", "/api/weights/quiesce", holder=True, body=self._quiesce_body(running)
+        )
+
+    def _quiesce_body(self, running: Running | None) -> dict[str, Any] | None:
+        """``None`` (no body: the weights page's quiesce) for finish, else the 4b body."""
+        mode = self.running if running is None else _check_running(running)
+        return None if mode == "finish" else {"running": mode}
 
     def commit_begin(self) -> dict[str, Any]:
         """POST /commit-begin: the weights are ``writing`` (write cycle 3).
@@ -287,9 +317,15 @@ class WeightsClient:
         return self._request("POST", "/api/weights/resume", holder=True)
 
     @contextlib.contextmanager
-    def commit(self, *, end_on_error: bool = True) -> Iterator[CommitCycle]:
+    def commit(
+        self, *, end_on_error: bool = True, running: Running | None = None
+    ) -> Iterator[CommitCycle]:
         """The write bracket: quiesce, commit-begin, (the block: your write), CUDA synchronize,
         commit-end, resume (weights page, The write cycle).
+
+        ``running``: what the quiesce does with the running generations (contract 4b):
+        ``"finish"`` waits for them, ``"hold"`` parks them at the next decode step and the
+        resume continues them on the new weights; ``None``: this client's :attr:`running`.
 
         Write only inside the block: a write at any other time is served half-written. Before
         commit-end every CUDA device holding attached weights is synchronized, so the write has
@@ -328,10 +364,11 @@ class WeightsClient:
             :meth:`resume` as above, :class:`TransportError`, and a terminal heartbeat failure
             (the attachment was cleared) before anything is sent.
         """
+        body = self._quiesce_body(running)
         self._raise_terminal_heartbeat_error()
         cycle = CommitCycle()
         try:
-            quiesced, begun = self._pipelined("quiesce", "commit-begin")
+            quiesced, begun = self._pipelined("quiesce", "commit-begin", body)
         except TransportError as exc:  # no answer read: either call may have been accepted
             self._close_unknown(exc, "quiesce and commit-begin")
             raise

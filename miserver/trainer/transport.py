@@ -156,10 +156,17 @@ class _Connection:
             return _Response(resp.status, resp.headers, data)
 
     def request_pair(
-        self, method: str, paths: tuple[str, str], headers: dict[str, str], timeout: float
+        self,
+        method: str,
+        paths: tuple[str, str],
+        headers: dict[str, str],
+        timeout: float,
+        first_body: bytes | None = None,
     ) -> tuple[_Response, _Response | TransportError]:
-        """Send two body-less requests in one write on the keep-alive connection (HTTP/1.1
-        pipelining: the server answers them in order), then read both answers.
+        """Send two requests in one write on the keep-alive connection (HTTP/1.1
+        pipelining: the server answers them in order), then read both answers. The second has
+        no body; the first has ``first_body`` (JSON) when given (a quiesce's
+        ``{"running": "hold"}``, contract 4b).
 
         Returns the two responses; the second is a :class:`TransportError` when the first
         answer closed the connection (``Connection: close``: the second was not answered) or
@@ -167,14 +174,19 @@ class _Connection:
         be sent or the first answer could not be read. Like :meth:`request`, never resends.
         """
         where = f"{method} {paths[0]} + {paths[1]}"
-        lines = [f"Host: {self._host_header()}", "Content-Length: 0", "Accept-Encoding: identity"]
+        lines = [f"Host: {self._host_header()}", "Accept-Encoding: identity"]
         for name, value in headers.items():
             if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
                 raise ValueError(f"{where}: a header contains a line break")
             lines.append(f"{name}: {value}")
-        head = "\r\n".join(lines) + "\r\n\r\n"
+        head = "\r\n".join(lines)
+        bodies = (first_body or b"", b"")
         wire = b"".join(
-            f"{method} {self.prefix}{path} HTTP/1.1\r\n{head}".encode("latin-1") for path in paths
+            f"{method} {self.prefix}{path} HTTP/1.1\r\n{head}\r\n".encode("latin-1")
+            + (b"Content-Type: application/json\r\n" if body else b"")
+            + f"Content-Length: {len(body)}\r\n\r\n".encode("latin-1")
+            + body
+            for path, body in zip(paths, bodies, strict=True)
         )
         with self._lock:
             conn, self._conn = self._conn, None

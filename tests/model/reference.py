@@ -81,6 +81,12 @@ class Reference:
     records: list[str] = field(default_factory=list)
     answered: int = 0
     failed: int = 0
+    # Contract 4b: the holder's quiesce was a hold, so the running sequences are parked;
+    # ``resumed`` / ``ended`` count the holds whose parked sequences continued or were ended
+    # by a tear ("a tear ends parked sequences as it ends held requests").
+    parked: bool = False
+    resumed: int = 0
+    ended: int = 0
 
     # --- helpers ----------------------------------------------------------------------
     def unsaved(self) -> int:
@@ -117,7 +123,15 @@ class Reference:
     def _disarm(self, name: str) -> None:
         self.deadlines.pop(name, None)
 
+    def _tear(self) -> None:
+        """The set becomes torn; parked sequences end with it (contract 4b)."""
+        self.weights = "torn"
+        if self.parked:
+            self.parked, self.ended = False, self.ended + 1
+
     def _serve_again(self) -> None:
+        if self.parked:  # contract 4b: "a resume continues them"
+            self.parked, self.resumed = False, self.resumed + 1
         self.barrier, self.pause = "serving", None
         self._disarm("hold")
         self._disarm("drain")
@@ -165,7 +179,7 @@ class Reference:
             reply = Reply("accepted", pending=(409, "NOT_ATTACHED", None))
         elif self.weights == "writing" and mine:
             if tears:  # States: torn is entered by "detach while writing"
-                self.weights = "torn"
+                self._tear()
                 self._disarm("watchdog")
                 self._serve_again()
             # Timers: "a commit still open is left for the watchdog"
@@ -215,7 +229,14 @@ class Reference:
         self._arm("heartbeat", now, self.heartbeat_s)
         return OK
 
-    def quiesce(self, caller, now: float, queue_full: bool = False) -> Reply:
+    def quiesce(
+        self,
+        caller,
+        now: float,
+        queue_full: bool = False,
+        running: str = "finish",
+        hold_supported: bool = True,
+    ) -> Reply:
         if r := self._auth(caller, "quiesce"):
             return r
         if self.weights != "clean":
@@ -226,6 +247,11 @@ class Reference:
             return r
         if queue_full:
             return refused(503, "QUEUE_FULL")
+        # contract 4b: "every refusal of quiesce applies to it in the weights page's order";
+        # a hold the engine cannot make is refused, never made a drain
+        if running == "hold" and not hold_supported:
+            return refused(409, "BARRIER_UNAVAILABLE", "hold_unsupported")
+        self.parked = running == "hold"
         self.barrier, self.pause = "draining", "holder"
         self._arm("drain", now, self.drain_s)
         return OK
@@ -486,7 +512,7 @@ class Reference:
         if self.pause != "weights_load" or self.barrier != "quiesced":
             return IGNORED
         if self.weights == "writing":
-            self.weights = "torn"
+            self._tear()
         self._give_back(now)
         self.failed += 1
         return OK
@@ -522,7 +548,7 @@ class Reference:
     def address_moved(self, now: float) -> Reply:
         if self.att is None:
             return IGNORED
-        self.weights = "torn"
+        self._tear()
         if self.commit is not None:
             self.commit.by = None
         self._disarm("watchdog")
@@ -552,7 +578,7 @@ class Reference:
                 replies.append(Reply("accepted", pending=(409, "MODEL_BUSY", "drain_timeout")))
                 continue
             elif name == "watchdog":  # "A commit open longer than this becomes torn"
-                self.weights = "torn"
+                self._tear()
                 self.records.append("watchdog")  # Status: commit_overran
                 if self.commit is not None:
                     self.commit.timed_out = True  # Status: commit.overran

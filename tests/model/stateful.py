@@ -105,6 +105,9 @@ class World:
         self.records: list[str] = []
         self.answered = 0
         self.failed = 0
+        self.parked = False  # contract 4b: the running sequences a hold parked
+        self.resumed = 0
+        self.ended = 0
 
     def perform(self, out: Outcome, ref: Reference, what: str) -> None:
         """Apply ``out``'s effects in order; ``ref`` is the reference after the event."""
@@ -125,6 +128,18 @@ class World:
                 self.held = 0
             elif effect is Effect.REFUSE_HELD_TORN:
                 self.held = 0
+            elif effect is Effect.PARK_RUNNING:
+                assert not self.parked, f"{what}: parked twice ({out.row})"
+                self.parked = True
+            elif effect is Effect.RESUME_PARKED:
+                assert self.parked, f"{what}: resumed with nothing parked ({out.row})"
+                self.parked, self.resumed = False, self.resumed + 1
+                # a parked sequence is prefilled again on today's weights: nothing computed on
+                # the weights it was parked on may be reused (contract 4b)
+                self._run(ref, what, out, "a parked sequence prefilled again")
+            elif effect is Effect.END_PARKED_TORN:
+                assert self.parked, f"{what}: ended with nothing parked ({out.row})"
+                self.parked, self.ended = False, self.ended + 1
             elif effect is Effect.HOLD_REQUEST:
                 if Effect.START_MODEL_LOAD not in out.effects:
                     self.held += 1  # an auto-load's request waits for the load, not the hold
@@ -157,6 +172,9 @@ class World:
             "records": ref.records,
             "answered": ref.answered,
             "failed": ref.failed,
+            "parked": ref.parked,
+            "resumed": ref.resumed,
+            "ended": ref.ended,
         }
         got = {
             "exported": self.exported,
@@ -164,6 +182,9 @@ class World:
             "records": self.records,
             "answered": self.answered,
             "failed": self.failed,
+            "parked": self.parked,
+            "resumed": self.resumed,
+            "ended": self.ended,
         }
         diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
         assert not diff, f"{what}: effects differ (core, reference): {diff}"
@@ -274,6 +295,27 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
             self.gated(route, "holder", flag)
 
         @rule(
+            who=st.sampled_from(WHO),
+            supported=st.sampled_from([True, True, True, False]),
+            full=st.sampled_from([False] * 7 + [True]),
+        )
+        def quiesce_hold(self, who: str, supported: bool, full: bool) -> None:
+            """A quiesce ``{"running": "hold"}`` (contract 4b), now and then while the engine
+            cannot park or the queue is full: its refusals after every other, its parking, and
+            (with the timer settings of ``start``) every timer that ends or tears the hold."""
+            caller = self.caller(who)
+            self.both(
+                Event(
+                    "quiesce",
+                    caller=caller,
+                    queue_full=full,
+                    running="hold",
+                    hold_supported=supported,
+                ),
+                lambda: self.ref.quiesce(caller, self.now, full, "hold", supported),
+            )
+
+        @rule(
             route=st.sampled_from((*GATED, "attach")),
             who=st.sampled_from(
                 ["none", "invalid", "wrong_id", "other_label", "operator_header", "operator"]
@@ -327,13 +369,18 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                 self.both(Event(kind), lambda: self.ref.adapter_change(self.now))
             elif kind == "quiesce":
                 self.both(Event(kind, caller=holder), lambda: self.ref.quiesce(holder, self.now))
+            elif kind == "quiesce_hold":  # contract 4b: the running sequences are parked
+                self.both(
+                    Event("quiesce", caller=holder, running="hold"),
+                    lambda: self.ref.quiesce(holder, self.now, False, "hold"),
+                )
             else:
                 self.both(
                     Event(kind, caller=holder), lambda: getattr(self.ref, kind)(holder, self.now)
                 )
 
         @rule(
-            kind=st.sampled_from(["quiesce", "save", "weights_load", "adapter_change"]),
+            kind=st.sampled_from(TOUR_KINDS),
             stage=st.sampled_from(TOUR_STAGES),
             route=st.sampled_from(
                 (*GATED, "attach", "adapter_change", "model_load", "model_unload", "v1")
@@ -358,7 +405,7 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                 )
             holder = self.caller("holder")
             if stage in ("writing", "torn", "takeover", "takeover_torn", "takeover_writing"):
-                self.start_pause("quiesce")
+                self.start_pause("quiesce_hold" if kind == "quiesce_hold" else "quiesce")
                 self.both(Event("drained"), lambda: self.ref.drained(self.now))
                 if stage in ("writing", "torn"):
                     self.both(
@@ -367,7 +414,7 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                     )
                     if stage == "torn":
                         self.advance("at", 0.0)
-                elif kind != "quiesce":
+                elif kind not in ("quiesce", "quiesce_hold"):
                     self.start_pause(kind)  # takes over the holder's hold
                     if stage == "takeover_torn":
                         self.both(Event("address_moved"), lambda: self.ref.address_moved(self.now))
@@ -406,6 +453,12 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                 )
             elif route == "model_unload":
                 self.both(Event(route), lambda: self.ref.model_unload(self.now))
+            elif route == "quiesce_hold":  # contract 4b; flag: the engine can park
+                caller = self.caller(who)
+                self.both(
+                    Event("quiesce", caller=caller, running="hold", hold_supported=flag),
+                    lambda: self.ref.quiesce(caller, self.now, False, "hold", flag),
+                )
             elif route == "quiesce_full":  # a quiesce while the interactive queue is full
                 caller = self.caller(who)
                 self.both(
@@ -700,7 +753,7 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
 
 #: The tour's stages, routes and callers (``interleave``'s arguments); who: the holder, no
 #: token, a trainer that is not the holder, an operator that is not the holder.
-TOUR_KINDS = ("quiesce", "save", "weights_load", "adapter_change")
+TOUR_KINDS = ("quiesce", "quiesce_hold", "save", "weights_load", "adapter_change")
 #: ``job_writing``: a pause drained from serving, then (a weights load) writing;
 #: ``takeover_writing``: a weights load that took over the holder's hold, writing;
 #: ``quiesced_torn`` / ``draining_torn``: the set tore (a moved address) while the pause holds
@@ -748,6 +801,7 @@ TOUR_REQUESTS = (
     "v1_refuse",
     "v1_full",
     "quiesce_full",
+    "quiesce_hold",
 )
 TOUR_ROUTES = (*TOUR_REQUESTS, *INTERNAL)
 TOUR_WHO = ("holder", "none", "wrong_id", "operator")
@@ -758,6 +812,7 @@ _FLAGGED = (
     "v1_refuse",
     "v1_full",
     "quiesce",
+    "quiesce_hold",
     "v1_confirm",
     "adapter_done",
 )

@@ -380,15 +380,26 @@ class HttpDriver:
         return Answer(200)
 
     # --- the steps ------------------------------------------------------------------------------
-    async def gated(self, trigger: str, who: str, *, settle: bool = True) -> Answer:
+    async def gated(
+        self,
+        trigger: str,
+        who: str,
+        *,
+        settle: bool = True,
+        json_body: dict[str, Any] | None = None,
+    ) -> Answer:
         """POST one gated weights route as ``who``; compare with the table. ``settle=False``:
-        do not wait for the server to go quiet (a test holds a slot or a pause open)."""
+        do not wait for the server to go quiet (a test holds a slot or a pause open).
+        ``json_body``: the route's body (a quiesce's ``{"running": "hold"}``, contract 4b)."""
         headers, caller = self.headers_for(who)
-        self.note(f"{trigger} as {who}")
-        got, body, _ = await self._send("POST", ROUTES[trigger], headers=headers)
+        self.note(f"{trigger} as {who}" + (f" {json_body}" if json_body else ""))
+        got, body, _ = await self._send("POST", ROUTES[trigger], headers=headers, json=json_body)
         fields: dict[str, Any] = {}
         if trigger == "quiesce":
             fields["queue_full"] = self._held_count() >= self.max_queued
+            if json_body is not None:  # this server's engine cannot park running sequences
+                fields["running"] = json_body["running"]
+                fields["hold_supported"] = False
         if trigger == "attach" and got.status == 200:
             self._next_id = body["data"]["attachment_id"]
             self.issued.add(self._next_id)
@@ -685,6 +696,14 @@ def make_machine(model_dir: str, table: tuple[Row, ...] = TABLE) -> type[RuleBas
             if who == "trn+att":
                 who = self.holder
             self.run(self.d.gated(route, who))
+
+        @rule(who=st.sampled_from(WHO))
+        def quiesce_hold(self, who: str) -> None:
+            """A quiesce ``{"running": "hold"}`` (contract 4b): every refusal of quiesce in its
+            order, then 409 BARRIER_UNAVAILABLE hold_unsupported (this engine cannot park)."""
+            if who == "trn+att":
+                who = self.holder
+            self.run(self.d.gated("quiesce", who, json_body={"running": "hold"}))
 
         @rule(
             which=st.sampled_from(["resident"] * 4 + ["other"]),

@@ -300,3 +300,45 @@ def test_unsaved_before_transition_bug_disagrees_with_the_reference() -> None:
     with pytest.raises(AssertionError) as err:
         run(bug_unsaved_before_transition())
     assert "v1" in str(err.value) and "WEIGHTS_UNSAVED" in str(err.value)
+
+
+# --- contract 4b: a quiesce that holds running work (issue 30) ------------------------------
+def bug_resume_forgets_the_parked() -> tuple[Row, ...]:
+    """resume after a hold releases the held requests but never continues the parked
+    sequences (its parked variant loses RESUME_PARKED): they would wait for ever."""
+    row = next(r for r in TABLE if r.trigger == "resume" and "parked" in r.when)
+    effects = tuple(e for e in row.effects if e.name != "RESUME_PARKED")
+    return _swap(TABLE, row, replace(row, effects=effects))
+
+
+def bug_tear_keeps_the_parked() -> tuple[Row, ...]:
+    """the watchdog tears the holder's commit but leaves the parked sequences parked (its
+    parked variant loses ``parked=False``): they would continue on a torn set."""
+    row = next(
+        r
+        for r in TABLE
+        if r.trigger == "watchdog_expired" and r.when == ("watchdog_armed", "commit_mine", "parked")
+    )
+    return _swap(TABLE, row, _unset(row, "parked"))
+
+
+def bug_hold_made_a_drain() -> tuple[Row, ...]:
+    """quiesce's finish row loses ``unless running_hold``: a hold is answered as a drain (the
+    running sequences finish instead of being parked: a fake hold)."""
+    row = next(r for r in TABLE if r.trigger == "quiesce" and r.unless == ("running_hold",))
+    return _swap(TABLE, row, replace(row, unless=()))
+
+
+HOLD_BUGS = {
+    bug_resume_forgets_the_parked: "parked_sequences_parked_by_a_hold_and_continued_or_ended_torn",
+    bug_tear_keeps_the_parked: "parked_sequences_only_while_held_and_not_torn",
+    bug_hold_made_a_drain: "parked_sequences_parked_by_a_hold_and_continued_or_ended_torn",
+}
+
+
+@pytest.mark.parametrize("plant", list(HOLD_BUGS), ids=lambda f: f.__name__)
+def test_checker_catches_planted_hold_bug(plant) -> None:
+    report = check(plant(), stop_at_first=True)
+    assert not report.ok
+    names = [v.invariant for v in report.violations]
+    assert HOLD_BUGS[plant] in names, report.render()

@@ -45,8 +45,9 @@ async def client(tmp_path):
     await c.close()
 
 
-# attach and commit-begin take a body (contract 10): their unknown fields name the allowed ones
-@pytest.mark.parametrize("route", ["detach", "quiesce", "resume", "heartbeat", "commit-end"])
+# attach, quiesce (contract 4b) and commit-begin take a body (contract 10): their unknown
+# fields name the allowed ones
+@pytest.mark.parametrize("route", ["detach", "resume", "heartbeat", "commit-end"])
 async def test_an_unknown_field_on_a_route_without_a_body_says_it_takes_none(client, route) -> None:
     resp = await client.post(
         f"/api/weights/{route}", json={"foo": 1}, headers={"Authorization": f"Bearer {TRN}"}

@@ -144,6 +144,8 @@ def test_check_order_is_data_in_the_spec_s_order() -> None:
         ("BARRIER_UNAVAILABLE", "cbm"),
         ("BARRIER_UNAVAILABLE", "concurrency"),
         ("QUEUE_FULL", None),
+        # contract 4b: a hold's own refusal comes after every refusal both variants share
+        ("BARRIER_UNAVAILABLE", "hold_unsupported"),
     )
     assert check_order("clear_stale")[:4] == (
         ("WEIGHTS_UNAUTHORIZED", None),

@@ -28,6 +28,7 @@ def test_field_names_are_the_weights_page_s() -> None:
     assert _fields(w.QuiesceResponse) == [
         "held_requests",
         "held_batch_chunks",
+        "parked_sequences",
         "weights_state",
         "quiesced_at",
         "hold_deadline",
@@ -53,6 +54,7 @@ def test_field_names_are_the_weights_page_s() -> None:
         "barrier",
         "quiesced_at",
         "held_requests",
+        "parked_sequences",
         "weights_state",
         "resident_model",
         "steps_since_load",

@@ -420,9 +420,9 @@ def _lose_opening_answers(client: WeightsClient, which: str) -> None:
     session = client._session
     real = session.request_pair
 
-    def request_pair(method, paths, headers, timeout):
+    def request_pair(method, paths, headers, timeout, first_body=None):
         session.request_pair = real  # once
-        one, _ = real(method, paths, headers, timeout)
+        one, _ = real(method, paths, headers, timeout, first_body)
         lost = trainer.TransportError(f"{method} {paths[-1]}: RemoteDisconnected (the test)")
         if which == "both":
             raise lost

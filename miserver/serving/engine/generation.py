@@ -45,6 +45,7 @@ from miserver.serving.engine.detokenize import (
     token_bytes,
     token_text,
 )
+from miserver.serving.engine.provenance import WeightSpan
 
 log = logging.getLogger("miserver.generation")
 
@@ -164,11 +165,14 @@ class TextDelta:
 class Finished:
     """The end: ``finish_reason`` is ``stop`` (an end token or a stop sequence), ``length``
     (``max_tokens`` reached) or ``cancelled``. ``completion_tokens`` counts every sampled token
-    (an end token included)."""
+    (an end token included). ``weight_spans``: the runs of tokens each parameter set produced,
+    in order (:mod:`miserver.serving.engine.provenance`; contract 4); empty when the engine
+    does not record them, which means one set."""
 
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    weight_spans: tuple[WeightSpan, ...] = ()
 
 
 Event = Started | TextDelta | Finished

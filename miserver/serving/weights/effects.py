@@ -21,6 +21,7 @@ from typing import Any
 from miserver.fsm.machine import Outcome
 from miserver.fsm.state import Event
 from miserver.fsm.table import Answer, Effect
+from miserver.serving.engine.parking import parking_of
 from miserver.serving.engine.slot import DrainTimeout, Priority
 from miserver.serving.weights.refusals import WeightsTornError
 from miserver.spec import codes
@@ -173,6 +174,19 @@ class EffectPerformer:
             sched.barrier_release()
         elif effect is Effect.REFUSE_HELD_TORN:
             sched.fail_held(WeightsTornError(), priorities=(Priority.INTERACTIVE,))
+        elif effect is Effect.PARK_RUNNING:
+            parking = parking_of(self.host)
+            if parking is None:  # the table accepts a hold only when the engine can park
+                raise RuntimeError("PARK_RUNNING with an engine that cannot park")
+            parking.park_running()
+        elif effect is Effect.RESUME_PARKED:
+            parking = parking_of(self.host)
+            if parking is not None:
+                parking.resume_parked()
+        elif effect is Effect.END_PARKED_TORN:
+            parking = parking_of(self.host)
+            if parking is not None:
+                parking.end_parked(WeightsTornError())
         elif effect is Effect.ANSWER_PENDING:
             self._settle(out.pending or Answer(200))
         elif effect is Effect.FAIL_PENDING:
@@ -389,6 +403,16 @@ class EffectPerformer:
         if self.metrics is not None:
             self.metrics.pinned_bytes.set(body.release.pinned_bytes)
         return body
+
+    def can_park(self) -> bool:
+        """``quiesce``'s ``hold_supported`` fact: the resident's engine can park running
+        sequences (:class:`~miserver.serving.engine.parking.Parking`; contract 4b)."""
+        return parking_of(self.host) is not None
+
+    def parked_sequences(self) -> int:
+        """How many sequences a hold parked now (0 when the engine cannot park)."""
+        parking = parking_of(self.host)
+        return parking.parked_sequences() if parking is not None else 0
 
     def not_attachable_reason(self) -> str | None:
         """The resident's own NOT_ATTACHABLE reason (gguf, quantized, dtype, not_on_gpu,

@@ -407,6 +407,7 @@ class WeightsRuntime:
                 event_fields.setdefault("not_attachable", self.not_attachable_reason())
             if trigger == "quiesce":
                 event_fields.setdefault("queue_full", self.refusals.queue_full())
+                event_fields.setdefault("hold_supported", self.effects.can_park())
             if trigger == "attach":
                 self.transport.requested = (params or {}).get("group_spec")
             elif trigger == "commit_begin":

@@ -76,6 +76,7 @@ class StatusViews:
             "barrier": view["barrier"],
             "quiesced_at": self.stamp(view["quiesced_at"]),
             "held_requests": None if view["barrier"] == "serving" else counts.held_interactive,
+            "parked_sequences": None if view["barrier"] == "serving" else self.parked_sequences(),
             "weights_state": view["weights_state"],
             "resident_model": self.model_ref(),
             "steps_since_load": view["steps_since_load"] if resident is not None else None,
@@ -89,6 +90,13 @@ class StatusViews:
             "cuda_memory": _with_decode_memory(cuda_memory(), resident),
             "exports_since_start": exports_since_start(),
         }
+
+    def parked_sequences(self) -> int:
+        """How many sequences a ``{"running": "hold"}`` quiesce parked (contract 4b)."""
+        from miserver.serving.engine.parking import parking_of
+
+        parking = parking_of(self.host)
+        return parking.parked_sequences() if parking is not None else 0
 
     def model_ref(self) -> dict[str, Any] | None:
         """``{model_id, name, manifest_hash}`` of the row whose weights are resident: the

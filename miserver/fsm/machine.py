@@ -42,140 +42,39 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from operator import attrgetter
 from typing import Any, Literal
 
 from miserver.fsm.compiled import Compiled, TableError, compile_table
 from miserver.fsm.context import Context, Provenance
+from miserver.fsm.messages import _MESSAGES, _REASON_MESSAGES, refusal_message
+from miserver.fsm.plan import (
+    _ATTACHMENT_SLOTS,
+    _BEGAN_AT,
+    _CONTEXT_INDEX,
+    _QUIESCED_AT,
+    _SLOT_SETTERS,
+    _TIMED_OUT,
+    _TORN_AT,
+    _context_values,
+    _evolve_context,
+    _Plan,
+    _timer_settings,
+)
 from miserver.fsm.state import NAMED, TIMERS, Event, LifecycleState
 from miserver.fsm.table import TABLE, Answer, Effect, Refusal, Row, message_values
 from miserver.spec.codes import ErrorCode
 
-__all__ = ["Lifecycle", "Outcome", "Snapshot", "TableError", "Event", "LifecycleState"]
-
-_CONTEXT_FIELDS = tuple(f.name for f in fields(Context))
-_CONTEXT_INDEX = {name: i for i, name in enumerate(_CONTEXT_FIELDS)}
-_context_values = attrgetter(*_CONTEXT_FIELDS)
-#: Each slot's own setter (the member descriptor's ``__set__``): it writes the slot directly,
-#: as ``object.__setattr__`` would, without looking the name up.
-_SLOT_SETTERS = tuple(getattr(Context, name).__set__ for name in _CONTEXT_FIELDS)
-
-
-def _evolve_context(c: Context, changes: dict[str, Any]) -> Context:
-    """``dataclasses.replace(c, **changes)`` for the frozen, slotted :class:`Context`, without
-    re-running ``__init__`` (about a third of the time; it runs on every accepted event, inside
-    the barrier's latency). Raises ``TypeError`` for a name that is not a field, as ``replace``
-    does."""
-    if not changes:
-        return c
-    values = list(_context_values(c))
-    for name, value in changes.items():
-        i = _CONTEXT_INDEX.get(name)
-        if i is None:
-            raise TypeError(f"not Context fields: {sorted(changes.keys() - _CONTEXT_INDEX.keys())}")
-        values[i] = value
-    new = object.__new__(Context)
-    for setter, value in zip(_SLOT_SETTERS, values, strict=True):
-        setter(new, value)
-    return new
-
-
-def _timer_settings(row: Row) -> tuple[tuple[str, str | None], ...]:
-    """What ``row.set`` says of the timers, in its order: ``(deadline field, timer)`` for a
-    timer it arms, ``(deadline field, None)`` for one it disarms."""
-    return tuple(
-        (f"{_ARMED[k]}_deadline", _ARMED[k] if v else None) for k, v in row.set if k in _ARMED
-    )
-
-
-_ARMED = {f"{timer}_armed": timer for timer in TIMERS}
-
-_ATTACHMENT_SLOTS = tuple(
-    _CONTEXT_INDEX[name]
-    for name in (
-        "attachment_id",
-        "attachment_label",
-        "attachment_role",
-        "attached_at",
-        "last_heartbeat_at",
-        "stale_since",
-    )
-)
-_TORN_AT = _CONTEXT_INDEX["commit_torn_at"]
-_TIMED_OUT = _CONTEXT_INDEX["commit_timed_out"]
-_BEGAN_AT = _CONTEXT_INDEX["commit_began_at"]
-_QUIESCED_AT = _CONTEXT_INDEX["quiesced_at"]
-
-
-class _Plan:
-    """What one row does from one source state, read once: the destination, and each test of
-    :meth:`Lifecycle._apply_context` and :meth:`Lifecycle._outcome` that depends only on the
-    row and the two states (the server's path: :meth:`Lifecycle._handle_planned`).
-
-    Derived from the row the compiled machine's decision names and from the machine's
-    destination (``named``), so the table stays the single source of truth. The checker steps
-    the machine and the general path (``via_machine``); tests compare the two paths' outcomes
-    and snapshots in every state and event the checker reaches, under several contexts.
-    """
-
-    __slots__ = (
-        "row",
-        "before",
-        "after",
-        "accepted",
-        "actions",
-        "clears_attachment",
-        "tears",
-        "commit_none",
-        "end_commit",
-        "begin_commit",
-        "overran",
-        "quiesced",
-        "timers",
-        "attach_id",
-        "cleared",
-        "message",
-        "effects",
-        "pending",
-        "row_id",
-    )
-
-    def __init__(self, row: Row, before: LifecycleState, named: dict) -> None:
-        variables = {k: v for k, v in row.set if k not in NAMED}
-        a = replace(before, **named, **variables)  # type: ignore[arg-type]
-        b = before
-        actions = row.actions
-        self.row = row
-        self.before = b
-        self.after = a
-        self.accepted = row.kind == "accepted"
-        self.actions = actions
-        self.clears_attachment = a.attachment == "none" and b.attachment != "none"
-        self.tears = a.weights == "torn" and b.weights != "torn" and "watchdog" not in actions
-        self.commit_none = a.commit == "none" and "end_commit" not in actions
-        self.end_commit = "end_commit" in actions
-        self.begin_commit = "begin_commit" in actions
-        self.overran = "overrun" in actions
-        #: quiesced_at: None (unchanged), False (cleared), True (set to now)
-        self.quiesced = (
-            False if a.barrier == "serving" else True if b.barrier == "serving" else None
-        )
-        self.timers = tuple(
-            (_CONTEXT_INDEX[deadline], timer) for deadline, timer in _timer_settings(row)
-        )
-        self.attach_id = row.trigger == "attach"
-        self.cleared = row.trigger == "clear_stale"
-        pending = row.pending
-        message = ""
-        if pending is not None and pending.code is not None:
-            message = _REASON_MESSAGES.get(
-                (pending.code.name, pending.reason or ""), _MESSAGES.get(pending.code.name, "")
-            )
-        self.message = message
-        self.effects = row.effects
-        self.pending = pending
-        self.row_id = row.id
+__all__ = [
+    "Lifecycle",
+    "Outcome",
+    "Snapshot",
+    "TableError",
+    "Event",
+    "LifecycleState",
+    "refusal_message",
+]
 
 
 _deadlines = attrgetter(*(f"{t}_deadline" for t in TIMERS))
@@ -189,76 +88,6 @@ TIMER_EVENTS: dict[str, str] = {
     "heartbeat": "heartbeat_lapsed",
     "drain": "drain_expired",
 }
-
-_MESSAGES: dict[str, str] = {
-    "WEIGHTS_UNAUTHORIZED": "A valid bearer token from WEIGHTS_TOKENS is required.",
-    "WEIGHTS_FORBIDDEN": "This token's role may not call this route: it needs a token of role "
-    "operator (an entry label:operator:secret of WEIGHTS_TOKENS).",
-    "NOT_ATTACHED": "Nothing is attached. POST /api/weights/attach first.",
-    "NOT_ATTACHMENT_HOLDER": "Only the attachment holder may do this (token label and "
-    "X-miLLM-Attachment must match).",
-    "ALREADY_ATTACHED": "An attachment exists (details.holder names its role, label, state and "
-    "attached_at). Its holder detaches with POST /api/weights/detach; when it is stale (its "
-    "trainer died), an operator token (role operator) clears it with POST "
-    "/api/weights/clear-stale.",
-    "MODEL_NOT_LOADED": "No model is resident, or the requested model is not loaded.",
-    "MODEL_BUSY": "The model is busy; retry when the current operation ends.",
-    "QUEUE_FULL": (
-        "The request queue is full: MAX_QUEUED_REQUESTS interactive requests are already waiting;"
-        " retry after Retry-After seconds."
-    ),
-    "WEIGHTS_NOT_CLEAN": "The weights are not clean.",
-    "ALREADY_QUIESCED": "This attachment already holds the barrier.",
-    "PAUSE_IN_PROGRESS": "Another pause holds the barrier.",
-    "BARRIER_UNAVAILABLE": "Serving cannot be paused now (see pause_unavailable).",
-    "NOT_QUIESCED": "The barrier is not held by this attachment.",
-    "NO_OPEN_COMMIT": "No commit is open.",
-    "ATTACHMENT_NOT_STALE": "The attachment is active; only a stale one can be cleared.",
-    "WEIGHTS_TORN": "The weights are torn. Recover with POST /api/weights/load.",
-    "WEIGHTS_UNSAVED": "The resident carries unsaved commits; a load would discard them.",
-    "NOT_ATTACHABLE": "The resident model cannot be attached.",
-    "GROUP_UNAVAILABLE": "The attachment's process group failed to form or was destroyed (a "
-    "tear destroys it), so nothing can receive a write: detach, attach again (a new group), "
-    "and recover a torn set with POST /api/weights/load.",
-}
-_REASON_MESSAGES: dict[tuple[str, str], str] = {
-    ("NOT_ATTACHABLE", "not_on_gpu"): "The resident model is on the CPU, which is attachable "
-    "only in shared memory: restart the server with WEIGHTS_CPU_ATTACH=1 (it applies when the "
-    "model loads; keep the trainer token configured), then attach.",
-    ("NOT_ATTACHABLE", "allocator"): "The resident model was not loaded attachably: a load is "
-    "made attachable only while a trainer token is configured (WEIGHTS_TOKENS, read at start). "
-    "Configure one and restart the server, then attach.",
-    ("NOT_ATTACHABLE", "gguf"): "The resident model is a GGUF file, which cannot be attached: "
-    "load a safetensors row.",
-    ("NOT_ATTACHABLE", "quantized"): "The resident model is quantized, which cannot be attached: "
-    "load an unquantized float16 or bfloat16 row.",
-    ("NOT_ATTACHABLE", "dtype"): "The resident model's parameters are not float16 or bfloat16, "
-    "which attach needs: load a float16 or bfloat16 row.",
-    ("NOT_ATTACHABLE", "concurrency"): "MAX_CONCURRENT_REQUESTS is not 1, which the step "
-    "barrier needs: set it to 1 (PATCH /api/settings), then attach.",
-    ("NOT_ATTACHABLE", "continuous_batching_running"): "Continuous batching is on, which the "
-    "step barrier cannot pause: set CONTINUOUS_BATCHING=0, then attach.",
-    ("NOT_ATTACHABLE", "model_transition"): "A model load, unload, save, weights load or "
-    "adapter change is in progress: retry when it ends.",
-    ("NOT_ATTACHABLE", "weights_writing"): "A commit is still open (the weights are writing): "
-    "retry once it ends or the watchdog tears it.",
-    ("WEIGHTS_NOT_CLEAN", "receive_incomplete"): "The commit's broadcast into the arena did "
-    "not complete (the trainer stopped sending, or a rank left the group): the arena may be "
-    "half-written, so the commit cannot end clean; the watchdog tears the set. Detach, attach "
-    "again, and recover with POST /api/weights/load.",
-    ("NOT_QUIESCED", "quiesce_in_progress"): "Quiesce is still draining in-flight work; wait "
-    "for it to return, then retry.",
-    ("MODEL_BUSY", "drain_timeout"): "Running requests did not finish within "
-    "WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S; nothing is held.",
-    ("MODEL_BUSY", "model_transition"): "A model load, unload, save, weights load or adapter "
-    "change is in progress.",
-}
-
-
-def refusal_message(code: str, reason: str | None = None) -> str:
-    """The message a refusal of ``code`` (and ``reason``) carries when its table row gives none:
-    what happened and what to do (also ``/api/health/detailed``'s ``not_attachable``)."""
-    return _REASON_MESSAGES.get((code, reason or ""), _MESSAGES.get(code, code))
 
 
 @dataclass(frozen=True)

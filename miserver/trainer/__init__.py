@@ -40,7 +40,8 @@ modules of one responsibility each, which import nothing of ``miserver.http``,
 - :mod:`miserver.trainer.training`: :func:`chat_example`, :func:`chat_batch`,
   :func:`init_optimizer_state`;
 - :mod:`miserver.trainer.client` (over :mod:`miserver.trainer.transport`, its HTTP plumbing):
-  :class:`WeightsClient`, :class:`Attachment`, :class:`CommitCycle`.
+  :class:`WeightsClient`; :mod:`miserver.trainer.attachment`: :class:`Attachment`,
+  :class:`CommitCycle`.
 """
 
 from __future__ import annotations

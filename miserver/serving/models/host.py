@@ -6,7 +6,7 @@ never needs room for two. Loads and unloads are serialised: while one runs, a se
 with 409 MODEL_BUSY (reason ``model_transition``; contract 3). The blocking part of a load runs in
 a worker thread, so the event loop keeps answering (``/api/health``, ``/api/weights/status``).
 The runtime calls the host only once the generations running on the resident have finished
-(the scheduler's drain, :meth:`miserver.serving.weights.runtime.WeightsRuntime._run_transition`),
+(the scheduler's drain, :meth:`miserver.serving.weights.runtime.EffectPerformer._run_transition`),
 so no generation runs on a model being dropped.
 
 The weights lifecycle's refusals of a load, unload or auto-load (attached: 409 ALREADY_ATTACHED,

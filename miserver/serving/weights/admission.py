@@ -1,14 +1,16 @@
 """Management loads and unloads and ``/v1`` admission, decided by the weights lifecycle
 (companion contracts 3 and 4).
 
-:class:`AdmissionMixin` is the part of :class:`~miserver.serving.weights.runtime.WeightsRuntime`
-that checks the catalogue row a load or a ``/v1`` request names (before the lifecycle decides),
+:class:`AdmissionGate` is the collaborator of
+:class:`~miserver.serving.weights.runtime.WeightsRuntime` that checks the catalogue row a load or a ``/v1`` request names (before the lifecycle decides),
 lets the table's ``model_load``, ``model_unload``, ``v1``, ``v1_confirm`` and
 ``settings_change`` rows decide, and waits for the transition the outcome started.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from miserver.fsm.machine import Outcome
@@ -21,10 +23,36 @@ if TYPE_CHECKING:
     from miserver.serving.models.host import Resident
 
 
-class AdmissionMixin:
-    """Loads, unloads and ``/v1`` admission (mixed into ``WeightsRuntime``)."""
+class AdmissionGate:
+    """Loads, unloads and ``/v1`` admission of one runtime.
 
-    # --- management loads and /v1 admission ------------------------------------------------
+    Args:
+        host: :class:`miserver.serving.models.host.ModelHost` (the resident, the catalogue,
+            the file check before a load).
+        lifecycle: the :class:`~miserver.fsm.machine.Lifecycle` (read only: its state).
+        lock: the runtime's lock, held around every decision.
+        decide: the runtime's one entry point, ``decide(event) -> Outcome``.
+        effects: the runtime's :class:`~miserver.serving.weights.effects.EffectPerformer` (the
+            transition's parameters go there; the transition task comes back from it).
+        refusals: the runtime's :class:`~miserver.serving.weights.refusals.Refusals`.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: Any,
+        lifecycle: Any,
+        lock: asyncio.Lock,
+        decide: Callable[[Event], Outcome],
+        effects: Any,
+        refusals: Any,
+    ) -> None:
+        self.host = host
+        self.lifecycle = lifecycle
+        self.lock = lock
+        self.decide = decide
+        self.effects = effects
+        self.refusals = refusals
 
     def _target(self, row_id: int | None, *, check: bool = True) -> bool:
         """Whether ``row_id`` names the resident row. A row that does not exist or cannot be
@@ -95,11 +123,11 @@ class AdmissionMixin:
                     details={"resident_id": resident.row.id},
                 )
         async with self.lock:
-            self._transition_params = {"row_id": row_id}
+            self.effects.transition_params = {"row_id": row_id}
             out = self.decide(Event(kind, target="resident" if targets_resident else "other"))
-            task = self._last_outputs.get("transition")
+            task = self.effects.last_outputs.get("transition")
         if out.kind == "refused":
-            raise self._refusal(out)
+            raise self.refusals.refusal(out)
         if task is not None:
             return await task
         return self.host.resident
@@ -136,19 +164,19 @@ class AdmissionMixin:
         if not targets_resident and not refuse_policy:
             await self._check_files(row_id)
         async with self.lock:
-            self._transition_params = {"row_id": row_id}
+            self.effects.transition_params = {"row_id": row_id}
             out = self.decide(
                 Event(
                     "v1",
                     target="resident" if targets_resident else "other",
                     refuse_policy=refuse_policy,
-                    queue_full=self._queue_full(priority),
+                    queue_full=self.refusals.queue_full(priority),
                 )
             )
-            task = self._last_outputs.get("transition")
+            task = self.effects.last_outputs.get("transition")
             resident = self.host.resident
         if out.kind == "refused":
-            raise self._refusal(out)
+            raise self.refusals.refusal(out)
         if task is None and resident is not None:
             return resident
         if task is not None:
@@ -185,26 +213,26 @@ class AdmissionMixin:
                 same = resident.adapter_block is adapter
             out = self.decide(Event("v1_confirm", same_resident=same))
         if out.kind == "refused":
-            raise self._refusal(out)
+            raise self.refusals.refusal(out)
 
-    def catalogue_delete(self, row_id: int, name: str) -> None:
+    def catalogue_delete(self, row_id: int, name: str, *, loads_checking: int = 0) -> None:
         """DELETE /api/models/{id}: may the catalogue row go? The table decides (``catalogue_delete``:
         409 MODEL_BUSY ``model_transition`` while a weights load or a save holds the barrier,
         or while a weights load's checkpoint is being checked before its pause, which this
-        runtime counts in :attr:`loads_checking`; contract 3). Raises :class:`ApiError` on a
+        runtime counts (``loads_checking``); contract 3). Raises :class:`ApiError` on a
         refusal. Synchronous: the caller deletes the row with no ``await`` in between, and the
         decision changes no lifecycle state (a read of it, as ``GET /api/weights/status``)."""
         event = Event(
-            "catalogue_delete", name=name, model_id=row_id, loads_checking=self.loads_checking > 0
+            "catalogue_delete", name=name, model_id=row_id, loads_checking=loads_checking > 0
         )
         out = self.decide(event)
         if out.kind == "refused":
-            raise self._refusal(out)
+            raise self.refusals.refusal(out)
 
     async def settings_change(self, avail: str) -> Outcome:
         """PATCH /api/settings: the resulting pause availability goes through the table."""
         async with self.lock:
             out = self.decide(Event("settings_change", avail=avail))  # type: ignore[arg-type]
         if out.kind == "refused":
-            raise self._refusal(out)
+            raise self.refusals.refusal(out)
         return out

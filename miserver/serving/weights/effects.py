@@ -1,20 +1,21 @@
 """The effects of the weights lifecycle, performed on the server (the runtime's hands).
 
-:class:`EffectsMixin` is the part of :class:`~miserver.serving.weights.runtime.WeightsRuntime`
-that translates each :class:`~miserver.fsm.table.Effect` of an accepted outcome into calls on the
-scheduler (hold, drain, release, refuse the held), the model host (a model load or unload, the
-decode engine's cache and graphs) and the IPC layer (export, reclaim, the address check), and runs
-the pauses' jobs (save, weights load, adapter change). No rule is decided here: the table decided;
-this module performs. It reads the runtime's ``lifecycle``, ``scheduler``, ``host``, ``settings``,
-``metrics``, ``lock`` and its pending-answer fields, and calls back :meth:`decide` and
-:meth:`event`.
+:class:`EffectPerformer` is the collaborator of
+:class:`~miserver.serving.weights.runtime.WeightsRuntime` that translates each
+:class:`~miserver.fsm.table.Effect` of an accepted outcome into calls on the scheduler (hold,
+drain, release, refuse the held), the model host (a model load or unload, the decode engine's
+cache and graphs) and the IPC layer (export, reclaim, the address check), and runs the pauses'
+jobs (save, weights load, adapter change). No rule is decided here: the table decided; this module
+performs. It owns what performing needs between two decisions (the pending answer of a pause, the
+registered jobs and their parameters and result, the drain task, the spawned tasks) and reports
+back through the runtime's ``decide`` under the runtime's ``lock``, both passed in.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from miserver.fsm.machine import Outcome
@@ -28,11 +29,105 @@ from miserver.spec.errors import ApiError, disk_full_error, is_disk_full
 log = logging.getLogger("miserver.weights")
 
 
-class EffectsMixin:
-    """Performs the lifecycle's effects (mixed into ``WeightsRuntime``)."""
+PauseJob = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+def decode_engine_effect(host: Any, effect: Effect) -> None:
+    """What a lifecycle effect means for the resident's decode graphs (issue 13).
+
+    The graphs replay kernels over the served storages, which never move: a commit, a save
+    and an in-place weights load keep them (``BEGIN_SAVE``, ``BEGIN_WEIGHTS_LOAD``; a full
+    reload makes a new resident, whose engine is new, and the old one is closed by the
+    host). ``DROP_CACHE`` empties the static KV cache, the engine's only state between
+    requests. An adapter change (``BEGIN_ADAPTER_CHANGE``) changes which modules compute,
+    and a model transition (``START_MODEL_LOAD``, ``START_MODEL_UNLOAD``) the storages:
+    their graphs are dropped, captured again at next use over the model of that time.
+    ``host``: the :class:`~miserver.serving.models.host.ModelHost` (its resident's engine).
+    """
+    resident = host.resident
+    engine = getattr(resident, "engine", None) if resident is not None else None
+    if engine is None:
+        return
+    if effect is Effect.DROP_CACHE:
+        engine.reset()
+    elif effect in (
+        Effect.BEGIN_ADAPTER_CHANGE,
+        Effect.START_MODEL_LOAD,
+        Effect.START_MODEL_UNLOAD,
+    ):
+        engine.invalidate()
+
+
+class EffectPerformer:
+    """Performs the lifecycle's effects for one runtime.
+
+    Args:
+        settings: the validated configuration (the drain timeout, the home for a disk-full
+            error, the CPU-attach switch).
+        scheduler: :class:`miserver.serving.engine.slot.Scheduler` (the slots and the barrier).
+        host: :class:`miserver.serving.models.host.ModelHost` (the resident model).
+        transport: the attachment's :class:`~miserver.serving.weights.transport.AttachmentTransport`.
+        lifecycle: the :class:`~miserver.fsm.machine.Lifecycle` (read only: its context and state).
+        lock: the runtime's lock; every report back (``decide``) is made under it.
+        decide: the runtime's one entry point, ``decide(event) -> Outcome`` (caller holds ``lock``).
+        refusals: the runtime's :class:`~miserver.serving.weights.refusals.Refusals`.
+        metrics: the app's metrics object, or None.
+    """
+
+    def __init__(
+        self,
+        *,
+        settings: Any,
+        scheduler: Any,
+        host: Any,
+        transport: Any,
+        lifecycle: Any,
+        lock: asyncio.Lock,
+        decide: Callable[[Event], Outcome],
+        refusals: Any,
+        metrics: Any = None,
+    ) -> None:
+        self.settings = settings
+        self.scheduler = scheduler
+        self.host = host
+        self.transport = transport
+        self.lifecycle = lifecycle
+        self.lock = lock
+        self.decide = decide
+        self.refusals = refusals
+        self.metrics = metrics
+        #: The answer a gated call that started a pause waits for (settled by an effect).
+        self.pending: asyncio.Future[Answer] | None = None
+        self.pending_failure: Answer | None = None
+        #: The work each pause performs once it holds the barrier, by owner.
+        self.jobs: dict[str, PauseJob] = {}
+        self.job_params: dict[str, Any] = {}
+        self.job_result: dict[str, Any] = {}
+        #: ``START_DRAIN`` found nothing running: ``drained`` follows in the same decision.
+        self.drained_now = False
+        self.drain_task: asyncio.Task[None] | None = None
+        self.tasks: set[asyncio.Task[Any]] = set()
+        #: The parameters of the next model transition (the row a load or an unload names).
+        self.transition_params: dict[str, Any] = {}
+        #: What the last decision's effects produced (``export``, ``transition``, ...).
+        self.last_outputs: dict[str, Any] = {}
+        self.last_export: Any = None
+
+    def open_pending(self, params: dict[str, Any] | None) -> None:
+        """An accepted pause trigger: a new pending answer, its job's parameters."""
+        self.pending = asyncio.get_running_loop().create_future()
+        self.pending_failure = None
+        self.job_params = dict(params or {})
+        self.job_result = {}
+
+    async def event(self, event: Event) -> Outcome:
+        """Lock and decide ``event`` (a job's own report)."""
+        async with self.lock:
+            return self.decide(event)
 
     # --- effects ----------------------------------------------------------------------------
-    def _perform(self, out: Outcome, outputs: dict[str, Any]) -> None:
+    def perform(self, out: Outcome, outputs: dict[str, Any]) -> None:
+        """Perform the effects of ``out`` in order (nothing for a refusal or a hold)."""
         if out.kind != "accepted":
             return
         for effect in out.effects:
@@ -51,17 +146,17 @@ class EffectsMixin:
             sched.barrier_begin()
         elif effect is Effect.START_DRAIN:
             if sched.barrier_hold_if_drained():
-                self._drained_now = True  # nothing runs: `drained` follows in this decision
+                self.drained_now = True  # nothing runs: `drained` follows in this decision
             else:
-                self._drain_task = self._spawn(self._drain())
+                self.drain_task = self._spawn(self._drain())
         elif effect is Effect.CANCEL_DRAIN:
-            if self._drain_task is not None and not self._drain_task.done():
-                self._drain_task.cancel()
-            self._drain_task = None
+            if self.drain_task is not None and not self.drain_task.done():
+                self.drain_task.cancel()
+            self.drain_task = None
             sched.barrier_abandon()
         elif effect is Effect.DROP_CACHE:
             sched.drop_caches()
-            self._decode_engine_effect(effect)
+            decode_engine_effect(self.host, effect)
         elif effect is Effect.RELEASE_HELD:
             sched.barrier_release()
         elif effect is Effect.REFUSE_HELD_TORN:
@@ -69,9 +164,9 @@ class EffectsMixin:
         elif effect is Effect.ANSWER_PENDING:
             self._settle(out.pending or Answer(200))
         elif effect is Effect.FAIL_PENDING:
-            self._settle(self._pending_failure or Answer(500, codes.INTERNAL_ERROR))
+            self._settle(self.pending_failure or Answer(500, codes.INTERNAL_ERROR))
         elif effect in (Effect.BEGIN_SAVE, Effect.BEGIN_WEIGHTS_LOAD, Effect.BEGIN_ADAPTER_CHANGE):
-            self._decode_engine_effect(effect)
+            decode_engine_effect(self.host, effect)
             owner = {
                 Effect.BEGIN_SAVE: "save",
                 Effect.BEGIN_WEIGHTS_LOAD: "weights_load",
@@ -79,10 +174,10 @@ class EffectsMixin:
             }[effect]
             self._spawn(self._run_job(owner))
         elif effect in (Effect.START_MODEL_LOAD, Effect.START_MODEL_UNLOAD):
-            self._decode_engine_effect(effect)
+            decode_engine_effect(self.host, effect)
             # The row is bound now: a later event may set other parameters before the task runs.
             outputs["transition"] = self._spawn(
-                self._run_transition(effect, dict(self._transition_params))
+                self._run_transition(effect, dict(self.transition_params))
             )
         elif effect in (Effect.ADMIT, Effect.HOLD_REQUEST):
             outputs["admission"] = effect
@@ -141,39 +236,15 @@ class EffectsMixin:
             "steps take this long, raise WEIGHTS_COMMIT_WATCHDOG_MS"
         )
 
-    def _decode_engine_effect(self, effect: Effect) -> None:
-        """What a lifecycle effect means for the resident's decode graphs (issue 13).
-
-        The graphs replay kernels over the served storages, which never move: a commit, a save
-        and an in-place weights load keep them (``BEGIN_SAVE``, ``BEGIN_WEIGHTS_LOAD``; a full
-        reload makes a new resident, whose engine is new, and the old one is closed by the
-        host). ``DROP_CACHE`` empties the static KV cache, the engine's only state between
-        requests. An adapter change (``BEGIN_ADAPTER_CHANGE``) changes which modules compute,
-        and a model transition (``START_MODEL_LOAD``, ``START_MODEL_UNLOAD``) the storages:
-        their graphs are dropped, captured again at next use over the model of that time.
-        """
-        resident = self.host.resident
-        engine = getattr(resident, "engine", None) if resident is not None else None
-        if engine is None:
-            return
-        if effect is Effect.DROP_CACHE:
-            engine.reset()
-        elif effect in (
-            Effect.BEGIN_ADAPTER_CHANGE,
-            Effect.START_MODEL_LOAD,
-            Effect.START_MODEL_UNLOAD,
-        ):
-            engine.invalidate()
-
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
         return task
 
     def _settle(self, answer: Answer) -> None:
-        if self._pending is not None and not self._pending.done():
-            self._pending.set_result(answer)
+        if self.pending is not None and not self.pending.done():
+            self.pending.set_result(answer)
 
     async def _drain(self) -> None:
         """Wait for the running forward passes, then report ``drained`` (the drain timer, a
@@ -183,25 +254,25 @@ class EffectsMixin:
         except asyncio.CancelledError:
             return
         async with self.lock:
-            if self._drain_task is not asyncio.current_task():
+            if self.drain_task is not asyncio.current_task():
                 return  # cancelled in the meantime
-            self._drain_task = None
+            self.drain_task = None
             self.decide(Event("drained"))
 
     async def _run_job(self, owner: str) -> None:
         """Run a pause's work (save, weights load, adapter change) and report its end."""
-        job = self._jobs.get(owner)
+        job = self.jobs.get(owner)
         done, failed = f"{owner}_done", f"{owner}_failed"
         try:
             if job is None:
                 raise ApiError(codes.INTERNAL_ERROR, f"no {owner} job is registered")
-            params = dict(self._job_params)
+            params = dict(self.job_params)
             params["mark_writing"] = self._mark_writing
             result = await job(params)
         except ApiError as err:
             async with self.lock:
-                self._pending_failure = Answer(err.status, err.code, err.reason)
-                self._job_result = {"error": err}
+                self.pending_failure = Answer(err.status, err.code, err.reason)
+                self.job_result = {"error": err}
                 self.decide(Event(failed))
             return
         except Exception as exc:  # noqa: BLE001 - any failure of the job is reported, not lost
@@ -212,12 +283,12 @@ class EffectsMixin:
                 log.exception("weights: the %s failed", owner)
                 err = ApiError(codes.INTERNAL_ERROR, f"the {owner} failed: {exc}")
             async with self.lock:
-                self._pending_failure = Answer(err.status, err.code, err.reason)
-                self._job_result = {"error": err}
+                self.pending_failure = Answer(err.status, err.code, err.reason)
+                self.job_result = {"error": err}
                 self.decide(Event(failed))
             return
         async with self.lock:
-            self._job_result = result
+            self.job_result = result
             self.decide(
                 Event(
                     done,
@@ -255,7 +326,7 @@ class EffectsMixin:
             async with self.lock:
                 out = self.decide(Event("transition_abandoned"))
             if isinstance(exc, DrainTimeout) and out.pending is not None:
-                raise self._drain_timeout_error(
+                raise self.refusals.drain_timeout_error(
                     out.pending, exc.running, "nothing was loaded or unloaded"
                 ) from None
             raise

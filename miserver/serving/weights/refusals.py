@@ -1,14 +1,15 @@
 """How a refusal of the weights lifecycle becomes an :class:`ApiError`: the table's code, reason
 and status, with the numbers a reader needs and the ``Retry-After`` the row sends.
 
-:class:`RefusalsMixin` is the part of :class:`~miserver.serving.weights.runtime.WeightsRuntime`
+:class:`Refusals` is the collaborator of :class:`~miserver.serving.weights.runtime.WeightsRuntime`
 that words refusals (409 MODEL_BUSY ``drain_timeout``, 503 QUEUE_FULL with its bound) and reads
-the ``queue_full`` fact from the scheduler. :class:`WeightsTornError` is the 503 a held request
+the ``queue_full`` fact from the scheduler. It decides nothing (the table did) and changes nothing. :class:`WeightsTornError` is the 503 a held request
 gets when the set tears.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from miserver.fsm.machine import Outcome
@@ -34,10 +35,33 @@ class WeightsTornError(ApiError):
         )
 
 
-class RefusalsMixin:
-    """Refusals as ApiErrors (mixed into ``WeightsRuntime``)."""
+class Refusals:
+    """The table's refusals as API errors, with the numbers a reader needs.
 
-    def _refusal(
+    Args:
+        settings: the validated configuration (the drain timeout it quotes).
+        scheduler: :class:`miserver.serving.engine.slot.Scheduler` (the queue bound, the
+            waiting count).
+        transport: the attachment's :class:`~miserver.serving.weights.transport.AttachmentTransport`
+            (the group's state a GROUP_UNAVAILABLE refusal quotes).
+        stamp: turns a core time (seconds, the runtime's monotonic clock) into an RFC 3339
+            string (the holder's ``attached_at``).
+    """
+
+    def __init__(
+        self,
+        *,
+        settings: Any,
+        scheduler: Any,
+        transport: Any,
+        stamp: Callable[[float | None], str | None],
+    ) -> None:
+        self.settings = settings
+        self.scheduler = scheduler
+        self.transport = transport
+        self.stamp = stamp
+
+    def refusal(
         self, out: Outcome, message: str | None = None, headers: dict[str, str] | None = None
     ) -> ApiError:
         """The table's refusal ``out`` as an :class:`ApiError` (``message``: the outcome's own
@@ -45,7 +69,7 @@ class RefusalsMixin:
         headers = dict(headers or {})
         if out.retry_after:
             headers["Retry-After"] = str(RETRY_AFTER_S)
-        message, details = self._with_numbers(out, out.message if message is None else message)
+        message, details = self.with_numbers(out, out.message if message is None else message)
         return ApiError(
             out.code,
             message,
@@ -55,7 +79,7 @@ class RefusalsMixin:
             headers=headers,
         )
 
-    def _drain_timeout_error(self, answer: Answer, running: int, outcome: str) -> ApiError:
+    def drain_timeout_error(self, answer: Answer, running: int, outcome: str) -> ApiError:
         """409 MODEL_BUSY ``drain_timeout`` of a quiesce, a pause or a model transition, worded
         alike (weights page, The write cycle 2): how many requests still ran, the timeout, what
         was left unchanged (``outcome``) and what to do; ``details`` carries the numbers."""
@@ -70,11 +94,11 @@ class RefusalsMixin:
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
 
-    def _with_numbers(self, out: Outcome, message: str) -> tuple[str, dict[str, Any] | None]:
+    def with_numbers(self, out: Outcome, message: str) -> tuple[str, dict[str, Any] | None]:
         """A refusal's message and wire details, with the numbers a reader needs: for 503
         QUEUE_FULL (a quiesce or a held ``/v1`` request) the bound and how many wait, worded
         as the scheduler's own ``/v1`` refusal (issue 16 item 12)."""
-        details = self._wire_details(out.details)
+        details = self.wire_details(out.details)
         if out.code is codes.QUEUE_FULL:
             bound = self.scheduler.max_queued
             waiting = self.scheduler.interactive_waiting()
@@ -90,7 +114,7 @@ class RefusalsMixin:
             details = {**(details or {}), "group_state": state, "error": error}
         return message, details
 
-    def _queue_full(self, priority: Priority = Priority.INTERACTIVE) -> bool:
+    def queue_full(self, priority: Priority = Priority.INTERACTIVE) -> bool:
         """The ``queue_full`` fact of a quiesce or a ``/v1`` request at ``priority``.
 
         MAX_QUEUED_REQUESTS bounds the interactive requests that wait, queued for a slot or
@@ -102,7 +126,7 @@ class RefusalsMixin:
             return False
         return self.scheduler.interactive_waiting() >= self.scheduler.max_queued
 
-    def _wire_details(self, details: dict[str, Any]) -> dict[str, Any] | None:
+    def wire_details(self, details: dict[str, Any]) -> dict[str, Any] | None:
         if not details:
             return None
         out = dict(details)

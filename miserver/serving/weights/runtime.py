@@ -6,7 +6,8 @@ Each call follows one shape (design notes, "Verified facts about transitions"):
 1. build an :class:`~miserver.fsm.state.Event` from the request (the caller's token, label and
    ``X-miLLM-Attachment`` header; facts such as a full queue);
 2. under one ``asyncio.Lock``, let :meth:`~miserver.fsm.machine.Lifecycle.handle` decide and
-   perform the outcome's effects in order (:meth:`WeightsRuntime._perform`);
+   perform the outcome's effects in order (:meth:`EffectPerformer.perform
+   <miserver.serving.weights.effects.EffectPerformer.perform>`);
 3. outside the lock, wait where the outcome says to wait (a quiesce waits for its drain, a save
    for its write, a management load for the load), then answer.
 
@@ -23,7 +24,7 @@ import contextlib
 import datetime as _dt
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,11 +34,12 @@ from miserver.fsm.state import Event
 from miserver.fsm.table import Answer
 from miserver.serving.audit import AuditLog, AuditRecord
 from miserver.serving.auth import Caller, attachment_ref
-from miserver.serving.weights.admission import AdmissionMixin
-from miserver.serving.weights.effects import EffectsMixin
-from miserver.serving.weights.refusals import RefusalsMixin
+from miserver.serving.engine.slot import Priority
+from miserver.serving.weights.admission import AdmissionGate
+from miserver.serving.weights.effects import EffectPerformer, PauseJob, decode_engine_effect
+from miserver.serving.weights.refusals import Refusals
 from miserver.serving.weights.transport import AttachmentTransport
-from miserver.serving.weights.views import StatusViewsMixin
+from miserver.serving.weights.views import StatusViews
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
 from miserver.spec.settings import Settings
@@ -71,18 +73,25 @@ class CallResult:
     job: dict[str, Any] = field(default_factory=dict)
 
 
-PauseJob = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+__all__ = ["PAUSE_TRIGGERS", "CallResult", "PauseJob", "WeightsRuntime", "rfc3339"]
 
 
-class WeightsRuntime(EffectsMixin, AdmissionMixin, RefusalsMixin, StatusViewsMixin):
+class WeightsRuntime:
     """One process's weights lifecycle, bound to its scheduler and model host.
 
-    This module holds the core of the runtime: the lock, the one entry point (:meth:`decide`),
-    the timer pump, the gated calls of the weights routes and their audit lines. The effects
-    (:mod:`~miserver.serving.weights.effects`), management loads and ``/v1`` admission
-    (:mod:`~miserver.serving.weights.admission`), the wording of refusals
-    (:mod:`~miserver.serving.weights.refusals`) and the status views
-    (:mod:`~miserver.serving.weights.views`) are mixed in from their modules.
+    This class holds the core of the runtime: the lock, the one entry point (:meth:`decide`),
+    the timer pump, the gated calls of the weights routes and their audit lines. It is composed
+    of four collaborators, each owning its state, built here with what they touch:
+
+    - :attr:`effects`, an :class:`~miserver.serving.weights.effects.EffectPerformer`: performs
+      the effects (owns the pending answer, the jobs, the drain and spawned tasks);
+    - :attr:`admission`, an :class:`~miserver.serving.weights.admission.AdmissionGate`:
+      management loads and unloads and ``/v1`` admission;
+    - :attr:`refusals`, :class:`~miserver.serving.weights.refusals.Refusals`: the wording of
+      refusals;
+    - :attr:`views`, :class:`~miserver.serving.weights.views.StatusViews`: the status views.
+
+    The public methods the handlers call (``admit_v1``, ``status``, ...) delegate to them.
 
     Args:
         settings: the validated configuration (timers, tokens, audit log path).
@@ -122,26 +131,46 @@ class WeightsRuntime(EffectsMixin, AdmissionMixin, RefusalsMixin, StatusViewsMix
         #: Weights loads whose checkpoint is being checked (off the event loop, before the
         #: lifecycle decides): a catalogue DELETE waits for them as for the pause itself.
         self.loads_checking = 0
-        self._pending: asyncio.Future[Answer] | None = None
-        self._pending_failure: Answer | None = None
-        self._drain_task: asyncio.Task[None] | None = None
-        self._drained_now = False
-        self._last_outputs: dict[str, Any] = {}
-        self._jobs: dict[str, PauseJob] = {}
-        self._job_params: dict[str, Any] = {}
-        self._job_result: dict[str, Any] = {}
         self._pump_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._pump_deadline: float | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        #: The last save's block of ``GET /api/weights/status`` (the save job writes it).
         self.last_save: dict[str, Any] | None = None
-        self._transition_params: dict[str, Any] = {}
-        self.last_export: Any = None
         #: The attachment's transport and its process group (contract 10).
         self.transport = AttachmentTransport(
             join_timeout_s=settings.weights_heartbeat_timeout_s,
             op_timeout_s=settings.weights_commit_watchdog_ms / 1000.0,
             metrics=metrics,
+        )
+        self.refusals = Refusals(
+            settings=settings, scheduler=scheduler, transport=self.transport, stamp=self.stamp
+        )
+        self.effects = EffectPerformer(
+            settings=settings,
+            scheduler=scheduler,
+            host=host,
+            transport=self.transport,
+            lifecycle=self.lifecycle,
+            lock=self.lock,
+            decide=self.decide,
+            refusals=self.refusals,
+            metrics=metrics,
+        )
+        self.admission = AdmissionGate(
+            host=host,
+            lifecycle=self.lifecycle,
+            lock=self.lock,
+            decide=self.decide,
+            effects=self.effects,
+            refusals=self.refusals,
+        )
+        self.views = StatusViews(
+            lifecycle=self.lifecycle,
+            host=host,
+            scheduler=scheduler,
+            transport=self.transport,
+            now=self.now,
+            stamp=self.stamp,
         )
 
     # --- time -------------------------------------------------------------------------------
@@ -160,10 +189,11 @@ class WeightsRuntime(EffectsMixin, AdmissionMixin, RefusalsMixin, StatusViewsMix
 
     async def stop(self) -> None:
         self.audit.close()
-        for task in [self._pump_task, self._drain_task, *self._tasks]:
+        tasks = [self._pump_task, self.effects.drain_task, *self.effects.tasks]
+        for task in tasks:
             if task is not None and not task.done():
                 task.cancel()
-        for task in [self._pump_task, self._drain_task, *self._tasks]:
+        for task in tasks:
             if task is not None:
                 with contextlib.suppress(BaseException):  # shutting down
                     await task
@@ -172,7 +202,17 @@ class WeightsRuntime(EffectsMixin, AdmissionMixin, RefusalsMixin, StatusViewsMix
     def register_job(self, owner: str, job: PauseJob) -> None:
         """Register the work a pause performs once it holds the barrier (``save``,
         ``weights_load``, ``adapter``). The job returns its result dict or raises ApiError."""
-        self._jobs[owner] = job
+        self.effects.jobs[owner] = job
+
+    @property
+    def _jobs(self) -> dict[str, PauseJob]:
+        """The registered pause jobs, by owner (kept by :attr:`effects`)."""
+        return self.effects.jobs
+
+    @property
+    def last_export(self) -> Any:
+        """The last attach's export body (kept by :attr:`effects`)."""
+        return self.effects.last_export
 
     # --- the timer pump ---------------------------------------------------------------------
     async def _pump(self) -> None:
@@ -197,7 +237,7 @@ class WeightsRuntime(EffectsMixin, AdmissionMixin, RefusalsMixin, StatusViewsMix
                 continue  # woken for an earlier deadline, or a timer was cancelled
             async with self.lock:
                 for out in self.lifecycle.fire_due(self.now()):
-                    self._perform(out, {})
+                    self.effects.perform(out, {})
                     self._after_event(out)
 
     def _poke(self) -> None:
@@ -211,20 +251,18 @@ class WeightsRuntime(EffectsMixin, AdmissionMixin, RefusalsMixin, StatusViewsMix
     # --- the one entry point -------------------------------------------------------------------
     def decide(self, event: Event, params: dict[str, Any] | None = None) -> Outcome:
         """Handle ``event`` and perform its effects. The caller must hold :attr:`lock`."""
+        effects = self.effects
         out = self.lifecycle.handle(event, self.now())
         if out.kind == "accepted" and event.trigger in PAUSE_TRIGGERS:
-            self._pending = asyncio.get_running_loop().create_future()
-            self._pending_failure = None
-            self._job_params = dict(params or {})
-            self._job_result = {}
+            effects.open_pending(params)
         outputs: dict[str, Any] = {}
-        self._drained_now = False
-        self._perform(out, outputs)
+        effects.drained_now = False
+        effects.perform(out, outputs)
         self._after_event(out)
-        if self._drained_now:
-            self._drained_now = False
+        if effects.drained_now:
+            effects.drained_now = False
             self.decide(Event("drained"))
-        self._last_outputs = outputs
+        effects.last_outputs = outputs
         return out
 
     async def event(self, event: Event, params: dict[str, Any] | None = None) -> Outcome:
@@ -250,6 +288,70 @@ class WeightsRuntime(EffectsMixin, AdmissionMixin, RefusalsMixin, StatusViewsMix
         if ctx.served_origin is not None:
             resident.origin = ctx.served_origin
         resident.commits = ctx.commits_since_name
+
+    # --- delegated to the collaborators (the handlers and tests call these) ----------------------
+    async def model_transition(self, kind: str, row_id: int | None) -> Any:
+        """See :meth:`AdmissionGate.model_transition
+        <miserver.serving.weights.admission.AdmissionGate.model_transition>`."""
+        return await self.admission.model_transition(kind, row_id)
+
+    async def admit_v1(
+        self,
+        *,
+        refuse_policy: bool,
+        row_id: int | None,
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> Any:
+        """See :meth:`AdmissionGate.admit_v1
+        <miserver.serving.weights.admission.AdmissionGate.admit_v1>`."""
+        return await self.admission.admit_v1(
+            refuse_policy=refuse_policy, row_id=row_id, priority=priority
+        )
+
+    async def confirm_v1(self, resident: Any, *, adapter: dict[str, Any] | None = None) -> None:
+        """See :meth:`AdmissionGate.confirm_v1
+        <miserver.serving.weights.admission.AdmissionGate.confirm_v1>`."""
+        await self.admission.confirm_v1(resident, adapter=adapter)
+
+    def catalogue_delete(self, row_id: int, name: str) -> None:
+        """See :meth:`AdmissionGate.catalogue_delete
+        <miserver.serving.weights.admission.AdmissionGate.catalogue_delete>` (told
+        :attr:`loads_checking`)."""
+        self.admission.catalogue_delete(row_id, name, loads_checking=self.loads_checking)
+
+    async def settings_change(self, avail: str) -> Outcome:
+        """See :meth:`AdmissionGate.settings_change
+        <miserver.serving.weights.admission.AdmissionGate.settings_change>`."""
+        return await self.admission.settings_change(avail)
+
+    def status(self) -> dict[str, Any]:
+        """GET /api/weights/status: :meth:`StatusViews.status
+        <miserver.serving.weights.views.StatusViews.status>` with :attr:`last_save`."""
+        return self.views.status(self.last_save)
+
+    def summary(self) -> dict[str, Any]:
+        """The weights block of /api/health/detailed (:attr:`views`)."""
+        return self.views.summary()
+
+    def model_ref(self) -> dict[str, Any] | None:
+        """``{model_id, name, manifest_hash}`` of the resident (:attr:`views`)."""
+        return self.views.model_ref()
+
+    def adapter_block(self) -> dict[str, Any] | None:
+        """The applied adapter's block, or ``{"applied": False}`` (:attr:`views`)."""
+        return self.views.adapter_block()
+
+    def not_attachable_reason(self) -> str | None:
+        """The resident's own NOT_ATTACHABLE reason, or None (:attr:`effects`)."""
+        return self.effects.not_attachable_reason()
+
+    def check_addresses(self, *, full: bool = False) -> list[str]:
+        """The address check of the export (:attr:`effects`); call under :attr:`lock`."""
+        return self.effects.check_addresses(full=full)
+
+    def _decode_engine_effect(self, effect: Any) -> None:
+        """:func:`~miserver.serving.weights.effects.decode_engine_effect` on :attr:`host`."""
+        decode_engine_effect(self.host, effect)
 
     # --- gated calls (the weights routes) ------------------------------------------------------
     async def gated(
@@ -292,7 +394,7 @@ class WeightsRuntime(EffectsMixin, AdmissionMixin, RefusalsMixin, StatusViewsMix
             if trigger == "attach":
                 event_fields.setdefault("not_attachable", self.not_attachable_reason())
             if trigger == "quiesce":
-                event_fields.setdefault("queue_full", self._queue_full())
+                event_fields.setdefault("queue_full", self.refusals.queue_full())
             if trigger == "attach":
                 self.transport.requested = (params or {}).get("group_spec")
             elif trigger == "commit_begin":
@@ -302,9 +404,11 @@ class WeightsRuntime(EffectsMixin, AdmissionMixin, RefusalsMixin, StatusViewsMix
             out = self.decide(Event(trigger, caller=fsm_caller, **event_fields), params)
             if trigger == "commit_end" and out.kind == "accepted":
                 self.transport.commit_ended()
-            outputs = self._last_outputs
+            outputs = self.effects.last_outputs
             pending = (
-                self._pending if (out.kind == "accepted" and trigger in PAUSE_TRIGGERS) else None
+                self.effects.pending
+                if (out.kind == "accepted" and trigger in PAUSE_TRIGGERS)
+                else None
             )
             if trigger == "attach" and out.kind == "accepted":
                 ref = attachment_ref(self.lifecycle.context.attachment_id)
@@ -319,7 +423,7 @@ class WeightsRuntime(EffectsMixin, AdmissionMixin, RefusalsMixin, StatusViewsMix
                         " This server has no tokens configured (WEIGHTS_TOKENS is empty), so"
                         " every gated call is refused; set it and restart the server."
                     )
-            raise self._refusal(out, message, headers)
+            raise self.refusals.refusal(out, message, headers)
         answer: Answer | None = None
         if pending is not None:
             answer = await asyncio.shield(pending)
@@ -329,16 +433,17 @@ class WeightsRuntime(EffectsMixin, AdmissionMixin, RefusalsMixin, StatusViewsMix
             outputs,
             before,
             self.lifecycle.state.weights,
-            dict(self._job_result) if pending is not None else {},
+            dict(self.effects.job_result) if pending is not None else {},
         )
         if answer is not None and answer.code is not None:
             self._audit(operation, out, caller, ref, before, refused=True, answer=answer)
-            err = self._job_result.get("error") if isinstance(self._job_result, dict) else None
+            job_result = self.effects.job_result
+            err = job_result.get("error") if isinstance(job_result, dict) else None
             if isinstance(err, ApiError):
                 raise err
             if answer.code is codes.MODEL_BUSY and answer.reason == "drain_timeout":
                 running = self.scheduler.running_requests()
-                raise self._drain_timeout_error(answer, running, "nothing is held")
+                raise self.refusals.drain_timeout_error(answer, running, "nothing is held")
             message = out.message or answer.code.name
             raise ApiError(answer.code, message, reason=answer.reason, status=answer.status)
         self._audit(operation, out, caller, ref, before, refused=False)

@@ -1,22 +1,50 @@
 """The read-only views of the weights lifecycle: ``GET /api/weights/status`` and the weights block
 of ``/api/health/detailed`` (weights page: Status).
 
-:class:`StatusViewsMixin` is the part of
+:class:`StatusViews` is the collaborator of
 :class:`~miserver.serving.weights.runtime.WeightsRuntime` that renders the core's status view
 with wall-clock stamps, the scheduler's counts and the resident's memory. It changes nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
-class StatusViewsMixin:
-    """The status views (mixed into ``WeightsRuntime``)."""
+class StatusViews:
+    """The status views of one runtime (read-only).
 
-    # --- views ----------------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
-        """GET /api/weights/status (weights page: Status). No token, no slot, no secret."""
+    Args:
+        lifecycle: the :class:`~miserver.fsm.machine.Lifecycle` whose status view is rendered.
+        host: :class:`miserver.serving.models.host.ModelHost` (the resident).
+        scheduler: :class:`miserver.serving.engine.slot.Scheduler` (the held count).
+        transport: the attachment's :class:`~miserver.serving.weights.transport.AttachmentTransport`.
+        now: the runtime's monotonic clock (seconds).
+        stamp: a core time as an RFC 3339 string.
+    """
+
+    def __init__(
+        self,
+        *,
+        lifecycle: Any,
+        host: Any,
+        scheduler: Any,
+        transport: Any,
+        now: Callable[[], float],
+        stamp: Callable[[float | None], str | None],
+    ) -> None:
+        self.lifecycle = lifecycle
+        self.host = host
+        self.scheduler = scheduler
+        self.transport = transport
+        self.now = now
+        self.stamp = stamp
+
+    def status(self, last_save: dict[str, Any] | None = None) -> dict[str, Any]:
+        """GET /api/weights/status (weights page: Status). No token, no slot, no secret.
+
+        ``last_save``: the last save's block (the runtime keeps it; the save job writes it)."""
         from miserver.ipc.export import cuda_memory, exports_since_start
 
         view = self.lifecycle.status_view(self.now())
@@ -51,7 +79,7 @@ class StatusViewsMixin:
             "weights_state": view["weights_state"],
             "resident_model": self.model_ref(),
             "steps_since_load": view["steps_since_load"] if resident is not None else None,
-            "last_save": self.last_save,
+            "last_save": last_save,
             "commit": commit,
             "commit_overran": self.stamp(view["commit_overran"]),
             "last_hold_timeout_at": self.stamp(view["last_hold_timeout_at"]),

@@ -1,0 +1,236 @@
+"""``/v1`` request preparation: a decoded request body becomes a :class:`~miserver.http.v1_admission.Job`
+(companion contract 4).
+
+For a chat or a completion request: the strict checks of the body
+(:mod:`miserver.http.openai_schema`), admission for a resident (:func:`~miserver.http.v1_admission.admit`),
+the prompt's token ids (the chat template, or the raw prompt; in a worker thread), the checks
+against the resident's context window and ``MAX_BATCH_SIZE`` (400 INVALID_REQUEST naming the
+parameter), and the sampling parameters. Used by :mod:`miserver.http.v1`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+from miserver.http import keys
+from miserver.http import openai_schema as schema
+from miserver.http.v1_admission import Job, admit
+from miserver.serving.engine.generation import SamplingParams, context_length
+from miserver.serving.engine.prompts import (
+    PromptError,
+    chat_prompt_ids,
+    max_token_chars,
+    render_chat,
+)
+from miserver.serving.engine.slot import Priority
+from miserver.serving.models.host import Resident
+from miserver.spec import codes
+from miserver.spec.errors import ApiError
+
+#: Default ``max_tokens`` of ``/v1/completions`` (OpenAI's).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def bad_request(message: str, param: str | None) -> ApiError:
+    """400 INVALID_REQUEST naming ``param``."""
+    return ApiError(codes.INVALID_REQUEST, message, param=param)
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The body (413 JSON via the app's limits when too large)."""
+    return await request.read()
+
+
+def _named_adapter(resident: Resident, model: str) -> dict[str, Any] | None:
+    """The resident's adapter block when ``model`` names its applied adapter, else None."""
+    block = resident.adapter_block
+    return block if block and block.get("name") == model else None
+
+
+def _check_context(
+    resident: Resident,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    default: int | None,
+    param: str,
+    prompt_param: str,
+) -> int:
+    context = context_length(resident.model)
+    n = len(prompt_ids)
+    if n >= context:
+        raise bad_request(
+            f"the prompt is {n} tokens; the context window of {resident.served_name} is "
+            f"{context} tokens",
+            prompt_param,
+        )
+    if max_tokens is None:
+        return min(default, context - n) if default is not None else context - n
+    if max_tokens > context:
+        raise bad_request(
+            f"{param} must be at most the context window ({context}), got {max_tokens}", param
+        )
+    if n + max_tokens > context:
+        raise bad_request(
+            f"the prompt ({n} tokens) plus {param} ({max_tokens}) exceeds the context "
+            f"window of {context} tokens",
+            param,
+        )
+    return max_tokens
+
+
+def _check_length(resident: Resident, text: str, prompt_param: str) -> None:
+    """Refuse, before tokenizing, a text too long for any tokenization of it to fit.
+
+    A token covers at most :func:`~miserver.serving.engine.prompts.max_token_chars` characters, so a
+    text of more than ``context * max_token_chars`` characters is more than ``context`` tokens:
+    the 400 the context check would give after tokenizing (~10 CPU-seconds for 8 MB), at once.
+    """
+    per_token = max_token_chars(resident.tokenizer)
+    if per_token is None:
+        return
+    context = context_length(resident.model)
+    if len(text) > context * per_token:
+        raise bad_request(
+            f"the prompt is {len(text)} characters, more than the context window of "
+            f"{resident.served_name} ({context} tokens of at most {per_token} characters) "
+            "can hold",
+            prompt_param,
+        )
+
+
+def _chat_prompt(resident: Resident, req: schema.ChatCompletionRequest) -> list[int]:
+    """The prompt ids of a chat request: the chat template, message content as text
+    (:func:`~miserver.serving.engine.prompts.chat_prompt_ids`). Runs in a worker thread."""
+    tok = resident.tokenizer
+    if getattr(tok, "chat_template", None) is None:
+        raise bad_request(
+            f"model {resident.served_name} has no chat template; use /v1/completions", "messages"
+        )
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": schema.message_text(m)}
+        for m in req.messages
+    ]
+    try:
+        text = render_chat(tok, messages)
+        _check_length(resident, text, "messages")
+        return chat_prompt_ids(tok, messages, text)
+    except PromptError as exc:
+        raise bad_request(str(exc), "messages") from None
+
+
+def _completion_prompt(resident: Resident, prompt: schema.PromptSpec) -> list[int]:
+    """The prompt ids of a completion request. A string prompt is the caller's raw text, its
+    special-token strings parsed as control tokens (docs/decisions.md). Runs in a worker
+    thread."""
+    tok = resident.tokenizer
+    if isinstance(prompt, str):
+        _check_length(resident, prompt, "prompt")
+        ids = list(tok(prompt)["input_ids"])
+    else:
+        vocab = len(tok)
+        bad = next((t for t in prompt if t >= vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary (size {vocab})", "prompt")
+        ids = list(prompt)
+    if not ids:
+        bos = getattr(tok, "bos_token_id", None)
+        if bos is None:
+            raise bad_request("the prompt is empty", "prompt")
+        ids = [bos]
+    return ids
+
+
+def check_n(app: web.Application, req: Any) -> None:
+    """``n`` within 1..``MAX_BATCH_SIZE`` (contract 4: the choices of one request decode in one
+    static batch), checked before admission.
+
+    Raises:
+        ApiError: 400 INVALID_REQUEST naming ``n``.
+    """
+    limit = app[keys.SCHEDULER].max_batch_size
+    if req.n is not None and not 1 <= req.n <= limit:
+        raise bad_request(
+            f"n must be between 1 and {limit} (MAX_BATCH_SIZE: the choices of one request are "
+            f"decoded together in one batch), got {req.n}",
+            "n",
+        )
+
+
+def _sampling(
+    req: Any, stops: tuple[str, ...], max_tokens: int, logprobs: int | None, echo: bool
+) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        seed=req.seed,
+        stop=stops,
+        logprobs=logprobs,
+        echo=echo,
+    )
+
+
+async def prepare_chat(
+    app: web.Application,
+    req: schema.ChatCompletionRequest,
+    load_policy: str | None,
+    priority: Priority = Priority.INTERACTIVE,
+    may_load: bool = True,
+) -> Job:
+    stops = schema.check_chat(req)
+    resident = await admit(app, req.model, load_policy, priority, may_load=may_load)
+    adapter = _named_adapter(resident, req.model)
+    prompt_ids = await asyncio.to_thread(_chat_prompt, resident, req)
+    given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = _check_context(resident, prompt_ids, given, None, param, "messages")
+    want = bool(req.logprobs)
+    logprobs = (req.top_logprobs or 0) if want else None
+    return Job(
+        "chat",
+        resident,
+        prompt_ids,
+        _sampling(req, stops, max_tokens, logprobs, False),
+        bool(req.stream),
+        bool(req.stream_options and req.stream_options.include_usage),
+        None,
+        want,
+        adapter,
+        req.n or 1,
+    )
+
+
+async def prepare_completion(
+    app: web.Application,
+    req: schema.CompletionRequest,
+    load_policy: str | None,
+    priority: Priority = Priority.INTERACTIVE,
+    may_load: bool = True,
+) -> Job:
+    prompt, stops = schema.check_completion(req)
+    resident = await admit(app, req.model, load_policy, priority, may_load=may_load)
+    adapter = _named_adapter(resident, req.model)
+    prompt_ids = await asyncio.to_thread(_completion_prompt, resident, prompt)
+    max_tokens = _check_context(
+        resident, prompt_ids, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens", "prompt"
+    )
+    echo = bool(req.echo)
+    echo_text = None
+    if echo:
+        echo_text = prompt if isinstance(prompt, str) else resident.tokenizer.decode(prompt_ids)
+    want = req.logprobs is not None
+    return Job(
+        "completion",
+        resident,
+        prompt_ids,
+        _sampling(req, stops, max_tokens, req.logprobs, echo and want),
+        bool(req.stream),
+        bool(req.stream_options and req.stream_options.include_usage),
+        echo_text,
+        want,
+        adapter,
+        req.n or 1,
+    )

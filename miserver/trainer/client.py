@@ -48,7 +48,13 @@ from miserver.trainer.errors import (
     TransportError,
     WeightsError,
 )
-from miserver.trainer.transport import _Bearer, _Connection, _unwrap
+from miserver.trainer.transport import (
+    _Bearer,
+    _Connection,
+    _unwrap,
+    call_retrying,
+    retry_wait,
+)
 from miserver.trainer.weights import rebuild
 
 log = logging.getLogger("miserver.trainer")
@@ -79,10 +85,17 @@ class WeightsClient:
             ``https://`` with a socket is a ``ValueError``; a path with no server behind it is a
             :class:`TransportError` on the first call, as a closed port is.
 
+        retry_within_s: a barrier call (quiesce, commit-begin, commit-end, resume, the pairs
+            of :meth:`commit`, save, load) refused with ``Retry-After`` (503 ``QUEUE_FULL``,
+            409 ``MODEL_BUSY``, 503 ``SHUTTING_DOWN``: nothing changed) is sent again after the
+            header's wait while that is within this many seconds of the first try (30; 0:
+            never), then the last refusal is raised. :attr:`retries` counts them.
+
     HTTP goes over one keep-alive connection (``http.client``, the standard library; about
     0.05 ms above a bare round trip, where ``requests`` adds 0.5 to 3 ms: benchmarks/barrier.py)
-    straight to ``base_url``: no proxy environment variables, no ``~/.netrc``, no retries (a call
-    of the write cycle is never sent twice). The heartbeat thread has its own connection.
+    straight to ``base_url``: no proxy environment variables, no ``~/.netrc``. A call whose
+    answer was lost is never sent again (it may have been accepted); only a refusal with
+    ``Retry-After`` is retried (``retry_within_s``). The heartbeat thread has its own connection.
 
     Use as a context manager (leaving it detaches, also on an exception); an attachment still
     held at interpreter exit is detached then (``atexit``).
@@ -96,6 +109,7 @@ class WeightsClient:
         timeout: float = 120.0,
         heartbeat: bool = True,
         unix_socket: str | os.PathLike[str] | None = None,
+        retry_within_s: float = 30.0,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError("base_url must start with http:// or https://")
@@ -105,6 +119,9 @@ class WeightsClient:
             raise ValueError("token must be a non-empty string")
         self.base_url = base_url.rstrip("/")
         self.timeout = float(timeout)
+        self.retry_within_s = float(retry_within_s)
+        #: Barrier calls sent again after a refusal with ``Retry-After`` (``retry_within_s``).
+        self.retries = 0
         self._auth = _Bearer(token)
         self.unix_socket = None if unix_socket is None else os.fspath(unix_socket)
         self._session = _Connection(self.base_url, self.unix_socket)
@@ -135,7 +152,25 @@ class WeightsClient:
         body: Any = None,
         session: _Connection | None = None,
         timeout: float | None = None,
+        retry: bool = False,
+        started: float | None = None,
     ) -> dict[str, Any]:
+        """One call; ``retry``: a barrier call (``retry_within_s``, from ``started``)."""
+        if retry:
+            return call_retrying(
+                lambda: self._request(
+                    method,
+                    path,
+                    token=token,
+                    holder=holder,
+                    body=body,
+                    session=session,
+                    timeout=timeout,
+                ),
+                self.retry_within_s,
+                self._before_retry,
+                started,
+            )
         headers = {"Accept": "application/json"}
         if token:
             headers["Authorization"] = self._auth.header
@@ -154,6 +189,34 @@ class WeightsClient:
             method, path, payload, headers, timeout or self.timeout
         )
         return _unwrap(method, path, resp)
+
+    def _before_retry(self, exc: WeightsError, wait: float) -> None:
+        self.retries += 1
+        log.info("%s; sending it again in %.2f s (Retry-After)", exc, wait)
+        time.sleep(wait)
+
+    def _pair(
+        self, first: str, second: str
+    ) -> tuple[dict[str, Any] | TrainerError, dict[str, Any] | TrainerError]:
+        """:meth:`_pipelined` with ``retry_within_s``: both refused, the first with
+        ``Retry-After``: the pair again; only the second, with it: the second alone again."""
+        started = time.monotonic()
+        while True:
+            one, two = self._pipelined(first, second)
+            if isinstance(two, WeightsError):
+                refused = one if isinstance(one, BaseException) else two
+                wait = retry_wait(refused, started, self.retry_within_s)
+                if wait is not None and refused is one:
+                    self._before_retry(one, wait)
+                    continue
+                if wait is not None:  # the first was accepted: the second alone, again
+                    self._before_retry(two, wait)
+                    path = f"/api/weights/{second}"
+                    try:
+                        two = self._request("POST", path, holder=True, retry=True, started=started)
+                    except TrainerError as exc:
+                        two = exc
+            return one, two
 
     def _pipelined(
         self, first: str, second: str
@@ -270,21 +333,23 @@ class WeightsClient:
 
         Raises WeightsNotClean, AlreadyQuiesced, PauseInProgress, BarrierUnavailable,
         ModelBusy (reason drain_timeout), QueueFull."""
-        return self._request("POST", "/api/weights/quiesce", holder=True)
+        return self._request("POST", "/api/weights/quiesce", holder=True, retry=True)
 
     def commit_begin(self) -> dict[str, Any]:
         """POST /commit-begin: the weights are ``writing`` (write cycle 3).
         Raises NotQuiesced, WeightsNotClean, PauseInProgress."""
-        return self._request("POST", "/api/weights/commit-begin", holder=True)
+        return self._request("POST", "/api/weights/commit-begin", holder=True, retry=True)
 
     def commit_end(self) -> dict[str, Any]:
         """POST /commit-end: clean again, ``steps_since_load`` + 1 (write cycle 4). ``overran``
         is true when the watchdog had torn the set first. Raises NoOpenCommit."""
-        return self._ended(self._request("POST", "/api/weights/commit-end", holder=True))
+        return self._ended(
+            self._request("POST", "/api/weights/commit-end", holder=True, retry=True)
+        )
 
     def resume(self) -> dict[str, Any]:
         """POST /resume: release the held requests (write cycle 5). A no-op while serving."""
-        return self._request("POST", "/api/weights/resume", holder=True)
+        return self._request("POST", "/api/weights/resume", holder=True, retry=True)
 
     @contextlib.contextmanager
     def commit(self, *, end_on_error: bool = True) -> Iterator[CommitCycle]:
@@ -331,7 +396,7 @@ class WeightsClient:
         self._raise_terminal_heartbeat_error()
         cycle = CommitCycle()
         try:
-            quiesced, begun = self._pipelined("quiesce", "commit-begin")
+            quiesced, begun = self._pair("quiesce", "commit-begin")
         except TransportError as exc:  # no answer read: either call may have been accepted
             self._close_unknown(exc, "quiesce and commit-begin")
             raise
@@ -385,7 +450,7 @@ class WeightsClient:
             else:
                 cycle.resume = resumed
             raise
-        end, resumed = self._pipelined("commit-end", "resume")
+        end, resumed = self._pair("commit-end", "resume")
         if isinstance(end, BaseException):
             if isinstance(resumed, BaseException):
                 log.warning("resume failed: %s", resumed)
@@ -405,7 +470,11 @@ class WeightsClient:
         model_id, parent_id, steps_since_load, at}``. Raises WeightsNotClean, PauseInProgress,
         BarrierUnavailable, CheckpointExists."""
         return self._request(
-            "POST", "/api/weights/save", holder=True, body={} if name is None else {"name": name}
+            "POST",
+            "/api/weights/save",
+            holder=True,
+            body={} if name is None else {"name": name},
+            retry=True,
         )
 
     def load(self, *, checkpoint: str | None = None, model_id: int | None = None) -> dict[str, Any]:
@@ -421,7 +490,11 @@ class WeightsClient:
             raise ValueError("give exactly one of checkpoint or model_id")
         body = {"checkpoint": checkpoint} if checkpoint is not None else {"model_id": model_id}
         data = self._request(
-            "POST", "/api/weights/load", holder=self._attachment_id is not None, body=body
+            "POST",
+            "/api/weights/load",
+            holder=self._attachment_id is not None,
+            body=body,
+            retry=True,
         )
         self.steps_since_load = data.get("steps_since_load", self.steps_since_load)
         return data

@@ -195,10 +195,8 @@ def _refuse(
     )
 
 
-def _ignore(
-    trigger: str, note: str = "does not apply in this state", when: tuple[str, ...] = ()
-) -> Row:
-    return Row(trigger, tuple(when), (), (), (), (), None, True, None, note)
+def _ignore(trigger: str, note: str = "does not apply in this state") -> Row:
+    return Row(trigger, (), (), (), (), (), None, True, None, note)
 
 
 PAUSES = ("save", "weights_load", "adapter")
@@ -1154,7 +1152,6 @@ def build_rows() -> tuple[Row, ...]:
     # Appended last so that no earlier row's id moves.
     t = "fence_failed"
     r += [
-        _ignore(t, "a removed holder's commit is still open: the watchdog tears it", ("writing",)),
         _accept(
             t,
             when=("resident",),
@@ -1163,7 +1160,11 @@ def build_rows() -> tuple[Row, ...]:
             weights="torn",
             note='recover with a {"model_id": N} reload (fresh storages) or a restart',
         ),
-        _ignore(t, "nothing is resident, or a holder or a model transition came since"),
+        _ignore(
+            t,
+            "nothing is resident, a holder or a model transition came since, or the removed "
+            "holder's commit is still open (writing: the watchdog tears it)",
+        ),
     ]
     return tuple(_with_id(row, n) for n, row in enumerate(r))
 

@@ -7,9 +7,8 @@ BIN := $(VENV)/bin
 RUNTIME := $(VENV)/.installed-runtime
 DEV := $(VENV)/.installed
 DEMO := $(VENV)/.installed-demo
-GGUF := $(VENV)/.installed-gguf
 
-.PHONY: setup serve test quick lint check docs demo gguf
+.PHONY: setup serve test quick lint check docs demo
 
 $(RUNTIME): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,10 +27,6 @@ $(DEV): $(RUNTIME)
 $(DEMO): $(RUNTIME)
 	$(BIN)/python -m pip install -q -e ".[demo]"
 	touch $(DEMO)
-
-$(GGUF): $(RUNTIME)
-	$(BIN)/python -m pip install -q -e ".[gguf]"
-	touch $(GGUF)
 
 # Everything a developer needs (the dev extras).
 setup: $(DEV)
@@ -62,8 +57,6 @@ docs: $(DEV)
 	$(BIN)/miserver docs
 
 # The train-while-serving demo on the CPU (about six minutes), plot included.
+# PORT=9000 make demo serves on 9000, as PORT=9000 make serve does (default: a free port).
 demo: $(DEMO)
-	$(BIN)/python examples/train_while_serving.py --out demo-out
-
-# The optional GGUF backend (llama-cpp-python) for the q4 catalogue row.
-gguf: $(GGUF)
+	$(BIN)/python examples/train_while_serving.py --out demo-out $(if $(PORT),--port $(PORT))

@@ -29,7 +29,10 @@ def _help(variable: str, default: str, fmt: str, effect: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="miserver", description=__doc__.splitlines()[0])
+    # the docstring's first line without its reST markup: --help is plain text (issue 32, item 6)
+    parser = argparse.ArgumentParser(
+        prog="miserver", description=__doc__.splitlines()[0].replace("``", "")
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
         "serve",

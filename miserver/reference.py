@@ -80,6 +80,17 @@ def who(method: str, path: str) -> str:
     return "anyone (no token checked)"
 
 
+def code_meaning(name: str) -> str:
+    """What code ``name`` means and what to do: the table's default message (the message of
+    a refusal no row words on its own), or for a code whose answers always word their own,
+    :data:`miserver.spec.codes.MEANINGS` (never the code's name again)."""
+    from miserver.fsm.machine import refusal_message
+    from miserver.spec import codes
+
+    message = refusal_message(name)
+    return codes.MEANINGS.get(name, message) if message == name else message
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
@@ -124,7 +135,7 @@ def render() -> str:
         "",
         "## Error codes",
         "",
-        "| Code | Status | Reasons | `/v1` code, type | Message when no row gives its own |",
+        "| Code | Status | Reasons | `/v1` code, type | Meaning, and what to do |",
         "|---|---|---|---|---|",
     ]
     for name, code in codes.ALL.items():
@@ -132,7 +143,7 @@ def render() -> str:
         reasons = ", ".join(f"`{r}`" for r in code.reasons) or "(none)"
         lines.append(
             f"| `{name}` | {statuses} | {reasons} | `{code.wire}`, `{code.openai_type}` | "
-            f"{_cell(refusal_message(name))} |"
+            f"{_cell(code_meaning(name))} |"
         )
     lines += [
         "",

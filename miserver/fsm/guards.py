@@ -225,7 +225,9 @@ def _(s, c, e):
 @_g(
     "same_resident",
     "event resident",
-    "a model is resident and it is the one the waiting /v1 request was admitted for",
+    "a model is resident and it is the one the waiting /v1 request was admitted for (or "
+    "the model a weights load reloaded while the request was held, when it answers to the "
+    "name the request gave: issue 32, item 2)",
 )
 def _(s, c, e):
     return s.resident and e.same_resident

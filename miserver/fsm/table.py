@@ -1034,7 +1034,8 @@ def build_rows() -> tuple[Row, ...]:
             when=res,
             unless=("serving",),
             effects=(E.HOLD_REQUEST,),
-            note="held while draining, quiesced or writing",
+            note="held while draining, quiesced or writing; also through a weights load's "
+            "full reload (admitted again once the model is made; issue 32 item 2)",
         ),
         _accept(t, when=res, effects=(E.ADMIT,)),
         _refuse(t, codes.MODEL_NOT_LOADED, when=("refuse_policy",), status=409),

@@ -19,10 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_urldispatcher import _default_expect_handler
 
 from miserver.http import batches, keys, management, shutdown, weights
 from miserver.http.errors import SCRUB_SECRETS, json_errors_middleware
-from miserver.http.management_auth import management_auth_middleware
+from miserver.http.management_auth import management_auth_middleware, token_refusal
 from miserver.serving.engine.slot import Scheduler
 from miserver.serving.metrics import Metrics
 from miserver.serving.models.catalogue import Catalogue
@@ -46,11 +47,56 @@ def body_limit_middleware(max_bytes: int) -> Any:
     @web.middleware
     async def limit(request: web.Request, handler: Any) -> web.StreamResponse:
         length = request.content_length
-        if length is not None and length > max_bytes:
-            raise _too_large(request, length, max_bytes)
+        if length is not None and length > max_bytes and not _refused_unread(request):
+            raise _too_large(request, length, max_bytes)  # else the route's 401 goes first
         return await handler(request)
 
     return limit
+
+
+def _refused_unread(request: web.Request) -> bool:
+    """Whether the route refuses this request before it reads the body: a token-gated weights
+    route called without a valid token (:func:`miserver.http.weights.gated_route`), whose 401
+    goes out before any 413, so a caller without a token learns nothing about the body limit
+    of a route it may not call (issue 32, item 13). The route never reads such a body."""
+    unauthenticated = getattr(request.match_info.handler, "unauthenticated", None)
+    return unauthenticated is not None and bool(unauthenticated(request))
+
+
+def body_unwanted(request: web.Request) -> bool:
+    """Whether the request will be answered without its body being read: a body declared over
+    ``MAX_REQUEST_BYTES`` (413), a token-gated route without a valid token (401; in operator
+    mode a guarded route without an operator token, 401/403), a body of a type the route does
+    not read (415). The ``Expect: 100-continue`` handler sends no ``100 Continue`` then, so the
+    client never sends the body (RFC 9110, 10.1.1; issue 32, item 13)."""
+    settings = request.app.get(keys.SETTINGS)
+    if settings is None:
+        return False
+    length = request.content_length
+    if length is not None and length > settings.max_request_bytes:
+        return True
+    if _refused_unread(request):
+        return True
+    if settings.management_auth == "operator" and token_refusal(request) is not None:
+        return True
+    return "Content-Type" in request.headers and _media_refusal(request) is not None
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """The ``Expect`` handler of every route: ``100 Continue`` only for a request whose body
+    will be read (:func:`body_unwanted`); otherwise nothing, and the middlewares' final answer
+    (413, 401, 403, 415) is the only one. Any other ``Expect`` is aiohttp's 417 (the connection
+    layer refuses it as JSON before routing: :func:`miserver.http.protocol.screen_request`)."""
+    if body_unwanted(request):
+        return None
+    return await _default_expect_handler(request)
+
+
+def use_expect_continue(app: web.Application) -> None:
+    """Put :func:`expect_continue` on every route of ``app`` (call once all routes exist)."""
+    for route in app.router.routes():
+        if hasattr(route, "_expect_handler"):
+            route._expect_handler = expect_continue
 
 
 def _too_large(request: web.Request, length: int, max_bytes: int) -> ApiError:
@@ -75,8 +121,8 @@ def body_checks_middleware(max_bytes: int) -> Any:
     @web.middleware
     async def checks(request: web.Request, handler: Any) -> web.StreamResponse:
         length = request.content_length
-        if length is not None and length > max_bytes:
-            raise _too_large(request, length, max_bytes)
+        if length is not None and length > max_bytes and not _refused_unread(request):
+            raise _too_large(request, length, max_bytes)  # else the route's 401 goes first
         if "Content-Type" in request.headers:
             err = _media_refusal(request)
             if err is not None:
@@ -270,6 +316,10 @@ def create_app(
     batches.setup_routes(app)  # /v1/files, /v1/batches and the batch runner (contract 7)
 
     async def on_startup(app: web.Application) -> None:
+        use_expect_continue(app)  # every route, those added after create_app included
+        warning = settings.training_warning(scheduler.max_concurrent)
+        if warning is not None:  # issue 32, item 5: training is impossible, said once
+            log.warning(warning)
         app[keys.STARTUP_LOAD] = asyncio.create_task(
             load_default_model(app), name="miserver-default-load"
         )

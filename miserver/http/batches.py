@@ -27,6 +27,7 @@ from aiohttp import BodyPartReader, web
 
 from miserver.http import keys
 from miserver.http.errors import json_response, openai_error_body, refuse_secret_name
+from miserver.http.openai_schema import check_body
 from miserver.http.v1 import run_completion
 from miserver.serving.batches.input_file import BatchRequestError
 from miserver.serving.batches.runner import BLOCKING_REASONS, BatchRunner, RowDeferred, RowExecutor
@@ -47,6 +48,17 @@ _IGNORED_FILE_FIELDS = frozenset({"expires_after[anchor]", "expires_after[second
 _READ_CHUNK = 1 << 16
 
 ExecutorSource = RowExecutor | Callable[[web.Application], RowExecutor]
+
+
+def body_problem(url: str, body: dict[str, Any]) -> str | None:
+    """What ``url``'s route would refuse in a Batch line's ``body`` before it looks at a model
+    (:func:`miserver.http.openai_schema.check_body`), as ``body.<field>: ...``; None if nothing."""
+    try:
+        check_body(url, body)
+    except ApiError as err:
+        where = f"body.{err.param}" if err.param else "body"
+        return f"{where}: {err.message}"
+    return None
 
 
 def _api_error(exc: BatchRequestError) -> ApiError:
@@ -354,6 +366,7 @@ def setup_routes(
     if scheduler is not None:
         chunk_size = max(chunk_size, scheduler.max_batch_size)
     store = BatchStore(home)
+    store.body_check = body_problem  # every line's body, as its route checks it (issue 32)
     runner = BatchRunner(store, None, chunk_size=chunk_size, poll_s=poll_s)
     app[BATCH_STORE] = store
     app[BATCH_RUNNER] = runner

@@ -9,6 +9,7 @@ nothing changes. No route here needs a token.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from datetime import datetime
 from pathlib import Path
@@ -19,6 +20,7 @@ from aiohttp import web
 
 from miserver.http import keys
 from miserver.http.errors import ok, refuse_secret_name
+from miserver.http.path_privacy import path_syntax_ok, private_path_refusal
 from miserver.serving.models import checkpoints
 from miserver.serving.models.catalogue import (
     DTYPES,
@@ -31,7 +33,9 @@ from miserver.serving.models.loader import check_weight_files
 from miserver.serving.weights.jobs import refuse_applied_adapter_name
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
-from miserver.spec.json_syntax import decode_error_message
+from miserver.spec.json_syntax import decode_error_message, plain_validation_message
+
+log = logging.getLogger("miserver.management")
 
 T = TypeVar("T")
 
@@ -112,14 +116,12 @@ def decode_body(body: bytes, type_: type[T], *, hints: dict[str, str] | None = N
             ) from None
         if missing:
             field = missing.group(1)
-            raise _invalid(f"missing required field {field!r}", field) from None
+            raise _invalid(f"{field} is required", field) from None
         field = at.group(1) if at else None
         detail = _FIELD_AT.sub("", text)
         if field is None and detail.startswith("Expected `object`"):
-            raise _invalid(f"the request body must be a JSON object ({detail})", None) from None
-        raise _invalid(
-            f"invalid value for {field!r}: {detail}" if field else detail, field
-        ) from None
+            raise _invalid("the request body must be a JSON object", None) from None
+        raise _invalid(plain_validation_message(detail, field), field) from None
     except (msgspec.DecodeError, RecursionError) as exc:
         raise _invalid(decode_error_message(body, exc), None) from None
 
@@ -295,7 +297,13 @@ async def register_model(request: web.Request) -> web.Response:
             details={"name": body.name, "model_id": existing.id},
         )
     refuse_applied_adapter_name(request.app[keys.HOST], body.name, "this row")
-    found = inspect_model_path(body)
+    syntax_ok = path_syntax_ok(body.path)
+    try:
+        found = inspect_model_path(body)
+    except ApiError as exc:
+        if syntax_ok and exc.param == "path":  # it looked at the server's files
+            raise private_path_refusal(request, exc) from None
+        raise
     try:
         row = catalogue.register(name=body.name, origin="model", **found)  # type: ignore[arg-type]
     except DuplicateName as exc:
@@ -429,11 +437,17 @@ _SETTINGS_HINTS = {
 }
 
 
+def _continuous_batching(app: web.Application) -> bool:
+    """Whether ``CONTINUOUS_BATCHING`` is on: the lifecycle's pause availability is ``cbm``
+    (the one record of it, set at start and by :func:`patch_settings`; contract 1)."""
+    return app[keys.WEIGHTS].lifecycle.state.avail == "cbm"
+
+
 def _settings_view(app: web.Application) -> dict[str, Any]:
     scheduler = app[keys.SCHEDULER]
     return {
         "max_concurrent_requests": scheduler.max_concurrent,
-        "continuous_batching": False,
+        "continuous_batching": _continuous_batching(app),
         "max_queued_requests": scheduler.max_queued,
     }
 
@@ -445,14 +459,14 @@ async def get_settings(request: web.Request) -> web.Response:
 
 async def patch_settings(request: web.Request) -> web.Response:
     """``PATCH /api/settings``: change any of ``max_concurrent_requests``,
-    ``continuous_batching`` (only false: not implemented), ``max_queued_requests``."""
+    ``continuous_batching`` (the weights page's cbm) and ``max_queued_requests`` (contract 1).
+
+    The resulting pause availability (``cbm`` while continuous batching is on, else
+    ``concurrency`` while ``MAX_CONCURRENT_REQUESTS`` is not 1, else ``ok``) goes through the
+    lifecycle table: 409 MODEL_BUSY while the barrier is held or a commit is open; accepted
+    while a trainer is attached and idle (its next quiesce is then 409 BARRIER_UNAVAILABLE).
+    """
     patch = await read_body(request, SettingsPatch, hints=_SETTINGS_HINTS)
-    if patch.continuous_batching is True:
-        raise _invalid(
-            "continuous batching is not implemented in this version; "
-            "continuous_batching can only be false",
-            "continuous_batching",
-        )
     kwargs = {}
     if patch.max_concurrent_requests is not msgspec.UNSET:
         kwargs["max_concurrent"] = patch.max_concurrent_requests
@@ -462,9 +476,20 @@ async def patch_settings(request: web.Request) -> web.Response:
     # The lifecycle decides (409 MODEL_BUSY while the barrier is held or weights are writing,
     # its message and details the table's; contract 1) and records the resulting pause
     # availability (weights page: Status).
-    await request.app[keys.WEIGHTS].settings_change("ok" if concurrency == 1 else "concurrency")
+    scheduler = request.app[keys.SCHEDULER]
+    continuous = (
+        _continuous_batching(request.app)
+        if patch.continuous_batching is msgspec.UNSET
+        else patch.continuous_batching
+    )
+    avail = "cbm" if continuous else ("ok" if concurrency == 1 else "concurrency")
+    await request.app[keys.WEIGHTS].settings_change(avail)
+    before = scheduler.max_concurrent
     if kwargs:
-        request.app[keys.SCHEDULER].set_limits(**kwargs)
+        scheduler.set_limits(**kwargs)
+    warning = request.app[keys.SETTINGS].training_warning(scheduler.max_concurrent)
+    if warning is not None and before <= 1:  # the barrier just went off (issue 32, item 5)
+        log.warning(warning)
     return ok(_settings_view(request.app))
 
 
@@ -540,7 +565,10 @@ def _not_attachable(app: web.Application) -> dict[str, Any] | None:
 
 async def health_detailed(request: web.Request) -> web.Response:
     """``GET /api/health/detailed``: resident model, device, queue, weights summary. A resident
-    that cannot be attached says why (``resident.not_attachable: {reason, message}``)."""
+    that cannot be attached says why (``resident.not_attachable: {reason, message}``).
+    ``warnings``: what the operator should know about the configuration, one line each (empty
+    when none): a trainer token with ``MAX_CONCURRENT_REQUESTS`` above 1, the barrier off
+    (:meth:`~miserver.spec.settings.Settings.training_warning`, issue 32 item 5)."""
     app = request.app
     host = app[keys.HOST]
     scheduler = app[keys.SCHEDULER]
@@ -563,6 +591,9 @@ async def health_detailed(request: web.Request) -> web.Response:
                 "max_queued_requests": scheduler.max_queued,
             },
             "weights": weights_summary(app),
+            "warnings": [
+                w for w in (app[keys.SETTINGS].training_warning(scheduler.max_concurrent),) if w
+            ],
         }
     )
 

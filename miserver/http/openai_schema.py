@@ -1,9 +1,10 @@
 """The request bodies of ``/v1`` (OpenAI-compatible) and their strict validation (contract 4).
 
 Bodies are decoded with msgspec into the Structs below, strictly: a boolean is not an integer, a
-string is not a number, ``1.0`` is not an integer. Fields OpenAI defines that miserver does not
-act on are accepted and ignored (listed per request type in ``IGNORED_*``); any other field is a
-400 naming it. Range checks that need no model (``temperature`` 0..2, ``top_p`` (0, 1], ``n`` at least 1 (its upper bound, ``MAX_BATCH_SIZE``, is a setting: checked by the route),
+string is not a number, ``1.0`` is not an integer. No OpenAI field is silently ignored (issue
+33): each is honoured, or accepted only at the values that change nothing (``frequency_penalty``
+0, ``modalities`` ``["text"]``, ...: :data:`ONLY_WHEN`), any other value a 400 naming it; any
+field OpenAI does not define is a 400 naming it. Range checks that need no model (``temperature`` 0..2, ``top_p`` (0, 1], ``n`` at least 1 (its upper bound, ``MAX_BATCH_SIZE``, is a setting: checked by the route),
 at most 4 non-empty stop sequences, ...) are made here; checks against the model's context window
 are made by :mod:`miserver.http.v1` once the prompt is tokenized.
 
@@ -20,7 +21,7 @@ import msgspec
 
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
-from miserver.spec.json_syntax import decode_error_message
+from miserver.spec.json_syntax import decode_error_message, plain_validation_message
 
 #: Seeds a ``torch.Generator`` accepts.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -30,10 +31,11 @@ MAX_COMPLETION_LOGPROBS = 5
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` and no choices."""
+    """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` and no choices.
+    ``include_obfuscation`` (OpenAI's padding of stream chunks) only false: none is added."""
 
     include_usage: bool | None = None
-    include_obfuscation: bool | None = None  # OpenAI's; ignored (no obfuscation is added)
+    include_obfuscation: bool | None = None
 
 
 class TextPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -43,15 +45,33 @@ class TextPart(msgspec.Struct, forbid_unknown_fields=True):
     text: str
 
 
-class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    """One message. Roles: system, developer (treated as system), user, assistant."""
+class ToolCallFunction(msgspec.Struct, forbid_unknown_fields=True):
+    """``tool_calls[i].function`` of an assistant message: ``arguments`` is JSON text."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    name: str
+    arguments: str
+
+
+class MessageToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    """One call an assistant message made (its ``id`` is what a ``tool`` message answers)."""
+
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """One message. Roles: system, developer (treated as system), user, assistant, tool (the
+    result of an assistant's call: ``tool_call_id`` names it)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    # OpenAI defines these on assistant messages; accepted and ignored.
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    # OpenAI's other assistant-message fields: a refusal is history text the template cannot
+    # show (accepted only null); audio and the deprecated function_call are a 400.
     refusal: str | None = None
-    tool_calls: Any = None
     function_call: Any = None
     audio: Any = None
 
@@ -73,19 +93,19 @@ class ChatCompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
     user: str | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    # Defined by OpenAI, accepted and ignored (see IGNORED_CHAT).
+    response_format: Any = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # Defined by OpenAI; accepted only at the values that change nothing (ONLY_WHEN).
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: Any = None
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
@@ -114,36 +134,70 @@ class CompletionRequest(msgspec.Struct, forbid_unknown_fields=True):
     logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None
-    # Defined by OpenAI, accepted and ignored (see IGNORED_COMPLETION).
+    response_format: Any = None
+    # Defined by OpenAI; accepted only at the values that change nothing (ONLY_WHEN).
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
 
 
-IGNORED_CHAT = (
-    "frequency_penalty",
-    "presence_penalty",
-    "logit_bias",
-    "metadata",
-    "store",
-    "service_tier",
-    "parallel_tool_calls",
-    "tools",
-    "tool_choice",
-    "functions",
-    "function_call",
-    "response_format",
-    "modalities",
-    "audio",
-    "prediction",
-    "reasoning_effort",
-    "verbosity",
-    "web_search_options",
-    "prompt_cache_key",
-    "safety_identifier",
-)
-IGNORED_COMPLETION = ("frequency_penalty", "presence_penalty", "logit_bias", "suffix")
+#: The OpenAI fields miserver does not act on, with the values accepted because they change
+#: nothing (None, the field's absence, always is); any other value is a 400 naming the field
+#: and saying why (docs/openai-compatibility.md, "Fields"). ``user``, ``safety_identifier``
+#: and ``prompt_cache_key`` are not here: they identify the caller or a cache bucket and never
+#: change an answer (also at OpenAI), so every value is accepted.
+ONLY_WHEN: dict[str, tuple[Any, str]] = {
+    "frequency_penalty": (
+        lambda v: v == 0,
+        "penalties are not implemented; send 0 or leave it out",
+    ),
+    "presence_penalty": (lambda v: v == 0, "penalties are not implemented; send 0 or leave it out"),
+    "logit_bias": (lambda v: not v, "logit_bias is not implemented; send {} or leave it out"),
+    "metadata": (lambda v: not v, "miserver stores no completions (store is not supported)"),
+    "store": (lambda v: v is False, "miserver stores no completions; send false or leave it out"),
+    "service_tier": (
+        lambda v: v in ("auto", "default"),
+        "miserver has one service tier: send auto or default, or leave it out",
+    ),
+    "functions": (lambda v: False, "functions is deprecated by OpenAI: send tools"),
+    "function_call": (lambda v: False, "function_call is deprecated by OpenAI: send tool_choice"),
+    "modalities": (lambda v: v == ["text"], 'only text output: send ["text"] or leave it out'),
+    "audio": (lambda v: False, "audio output is not supported (text models)"),
+    "prediction": (lambda v: False, "predicted outputs are not supported"),
+    "reasoning_effort": (lambda v: False, "reasoning_effort is for OpenAI's reasoning models"),
+    "verbosity": (lambda v: False, "verbosity is for OpenAI's reasoning models"),
+    "web_search_options": (lambda v: False, "web search is not supported"),
+    "suffix": (lambda v: v == "", "suffix (insertion) is not supported; leave it out"),
+}
+
+
+def check_only_when(req: Any) -> None:
+    """Refuse an OpenAI field miserver does not act on, sent with a value that would change
+    the answer (:data:`ONLY_WHEN`), and the same on messages and ``stream_options``.
+
+    Raises:
+        ApiError: 400 INVALID_REQUEST naming the field.
+    """
+    for name, (accepted, why) in ONLY_WHEN.items():
+        value = getattr(req, name, None)
+        if value is not None and not accepted(value):
+            raise _bad(f"unsupported value of {name}: {why}", name)
+    options = req.stream_options
+    if options is not None and options.include_obfuscation:
+        raise _bad(
+            "stream_options.include_obfuscation: miserver adds no obfuscation; send false",
+            "stream_options.include_obfuscation",
+        )
+    for i, message in enumerate(getattr(req, "messages", None) or ()):
+        for name, why in (
+            ("refusal", "a refusal cannot be shown to the model; put it in content"),
+            ("audio", "audio is not supported (text models)"),
+            ("function_call", "function_call is deprecated by OpenAI: send tool_calls"),
+        ):
+            if getattr(message, name) is not None:
+                raise _bad(f"unsupported messages[{i}].{name}: {why}", f"messages[{i}].{name}")
+
 
 _AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 _UNKNOWN = re.compile(r"Object contains unknown field `(?P<field>[^`]+)`")
@@ -193,14 +247,19 @@ def decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
         if message.startswith("Invalid enum value") and param and param.endswith(".role"):
             raise _bad(
                 f"{message.replace('Invalid enum value', 'unsupported role')} at {param}: "
-                "roles are system, developer, user and assistant",
+                "roles are system, developer, user, assistant and tool",
                 param,
             ) from None
-        if message.startswith("Invalid enum value") and param and param.endswith(".type"):
+        if (
+            message.startswith("Invalid enum value")
+            and param
+            and param.endswith(".type")
+            and ".content" in param
+        ):
             raise _bad(
                 f"unsupported content part type at {param}: only text parts are supported", param
             ) from None
-        raise _bad(f"{message}" + (f" at {param}" if param else ""), param) from None
+        raise _bad(plain_validation_message(message, param), param) from None
     except (msgspec.DecodeError, RecursionError) as exc:
         raise _bad(decode_error_message(body, exc), None) from None
 
@@ -224,6 +283,7 @@ def check_common(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, .
         raise _bad(f"seed must be within [{SEED_MIN}, {SEED_MAX}]", "seed")
     if req.stream_options is not None and not req.stream:
         raise _bad("stream_options is only allowed when stream is true", "stream_options")
+    check_only_when(req)
     stops: tuple[str, ...]
     if req.stop is None:
         stops = ()
@@ -270,6 +330,20 @@ def check_chat(req: ChatCompletionRequest) -> tuple[str, ...]:
             )
         if message.content is None and message.tool_calls is None:
             raise _bad(f"messages[{i}].content is required", f"messages[{i}].content")
+        if message.tool_calls is not None and message.role != "assistant":
+            raise _bad(
+                f"messages[{i}].tool_calls is only for role assistant", f"messages[{i}].tool_calls"
+            )
+        if message.role == "tool" and not message.tool_call_id:
+            raise _bad(
+                f"messages[{i}].tool_call_id is required for role tool (the id of the call "
+                "it answers)",
+                f"messages[{i}].tool_call_id",
+            )
+        if message.role != "tool" and message.tool_call_id is not None:
+            raise _bad(
+                f"messages[{i}].tool_call_id is only for role tool", f"messages[{i}].tool_call_id"
+            )
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise _bad(
             "give one of max_tokens and max_completion_tokens, not both", "max_completion_tokens"
@@ -327,3 +401,22 @@ def check_completion(req: CompletionRequest) -> tuple[PromptSpec, tuple[str, ...
             "logprobs",
         )
     return prompt, stops
+
+
+def check_body(endpoint: str, body: Any) -> None:
+    """Every check ``endpoint`` (``/v1/chat/completions`` or ``/v1/completions``) makes of a
+    decoded JSON ``body`` before it looks at a model: the strict schema (:func:`decode`) and
+    :func:`check_chat` / :func:`check_completion`. A Batch input line's body is checked so at
+    upload (contract 7; issue 32, item 13); what needs the model (the context window, ``n``
+    against ``MAX_BATCH_SIZE``, the model's name) is checked when the row runs.
+
+    Raises:
+        ApiError: 400 INVALID_REQUEST naming the field, as the route would answer.
+        ValueError: ``endpoint`` is neither route.
+    """
+    if endpoint == "/v1/chat/completions":
+        check_chat(decode(msgspec.json.encode(body), ChatCompletionRequest))
+    elif endpoint == "/v1/completions":
+        check_completion(decode(msgspec.json.encode(body), CompletionRequest))
+    else:
+        raise ValueError(f"no request body is defined for {endpoint!r}")

@@ -14,7 +14,9 @@ the app through a :class:`~aiohttp.web_protocol.RequestHandler` whose only chang
 :meth:`JsonErrorRequestHandler.handle_error`: the management error envelope, a message that says
 what was wrong and what to do, and a log line that names the fault without the request's bytes.
 The same handler keeps a half-closed connection open until the requests it already carried
-are answered (:meth:`JsonErrorRequestHandler.eof_received`), bounds the wait for a request's
+are answered (:meth:`JsonErrorRequestHandler.eof_received`), answers the valid requests of a
+read before the one it cannot parse (:meth:`JsonErrorRequestHandler._parse_rest`; aiohttp dropped
+them all), bounds the wait for a request's
 head (``HEADER_READ_TIMEOUT_S``) and for each further byte of its body
 (``BODY_READ_TIMEOUT_S``), and never writes the ``499`` of a client that went away. Before
 routing, :func:`screen_request` refuses what aiohttp would accept but misread or answer in
@@ -38,8 +40,8 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import compression_utils, http_exceptions, web
-from aiohttp.http import HttpVersion10, HttpVersion11
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.http import HttpRequestParser, HttpVersion10, HttpVersion11
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 
 from miserver.http.errors import (
     CLIENT_GONE_STATUS,
@@ -382,6 +384,7 @@ class JsonErrorRequestHandler(RequestHandler):
     def data_received(self, data: bytes) -> None:
         before = self._request_count
         super().data_received(data)
+        self._parse_rest()
         watch = _BODY_WATCH.get(id(self))
         if watch is not None and data:
             watch.last = self._loop.time()  # the body (or what follows it) is coming
@@ -401,6 +404,30 @@ class JsonErrorRequestHandler(RequestHandler):
         elif data and id(self) in _HEAD_TIMERS and not _HEAD_TIMERS[id(self)][1]:
             handle, _ = _HEAD_TIMERS[id(self)]
             _HEAD_TIMERS[id(self)] = (handle, True)
+
+    def _parse_rest(self) -> None:
+        """Take the further requests of what was read, one at a time, until the queue holds
+        aiohttp's maximum (the rest waits in the parser, as aiohttp's own pause leaves it).
+
+        The parser stops after each request (:meth:`JsonErrorServer.__call__` builds it so):
+        aiohttp's feeds a whole read at once, and one request it cannot parse makes it drop
+        every request of that read, so a valid request pipelined before a malformed one was
+        neither run nor answered. Now the valid ones are queued first, then the 400 (issue 32,
+        item 13).
+        """
+        while (
+            self._parser is not None
+            and self._payload_parser is None
+            and not self._upgraded
+            and not self._force_close
+            and not self._close
+            and len(self._messages) < getattr(self, "_max_msg_queue_size", 32)
+            and not (self._messages and isinstance(self._messages[-1][0], _ErrInfo))
+        ):
+            count = self._request_count
+            super().data_received(b"")  # the parser's buffered rest: at most one request
+            if self._request_count == count:
+                return
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm_head_timer()
@@ -509,6 +536,22 @@ class JsonErrorServer(web.Server):
         handler = super().__call__()  # aiohttp builds it with every configured option
         # Same slots layout (the subclass adds none), so only the methods change.
         handler.__class__ = JsonErrorRequestHandler
+        # aiohttp's parser, except that it stops after each request, buffering the rest of
+        # the read (its own queue limit, 1): JsonErrorRequestHandler._parse_rest takes them.
+        # An aiohttp before the per-message pause (3.14) keeps its own parser (TypeError): a
+        # malformed request there still drops the ones before it in the same read.
+        with contextlib.suppress(TypeError, AttributeError):
+            handler._parser = HttpRequestParser(
+                handler,
+                handler._loop,
+                handler._read_bufsize,
+                max_line_size=handler.max_line_size,
+                max_field_size=handler.max_field_size,
+                max_headers=handler.max_headers,
+                payload_exception=RequestPayloadError,
+                auto_decompress=self._kwargs.get("auto_decompress", True),
+                max_msg_queue_size=1,
+            )
         return handler
 
 
@@ -647,11 +690,17 @@ def run_app(
         loop = asyncio.get_running_loop()
         stop, force = asyncio.Event(), asyncio.Event()
 
-        def on_signal() -> None:  # the first stops, a second ends the grace at once
-            (force if stop.is_set() else stop).set()
+        def on_signal(sig: signal.Signals) -> None:  # the first stops, a second ends the grace
+            if stop.is_set():
+                force.set()
+                return
+            state = app.get(SHUTDOWN)
+            if state is not None:  # the messages name it: a Ctrl-C is SIGINT
+                state.signal = sig.name
+            stop.set()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal)
+            loop.add_signal_handler(sig, on_signal, sig)
         await runner.setup()
         unix: tuple[str, tuple[int, int]] | None = None
         try:

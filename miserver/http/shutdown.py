@@ -1,4 +1,7 @@
-"""Graceful shutdown on SIGTERM (and SIGINT): drain, then stop (issue 16, item 2).
+"""Graceful shutdown on SIGTERM (and SIGINT, a Ctrl-C): drain, then stop (issue 16, item 2).
+
+Every message names the signal that came (issue 32, item 6) and, when a second signal ended the
+grace early, says so with the seconds that had passed.
 
 What a Kubernetes or systemd operator expects of a server told to stop:
 
@@ -46,6 +49,12 @@ class ShutdownState:
     draining: bool = False
     cancelling: bool = False
     started: float = 0.0
+    #: The signal that started the shutdown (``SIGTERM``, ``SIGINT`` for a Ctrl-C).
+    signal: str = "SIGTERM"
+    #: A second signal ended the grace before ``grace_s``.
+    forced: bool = False
+    #: Seconds from the first signal to the end of the grace (set when it ends).
+    ended_after: float | None = None
     inflight: dict[asyncio.Task, web.BaseRequest] = field(default_factory=dict)
     _idle: asyncio.Event | None = None
 
@@ -58,21 +67,29 @@ class ShutdownState:
         """The answer to a request that arrives while draining."""
         return ApiError(
             codes.SHUTTING_DOWN,
-            "the server is shutting down (SIGTERM) and takes no new requests; retry after "
+            f"the server is shutting down ({self.signal}) and takes no new requests; retry after "
             "Retry-After seconds, on this server once restarted or on another replica",
             headers={"Retry-After": self.retry_after()},
         )
 
     def cut_error(self) -> ApiError:
         """The answer (or a stream's last event) for a request that was running when the
-        signal came and was still running at the end of the grace."""
+        signal came and was still running at the end of the grace (or at a second signal)."""
         return ApiError(
             codes.SHUTTING_DOWN,
-            f"the server is shutting down (SIGTERM): this request was still running "
-            f"{self.grace_s:g} s (SHUTDOWN_GRACE_S) after the signal and was ended unfinished; "
-            "retry it on another replica, or on this server once restarted",
+            f"the server is shutting down ({self.signal}): this request was still running "
+            f"{self.when_ended()} and was ended unfinished; retry it on another replica, or on "
+            "this server once restarted",
             headers={"Retry-After": self.retry_after()},
         )
+
+    def when_ended(self) -> str:
+        """When the grace ended, in words: ``10 s (SHUTDOWN_GRACE_S) after the signal``, or
+        ``when a second signal came, 2.3 s after the first``."""
+        if self.forced:
+            elapsed = self.ended_after if self.ended_after is not None else 0.0
+            return f"when a second signal came, {elapsed:.1f} s after the first"
+        return f"{self.grace_s:g} s (SHUTDOWN_GRACE_S) after the signal"
 
 
 #: Liveness: answered as usual while draining (the process is alive; see the module docstring).
@@ -151,7 +168,9 @@ async def drain(app: web.Application, *, force: asyncio.Event | None = None) -> 
     if not state.inflight:
         state._idle.set()
     log.info(
-        "shutting down: %d request(s) running or queued, waiting up to %g s (SHUTDOWN_GRACE_S)",
+        "shutting down (%s): %d request(s) running or queued, waiting up to %g s "
+        "(SHUTDOWN_GRACE_S; a second signal ends the wait)",
+        state.signal,
         len(state.inflight),
         state.grace_s,
     )
@@ -163,7 +182,9 @@ async def drain(app: web.Application, *, force: asyncio.Event | None = None) -> 
     finally:
         for w in waits:
             w.cancel()
+    state.ended_after = time.monotonic() - state.started
     cut = list(state.inflight.items())
+    state.forced = bool(cut) and force is not None and force.is_set()
     if not cut:
         log.info("shutting down: every request finished")
         return 0
@@ -175,9 +196,9 @@ async def drain(app: web.Application, *, force: asyncio.Event | None = None) -> 
         task.cancel()
     await asyncio.wait([t for t, _ in cut], timeout=5.0)
     log.warning(
-        "shutting down: %d request(s) still running after %g s were ended with 503 "
-        "SHUTTING_DOWN (streams with an error event)",
+        "shutting down: ended %d request(s) still running %s, with 503 SHUTTING_DOWN "
+        "(streams with an error event)",
         len(cut),
-        state.grace_s,
+        state.when_ended(),
     )
     return len(cut)

@@ -78,6 +78,7 @@ from miserver.serving.engine.generation import (
     StaticBatch,
 )
 from miserver.serving.engine.slot import Grant, Priority, Unit
+from miserver.serving.models.gguf import GGUFBatch
 from miserver.serving.models.host import Resident
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
@@ -203,7 +204,8 @@ def _join_batch(app: web.Application, grant: Grant, job: Job) -> list[Generation
     every member has joined or left (:meth:`~miserver.serving.engine.slot.SlotBatch.when_ready`)."""
     batch = grant.batch
     if batch.work is None:
-        work = batch.work = StaticBatch()
+        # A GGUF resident's sequences run on llama.cpp's slots (contract 4a).
+        work = batch.work = GGUFBatch() if job.resident.kind == "gguf" else StaticBatch()
         metrics = app.get(keys.METRICS)
 
         def start() -> None:
@@ -245,8 +247,8 @@ async def _generation(
             the first token.
         RequestCancelled: ``cancelled()`` became true while waiting for the slot.
     """
-    grant = await acquire_slot(
-        app, job.resident, priority, cancelled, job.adapter, job.n, unit=unit
+    grant, job.resident = await acquire_slot(
+        app, job.resident, priority, cancelled, job.adapter, job.n, unit=unit, model=job.model
     )
     scheduler = app[keys.SCHEDULER]
 

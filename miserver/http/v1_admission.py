@@ -21,6 +21,7 @@ from miserver.http import keys
 from miserver.serving.engine.generation import SamplingParams
 from miserver.serving.engine.slot import Grant, Priority, QueueFull, Unit
 from miserver.serving.models.host import Resident, normalize_load_policy
+from miserver.serving.weights.admission import RELOAD_WAIT_S
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
 
@@ -77,6 +78,23 @@ def _operator_gate_refusal(
     )
 
 
+def _setting_refusal(err: ApiError, model: str, row_id: int, resident: str | None) -> ApiError:
+    """The table's 409 MODEL_NOT_LOADED for an auto-load that ``V1_LOAD_POLICY=refuse``
+    refused (issue 32, item 3), worded for ``/v1``: which model is served, and how an operator
+    loads the one named."""
+    served = f"the served model is {resident!r}" if resident else "nothing is resident"
+    return ApiError(
+        codes.MODEL_NOT_LOADED,
+        f"model {model!r} is not resident ({served}), and this server never loads a model for "
+        f"a /v1 request (V1_LOAD_POLICY=refuse): name the served model, or have an operator "
+        f"load it (POST /api/models/{row_id}/load)",
+        status=409,
+        details={"model": model, "model_id": row_id, "resident": resident},
+        param="model",
+        headers=err.headers,
+    )
+
+
 async def admit(
     app: web.Application,
     model: str,
@@ -93,12 +111,16 @@ async def admit(
     request will wait at (a batch row, ``Priority.BATCH``, is never refused QUEUE_FULL). The
     lifecycle table decides (serve / hold / refuse / auto-load, and after an auto-load whether
     the request may go on); the scheduler then holds a held request until the barrier is
-    released. ``may_load`` False (:func:`caller_may_load`) refuses an auto-load as the refuse
-    policy does, in the table's same row, with a message naming the served model and how to load.
+    released; one held through a weights load's full reload waits for the reloaded model and
+    is admitted again (503 NOT_READY with ``Retry-After`` past :data:`RELOAD_WAIT_S`; issue 32,
+    item 2). ``may_load`` False (:func:`caller_may_load`) refuses an auto-load as the refuse
+    policy does, in the table's same row, with a message naming the served model and how to load;
+    so does the setting ``V1_LOAD_POLICY=refuse``, for every request (issue 32, item 3).
 
     Raises:
-        ApiError: 404 MODEL_NOT_FOUND, 409 MODEL_NOT_LOADED (policy refuse, or ``may_load``
-            False for a row that is not resident), 409 MODEL_BUSY
+        ApiError: 404 MODEL_NOT_FOUND, 409 MODEL_NOT_LOADED (policy refuse, the setting
+            ``V1_LOAD_POLICY=refuse``, or ``may_load`` False for a row that is not resident),
+            409 MODEL_BUSY
             (a load is in progress, or the model was unloaded or changed while the request
             waited for its auto-load: with ``Retry-After``), 400 INVALID_REQUEST (an unknown
             policy), the lifecycle's refusals (409 ALREADY_ATTACHED, 503 WEIGHTS_TORN /
@@ -107,19 +129,32 @@ async def admit(
             the previous model was loaded back when it could be).
     """
     host = app[keys.HOST]
+    weights = app[keys.WEIGHTS]
     policy = normalize_load_policy(load_policy)
+    pinned = app[keys.SETTINGS].v1_load_policy == "refuse" and policy != "refuse"
+    gated = not may_load and policy != "refuse" and not pinned
+    deadline = asyncio.get_running_loop().time() + RELOAD_WAIT_S
     row_id = None
-    if not host.answers_to(model):  # the resident, or the one a running swap replaces
-        row_id = host.resolve_or_not_found(model).id
-    gated = not may_load and policy != "refuse"
     try:
-        return await app[keys.WEIGHTS].admit_v1(
-            refuse_policy=policy == "refuse" or not may_load, row_id=row_id, priority=priority
-        )
+        while True:
+            row_id = None
+            if not host.answers_to(model):  # the resident, or the one a running swap replaces
+                row_id = host.resolve_or_not_found(model).id
+            resident = await weights.admit_v1(
+                refuse_policy=policy == "refuse" or pinned or not may_load,
+                row_id=row_id,
+                priority=priority,
+            )
+            if resident is not None:
+                return resident
+            # Held through a weights load's full reload (issue 32, item 2): once the model
+            # is made, admitted again by the name it gave (it may name another model now).
+            await weights.wait_reloaded(deadline)
     except ApiError as err:
-        if gated and row_id is not None and err.code is codes.MODEL_NOT_LOADED:
+        if (pinned or gated) and row_id is not None and err.code is codes.MODEL_NOT_LOADED:
             resident = host.resident
-            raise _operator_gate_refusal(
+            refusal = _setting_refusal if pinned else _operator_gate_refusal
+            raise refusal(
                 err, model, row_id, resident.served_name if resident is not None else None
             ) from None
         raise lifecycle_refusal(err) from None
@@ -182,7 +217,8 @@ async def acquire_slot(
     adapter: dict[str, Any] | None = None,
     size: int = 1,
     unit: Unit | None = None,
-) -> Grant:
+    model: str | None = None,
+) -> tuple[Grant, Resident]:
     """Wait for a slot at ``priority``, giving up (and leaving no trace) once ``cancelled()``.
 
     The request waits in the static batch's group of ``resident``
@@ -196,9 +232,13 @@ async def acquire_slot(
     :class:`Job`); a request for an adapter removed or replaced while it waited is refused as
     one for a model that went away (409 MODEL_BUSY ``model_transition``, issue 16 item 8).
 
+    ``model``: the name the request gave. A request held through a weights load's full
+    reload goes on on the reloaded model when it answers to that name (issue 32, item 2).
+
     Returns:
-        the request's :class:`~miserver.serving.engine.slot.Grant`; release it with
-        ``scheduler.release(grant)``.
+        the request's :class:`~miserver.serving.engine.slot.Grant` (release it with
+        ``scheduler.release(grant)``) and the resident it goes on on: ``resident``, or the
+        model a weights load reloaded while it was held.
 
     Raises:
         ApiError: 503 QUEUE_FULL with ``Retry-After`` (interactive only); the lifecycle's
@@ -250,14 +290,14 @@ async def acquire_slot(
     try:
         # Inside the slot: the table must still let this request go on (the model may have
         # been unloaded or swapped, or the set torn, while it waited; weights page: States).
-        await app[keys.WEIGHTS].confirm_v1(resident, adapter=adapter)
+        serving = await app[keys.WEIGHTS].confirm_v1(resident, adapter=adapter, model=model)
     except ApiError as err:
         scheduler.release(grant)
         raise lifecycle_refusal(err) from None
     except BaseException:
         scheduler.release(grant)
         raise
-    return grant
+    return grant, serving if serving is not None else resident
 
 
 def update_queue_gauge(app: web.Application) -> None:
@@ -285,6 +325,12 @@ class Job:
     adapter: dict[str, Any] | None = None
     #: Choices to generate (OpenAI's ``n``, 1..``MAX_BATCH_SIZE``): sequences of the batch.
     n: int = 1
+    #: The ``model`` the request named (a held request goes on on a reloaded model that
+    #: answers to it; issue 32, item 2).
+    model: str | None = None
+    #: ``response_format`` / ``tools`` (a :class:`~miserver.serving.structured.request.Structured`),
+    #: or None: free text. Chat answers with tools are parsed for tool calls.
+    structured: Any = None
 
 
 async def wait_for_startup_load(

@@ -5,7 +5,9 @@ For a chat or a completion request: the strict checks of the body
 (:mod:`miserver.http.openai_schema`), admission for a resident (:func:`~miserver.http.v1_admission.admit`),
 the prompt's token ids (the chat template, or the raw prompt; in a worker thread), the checks
 against the resident's context window and ``MAX_BATCH_SIZE`` (400 INVALID_REQUEST naming the
-parameter), and the sampling parameters. Used by :mod:`miserver.http.v1`.
+parameter), the structured-output fields (``response_format``, ``tools``, ``tool_choice``:
+:mod:`miserver.serving.structured`, checked before admission, compiled into the request's
+grammar after it), and the sampling parameters. Used by :mod:`miserver.http.v1`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from miserver.http import keys
@@ -27,6 +30,13 @@ from miserver.serving.engine.prompts import (
 )
 from miserver.serving.engine.slot import Priority
 from miserver.serving.models.host import Resident
+from miserver.serving.structured.request import (
+    Structured,
+    check_for_model,
+    check_request,
+    request_constraint,
+)
+from miserver.serving.structured.tools import template_message
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
 
@@ -101,24 +111,62 @@ def _check_length(resident: Resident, text: str, prompt_param: str) -> None:
         )
 
 
-def _chat_prompt(resident: Resident, req: schema.ChatCompletionRequest) -> list[int]:
-    """The prompt ids of a chat request: the chat template, message content as text
+def _template_message(m: schema.ChatMessage) -> dict[str, Any]:
+    """One message as chat templates take it (``developer`` as ``system``; an assistant's
+    ``tool_calls`` and a ``tool`` message's ``tool_call_id`` in transformers' shape)."""
+    message: dict[str, Any] = {
+        "role": "system" if m.role == "developer" else m.role,
+        "content": schema.message_text(m),
+    }
+    if m.tool_calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": c.type, "function": msgspec.to_builtins(c.function)}
+            for c in m.tool_calls
+        ]
+    if m.role == "tool":
+        message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+    return template_message(message) if m.tool_calls else message
+
+
+def _chat_prompt(
+    resident: Resident, req: schema.ChatCompletionRequest, structured: Structured
+) -> list[int]:
+    """The prompt ids of a chat request: the chat template (given the request's tools unless
+    ``tool_choice`` is ``none``), message content as text
     (:func:`~miserver.serving.engine.prompts.chat_prompt_ids`). Runs in a worker thread."""
     tok = resident.tokenizer
     if getattr(tok, "chat_template", None) is None:
         raise bad_request(
             f"model {resident.served_name} has no chat template; use /v1/completions", "messages"
         )
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": schema.message_text(m)}
-        for m in req.messages
-    ]
+    messages = [_template_message(m) for m in req.messages]
+    tools = list(structured.tools.tools) if structured.tools is not None else None
     try:
-        text = render_chat(tok, messages)
+        text = render_chat(tok, messages, tools)
         _check_length(resident, text, "messages")
-        return chat_prompt_ids(tok, messages, text)
+        return chat_prompt_ids(tok, messages, text, tools)
     except PromptError as exc:
         raise bad_request(str(exc), "messages") from None
+
+
+async def _constraint(resident: Resident, structured: Structured) -> Any:
+    """The request's grammar for this resident (:func:`request_constraint`, in a worker
+    thread: llguidance's view of a tokenizer costs seconds the first time), or None."""
+    if not structured.any:
+        return None
+    if resident.kind == "gguf":  # llama.cpp samples: miserver's grammar hook is not there
+        field = "response_format" if structured.output is not None else "tools"
+        raise bad_request(
+            f"{field} (constrained output) is not available on {resident.served_name}: it is a "
+            "GGUF model served by llama.cpp, where miserver's grammar cannot steer the sampler; "
+            "use a safetensors row",
+            field,
+        )
+    return await asyncio.to_thread(
+        request_constraint, structured, resident.model, resident.tokenizer
+    )
 
 
 def _completion_prompt(resident: Resident, prompt: schema.PromptSpec) -> list[int]:
@@ -160,9 +208,15 @@ def check_n(app: web.Application, req: Any) -> None:
 
 
 def _sampling(
-    req: Any, stops: tuple[str, ...], max_tokens: int, logprobs: int | None, echo: bool
+    req: Any,
+    stops: tuple[str, ...],
+    max_tokens: int,
+    logprobs: int | None,
+    echo: bool,
+    constraint: Any = None,
 ) -> SamplingParams:
     return SamplingParams(
+        constraint=constraint,
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else float(req.temperature),
         top_p=1.0 if req.top_p is None else float(req.top_p),
@@ -181,25 +235,32 @@ async def prepare_chat(
     may_load: bool = True,
 ) -> Job:
     stops = schema.check_chat(req)
+    structured = check_request(
+        req.response_format, req.tools, req.tool_choice, req.parallel_tool_calls
+    )
     resident = await admit(app, req.model, load_policy, priority, may_load=may_load)
     adapter = _named_adapter(resident, req.model)
-    prompt_ids = await asyncio.to_thread(_chat_prompt, resident, req)
+    structured = check_for_model(structured, resident.tokenizer)
+    prompt_ids = await asyncio.to_thread(_chat_prompt, resident, req, structured)
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = _check_context(resident, prompt_ids, given, None, param, "messages")
     want = bool(req.logprobs)
     logprobs = (req.top_logprobs or 0) if want else None
+    constraint = await _constraint(resident, structured)
     return Job(
         "chat",
         resident,
         prompt_ids,
-        _sampling(req, stops, max_tokens, logprobs, False),
+        _sampling(req, stops, max_tokens, logprobs, False, constraint),
         bool(req.stream),
         bool(req.stream_options and req.stream_options.include_usage),
         None,
         want,
         adapter,
         req.n or 1,
+        req.model,
+        structured if structured.any else None,
     )
 
 
@@ -211,6 +272,7 @@ async def prepare_completion(
     may_load: bool = True,
 ) -> Job:
     prompt, stops = schema.check_completion(req)
+    structured = check_request(req.response_format)
     resident = await admit(app, req.model, load_policy, priority, may_load=may_load)
     adapter = _named_adapter(resident, req.model)
     prompt_ids = await asyncio.to_thread(_completion_prompt, resident, prompt)
@@ -222,15 +284,24 @@ async def prepare_completion(
     if echo:
         echo_text = prompt if isinstance(prompt, str) else resident.tokenizer.decode(prompt_ids)
     want = req.logprobs is not None
+    if echo and want and resident.kind == "gguf":
+        raise bad_request(
+            f"echo with logprobs (the prompt's logprobs) is not available on "
+            f"{resident.served_name}: it is a GGUF model served by llama.cpp, which does not "
+            "score the prompt; drop echo or logprobs",
+            "echo",
+        )
+    constraint = await _constraint(resident, structured)
     return Job(
         "completion",
         resident,
         prompt_ids,
-        _sampling(req, stops, max_tokens, req.logprobs, echo and want),
+        _sampling(req, stops, max_tokens, req.logprobs, echo and want, constraint),
         bool(req.stream),
         bool(req.stream_options and req.stream_options.include_usage),
         echo_text,
         want,
         adapter,
         req.n or 1,
+        req.model,
     )

@@ -22,6 +22,7 @@ from miserver.http import keys
 from miserver.http.errors import openai_error_body
 from miserver.http.model_header import HEADER, model_header
 from miserver.http.v1_admission import Job, RequestCancelled
+from miserver.http.v1_structured import ChoiceDeltas, chat_message
 from miserver.serving.engine.generation import (
     Finished,
     GenerationError,
@@ -132,8 +133,11 @@ def _usage(fins: list[Finished]) -> dict[str, int]:
     }
 
 
-def _finish_reason(fin: Finished) -> str:
-    return "length" if fin.finish_reason == "length" else "stop"
+def _finish_reason(fin: Finished, called: bool = False) -> str:
+    """``length``, ``tool_calls`` (the answer ended holding a tool call) or ``stop``."""
+    if fin.finish_reason == "length":
+        return "length"
+    return "tool_calls" if called else "stop"
 
 
 def generation_failed(app: web.Application, job: Job, exc: GenerationError) -> ApiError:
@@ -193,14 +197,15 @@ async def collect(
     choices = []
     for index, ((text, lps, fin), first) in enumerate(zip(results, firsts, strict=True)):
         if job.kind == "chat":
+            message, called = chat_message(text, job.structured)
             choices.append(
                 {
                     "index": index,
-                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "message": message,
                     "logprobs": {"content": [_chat_logprob(lp) for lp in lps], "refusal": None}
                     if job.want_logprobs
                     else None,
-                    "finish_reason": _finish_reason(fin),
+                    "finish_reason": _finish_reason(fin, called),
                 }
             )
             continue
@@ -267,13 +272,43 @@ async def _merged(events: list[Any]) -> AsyncIterator[tuple[int, Any]]:
             task.cancel()
 
 
+async def _chain(
+    first: tuple[int, Any] | None, rest: AsyncIterator[tuple[int, Any]]
+) -> AsyncIterator[tuple[int, Any]]:
+    """``first`` (when there is one), then what ``rest`` yields; closing it closes ``rest``."""
+    try:
+        if first is not None:
+            yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
+
+
 async def stream_response(request: web.Request, job: Job, running: Any) -> web.StreamResponse:
     """Stream a request's choices as server-sent events (contract 4): each chunk carries one
     choice's ``index``; each choice ends with its own chunk carrying its ``finish_reason`` and
     ``millm_model``; then the usage chunk (``stream_options.include_usage``, summed over the
-    choices) and ``data: [DONE]``. A generation error ends the stream with one error event."""
+    choices) and ``data: [DONE]``. The stream opens once the first token is out: a generation
+    error before it (the prompt's pass, the first token's logits) is the JSON 500
+    ``generation_failed`` (raised as :class:`ApiError`; docs/openai-compatibility.md, issue 32
+    item 13); one after it ends the stream with one error event."""
     header = running.header
     firsts: list[Started] = running.firsts
+    merged_events = _merged(running.events)
+    try:
+        opening: tuple[int, Any] | None = await merged_events.__anext__()
+    except StopAsyncIteration:
+        opening = None
+    except GenerationError as exc:
+        await merged_events.aclose()
+        running.cancel()
+        await running.wait()  # the slot is free before the client sees the answer
+        request[OUTCOME] = codes.GENERATION_FAILED.name
+        raise generation_failed(request.app, job, exc) from None
+    except BaseException:
+        await merged_events.aclose()
+        raise
     resp = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream; charset=utf-8",
@@ -289,6 +324,7 @@ async def stream_response(request: web.Request, job: Job, running: Any) -> web.S
     cid = _completion_id("chatcmpl" if chat else "cmpl")
     obj = "chat.completion.chunk" if chat else "text_completion"
     lp_blocks = [_CompletionLogprobs(job.resident.tokenizer) for _ in firsts]
+    deltas = [ChoiceDeltas(job.structured) for _ in firsts]  # chat: content and tool calls
 
     def chunk(choice: dict[str, Any] | None, **extra: Any) -> bytes:
         body: dict[str, Any] = {
@@ -308,13 +344,15 @@ async def stream_response(request: web.Request, job: Job, running: Any) -> web.S
         lps: tuple[TokenLogprob, ...] | list[TokenLogprob],
         finish: str | None = None,
         role: bool = False,
+        delta: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if chat:
-            delta: dict[str, Any] = {}
-            if role:
-                delta["role"] = "assistant"
-            if text or role:
-                delta["content"] = text
+            if delta is None:
+                delta = {}
+                if role:
+                    delta["role"] = "assistant"
+                if text or role:
+                    delta["content"] = text
             logprobs = (
                 {"content": [_chat_logprob(lp) for lp in lps], "refusal": None}
                 if job.want_logprobs and lps
@@ -336,18 +374,29 @@ async def stream_response(request: web.Request, job: Job, running: Any) -> web.S
                 )
         fins: dict[int, Finished] = {}
         try:
-            async with contextlib.aclosing(_merged(running.events)) as merged:
+            async with contextlib.aclosing(_chain(opening, merged_events)) as merged:
                 async for index, ev in merged:
                     if isinstance(ev, TextDelta):
-                        if ev.text or ev.logprobs:
+                        if chat:
+                            pieces = deltas[index].feed(ev.text) if ev.text else []
+                            if not pieces and ev.logprobs:
+                                pieces = [{}]  # the text is held (maybe a tool call)
+                            for i, piece in enumerate(pieces):
+                                lps = ev.logprobs if i == 0 else ()
+                                await resp.write(chunk(delta_choice(index, "", lps, delta=piece)))
+                        elif ev.text or ev.logprobs:
                             await resp.write(chunk(delta_choice(index, ev.text, ev.logprobs)))
                     elif isinstance(ev, Finished):
                         fins[index] = ev
                         if ev.finish_reason == "cancelled":
                             break
+                        if chat:
+                            for piece in deltas[index].finish():
+                                await resp.write(chunk(delta_choice(index, "", (), delta=piece)))
                         if len(fins) == len(firsts):
                             await running.wait()  # the slot is free before the client sees the end
-                        final = delta_choice(index, "", (), finish=_finish_reason(ev))
+                        called = chat and deltas[index].calls > 0
+                        final = delta_choice(index, "", (), finish=_finish_reason(ev, called))
                         if not chat:
                             final["logprobs"] = None
                         await resp.write(chunk(final, millm_model=header))

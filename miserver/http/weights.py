@@ -28,6 +28,7 @@ from miserver.http.errors import (
     refuse_secret_name,
 )
 from miserver.http.management import decode_body as decode_management_body
+from miserver.http.path_privacy import path_syntax_ok, private_path_refusal
 from miserver.serving.audit import CURRENT_CALL, AuditRecord, AuditScope
 from miserver.serving.auth import ATTACHMENT_HEADER, Caller, attachment_ref, identify
 from miserver.serving.weights.runtime import CallResult, WeightsRuntime
@@ -123,7 +124,12 @@ def audit_refusal(
         log.exception("could not write the weights_audit line of a refused %s", operation)
 
 
-def gated_route(operation: str) -> Callable[[Handler], Handler]:
+def _unauthenticated(request: web.Request) -> bool:
+    """Whether a token-gated route refuses ``request`` 401 before reading its body."""
+    return _caller(request).role is None
+
+
+def gated_route(operation: str, *, token_gated: bool = True) -> Callable[[Handler], Handler]:
     """Make a gated route write its ``weights_audit`` line also when it fails before (or
     outside) the lifecycle's decision: a body that does not decode (400), a body over
     MAX_REQUEST_BYTES (413), a checkpoint or row that does not exist (404), a taken name (409),
@@ -133,7 +139,10 @@ def gated_route(operation: str) -> Callable[[Handler], Handler]:
     :class:`~miserver.serving.audit.AuditScope` tells the wrapper whether it did, so a call writes
     exactly one. The accepted path costs one context-variable set and reset. The wrapper's
     ``audit_refusal(request, exc)`` attribute lets the body-limit middleware, which refuses
-    before the handler runs, write the same line.
+    before the handler runs, write the same line. A ``token_gated`` route (its handler refuses
+    a caller without a valid token 401 before reading the body: every route of the table's
+    ``ROUTE_AUTH``) has an ``unauthenticated(request)`` attribute, so the body-limit middleware
+    lets its 401 go before a 413 (issue 32, item 13).
     """
 
     def wrap(handler: Handler) -> Handler:
@@ -154,6 +163,8 @@ def gated_route(operation: str) -> Callable[[Handler], Handler]:
         route.audit_refusal = functools.partial(  # type: ignore[attr-defined]
             _refused_before_handler, operation=operation
         )
+        if token_gated:
+            route.unauthenticated = _unauthenticated  # type: ignore[attr-defined]
         return route
 
     return wrap
@@ -457,7 +468,13 @@ async def _adapter_change(request: web.Request, apply: bool) -> web.Response:
     if apply:
         refuse_secret_name(request.app, body.name)
         refuse_secret_name(request.app, body.path, "path")  # GET /api/weights/adapter lists it
-        prepare_adapter(runtime.host, body)
+        syntax_ok = path_syntax_ok(body.path)
+        try:
+            prepare_adapter(runtime.host, body)
+        except ApiError as exc:  # one that looked at the server's files: told only to operators
+            if syntax_ok and (exc.param == "path" or exc.code is codes.ADAPTER_INVALID):
+                raise private_path_refusal(request, exc) from None
+            raise
     await runtime.gated(
         "adapter_change",
         _caller(request),  # MANAGEMENT_AUTH=operator checked the token (management_auth)
@@ -469,13 +486,13 @@ async def _adapter_change(request: web.Request, apply: bool) -> web.Response:
     return ok(runtime.adapter_block())
 
 
-@gated_route("adapter")
+@gated_route("adapter", token_gated=False)
 async def post_adapter(request: web.Request) -> web.Response:
     """POST /api/weights/adapter {name, path}: apply a PEFT LoRA adapter, unmerged."""
     return await _adapter_change(request, True)
 
 
-@gated_route("adapter")
+@gated_route("adapter", token_gated=False)
 async def delete_adapter(request: web.Request) -> web.Response:
     """DELETE /api/weights/adapter: remove the adapter; outputs return exactly."""
     return await _adapter_change(request, False)

@@ -62,6 +62,8 @@ OPERATIONS = (
     "file_delete",
     "batch_create",
     "batch_cancel",
+    "file_read",  # refused Batch API reads only (issue 32, item 9)
+    "batch_read",
 )
 
 
@@ -223,7 +225,9 @@ class AuditLog:
         if self._path is not None:
             self._path.parent.mkdir(parents=True, exist_ok=True)
             # Kept open (appends, one write a line): reopening per line costs the barrier time.
-            self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            # 0600 when created (issue 32, item 13): who did what to the weights is the
+            # operator's; an existing file keeps the mode its operator gave it.
+            self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
     def write(self, record: AuditRecord) -> None:
         """Write ``record`` now. Raises ``ValueError`` for an operation not in :data:`OPERATIONS`.

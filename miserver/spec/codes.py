@@ -128,6 +128,10 @@ NOT_ATTACHABLE = _c(
 C = "companion contract"
 MODEL_RESIDENT = _c("MODEL_RESIDENT", 409, src=C + " 3")
 BACKEND_UNAVAILABLE = _c("BACKEND_UNAVAILABLE", 400, "gguf", src=C + " 3")
+# What a GGUF resident (served by llama.cpp, whose weights miserver does not hold) cannot do:
+# a save, a weights load of a checkpoint (in place), an adapter change. Refused before anything
+# is paused or touched; attach is NOT_ATTACHABLE reason gguf (the weights page).
+GGUF_UNSUPPORTED = _c("GGUF_UNSUPPORTED", 400, "save", "weights_load", "adapter", src=C + " 4a")
 # A registered row whose files cannot be loaded (deleted, corrupt, unsupported architecture):
 # 400 when a check before the load found it (the resident model stays), 500 when the load
 # itself failed (the previous model is loaded back when it can be).
@@ -188,3 +192,61 @@ WEIGHTS_PAGE_CODES: tuple[str, ...] = tuple(
 def lookup(name: str) -> ErrorCode:
     """The code called ``name``. Raises ``KeyError`` for an unknown name."""
     return ALL[name]
+
+
+#: What a code means and what to do, for the codes whose answers always carry their own message
+#: (the routes build it from the request) and the table therefore gives no default: the
+#: reference's "Meaning, and what to do" column (docs/reference.md; issue 32, item 6).
+MEANINGS: dict[str, str] = {
+    "MODEL_RESIDENT": "The catalogue row cannot be deleted now: it is the resident model, it is "
+    "DEFAULT_MODEL, or it holds the only save of the resident weights' commits. Unload it "
+    "(POST /api/models/{id}/unload), change DEFAULT_MODEL, or save the weights under another "
+    "name first; the message says which.",
+    "BACKEND_UNAVAILABLE": "The row needs a backend this installation lacks (reason gguf: a "
+    "GGUF file and the xllamacpp package is missing; reinstall with make serve or pip install "
+    "-e .). The resident model stays; load a safetensors row instead.",
+    "GGUF_UNSUPPORTED": "The resident is a GGUF file served by llama.cpp, which this operation "
+    "cannot reach (reason save, weights_load or adapter): its weights are quantized and not "
+    "held by miserver. Load a safetensors row first (POST /api/models/{id}/load).",
+    "MODEL_LOAD_FAILED": "The row's files could not be loaded (moved, deleted, unreadable or "
+    "damaged weights). 400 when the files were checked before anything was unloaded (the "
+    "resident keeps serving), 500 when the load failed after. Fix or re-register the folder.",
+    "MODEL_EXISTS": "A catalogue row already has this name (details.model_id): choose another "
+    "name, or delete that row first.",
+    "CHECKPOINT_CORRUPT": "The checkpoint folder does not verify: a file or tensor differs from "
+    "its manifest's sha256, or the manifest is unreadable (details.tensor or details.file names "
+    "it). Nothing was loaded; load another checkpoint or the base row.",
+    "CHECKPOINT_NOT_FOUND": "No checkpoint has this name, id or path: GET "
+    "/api/weights/checkpoints lists them.",
+    "CHECKPOINT_EXISTS": "A checkpoint with this name exists already: choose another name "
+    "(or omit it for a generated one).",
+    "ADAPTER_INVALID": "The adapter folder cannot be applied (the reason says why: not_found, "
+    "no_config, not_lora, unsafe_format, incompatible). Nothing changed; the served weights "
+    "stay as they were.",
+    "MODEL_NOT_FOUND": "No catalogue row or served model has this id or name: GET /api/models "
+    "(or GET /v1/models) lists them.",
+    "INVALID_REQUEST": "The request is malformed: not JSON, a field of the wrong type, an "
+    "unknown or missing field, a value out of range. The message and param name the field; "
+    "fix the request (retrying it unchanged gives the same answer).",
+    "NOT_FOUND": "No route has this path: the reference lists every route.",
+    "METHOD_NOT_ALLOWED": "The path exists but not with this method; the Allow header lists "
+    "the methods it takes.",
+    "PAYLOAD_TOO_LARGE": "The request body is larger than MAX_REQUEST_BYTES (details give both "
+    "sizes); nothing was read. Send less, or raise the setting.",
+    "UNSUPPORTED_MEDIA_TYPE": "The body's Content-Type (or Content-Encoding) is not what the "
+    "route reads: application/json (multipart/form-data for POST /v1/files), uncompressed or "
+    "gzip/deflate. details.expected names it.",
+    "GENERATION_FAILED": "Generation failed while computing the answer (reason "
+    "non_finite_logits: the model produced NaN or inf, as weights a trainer broke do; error: "
+    "another failure, in the server log). Nothing is served from it; check the weights "
+    "(GET /api/weights/status) and retry.",
+    "INTERNAL_ERROR": "A fault of the server's, not of the request: the server log has the "
+    "traceback. Retrying may succeed; report it if it repeats.",
+    "SHUTTING_DOWN": "The server is draining after a signal (SIGTERM, or SIGINT for a Ctrl-C): "
+    "new requests are refused and running ones ended at the end of SHUTDOWN_GRACE_S. Retry "
+    "after Retry-After seconds, on another replica or once it has restarted.",
+    "NOT_READY": "GET /api/health/ready: the server cannot serve now (reason no_model, "
+    "model_transition or weights_torn). A readiness probe keeps traffic away until it is 200.",
+    "INSUFFICIENT_STORAGE": "The disk under MISERVER_HOME (or the audit log's) is full: nothing "
+    "half-written was kept. Free space, then retry.",
+}

@@ -65,3 +65,67 @@ def _holds_lone_surrogate(raw: bytes) -> bool:
         elif isinstance(item, list):
             stack.extend(item)
     return False
+
+
+# --- msgspec's validation messages in plain words (issue 32, item 6) --------------------------
+
+_TYPE_WORDS = {
+    "int": "an integer",
+    "float": "a number",
+    "str": "a string",
+    "bool": "true or false",
+    "array": "an array",
+    "object": "an object",
+    "null": "null",
+    "bytes": "a string",
+}
+_GOT_WORDS = {
+    "int": "an integer",
+    "float": "a number with a fraction",
+    "str": "a string",
+    "bool": "a boolean",
+    "array": "an array",
+    "object": "an object",
+    "null": "null",
+}
+_EXPECTED = re.compile(r"^Expected `(?P<want>[^`]+)`(?P<rest>[^,]*)(?:, got `(?P<got>[^`]+)`)?$")
+_MISSING_FIELD = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
+_CONSTRAINT = re.compile(r"^\s*(?P<op>>=|<=|>|<)\s*(?P<n>-?[\d.]+)$")
+_LENGTH = re.compile(r"^\s*of length (?P<op>>=|<=)\s*(?P<n>\d+)$")
+
+
+def _type_words(spec: str) -> str:
+    kinds = [k.strip() for k in spec.split("|")]
+    words = [_TYPE_WORDS.get(k, k) for k in kinds if k != "null"] or ["null"]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def plain_validation_message(detail: str, field: str | None) -> str:
+    """msgspec's validation ``detail`` (the message without its `` - at `$...` `` suffix) in
+    plain words naming ``field``: ``Object missing required field `messages``` is
+    ``messages is required``; ``Expected `int | null`, got `str``` for ``max_tokens`` is
+    ``max_tokens must be an integer, not a string``. A message of another form is returned
+    as it is (with `` at field``)."""
+    name = field or "the value"
+    missing = _MISSING_FIELD.match(detail)
+    if missing:
+        return f"{field or missing.group('field')} is required"
+    expected = _EXPECTED.match(detail)
+    if expected:
+        want = _type_words(expected.group("want"))
+        rest = expected.group("rest").strip()
+        bound = _CONSTRAINT.match(rest)
+        length = _LENGTH.match(rest)
+        if bound:
+            op = {">=": "at least", "<=": "at most", ">": "greater than", "<": "less than"}
+            want += f" {op[bound.group('op')]} {bound.group('n')}"
+        elif length:
+            want += f" of {'at least' if length.group('op') == '>=' else 'at most'} "
+            want += f"{length.group('n')} items"
+        elif rest:
+            return f"{detail} at {field}" if field else detail
+        got = expected.group("got")
+        if got is None:
+            return f"{name} must be {want}"
+        return f"{name} must be {want}, not {_GOT_WORDS.get(got, got)}"
+    return f"{detail} at {field}" if field else detail

@@ -66,12 +66,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_batch_delay_ms: float | None = None
     decode_graphs: str = "captured"
     continuous_batching: bool = False
+    #: None: ``auto``, the CPU cores this process may run on (``os.sched_getaffinity``).
+    gguf_threads: int | None = None
     max_queued_requests: int = 64
     max_request_bytes: int = 8 * 1024 * 1024
     header_read_timeout_s: float = 20.0
     body_read_timeout_s: float = 20.0
     shutdown_grace_s: float = 10.0
     management_auth: str = "none"
+    v1_load_policy: str = "auto"
     log_level: str = "info"
     log_format: str = "json"
 
@@ -85,6 +88,24 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         """At least one trainer token is configured (a 16-bit load is then made attachable;
         weights page, Which models can be attached: ``allocator``)."""
         return any(token.role == "trainer" for token in self.weights_tokens)
+
+    def training_warning(self, max_concurrent: int | None = None) -> str | None:
+        """The warning that training is impossible, or None (issue 32, item 5): with a
+        trainer token configured and ``max_concurrent`` (default ``MAX_CONCURRENT_REQUESTS``;
+        the run-time value after a ``PATCH /api/settings``) above 1, the step barrier is off
+        (weights page, The write cycle 2: status ``pause_unavailable: "concurrency"``), so
+        every quiesce, save and weights load is 409 BARRIER_UNAVAILABLE. One line, logged at
+        start and listed in ``GET /api/health/detailed``'s ``warnings``."""
+        concurrency = self.max_concurrent_requests if max_concurrent is None else max_concurrent
+        if concurrency <= 1 or not self.has_trainer_token:
+            return None
+        return (
+            f"MAX_CONCURRENT_REQUESTS is {concurrency} and a trainer token is configured, but "
+            "the step barrier needs 1: every quiesce, save and weights load is 409 "
+            "BARRIER_UNAVAILABLE (reason concurrency), so no trainer can write the served "
+            "weights; set MAX_CONCURRENT_REQUESTS=1 (or PATCH /api/settings "
+            '{"max_concurrent_requests": 1})'
+        )
 
     def resolved_device(self) -> str:
         """``auto`` becomes ``cuda:0`` when CUDA is available, else ``cpu``."""
@@ -115,12 +136,14 @@ VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("MAX_BATCH_DELAY_MS", "max_batch_delay_ms", "batch_delay"),
     ("DECODE_GRAPHS", "decode_graphs", "decode_graphs"),
     ("CONTINUOUS_BATCHING", "continuous_batching", "bool"),
+    ("GGUF_THREADS", "gguf_threads", "threads"),
     ("MAX_QUEUED_REQUESTS", "max_queued_requests", "pos_int"),
     ("MAX_REQUEST_BYTES", "max_request_bytes", "pos_int"),
     ("HEADER_READ_TIMEOUT_S", "header_read_timeout_s", "pos_float"),
     ("BODY_READ_TIMEOUT_S", "body_read_timeout_s", "pos_float"),
     ("SHUTDOWN_GRACE_S", "shutdown_grace_s", "nonneg_float"),
     ("MANAGEMENT_AUTH", "management_auth", "management_auth"),
+    ("V1_LOAD_POLICY", "v1_load_policy", "load_policy"),
     ("LOG_LEVEL", "log_level", "log_level"),
     ("LOG_FORMAT", "log_format", "log_format"),
 )
@@ -142,9 +165,11 @@ KIND_FORMATS: dict[str, str] = {
     "log_format": "`json` or `text`",
     "decode_graphs": "`captured`, `compiled` or `off` (case-insensitive)",
     "batch_size": "`auto` or an integer 1 to 256",
+    "threads": "`auto` or an integer 1 to 1024",
     "batch_delay": "`auto` or a number of milliseconds, 0 to 1000 (0: no delay)",
     "nonneg_float": "a number, at least 0",
     "management_auth": "`none` or `operator`",
+    "load_policy": "`auto` or `refuse` (case-insensitive)",
 }
 
 #: What each variable of :data:`VARIABLES` does, for the settings reference (docs/settings.md,
@@ -194,8 +219,9 @@ DESCRIPTIONS: dict[str, str] = {
     "WEIGHTS_AUDIT_LOG": "Also append every `weights_audit` line (who called which weights "
     "route, the outcome) to this file, flushed per line. The lines always go to the log.",
     "MAX_CONCURRENT_REQUESTS": "Forward passes that may run at once. The step barrier needs 1 "
-    "(otherwise quiesce is 409 BARRIER_UNAVAILABLE, reason `concurrency`). Also changeable at "
-    "run time with `PATCH /api/settings`.",
+    "(otherwise quiesce is 409 BARRIER_UNAVAILABLE, reason `concurrency`; with a trainer token "
+    "configured, one warning line at start and in `GET /api/health/detailed`'s `warnings`). "
+    "Also changeable at run time with `PATCH /api/settings`.",
     "MAX_BATCH_SIZE": "Sequences one pass of the slot decodes together (a static batch, "
     "contract 4): when the slot is granted it takes the waiting requests of the resident model, "
     "interactive first, then batch rows, up to this many sequences (a request with `n` counts "
@@ -238,13 +264,30 @@ DESCRIPTIONS: dict[str, str] = {
     "before they are ended with 503 SHUTTING_DOWN (0: end them at once). Keep it below "
     "Kubernetes' `terminationGracePeriodSeconds`.",
     "MANAGEMENT_AUTH": "`none` (the default: management routes are open, as the weights page "
-    "says) or `operator`: every mutating management and batch route, the adapter routes "
-    "(`POST`/`DELETE /api/weights/adapter`) included, needs an operator token (401/403 as the "
-    "weights routes, one audit line per call), and a `/v1` request naming a model that is not "
+    "says) or `operator`: every mutating management route, the adapter routes "
+    "(`POST`/`DELETE /api/weights/adapter`) included, and every Batch API route, its reads "
+    "(`GET /v1/files...`, `GET /v1/batches...`) included, needs an operator token (401/403 as "
+    "the weights routes, one audit line per call, per refused read), and a `/v1` request "
+    "naming a model that is not "
     "resident is 409 `model_not_loaded` instead of an auto-load unless it carries one; needs "
     "an operator token in `WEIGHTS_TOKENS` (else exit 2).",
-    "CONTINUOUS_BATCHING": "Serve through a continuous-batching engine. Not implemented in this "
-    "version: only `0` is accepted.",
+    "V1_LOAD_POLICY": "Whether a `/v1` request may load a model: `auto` (the default, "
+    "contract 4) loads (swaps to) a catalogue row the request names that is not resident; "
+    "`refuse` never does, for every request, an operator token included: it is 409 "
+    "`model_not_loaded` (as `X-miLLM-Load-Policy: refuse` is for one request), naming the "
+    "served model and the management call that loads the one named "
+    "(`POST /api/models/{id}/load`). Requests naming the resident are served as usual; the "
+    "Batch API never loads either way. For a shared server whose clients must not swap the "
+    "model out from under each other.",
+    "CONTINUOUS_BATCHING": "The weights page's cbm: `1` rules hot updates out. `GET "
+    "/api/weights/status` reports `pause_unavailable: cbm`; quiesce, a weights load and an "
+    "adapter change are 409 `BARRIER_UNAVAILABLE` (reason `cbm`) and attach is 400 "
+    "`NOT_ATTACHABLE` (reason `continuous_batching_running`). For an operator who serves and "
+    "never trains in place; the engine batches either way. Also changeable with "
+    "`PATCH /api/settings` (409 `MODEL_BUSY` while the barrier is held or a commit is open).",
+    "GGUF_THREADS": "CPU threads llama.cpp uses for a GGUF resident (format `gguf`, section 4a "
+    "of the contract): `auto` is the cores this process may run on (its CPU affinity, so a "
+    "container's CPU set counts); read at each load of a GGUF row.",
     "MAX_QUEUED_REQUESTS": "Interactive requests that may wait (queued plus held by the "
     "barrier); beyond it a request is 503 QUEUE_FULL with `Retry-After`. Also changeable with "
     "`PATCH /api/settings`.",
@@ -297,7 +340,7 @@ def format_default(field: str, kind: str) -> str:
     if field == "home":
         return "the platform's user data dir + `/miserver`"
     value = setting_default(field)
-    if value is None and kind == "batch_size":
+    if value is None and kind in ("batch_size", "threads"):
         return "auto"
     if value is None or value == "":
         return "empty"
@@ -365,6 +408,18 @@ def resolved_batch_delay_s(settings: Settings, device_type: str) -> float:
     return ms / 1000.0
 
 
+def resolved_gguf_threads(settings: Settings) -> int:
+    """``GGUF_THREADS``: the setting, or (``auto``) the CPU cores this process may run on."""
+    if settings.gguf_threads is not None:
+        return settings.gguf_threads
+    import os
+
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def resolved_max_batch_size(settings: Settings, device_type: str) -> int:
     """``MAX_BATCH_SIZE`` for a server whose models load on ``device_type`` (``cpu`` or
     ``cuda``): the setting, or the device's default when it is ``auto``."""
@@ -423,6 +478,11 @@ def _convert(variable: str, kind: str, raw: str) -> object:
         if low in ("none", "operator"):
             return low
         raise ConfigError(variable, f"expected none or operator, got {raw!r}")
+    if kind == "load_policy":
+        low = raw.lower()
+        if low in ("auto", "refuse"):
+            return low
+        raise ConfigError(variable, f"expected auto or refuse, got {raw!r}")
     if kind == "device":
         if raw == "auto" or raw == "cpu" or re.fullmatch(r"cuda(:\d+)?", raw):
             return raw
@@ -443,6 +503,16 @@ def _convert(variable: str, kind: str, raw: str) -> object:
             raise ConfigError(variable, f"expected auto or an integer, got {raw!r}") from None
         if not 1 <= value <= MAX_BATCH_SIZE_LIMIT:
             raise ConfigError(variable, f"must be auto or 1 to {MAX_BATCH_SIZE_LIMIT}, got {value}")
+        return value
+    if kind == "threads":
+        if raw.lower() in ("", "auto"):
+            return None
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ConfigError(variable, f"expected auto or an integer, got {raw!r}") from None
+        if not 1 <= value <= 1024:
+            raise ConfigError(variable, f"must be auto or 1 to 1024, got {value}")
         return value
     if kind == "batch_delay":
         if raw.strip().lower() in ("", "auto"):
@@ -586,10 +656,5 @@ def load_settings(
             "MANAGEMENT_AUTH",
             "operator needs at least one operator token in WEIGHTS_TOKENS (label:operator:secret);"
             " without one every guarded management call would be refused",
-        )
-    if settings.continuous_batching:
-        raise ConfigError(
-            "CONTINUOUS_BATCHING",
-            "continuous batching is not implemented in this version; set CONTINUOUS_BATCHING=0",
         )
     return settings

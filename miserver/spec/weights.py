@@ -61,7 +61,8 @@ class CommitBeginRequest(_Request):
 
 class SaveRequest(_Request):
     """POST /api/weights/save (contract 5). ``name`` defaults to
-    ``<base name>-step<steps_since_load>-<first 8 of sha256>``."""
+    ``<parent name>-step<steps_since_load>-<first 8 of sha256>``: the parent is the checkpoint
+    the served weights were loaded from, else the base row (issue 32, item 1)."""
 
     name: str | None = None
 
@@ -87,8 +88,9 @@ class AdapterRequest(_Request):
 
 # --- shared pieces ----------------------------------------------------------------------------
 class ModelRef(_Body):
-    """``{model_id, name, manifest_hash}``: ``name`` is the base model's served name, also
-    while an adapter is applied; ``manifest_hash`` is null unless loaded from a checkpoint
+    """``{model_id, name, manifest_hash}`` of the catalogue row whose weights are resident:
+    the base tensors' row, also while an adapter is applied (after a checkpoint load, that
+    checkpoint's row and name); ``manifest_hash`` is null unless loaded from a checkpoint
     manifest (weights page: Routes, Status)."""
 
     model_id: int

@@ -110,9 +110,6 @@ NOT_PRODUCIBLE_HERE: dict[str, str] = {
     "NOT_ATTACHABLE:dtype": "needs a float32 row; the tiny model is bfloat16",
     "NOT_ATTACHABLE:not_on_gpu": "WEIGHTS_CPU_ATTACH=1 makes CPU parameters attachable here",
     "NOT_ATTACHABLE:allocator": "needs a load made with no trainer token configured",
-    "NOT_ATTACHABLE:continuous_batching_running": "continuous batching is not implemented "
-    "(PATCH /api/settings refuses continuous_batching: true)",
-    "BARRIER_UNAVAILABLE:cbm": "continuous batching is not implemented",
     # these four need work held in progress; test_codes_that_need_work_in_progress does that
     "NOT_ATTACHABLE:model_transition": "needs an attach during a load or a pause (a race)",
     "MODEL_BUSY:drain_timeout": "needs a forward pass still running at a drain deadline",
@@ -524,7 +521,8 @@ class HttpDriver:
 
     async def management(self, kind: str) -> Answer:
         """``load_other``, ``load_resident``, ``unload`` (POST /api/models/{id}/...), or
-        ``settings_concurrency`` / ``settings_ok`` (PATCH /api/settings)."""
+        ``settings_concurrency`` / ``settings_cbm`` / ``settings_ok`` (PATCH /api/settings:
+        ``max_concurrent_requests`` 2, ``continuous_batching`` true, both back)."""
         self.note(kind)
         resident = self.host.resident
         outcomes: list[Outcome] = []
@@ -532,7 +530,9 @@ class HttpDriver:
             avail = kind.removeprefix("settings_")
             value = 2 if avail == "concurrency" else 1
             got, _, _ = await self._send(
-                "PATCH", "/api/settings", json={"max_concurrent_requests": value}
+                "PATCH",
+                "/api/settings",
+                json={"max_concurrent_requests": value, "continuous_batching": avail == "cbm"},
             )
             out = self.shadow.handle(Event("settings_change", avail=avail), self.now)  # type: ignore[arg-type]
             outcomes.append(out)
@@ -703,6 +703,7 @@ def make_machine(model_dir: str, table: tuple[Row, ...] = TABLE) -> type[RuleBas
                     "settings_ok",
                     "settings_ok",
                     "settings_concurrency",
+                    "settings_cbm",
                 ]
             )
         )
@@ -772,16 +773,17 @@ def make_machine(model_dir: str, table: tuple[Row, ...] = TABLE) -> type[RuleBas
 
             self.run(go())
 
-        @rule()
-        def unavailable(self) -> None:
-            """MAX_CONCURRENT_REQUESTS 2; quiesce, a commit-end with nothing open, clear-stale
-            with a trainer token, detach and attach again (409 BARRIER_UNAVAILABLE, NO_OPEN_COMMIT,
-            403 WEIGHTS_FORBIDDEN, 400 NOT_ATTACHABLE concurrency); then back to 1."""
+        @rule(why=st.sampled_from(["concurrency", "cbm"]))
+        def unavailable(self, why: str) -> None:
+            """MAX_CONCURRENT_REQUESTS 2 or CONTINUOUS_BATCHING on, while attached and idle;
+            quiesce, a commit-end with nothing open, clear-stale with a trainer token, detach and
+            attach again (409 BARRIER_UNAVAILABLE, NO_OPEN_COMMIT, 403 WEIGHTS_FORBIDDEN, 400
+            NOT_ATTACHABLE concurrency or continuous_batching_running); then back."""
             d = self.d
             self._attached_holder()
 
             async def go() -> None:
-                await d.management("settings_concurrency")
+                await d.management(f"settings_{why}")
                 await d.gated("quiesce", self.holder)
                 await d.gated("commit_end", self.holder)
                 await d.gated("clear_stale", "trn")

@@ -16,7 +16,9 @@ from tests.unit.test_checkpoints import flip_byte_of, tiny_model, tiny_tokenizer
 OPS = "operator-secret-0123456789"
 
 
-def _killed_save(home: Path, name: str, base_id: int) -> ck.SavedCheckpoint:
+def _killed_save(
+    home: Path, name: str, base_id: int, parent_sha256: str | None = None
+) -> ck.SavedCheckpoint:
     """What a save leaves when the server dies right after the folder's rename."""
     return ck.save_checkpoint(
         tiny_model(),
@@ -25,7 +27,7 @@ def _killed_save(home: Path, name: str, base_id: int) -> ck.SavedCheckpoint:
         name=name,
         base_row_id=base_id,
         base_name="tiny-base",
-        parent_sha256=None,
+        parent_sha256=parent_sha256,
         steps_since_load=3,
         now=1_800_000_000.0,
     )
@@ -66,6 +68,32 @@ async def test_a_complete_unregistered_checkpoint_is_registered_at_start(tmp_pat
     try:
         rows = (await (await client.get("/api/models")).json())["data"]
         assert [r["name"] for r in rows].count("run-7-step3") == 1
+    finally:
+        await client.close()
+
+
+async def test_an_unregistered_checkpoint_gets_its_manifests_parent(tmp_path, home) -> None:
+    """Issue 32, item 1: the row registered at start names the manifest's parent checkpoint
+    (trained on top of a loaded checkpoint), as the save would have, not the base row."""
+    cat = Catalogue(home)
+    base = cat.register(
+        name="tiny-base", format="safetensors", dtype="bfloat16", path=str(tmp_path)
+    )
+    first = _killed_save(home, "run-a", base.id)
+    parent = cat.register(
+        name="run-a",
+        format="safetensors",
+        dtype=first.dtype,
+        path=str(first.path),
+        origin="checkpoint",
+        parent_id=base.id,
+        checkpoint_sha256=first.checkpoint_sha256,
+    )
+    _killed_save(home, "run-b", base.id, parent_sha256=first.checkpoint_sha256)
+    client = await _start(tmp_path)
+    try:
+        rows = (await (await client.get("/api/models")).json())["data"]
+        assert {r["name"]: r["parent_id"] for r in rows}["run-b"] == parent.id
     finally:
         await client.close()
 

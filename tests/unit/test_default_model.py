@@ -200,7 +200,7 @@ def test_a_vanished_file_without_the_package_is_left_and_loading_it_is_a_clear_4
     assert "is gone" in caplog.text and str(package) in caplog.text
     with pytest.raises(ApiError) as err:
         check_loadable(q4_row(home))
-    assert err.value.status == 400 and err.value.code.name == "BACKEND_UNAVAILABLE"
+    assert err.value.status == 400 and err.value.code.name == "MODEL_LOAD_FAILED"
 
 
 def test_a_q4_row_the_operator_pointed_elsewhere_is_left_alone(tmp_path, package):
@@ -253,3 +253,59 @@ def test_set_path_keeps_the_id_and_refuses_a_resident_row(tmp_path):
     with pytest.raises(CatalogueError):
         cat.set_path(row.id, "/d")
     assert cat.get(row.id).path == str(tmp_path / "b")
+
+
+async def test_the_default_row_says_it_is_dequantized_from_the_q4_gguf(tmp_path, package):
+    """Issue 32, item 4: the "bfloat16" default row says its weights are the Q4_1 GGUF's,
+    dequantized (its quality is the Q4's), in the catalogue (``description``, also over
+    ``GET /api/models``); an older home's rows, imported without one, get it at the next start."""
+    home = tmp_path / "home"
+    row = dm.import_default(home, progress=False)
+    assert row.dtype == "bfloat16" and row.quantization == "none"
+    for text in (row.description, q4_row(home).description):
+        assert text is not None and "Q4_1" in text and dm.GGUF_FILENAME in text
+    assert "dequantized" in row.description and "quality" in row.description
+    cat = Catalogue(home)
+    for r in cat.list():  # as an import before the field left them
+        cat.set_description(r.id, None)
+    settings = Settings(home=str(home), default_model="no-such-row", device="cpu")
+    app = create_app(settings)
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    try:
+        from miserver.http import keys
+
+        await app[keys.STARTUP_LOAD]
+        rows = {r["name"]: r for r in (await (await client.get("/api/models")).json())["data"]}
+        assert rows[dm.DEFAULT_NAME]["description"] == dm.DEFAULT_DESCRIPTION
+        assert rows[dm.GGUF_NAME]["description"] == dm.GGUF_DESCRIPTION
+    finally:
+        await client.close()
+
+
+def test_a_catalogue_written_before_descriptions_opens_with_none(tmp_path):
+    import sqlite3
+
+    import msgspec
+
+    db = sqlite3.connect(tmp_path / "catalogue.sqlite3")
+    db.execute(
+        "CREATE TABLE models (id INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT NOT NULL UNIQUE,"
+        " format TEXT NOT NULL, dtype TEXT NOT NULL, quantization TEXT NOT NULL,"
+        " path TEXT NOT NULL, origin TEXT NOT NULL, parent_id INTEGER, checkpoint_sha256 TEXT,"
+        " created_at TEXT NOT NULL)"
+    )
+    db.execute(
+        "INSERT INTO models (name, format, dtype, quantization, path, origin, created_at)"
+        " VALUES ('old', 'safetensors', 'bfloat16', 'none', '/a', 'model', '2026-01-01T00:00:00Z')"
+    )
+    db.commit()
+    db.close()
+    cat = Catalogue(tmp_path)
+    assert cat.get_by_name("old").description is msgspec.UNSET
+    assert "description" not in msgspec.to_builtins(cat.get_by_name("old"))  # the contract's
+    row = cat.register(
+        name="new", format="safetensors", dtype="bfloat16", path="/b", description="what it is"
+    )
+    assert cat.get(row.id).description == "what it is"
+    assert Catalogue(tmp_path).get_by_name("old").name == "old"  # opened again: no second ALTER

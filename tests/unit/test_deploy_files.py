@@ -12,6 +12,7 @@ settings both deployments pass are fed to the real :func:`load_settings`.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -24,7 +25,7 @@ import jsonschema
 import pytest
 import yaml
 
-from miserver.spec.settings import VARIABLES, load_settings
+from miserver.spec.settings import VARIABLES, ConfigError, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
@@ -303,7 +304,9 @@ def test_compose_server_settings_are_accepted_by_load_settings(compose, tmp_path
     assert Path(tokens_file).name in server["secrets"]
     assert "/api/health" in " ".join(server["healthcheck"]["test"])
     local = tmp_path / "tokens"
-    local.write_text("trainer:trainer:0123456789abcdef-trainer\n")
+    local.write_text(
+        "trainer:trainer:0123456789abcdef-trainer\noperator:operator:0123456789abcdef-operator\n"
+    )
     socket_dir = Path(env["UNIX_SOCKET"]).parent  # /run/miserver: made by the image
     local_socket = str(tmp_path / Path(env["UNIX_SOCKET"]).name)
     settings = load_settings(
@@ -312,7 +315,48 @@ def test_compose_server_settings_are_accepted_by_load_settings(compose, tmp_path
     assert (settings.host, settings.port, settings.home) == ("0.0.0.0", 8000, "/data")
     assert settings.unix_socket == local_socket
     assert f"{socket_dir}" in DOCKERFILE.read_text()
-    assert [t.label for t in settings.weights_tokens] == ["trainer"]
+    assert [t.label for t in settings.weights_tokens] == ["trainer", "operator"]
+
+
+def _deployment_tokens_are_enforced(env: dict[str, str], tmp_path: Path, tokens_file: str) -> None:
+    """Issue 32, item 10: a shipped deployment runs with MANAGEMENT_AUTH=operator, its tokens
+    from the mounted secret file, never inline; a secret without an operator line is exit 2."""
+    assert env.get("MANAGEMENT_AUTH") == "operator"
+    assert "WEIGHTS_TOKENS" not in env, "tokens come from the mounted secret file"
+    only_trainer = tmp_path / "trainer-only"
+    only_trainer.write_text("trainer:trainer:0123456789abcdef-trainer\n")
+    with pytest.raises(ConfigError) as exc:
+        load_settings({**env, "WEIGHTS_TOKENS_FILE": str(only_trainer)})
+    assert exc.value.variable == "MANAGEMENT_AUTH"
+    both = tmp_path / "both"
+    both.write_text(
+        "trainer:trainer:0123456789abcdef-trainer\noperator:operator:0123456789abcdef-operator\n"
+    )
+    settings = load_settings({**env, "WEIGHTS_TOKENS_FILE": str(both)})
+    assert settings.management_auth == "operator"
+    assert tokens_file == env["WEIGHTS_TOKENS_FILE"]
+
+
+def test_compose_runs_in_operator_mode_with_tokens_from_the_secret(compose, tmp_path):
+    server = compose["services"]["miserver"]
+    env = {k: str(v) for k, v in server["environment"].items()}
+    env.pop("UNIX_SOCKET", None)
+    tokens_file = env["WEIGHTS_TOKENS_FILE"]
+    assert Path(tokens_file).name in server["secrets"]
+    assert Path(tokens_file).name in compose["secrets"]
+    assert "file" in compose["secrets"][Path(tokens_file).name]
+    _deployment_tokens_are_enforced(env, tmp_path, tokens_file)
+
+
+def test_k8s_base_runs_in_operator_mode_with_tokens_from_the_secret(tmp_path):
+    data = dict(_base("ConfigMap")["data"])
+    pod = _base("Deployment")["spec"]["template"]["spec"]
+    container = next(c for c in pod["containers"] if c["name"] == "miserver")
+    assert not any(e.get("name") == "WEIGHTS_TOKENS" for e in container.get("env", []))
+    secret_volume = next(v for v in pod["volumes"] if "secret" in v)
+    mount = next(m for m in container["volumeMounts"] if m["name"] == secret_volume["name"])
+    assert data["WEIGHTS_TOKENS_FILE"].startswith(mount["mountPath"] + "/")
+    _deployment_tokens_are_enforced(data, tmp_path, data["WEIGHTS_TOKENS_FILE"])
 
 
 def _compose_cli() -> list[str] | None:
@@ -392,7 +436,7 @@ def test_backend_reads_settings_from_the_configmap_and_tokens_from_the_secret(tm
     )
     # The ConfigMap is a configuration the server accepts (contract section 1).
     local = tmp_path / "tokens"
-    local.write_text("")
+    local.write_text("ops:operator:0123456789abcdef-operator\n")
     settings = load_settings({**data, "WEIGHTS_TOKENS_FILE": str(local)})
     assert (settings.host, settings.port) == ("0.0.0.0", 8000)
 
@@ -463,6 +507,34 @@ def test_make_serve_installs_the_runtime_only_and_make_test_the_dev_extras():
     quick = _make_closure("quick")
     assert ".[dev]" in quick and "--quick" in quick and "tests/e2e" not in quick
     assert "examples/train_while_serving.py" in _make_closure("demo")
-    assert ".[demo]" in _make_closure("demo") and ".[gguf]" in _make_closure("gguf")
+    assert ".[demo]" in _make_closure("demo")
+    # the GGUF row's llama.cpp binding is a runtime dependency: `make serve` installs it
+    # (pyproject's dependencies), no extra and no target of its own (issue 31)
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert any(dep.startswith("xllamacpp") for dep in project["dependencies"])
+    assert "gguf" not in project["optional-dependencies"]
+    assert "gguf:" not in (REPO / "Makefile").read_text()
     ci = (REPO / ".ci/run").read_text()
     assert "make test" in ci and "make quick" not in ci
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_make_demo_honours_port():
+    """Issue 32, item 6: ``PORT=9000 make demo`` serves on 9000, as ``make serve`` does."""
+
+    def demo_line(env: dict[str, str]) -> str:
+        out = subprocess.run(
+            ["make", "-n", "demo"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={k: v for k, v in os.environ.items() if k != "PORT"} | env,
+        )
+        assert out.returncode == 0, out.stderr
+        return next(x for x in out.stdout.splitlines() if "train_while_serving.py" in x)
+
+    assert shlex.split(demo_line({"PORT": "9123"}))[-2:] == ["--port", "9123"]
+    assert "--port" not in demo_line({})

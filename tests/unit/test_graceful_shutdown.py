@@ -211,3 +211,38 @@ async def test_liveness_answers_while_draining_and_a_stalled_body_is_closed_in_t
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+async def test_a_ctrl_c_is_named_and_a_second_one_counts_the_seconds_that_passed(tmp_path) -> None:
+    """Issue 32, item 6: after a Ctrl-C the messages said SIGTERM, and after a second signal
+    they said the request ran the whole SHUTDOWN_GRACE_S (here 30 s) when it had run 1 s."""
+    proc, port = _start(tmp_path, "30")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            plain = asyncio.create_task(_plain(session, f"{base}/v1/test-slow?s=60"))
+            await asyncio.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            await asyncio.sleep(0.5)
+            async with aiohttp.ClientSession() as fresh:
+                status, _, body = await _plain(fresh, f"{base}/api/models")
+            assert status == 503, body
+            assert "SIGINT" in body["error"]["message"], body
+            assert "SIGTERM" not in body["error"]["message"], body
+            await asyncio.sleep(0.5)
+            signalled = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            status, _, body = await asyncio.wait_for(plain, 10)
+            message = body["error"]["message"]
+            assert status == 503 and "SIGINT" in message and "SIGTERM" not in message, message
+            assert "second signal" in message and "30 s" not in message, message
+            seconds = float(message.split("second signal came, ")[1].split(" s ")[0])
+            assert 0.5 <= seconds < 10, message
+        rc, out, err = _exit(proc)
+        assert rc == 0 and "exited cleanly" in out, err[-2000:]
+        assert time.monotonic() - signalled < 10
+        ended = [x for x in err.splitlines() if "with 503 SHUTTING_DOWN" in x]
+        assert len(ended) == 1 and "second signal" in ended[0] and "30 s" not in ended[0], ended
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -8,6 +8,7 @@ import asyncio
 import json
 import time
 
+import aiohttp
 import pytest
 
 from miserver.http import keys
@@ -93,9 +94,75 @@ async def test_operator_mode_guards_and_audits_each_mutating_route(
 
 
 async def test_operator_mode_leaves_reads_and_inference_open(guarded) -> None:
-    for path in ("/api/models", "/api/settings", "/api/health", "/v1/models", "/v1/batches"):
+    for path in ("/api/models", "/api/settings", "/api/health", "/v1/models"):
         resp = await guarded.get(path)
         assert resp.status == 200, (path, await resp.text())
+
+
+BATCH_READS = [
+    ("/v1/files", "file_read"),
+    ("/v1/files/{file}", "file_read"),
+    ("/v1/files/{file}/content", "file_read"),
+    ("/v1/batches", "batch_read"),
+    ("/v1/batches/{batch}", "batch_read"),
+]
+
+
+@pytest.mark.parametrize(("template", "operation"), BATCH_READS)
+async def test_operator_mode_guards_every_batch_read(
+    guarded, tmp_path, template, operation
+) -> None:
+    """Issue 32, item 9: with MANAGEMENT_AUTH=operator nobody but an operator reads the Batch
+    API's files (an operator's prompts, the model's completions) or lists the jobs."""
+    ops = {"Authorization": f"Bearer {OPS}"}
+    line = b'{"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": '
+    line += b'{"model": "m", "messages": [{"role": "user", "content": "secret prompt"}]}}\n'
+    form = aiohttp.FormData()
+    form.add_field("purpose", "batch")
+    form.add_field("file", line, filename="in.jsonl", content_type="application/jsonl")
+    resp = await guarded.post("/v1/files", data=form, headers=ops)
+    assert resp.status == 200, await resp.text()
+    file_id = (await resp.json())["id"]
+    resp = await guarded.post(
+        "/v1/batches",
+        json={
+            "input_file_id": file_id,
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+        },
+        headers=ops,
+    )
+    assert resp.status == 200, await resp.text()
+    batch_id = (await resp.json())["id"]
+    path = template.format(file=file_id, batch=batch_id)
+    for headers, status, code in (
+        ({}, 401, "WEIGHTS_UNAUTHORIZED"),
+        ({"Authorization": "Bearer not-a-configured-token-00"}, 401, "WEIGHTS_UNAUTHORIZED"),
+        ({"Authorization": f"Bearer {TRN}"}, 403, "WEIGHTS_FORBIDDEN"),
+    ):
+        resp = await guarded.get(path, headers=headers)
+        text = await resp.text()
+        assert resp.status == status, (path, text)
+        assert json.loads(text)["error"]["code"].upper() == code
+        assert "secret prompt" not in text and file_id not in text
+    resp = await guarded.get(path, headers=ops)
+    assert resp.status == 200, (path, await resp.text())
+    lines = [x for x in await _audit(tmp_path) if x["operation"] == operation]
+    assert [(x["outcome"], x["code"]) for x in lines] == [
+        ("refused", "WEIGHTS_UNAUTHORIZED"),
+        ("refused", "WEIGHTS_UNAUTHORIZED"),
+        ("refused", "WEIGHTS_FORBIDDEN"),
+    ]  # an accepted read is not audited (clients poll)
+
+
+async def test_batch_reads_stay_open_in_the_default_mode(tmp_path) -> None:
+    c = await model_free_client(model_free_settings(tmp_path, TOKENS))
+    try:
+        for path in ("/v1/files", "/v1/batches"):
+            resp = await c.get(path)
+            assert resp.status == 200, (path, await resp.text())
+    finally:
+        await c.close()
 
 
 async def test_the_default_stays_open(tmp_path) -> None:

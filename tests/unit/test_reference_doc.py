@@ -52,3 +52,18 @@ def test_no_doc_points_outside_the_repository_and_the_readme_links_the_reference
             assert outside not in text, f"{path.name} points at {outside}, outside the repository"
     readme = (root / "README.md").read_text(encoding="utf-8")
     assert "docs/reference.md" in readme and "docs/settings.md" in readme
+
+
+def test_every_code_is_explained_not_named_again() -> None:
+    """Issue 32, item 6: the codes whose answers word their own message were listed with their
+    own name as the message; each row now says what the code means and what to do."""
+    from miserver.reference import code_meaning
+    from miserver.spec import codes
+
+    text = (docs_gen.REPO_ROOT / DOC).read_text(encoding="utf-8")
+    for name in codes.ALL:
+        meaning = code_meaning(name)
+        assert meaning != name and len(meaning.split()) >= 4, (name, meaning)
+        row = next(x for x in text.splitlines() if x.startswith(f"| `{name}` |"))
+        assert not row.rstrip().endswith(f"| {name} |"), row
+    assert set(codes.MEANINGS) <= set(codes.ALL)

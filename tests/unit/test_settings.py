@@ -28,6 +28,10 @@ def test_defaults_are_the_contracts():
         8388608,
     )
     assert s.weights_tokens == ()
+    assert s.v1_load_policy == "auto"  # contract 4's auto-load
+    assert load_settings({"MISERVER_HOME": "/x", "V1_LOAD_POLICY": "Refuse"}).v1_load_policy == (
+        "refuse"
+    )
 
 
 @pytest.mark.parametrize(
@@ -42,7 +46,10 @@ def test_defaults_are_the_contracts():
         ({"WEIGHTS_CPU_ATTACH": "maybe"}, "WEIGHTS_CPU_ATTACH"),
         ({"LOG_FORMAT": "xml"}, "LOG_FORMAT"),
         ({"WEIGHTS_HEARTBEAT_INTERVAL_HINT_S": "30"}, "WEIGHTS_HEARTBEAT_INTERVAL_HINT_S"),
-        ({"CONTINUOUS_BATCHING": "1"}, "CONTINUOUS_BATCHING"),
+        ({"CONTINUOUS_BATCHING": "maybe"}, "CONTINUOUS_BATCHING"),
+        ({"GGUF_THREADS": "0"}, "GGUF_THREADS"),
+        ({"GGUF_THREADS": "many"}, "GGUF_THREADS"),
+        ({"V1_LOAD_POLICY": "never"}, "V1_LOAD_POLICY"),
         ({"WEIGHTS_TOKENS": f"Bad Label:trainer:{SECRET}"}, "WEIGHTS_TOKENS"),
         ({"WEIGHTS_TOKENS": f"a:admin:{SECRET}"}, "WEIGHTS_TOKENS"),
         ({"WEIGHTS_TOKENS": "a:trainer:short"}, "WEIGHTS_TOKENS"),
@@ -165,3 +172,33 @@ def test_a_bad_switch_lists_every_accepted_spelling():
         load_settings({"MISERVER_HOME": "/tmp/x", "WEIGHTS_CPU_ATTACH": "maybe"})
     for word in ("1", "true", "yes", "on", "0", "false", "no", "off", "'maybe'"):
         assert word in str(info.value)
+
+
+def test_gguf_threads_is_auto_or_a_count_and_auto_follows_the_cpu_affinity() -> None:
+    import os
+
+    from miserver.spec.settings import resolved_gguf_threads
+
+    auto = load_settings({"MISERVER_HOME": "/x"})
+    assert auto.gguf_threads is None
+    assert resolved_gguf_threads(auto) == len(os.sched_getaffinity(0))
+    set_ = load_settings({"MISERVER_HOME": "/x", "GGUF_THREADS": "3"})
+    assert (set_.gguf_threads, resolved_gguf_threads(set_)) == (3, 3)
+    for bad in ("0", "1025", "-2", "two"):
+        with pytest.raises(ConfigError, match="GGUF_THREADS"):
+            load_settings({"MISERVER_HOME": "/x", "GGUF_THREADS": bad})
+
+
+def test_continuous_batching_1_starts_with_pauses_unavailable_as_cbm() -> None:
+    from miserver.fsm.machine import Lifecycle
+
+    on = load_settings({"MISERVER_HOME": "/x", "CONTINUOUS_BATCHING": "1"})
+    assert on.continuous_batching is True
+    assert Lifecycle.from_settings(on).state.avail == "cbm"
+    # cbm is named before concurrency (weights page: Status pause_unavailable)
+    both = load_settings(
+        {"MISERVER_HOME": "/x", "CONTINUOUS_BATCHING": "1", "MAX_CONCURRENT_REQUESTS": "2"}
+    )
+    assert Lifecycle.from_settings(both).state.avail == "cbm"
+    off = load_settings({"MISERVER_HOME": "/x"})
+    assert Lifecycle.from_settings(off).state.avail == "ok"

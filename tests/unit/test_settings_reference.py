@@ -115,3 +115,19 @@ def test_the_documented_token_syntax_is_what_the_parser_accepts(tmp_path) -> Non
 @pytest.mark.parametrize("variable", [v for v, _, _ in VARIABLES])
 def test_no_description_is_empty(variable: str) -> None:
     assert settings.DESCRIPTIONS[variable].strip().endswith(".")
+
+
+def test_no_help_text_shows_markup() -> None:
+    """Issue 32, item 6: ``miserver --help`` showed the docstring's double backticks."""
+    import argparse
+
+    from miserver.cli import build_parser
+
+    parser = build_parser()
+    texts = [parser.format_help()]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            texts += [p.format_help() for p in action.choices.values()]
+    assert len(texts) == 5 and "miserver command: serve, check" in texts[0]
+    for text in texts:
+        assert "``" not in text and "`" not in text, text[:300]

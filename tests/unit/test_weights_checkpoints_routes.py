@@ -115,6 +115,46 @@ async def test_load_in_place_restores_the_checkpoint_and_allocates_nothing(clien
     assert [e["name"] for e in lineage] == ["tiny-ckpt", "tiny"]
 
 
+async def test_a_save_after_an_in_place_load_follows_the_manifest(client):
+    """Issue 32, item 1: checkpoint A loaded in place, 2 commits, save B: B is A + 2 steps in
+    its row (parent A, steps 2), its default name (A's name) and the lineage [B, A, base], as
+    its manifest says; the load's answer names A, the row it loaded."""
+    h = await attach(client)
+    await commit(client, h, bump)
+    st, body, _ = await post(client, "/api/weights/save", h, {"name": "tiny-a"})
+    assert st == 200, body
+    a = body["data"]
+    assert a["parent_id"] == 1 and a["steps_since_load"] == 1
+    st, body, _ = await post(client, "/api/weights/load", h, {"checkpoint": "tiny-a"})
+    assert st == 200 and body["data"]["in_place"] is True, body
+    assert body["data"]["model"] == {
+        "model_id": a["model_id"],
+        "name": "tiny-a",
+        "manifest_hash": a["checkpoint_sha256"],
+    }
+    await commit(client, h, bump)
+    await commit(client, h, bump)
+    st, body, _ = await post(client, "/api/weights/save", h)
+    assert st == 200, body
+    b = body["data"]
+    manifest = json.loads((Path(b["path"]) / "manifest.json").read_text())
+    assert manifest["parent_checkpoint_sha256"] == a["checkpoint_sha256"]
+    assert manifest["steps_since_load"] == 2 and manifest["base"]["row_id"] == 1
+    assert b["parent_id"] == a["model_id"] and b["steps_since_load"] == 2
+    assert b["name"] == f"tiny-a-step2-{b['checkpoint_sha256'][:8]}"
+    rows = (await (await client.get("/api/models")).json())["data"]
+    rows = rows["models"] if isinstance(rows, dict) else rows
+    assert {r["name"]: r["parent_id"] for r in rows}[b["name"]] == a["model_id"]
+    chain = (await (await client.get("/api/weights/lineage")).json())["data"]["chain"]
+    assert [(e["name"], e["parent_id"], e["steps_since_load"]) for e in chain] == [
+        (b["name"], a["model_id"], 2),
+        ("tiny-a", 1, 1),
+        ("tiny", None, None),
+    ]
+    status = (await (await client.get("/api/weights/status")).json())["data"]
+    assert status["resident_model"]["name"] == "tiny-a"
+
+
 async def test_corrupt_checkpoint_is_refused_before_any_write(client):
     h = await attach(client)
     st, body, _ = await post(client, "/api/weights/save", h, {"name": "tiny-bad"})

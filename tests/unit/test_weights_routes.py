@@ -311,7 +311,7 @@ async def test_refuse_policy_refuses_a_swap_before_the_row_is_checked(client):
     )
     assert resp.status == 409 and (await resp.json())["error"]["code"] == "model_not_loaded"
     resp = await client.post("/v1/chat/completions", json=body)
-    assert resp.status == 400 and (await resp.json())["error"]["code"] == "backend_unavailable"
+    assert resp.status == 400 and (await resp.json())["error"]["code"] == "model_load_failed"
     assert client.app[keys.HOST].resident.row.name == "tiny"
 
 

@@ -111,7 +111,7 @@ class BatchDatabase:
         API was never used gets no database."""
         with self._lock:
             if self._conn is None:
-                self.files_dir.mkdir(parents=True, exist_ok=True)
+                self._private_files()
                 conn = sqlite3.connect(
                     self.home / DB_NAME, check_same_thread=False, isolation_level=None
                 )
@@ -123,6 +123,18 @@ class BatchDatabase:
                 self._conn = conn
                 self._remove_orphan_blobs()
             return self._conn
+
+    def _private_files(self) -> None:
+        """The batch files are an operator's prompts and the model's answers: ``files/`` 0700,
+        the database (and SQLite's ``-wal``/``-shm``, which take its mode) and every blob 0600
+        (issue 32, item 13). An existing home's are tightened too: only miserver reads them."""
+        self.files_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.files_dir, 0o700)
+        db = self.home / DB_NAME
+        os.close(os.open(db, os.O_RDWR | os.O_CREAT, 0o600))
+        for path in (db, db.with_name(DB_NAME + "-wal"), db.with_name(DB_NAME + "-shm")):
+            with contextlib.suppress(FileNotFoundError):
+                os.chmod(path, 0o600)
 
     def exists(self) -> bool:
         """Whether the database exists (the Batch API was used in this home)."""
@@ -159,7 +171,7 @@ class BatchDatabase:
         path = self._blob(file_id)
         tmp = path.with_suffix(".tmp")
         try:
-            with open(tmp, "wb") as fh:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as fh:
                 fh.write(data)
                 fh.flush()
                 os.fsync(fh.fileno())

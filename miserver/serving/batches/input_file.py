@@ -5,6 +5,7 @@ store raises (the HTTP layer renders it in OpenAI's shape).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,10 @@ _ROW_KEYS = frozenset({"custom_id", "method", "url", "body"})
 
 _json_encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.decode
+
+#: ``(url, body) -> problem or None``: what the route ``url`` would refuse in ``body`` before
+#: it looks at a model (the HTTP layer's :func:`miserver.http.openai_schema.check_body`).
+BodyCheck = Callable[[str, dict[str, Any]], str | None]
 
 
 class BatchRequestError(Exception):
@@ -65,7 +70,7 @@ class InputRow:
 # --------------------------------------------------------------------------------------------
 
 
-def _line_error(row: dict[str, Any] | Any) -> str | None:
+def _line_error(row: dict[str, Any] | Any, body_check: BodyCheck | None = None) -> str | None:
     if not isinstance(row, dict):
         return "must be a JSON object"
     missing = sorted(_ROW_KEYS - row.keys())
@@ -91,7 +96,7 @@ def _line_error(row: dict[str, Any] | Any) -> str | None:
         return "body.model must be a non-empty string"
     if body.get("stream") not in (None, False):
         return "body.stream must be false or absent: batch rows are not streamed"
-    return None
+    return body_check(row["url"], body) if body_check is not None else None
 
 
 def short(value: Any) -> str:
@@ -99,13 +104,15 @@ def short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def parse_batch_input(data: bytes) -> list[InputRow]:
+def parse_batch_input(data: bytes, body_check: BodyCheck | None = None) -> list[InputRow]:
     """Validate a batch input file (JSONL) line by line and return its rows in order.
 
     Each non-blank line must be ``{"custom_id": str, "method": "POST", "url":
     "/v1/chat/completions" | "/v1/completions", "body": {"model": str, ...}}``, custom_ids unique,
-    at most :data:`MAX_ROWS` rows. The body's other fields are checked when the row runs (as
-    ``/v1`` checks them; a refusal is that row's error line).
+    at most :data:`MAX_ROWS` rows. ``body_check`` checks each body as its route would before it
+    looks at a model (the server passes the ``/v1`` schema's; issue 32, item 13); what needs the
+    model (the context window, the model's name) is checked when the row runs (a refusal is that
+    row's error line).
 
     Raises :class:`BatchRequestError` (``INVALID_REQUEST``, param ``file``) naming the first
     :data:`MAX_REPORTED_ERRORS` bad lines by number.
@@ -131,7 +138,7 @@ def parse_batch_input(data: bytes) -> list[InputRow]:
         except RecursionError:
             problem = "nests arrays or objects too deeply to decode"
         else:
-            problem = _line_error(obj)
+            problem = _line_error(obj, body_check)
             if problem is None:
                 first = seen.get(obj["custom_id"])
                 if first is not None:

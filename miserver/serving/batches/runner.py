@@ -9,18 +9,23 @@ The runner depends on the serving runtime through one narrow seam, :class:`RowEx
 priority, in the chunk's :class:`~miserver.serving.engine.slot.Unit`).
 A batch never loads a model: rows for a model that is not resident wait (``model_not_resident``);
 while the weights are torn the batch waits (``weights_torn``); while the barrier is held the next
-chunk is held in the scheduler (``quiesced``). Only the completion window (``24h``) ends a waiting
-batch, as ``expired``. At start the runner takes the home's lock file (one runner per home); the
-rows that were running at a crash (at most one chunk) kept no result and run again
-(:mod:`miserver.serving.batches.store`).
+chunk is held in the scheduler (``quiesced``); while the disk of ``MISERVER_HOME`` is full
+(results or output files cannot be written) every active batch waits (``disk_full``), the results
+of the rows that finished meanwhile kept in memory and written once there is space, never computed
+again. Only the completion window (``24h``) ends a waiting batch, as ``expired``. At start the
+runner takes the home's lock file (one runner per home); the rows that were running at a crash
+(at most one chunk) kept no result and run again (:mod:`miserver.serving.batches.store`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import logging
+import os
+import sqlite3
 from collections.abc import Callable, Mapping
 from typing import IO, Any, Protocol
 
@@ -33,9 +38,22 @@ log = logging.getLogger("miserver.batches")
 
 LOCK_NAME = "batches.runner.lock"
 #: ``waiting_reason`` values of the batch object (contract 7).
-WAITING_REASONS: tuple[str, ...] = ("quiesced", "weights_torn", "model_not_resident")
+WAITING_REASONS: tuple[str, ...] = ("quiesced", "weights_torn", "model_not_resident", "disk_full")
 #: Reasons that stop the runner from taking a row: the row waits, it never fails.
 BLOCKING_REASONS = frozenset({"weights_torn", "model_not_resident"})
+#: ``waiting_reason`` while results or output files cannot be written (issue 32, item 12).
+DISK_FULL = "disk_full"
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` says the disk (or the user's quota) is full: an :class:`OSError` with
+    ``ENOSPC`` or ``EDQUOT``, or SQLite's ``SQLITE_FULL`` ("database or disk is full")."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    if isinstance(exc, sqlite3.Error):
+        code = getattr(exc, "sqlite_errorcode", None)
+        return code == sqlite3.SQLITE_FULL or "database or disk is full" in str(exc)
+    return False
 
 
 class RowDeferred(Exception):  # noqa: N818 - it is a signal, not a failure
@@ -82,7 +100,7 @@ class RowExecutor(Protocol):
 # The runner
 # --------------------------------------------------------------------------------------------
 
-_REASON_ORDER = {"weights_torn": 0, "quiesced": 1, "model_not_resident": 2}
+_REASON_ORDER = {"disk_full": 0, "weights_torn": 1, "quiesced": 2, "model_not_resident": 3}
 
 #: /v1 error codes that mean "not now" rather than "this row is wrong": the row waits, with
 #: this ``waiting_reason`` ("" waits a poll without naming a reason: the interactive queue is
@@ -144,6 +162,14 @@ class BatchRunner:
     is tried :data:`MAX_ATTEMPTS` times (``retry_s`` apart, growing) before its error line is
     written, so a transient fault does not fail a whole batch in a burst. ``executor`` may be
     set after construction (before :meth:`start`).
+
+    A full disk (:func:`is_disk_full`: a result or an output file that cannot be written) is a
+    wait, not a failure (issue 32, item 12): the finished row's output line is kept in memory
+    (the row stays pending in the database, so a crash meanwhile runs it again, never twice),
+    the chunk's other rows go on and are kept alike, and no new chunk starts; every active batch
+    reports ``waiting_reason: "disk_full"``. Each step first tries to write what it keeps; once
+    that succeeds the batches resume where they stopped. One warning line when an episode
+    starts, one info line when it ends, no traceback.
     """
 
     def __init__(
@@ -169,6 +195,10 @@ class BatchRunner:
         self.rows_run = 0
         self._chunks = 0
         self._chunk: _Chunk | None = None  # the chunk whose rows run now
+        #: Output lines computed while the disk was full, not yet written: (batch, idx) ->
+        #: (row, ok, line). Their rows stay pending in the store and are never run again.
+        self._unwritten: dict[tuple[str, int], tuple[PendingRow, bool, dict[str, Any]]] = {}
+        self._disk_full_since: float | None = None  # the episode's start (loop time), or None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -212,12 +242,15 @@ class BatchRunner:
         self.wake()
 
     def waiting_reason(self, batch_id: str) -> str | None:
-        """The batch's current ``waiting_reason`` (null while it runs or once it ended).
+        """The batch's current ``waiting_reason`` (null while it runs or once it ended;
+        ``disk_full`` for every batch while results cannot be written).
 
         While one of its rows is inside ``execute_row`` (running, or held in the scheduler) the
         reason is probed live, so a set that tears while the chunk is held reads
         ``weights_torn``, not the ``quiesced`` it was held under.
         """
+        if self._disk_full_since is not None:
+            return DISK_FULL  # nothing of any batch can be written now
         chunk = self._chunk
         if (
             chunk is not None
@@ -246,7 +279,8 @@ class BatchRunner:
     async def _take_home_lock(self) -> IO[bytes]:
         path = self.store.home / LOCK_NAME
         path.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(path, "ab")  # noqa: SIM115 - held for the runner's life, closed by the caller
+        # held for the runner's life, closed by the caller; 0600 as the batch files
+        fh = open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")  # noqa: SIM115
         warned = False
         while True:
             try:
@@ -291,24 +325,91 @@ class BatchRunner:
         while await self.step():
             pass
 
+    # -- a full disk (issue 32, item 12) --------------------------------------------------------
+
+    def _disk_full(self, what: str, exc: BaseException) -> None:
+        """Enter (or stay in) a disk-full episode: one warning line at its start, no traceback."""
+        if self._disk_full_since is None:
+            self._disk_full_since = asyncio.get_running_loop().time()
+            log.warning(
+                "batch output: the disk of %s is full (%s: %s); batches wait "
+                "(waiting_reason disk_full), finished rows' results are kept in memory and "
+                "written once there is space",
+                self.store.home,
+                what,
+                exc,
+            )
+
+    def _record(self, row: PendingRow, ok: bool, line: dict[str, Any]) -> None:
+        """Write one result, or keep it in memory while the disk is full."""
+        if self._disk_full_since is None:
+            try:
+                self.store.record_result(row, ok=ok, line=line)
+                return
+            except Exception as exc:
+                if not is_disk_full(exc):
+                    raise
+                self._disk_full("a row's result", exc)
+        self._unwritten[(row.batch_id, row.idx)] = (row, ok, line)
+
+    def _flush_unwritten(self) -> bool:
+        """Write the results kept during a disk-full episode; True when none is left (the
+        episode, if any, is over). A still-full disk keeps them and returns False."""
+        for key, (row, ok, line) in list(self._unwritten.items()):
+            try:
+                self.store.record_result(row, ok=ok, line=line)
+            except Exception as exc:
+                if not is_disk_full(exc):
+                    raise
+                self._disk_full("a row's result", exc)
+                return False
+            del self._unwritten[key]
+        return True
+
+    def _disk_space_back(self) -> None:
+        if self._disk_full_since is None:
+            return
+        waited = asyncio.get_running_loop().time() - self._disk_full_since
+        self._disk_full_since = None
+        log.info("batch output: there is disk space again after %.0f s; batches resume", waited)
+
+    async def _finish(self, batch_id: str) -> bool:
+        """Finish ``batch_id`` (its output files); False while the disk is full."""
+        try:
+            await asyncio.to_thread(self.store.finish, batch_id)
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            self._disk_full("the output files of " + batch_id, exc)
+            return False
+        self._waiting.pop(batch_id, None)
+        self._disk_space_back()
+        return True
+
     async def step(self) -> bool:
-        """Do one unit of work: finish an ended batch or run one chunk. False when none."""
+        """Do one unit of work: finish an ended batch or run one chunk. False when none (or
+        while the disk is full)."""
         if self.executor is None:
             return False
-        for batch in self.store.active_batches():
+        had_unwritten = bool(self._unwritten)
+        if not self._flush_unwritten():
+            return False  # still full: every active batch waits (disk_full)
+        if had_unwritten:
+            self._disk_space_back()
+            return True
+        batches = self.store.active_batches()
+        if self._disk_full_since is not None:
+            # The episode began at an output file: only finishing a batch can tell whether
+            # there is space again, and no chunk starts before it does.
+            for batch in batches:
+                if self._needs_finish(batch):
+                    return await self._finish(batch["id"])
+            self._disk_space_back()  # nothing left that failed to write
+        for batch in batches:
             batch_id = batch["id"]
-            now = self.store.clock()
-            if batch["status"] != "in_progress" or (
-                batch["expires_at"] is not None and now >= batch["expires_at"]
-            ):
-                await asyncio.to_thread(self.store.finish, batch_id)
-                self._waiting.pop(batch_id, None)
-                return True
+            if self._needs_finish(batch):
+                return await self._finish(batch_id)
             models = self.store.pending_models(batch_id)
-            if not models:
-                await asyncio.to_thread(self.store.finish, batch_id)
-                self._waiting.pop(batch_id, None)
-                return True
             reasons = {m: self.executor.waiting_reason(m) for m in models}
             runnable = [m for m in models if reasons[m] not in BLOCKING_REASONS]
             if not runnable:
@@ -319,6 +420,15 @@ class BatchRunner:
             if await self._run_chunk(batch_id, runnable[0]):
                 return True
         return False
+
+    def _needs_finish(self, batch: Any) -> bool:
+        """Whether ``batch`` (a store row) has ended: cancelled, expired, or no row pending."""
+        if batch["status"] != "in_progress":
+            return True
+        expires = batch["expires_at"]
+        if expires is not None and self.store.clock() >= expires:
+            return True
+        return not self.store.pending_models(batch["id"])
 
     async def _run_chunk(self, batch_id: str, model: str) -> bool:
         """Run one chunk of ``batch_id``'s rows for ``model``, all at once; True when it made
@@ -426,12 +536,10 @@ class BatchRunner:
             chunk.stopping = chunk.deferred = True
             self._waiting[batch_id] = deferred or None
             return False
-        if not chunk.deferred:
+        if not chunk.deferred and self._disk_full_since is None:
             self._waiting[batch_id] = None
         self._attempts.pop((batch_id, row.idx), None)
-        self.store.record_result(
-            row, ok=200 <= status < 300, line=output_line(row, status, headers, body)
-        )
+        self._record(row, 200 <= status < 300, output_line(row, status, headers, body))
         self.rows_run += 1
         return True
 

@@ -33,6 +33,7 @@ from miserver.serving.batches.input_file import (
     COMPLETION_WINDOWS,
     ENDPOINTS,
     BatchRequestError,
+    BodyCheck,
     check_metadata,
     parse_batch_input,
     short,
@@ -98,8 +99,11 @@ class BatchStore(BatchDatabase):
 
     Objects are returned as dicts in OpenAI's wire shape (``File``, ``Batch``). Every method
     raises :class:`BatchRequestError` for a refused request and changes nothing then.
-    ``clock`` returns Unix seconds (tests pass their own).
+    ``clock`` returns Unix seconds (tests pass their own). ``body_check`` (set by the server:
+    the ``/v1`` schema's checks) refuses an input line whose body its route would refuse.
     """
+
+    body_check: BodyCheck | None = None
 
     # -- files ---------------------------------------------------------------------------------
 
@@ -115,7 +119,7 @@ class BatchStore(BatchDatabase):
                 f'purpose must be "batch", got {short(purpose)}',
                 param="purpose",
             )
-        parse_batch_input(data)
+        parse_batch_input(data, self.body_check)
         return self._add_file(data, filename=filename or "batch.jsonl", purpose=purpose)
 
     def _add_file(self, data: bytes, *, filename: str, purpose: str) -> dict[str, Any]:
@@ -293,7 +297,7 @@ class BatchStore(BatchDatabase):
                 f"file {file_id} has purpose {file_row['purpose']}, not batch",
                 param="input_file_id",
             )
-        rows = parse_batch_input(self.file_content(file_id))
+        rows = parse_batch_input(self.file_content(file_id), self.body_check)
         wrong = [r for r in rows if r.url != endpoint]
         if wrong:
             raise BatchRequestError(
@@ -370,7 +374,11 @@ class BatchStore(BatchDatabase):
             "total_tokens": row["input_tokens"] + row["output_tokens"],
         }
         obj["metadata"] = None if row["metadata"] is None else _json_decode(row["metadata"])
-        obj["waiting_reason"] = waiting_reason if row["status"] == "in_progress" else None
+        status = row["status"]
+        shown = status == "in_progress" or (
+            status in ACTIVE_STATUSES and waiting_reason == "disk_full"  # output not writable
+        )
+        obj["waiting_reason"] = waiting_reason if shown else None
         return obj
 
     def _batch_row(self, batch_id: str) -> sqlite3.Row:

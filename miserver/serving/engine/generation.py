@@ -110,6 +110,11 @@ class SamplingParams:
         stop: stop sequences; the completion ends before the first one and never contains it.
         logprobs: how many alternatives to report per token (0..20); None reports no logprobs.
         echo: also score the prompt (prompt token logprobs, needs ``logprobs``).
+        constraint: a grammar every sequence's tokens must follow
+            (:class:`~miserver.serving.engine.constraints.Constraint`, shared by the ``n``
+            choices, each with its own matcher); None samples freely. Its mask applies before
+            the choice (greedy too); logprobs stay the model's own (unmasked); a complete
+            grammar ends the sequence as ``stop`` (issue 33).
     """
 
     max_tokens: int
@@ -119,6 +124,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     echo: bool = False
+    constraint: Any = None
 
 
 @dataclass(frozen=True)
@@ -686,6 +692,8 @@ class _Sequence:
         self.decoded = 0  # characters the detokenizer has produced
         self.released = 0  # characters of completion text sent
         self.generated = 0
+        # The constraint hook (ENGINE_API "Constraint hook"): mask before the choice, accept after.
+        self.matcher = params.constraint.new_matcher() if params.constraint is not None else None
 
     def begin(self, prompt_lp: tuple[TokenLogprob, ...] | None) -> None:
         self.gen._emit(Started(len(self.gen.prompt_ids), prompt_lp))
@@ -696,15 +704,24 @@ class _Sequence:
         full: bool,
         best: tuple[float, int] | None = None,
         picked: int | NonFiniteLogits | None = None,
+        unmasked: torch.Tensor | None = None,
     ) -> int | None:
         """Take the next token from ``logits`` (float32 ``[vocab]``); returns it when the
         sequence goes on (``full``: no further position fits), None when it ended (its
         :class:`Finished` sent). ``best``: ``torch.max`` of ``logits`` (value, index), when the
         caller has it: a greedy sequence takes its index (what :func:`pick_token` would).
-        ``picked``: this row's :func:`pick_tokens` result, when the caller sampled the batch."""
+        ``picked``: this row's :func:`pick_tokens` result, when the caller sampled the batch.
+        ``unmasked``: for a constrained sequence whose row the caller already masked
+        (:func:`_mask_constrained`), the row before masking (its logprobs); without it a constrained
+        sequence masks a copy of ``logits`` here (``best`` and ``picked`` are then unused)."""
         gen = self.gen
         if gen._cancel.is_set():
             return self._end("cancelled", matched_stop=False)
+        if self.matcher is not None and unmasked is None:
+            unmasked = logits
+            logits = logits.clone()
+            self.matcher.fill_mask(logits)
+            best = picked = None
         if isinstance(picked, NonFiniteLogits):
             raise picked
         if picked is not None:
@@ -719,8 +736,11 @@ class _Sequence:
         gen.timing.steps = self.generated
         if token in self.ends:
             return self._end("stop", matched_stop=False)
+        if self.matcher is not None:
+            self.matcher.accept(token)
         if self.want_logprobs:
-            entry = gen._logprob_entry(torch.log_softmax(logits, dim=-1), token)
+            raw = unmasked if unmasked is not None else logits
+            entry = gen._logprob_entry(torch.log_softmax(raw, dim=-1), token)
             self.pending_lp.append((self.decoded, entry))
         piece = self.detok.add(token)
         self.decoded += len(piece)
@@ -736,6 +756,8 @@ class _Sequence:
             gen._emit(TextDelta(text, ready))
         if matched_stop:
             return self._end("stop", matched_stop=True)
+        if self.matcher is not None and self.matcher.is_terminated():
+            return self._end("stop", matched_stop=False)
         if self.generated >= self.params.max_tokens or full:
             return self._end("length", matched_stop=False)
         return token
@@ -746,11 +768,13 @@ class _Sequence:
         full: bool,
         best: tuple[float, int] | None = None,
         picked: int | NonFiniteLogits | None = None,
+        unmasked: torch.Tensor | None = None,
     ) -> int | None:
         """:meth:`advance`; a failure of this sequence alone (its sampling, e.g. non-finite
-        logits in its row) ends it with the failure, and the batch's other sequences go on."""
+        logits in its row, or its grammar) ends it with the failure, and the batch's other
+        sequences go on."""
         try:
-            return self.advance(logits, full, best, picked)
+            return self.advance(logits, full, best, picked, unmasked)
         except Exception as exc:  # noqa: BLE001 - reported to this sequence's caller
             log.warning("generation failed: %s: %s", type(exc).__name__, exc)
             self.fail(exc)
@@ -856,6 +880,7 @@ def _decode_sequences(gens: list[Generation]) -> None:
         greedy = any(seq.params.temperature == 0 for seq in active)
         while active:
             logits = decoder.step(tokens)
+            unmasked = _mask_constrained(logits, active)
             batched_sampling = len(active) > 1 and _samples_batched(logits)
             # the greedy rows' tokens in one pass and one read (a GPU sync per row is slow)
             best = None
@@ -878,6 +903,7 @@ def _decode_sequences(gens: list[Generation]) -> None:
                     decoder.full(row),
                     best[row] if best is not None else None,
                     picked[row] if picked is not None else None,
+                    unmasked[row] if unmasked is not None else None,
                 )
                 if token is None:
                     continue
@@ -890,6 +916,28 @@ def _decode_sequences(gens: list[Generation]) -> None:
                         seq.gen._finish_thread()
                 decoder.keep(kept)
             active = still
+
+
+def _mask_constrained(
+    logits: torch.Tensor, active: list[_Sequence]
+) -> list[torch.Tensor | None] | None:
+    """The constraint hook for a decode step: mask the rows of constrained sequences in
+    ``logits`` (float32 ``[rows, vocab]``, in place) before any token is chosen; return each
+    masked row as it was (for logprobs; None for a free row), or None (``logits`` untouched)
+    when no sequence is constrained. A row whose grammar fails is left as it was (None): its
+    :meth:`_Sequence.advance` masks it again and reports the failure to that sequence alone."""
+    rows = [r for r, seq in enumerate(active) if seq.matcher is not None]
+    if not rows:
+        return None
+    before = logits.clone()
+    unmasked: list[torch.Tensor | None] = [None] * len(active)
+    for r in rows:
+        try:
+            active[r].matcher.fill_mask(logits[r])  # type: ignore[union-attr]
+            unmasked[r] = before[r]
+        except Exception:  # noqa: BLE001 - raised again for this sequence in advance()
+            logits[r] = before[r]
+    return unmasked
 
 
 def _samples_batched(logits: torch.Tensor) -> bool:

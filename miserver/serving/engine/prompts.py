@@ -123,26 +123,35 @@ def _encode(tokenizer: Any, text: str, **kwargs: Any) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False, **kwargs)["input_ids"])
 
 
-def _render(tokenizer: Any, messages: Sequence[dict[str, str]]) -> str:
+def _render(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> str:
+    extra = {"tools": tools} if tools else {}
     try:
         return tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False
+            list(messages), add_generation_prompt=True, tokenize=False, **extra
         )
     except Exception as exc:  # noqa: BLE001 - a template may refuse a conversation (jinja)
         raise PromptError(f"the chat template refused the messages: {str(exc)[:300]}") from None
 
 
-def render_chat(tokenizer: Any, messages: Sequence[dict[str, str]]) -> str:
+def render_chat(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> str:
     """The chat template's text for ``messages`` with the generation prompt (no tokenizing).
+    ``tools``: OpenAI-shaped tool definitions, passed to the template as ``tools`` (issue 33).
 
     Raises:
         PromptError: the template refused the messages (its message, cut to 300 characters).
     """
-    return _render(tokenizer, messages)
+    return _render(tokenizer, messages, tools)
 
 
 def chat_prompt_ids(
-    tokenizer: Any, messages: Sequence[dict[str, str]], text: str | None = None
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    text: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The prompt token ids of a conversation: template markers as control tokens, message
     content as text (see the module's docstring).
@@ -151,6 +160,7 @@ def chat_prompt_ids(
         tokenizer: a transformers tokenizer with a chat template.
         messages: ``[{"role": str, "content": str}]`` as the template takes them.
         text: :func:`render_chat` of the same messages when the caller has it already.
+        tools: as :func:`render_chat`'s.
 
     Returns:
         The token ids (list of int), without the tokenizer's own BOS/EOS additions
@@ -161,15 +171,19 @@ def chat_prompt_ids(
             special-token string so that it cannot be kept as text.
     """
     if text is None:
-        text = _render(tokenizer, messages)
+        text = _render(tokenizer, messages, tools)
     specials = special_token_strings(tokenizer)
     if not specials or not any(s in m["content"] for m in messages for s in specials):
         return _encode(tokenizer, text)
-    return _protected_ids(tokenizer, messages, text, specials)
+    return _protected_ids(tokenizer, messages, text, specials, tools)
 
 
 def _protected_ids(
-    tokenizer: Any, messages: Sequence[dict[str, str]], text: str, specials: tuple[str, ...]
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    text: str,
+    specials: tuple[str, ...],
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     special_re = re.compile("|".join(re.escape(s) for s in specials))
     contents = [m["content"] for m in messages]
@@ -185,7 +199,7 @@ def _protected_ids(
         return sentinel
 
     guarded = [{**m, "content": special_re.sub(protect, m["content"])} for m in messages]
-    rendered = _render(tokenizer, guarded)
+    rendered = _render(tokenizer, guarded, tools)
     sentinel_re = re.compile(f"\ue000{nonce}\\.\\d+\ue001")
 
     def restore(piece: str) -> str:

@@ -49,7 +49,11 @@ class CatalogueRow(msgspec.Struct, frozen=True, kw_only=True):
 
     ``created_at`` is an RFC 3339 UTC timestamp (``2026-11-30T08:00:00.123456Z``).
     ``checkpoint_sha256`` is the sha256 of a checkpoint's ``manifest.json`` (contract 5), else
-    null. ``resident`` is whether this process's model host holds the row now.
+    null. ``description``: what the row's weights are, where the other fields cannot say it
+    (the embedded default: dequantized from the Q4_1 GGUF file, so its quality is the Q4's;
+    issue 32, item 4); a row without one has no such key (``msgspec.UNSET``), so its wire
+    shape stays the contract's. ``resident`` is whether this process's model host holds the
+    row now.
     """
 
     id: int
@@ -62,6 +66,7 @@ class CatalogueRow(msgspec.Struct, frozen=True, kw_only=True):
     parent_id: int | None
     checkpoint_sha256: str | None
     created_at: str
+    description: str | msgspec.UnsetType = msgspec.UNSET
     resident: bool = False
 
 
@@ -89,7 +94,8 @@ CREATE TABLE IF NOT EXISTS models (
     origin TEXT NOT NULL,
     parent_id INTEGER,
     checkpoint_sha256 TEXT,
-    created_at TEXT NOT NULL
+    created_at TEXT NOT NULL,
+    description TEXT
 )
 """
 _COLUMNS = (
@@ -103,6 +109,7 @@ _COLUMNS = (
     "parent_id",
     "checkpoint_sha256",
     "created_at",
+    "description",
 )
 
 
@@ -135,6 +142,13 @@ class Catalogue:
         self._resident_id: int | None = None
         with self._connect() as db:
             db.execute(_SCHEMA)
+            columns = {r[1] for r in db.execute("PRAGMA table_info(models)").fetchall()}
+            if "description" not in columns:  # a catalogue written before the column
+                try:
+                    db.execute("ALTER TABLE models ADD COLUMN description TEXT")
+                except sqlite3.OperationalError as exc:  # another process added it meanwhile
+                    if "duplicate column" not in str(exc):
+                        raise
 
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
@@ -148,6 +162,8 @@ class Catalogue:
 
     def _row(self, values: tuple) -> CatalogueRow:
         fields = dict(zip(_COLUMNS, values, strict=True))
+        if fields["description"] is None:
+            fields["description"] = msgspec.UNSET
         return CatalogueRow(**fields, resident=fields["id"] == self._resident_id)
 
     def list(self) -> list[CatalogueRow]:
@@ -191,8 +207,9 @@ class Catalogue:
         origin: Origin = "model",
         parent_id: int | None = None,
         checkpoint_sha256: str | None = None,
+        description: str | None = None,
     ) -> CatalogueRow:
-        """Add a row and return it.
+        """Add a row and return it (``description``: see :class:`CatalogueRow`).
 
         Raises:
             CatalogueError: an empty name, or a format/dtype/quantization/origin outside the
@@ -220,7 +237,8 @@ class Catalogue:
                 raise CatalogueError(f"parent_id {parent_id} names no catalogue row")
             cur = db.execute(
                 "INSERT INTO models (name, format, dtype, quantization, path, origin, parent_id,"
-                " checkpoint_sha256, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " checkpoint_sha256, created_at, description)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     name,
                     format,
@@ -231,6 +249,7 @@ class Catalogue:
                     parent_id,
                     checkpoint_sha256,
                     _now(),
+                    description,
                 ),
             )
             row_id = cur.lastrowid
@@ -308,6 +327,17 @@ class Catalogue:
             if row_id == self._resident_id:
                 raise CatalogueError(f"catalogue row {row_id} is resident; unload it first")
             cur = db.execute("UPDATE models SET path = ? WHERE id = ?", (str(path), row_id))
+            return cur.rowcount > 0
+
+    def set_description(self, row_id: int, description: str | None) -> bool:
+        """Set the row's ``description`` (see :class:`CatalogueRow`), keeping everything else.
+        Returns whether a row was changed."""
+        if not is_row_id(row_id):
+            return False
+        with self._connect() as db:
+            cur = db.execute(
+                "UPDATE models SET description = ? WHERE id = ?", (description, row_id)
+            )
             return cur.rowcount > 0
 
     def set_resident(self, row_id: int | None) -> None:

@@ -327,7 +327,8 @@ def safe_relative(name: str) -> bool:
 
 
 def default_name(base_name: str, steps_since_load: int, checkpoint_sha256: str) -> str:
-    """``<base name>-step<steps_since_load>-<first 8 of sha256>`` (contract 5).
+    """``<base name>-step<steps_since_load>-<first 8 of sha256>`` (contract 5); the caller
+    passes the parent's name (the checkpoint the weights were loaded from, else the base row).
 
     Characters of ``base_name`` outside ``[A-Za-z0-9._-]`` become ``-`` so the result is a valid
     folder and served name.

@@ -24,8 +24,8 @@ one into its answer with :meth:`CheckpointError.as_api_error`.
 The routes' recipe:
 
 - save: check the catalogue for a row named ``name`` first (409), then :func:`save_checkpoint`
-  inside the pause, then register the row (origin ``checkpoint``, parent the base row,
-  ``checkpoint_sha256``, ``dtype`` from :class:`SavedCheckpoint`); if registering fails, delete
+  inside the pause, then register the row (origin ``checkpoint``, parent the checkpoint the
+  weights were loaded from, else the base row, ``checkpoint_sha256``, ``dtype`` from :class:`SavedCheckpoint`); if registering fails, delete
   ``saved.path`` so no unregistered checkpoint is left.
 - load ``{checkpoint}``: :func:`resolve_checkpoint` over the catalogue rows, then
   :func:`open_checkpoint` on the row's path and :func:`verify`, then inside the pause, *before*
@@ -130,6 +130,7 @@ def save_checkpoint(
     parent_sha256: str | None,
     steps_since_load: int,
     now: float,
+    parent_name: str | None = None,
 ) -> SavedCheckpoint:
     """Write the model's current weights as the checkpoint ``root/<name>/``, atomically.
 
@@ -152,6 +153,9 @@ def save_checkpoint(
         parent_sha256: the checkpoint the resident weights were loaded from, or None.
         steps_since_load: commits since the weights became resident (weights page).
         now: the wall-clock time of the save, Unix seconds.
+        parent_name: the catalogue name of the row the weights were loaded from (the loaded
+            checkpoint's, else the base row's; ``base_name`` when None): the default name is
+            ``<parent_name>-step<steps_since_load>-<sha8>``, what the weights are.
 
     Returns:
         The :class:`SavedCheckpoint`.
@@ -169,11 +173,11 @@ def save_checkpoint(
                 f"a checkpoint named {name!r} already exists",
                 details={"name": name, "path": str(root / name)},
             )
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
     saved_at = rfc3339(now)
     tmp = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=root))
     try:
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, PRIVATE_DIR_MODE)  # the served weights: the owner's only (issue 32)
         groups = tensor_groups(model)
         entries: list[TensorEntry] = []
         host: dict[str, torch.Tensor] = {}
@@ -220,10 +224,14 @@ def save_checkpoint(
         )
         data = encode_manifest(manifest)
         (tmp / MANIFEST_NAME).write_bytes(data)
-        ordinary_mode(tmp / WEIGHTS_NAME, like=tmp / MANIFEST_NAME)
+        private_modes(tmp)
         _fsync_tree(tmp)
         sha = hashlib.sha256(data).hexdigest()
-        final_name = name if name is not None else default_name(base_name, steps_since_load, sha)
+        final_name = (
+            name
+            if name is not None
+            else default_name(parent_name or base_name, steps_since_load, sha)
+        )
         final = root / final_name
         weights_bytes = (tmp / WEIGHTS_NAME).stat().st_size
         _publish(tmp, final)
@@ -239,6 +247,20 @@ def save_checkpoint(
         dtype=dtype,
         weights_bytes=weights_bytes,
     )
+
+
+#: A checkpoint's folder and files: the weights a trainer wrote are its owner's (uid 1000 in the
+#: shipped deployments, the trainer's too), as the shared-memory files are (issue 32, item 13).
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def private_modes(folder: Path) -> None:
+    """Make ``folder`` and everything in it its owner's only: folders 0700, files 0600 (the
+    tokenizer's files are written with ``open()``, 0666 less the umask; safetensors' 0600)."""
+    os.chmod(folder, PRIVATE_DIR_MODE)
+    for path in folder.rglob("*"):
+        os.chmod(path, PRIVATE_DIR_MODE if path.is_dir() else PRIVATE_FILE_MODE)
 
 
 def ordinary_mode(path: Path, *, like: Path) -> None:

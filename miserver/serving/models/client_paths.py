@@ -31,16 +31,13 @@ def _shown(raw: str) -> str:
     return repr(raw[:200] + "..." if len(raw) > 200 else raw)
 
 
-def check_client_path(raw: object) -> Path:
-    """Check a client's absolute ``path`` and look it up once; returns ``Path(raw)``.
-
-    The path is resolved (symlinks followed) and ``stat``-ed, so that a caller's later
-    ``exists()`` / ``is_dir()`` on it cannot raise: a path that does not exist is returned as is.
+def check_path_syntax(raw: object) -> Path:
+    """The checks of :func:`check_client_path` that do not look at the server's files: a
+    non-empty absolute path without NUL, within ``MAX_PATH_BYTES`` and ``NAME_MAX``. What they
+    say depends only on the string sent, so any caller may be told (issue 32, item 13).
 
     Raises:
-        ClientPathError: empty, holding a NUL, not absolute, too long (over ``MAX_PATH_BYTES``
-            bytes, or one name over ``NAME_MAX``), a symlink loop, or not readable by the server. The
-            message names ``path`` and shows at most 200 characters of it.
+        ClientPathError: as :func:`check_client_path` for these cases.
     """
     if not isinstance(raw, str) or not raw or "\x00" in raw:
         raise ClientPathError("path must be a non-empty absolute path")
@@ -63,6 +60,21 @@ def check_client_path(raw: object) -> Path:
         raise ClientPathError(
             f"path has a name of {longest} bytes, the server's limit is {NAME_MAX}: {_shown(raw)}"
         )
+    return path
+
+
+def check_client_path(raw: object) -> Path:
+    """Check a client's absolute ``path`` and look it up once; returns ``Path(raw)``.
+
+    The path is resolved (symlinks followed) and ``stat``-ed, so that a caller's later
+    ``exists()`` / ``is_dir()`` on it cannot raise: a path that does not exist is returned as is.
+
+    Raises:
+        ClientPathError: empty, holding a NUL, not absolute, too long (over ``MAX_PATH_BYTES``
+            bytes, or one name over ``NAME_MAX``), a symlink loop, or not readable by the server. The
+            message names ``path`` and shows at most 200 characters of it.
+    """
+    path = check_path_syntax(raw)
     try:
         resolved = path.resolve()
         resolved.stat()

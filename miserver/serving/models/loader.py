@@ -7,9 +7,7 @@ shared allocation there; weights page: Which models can be attached).
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,6 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float32": torch.float32,
 }
-GGUF_EXTRA = "miserver[gguf]"
 
 
 class ModelLoadError(RuntimeError):
@@ -54,51 +51,19 @@ class LoadedModel:
     arena: Any = None
 
 
-def llama_cpp_available() -> bool:
-    """Whether llama-cpp-python (the extra ``miserver[gguf]``) is importable."""
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
-def gguf_install_command() -> str:
-    """The command that installs the extra ``miserver[gguf]`` into the running interpreter's
-    environment: ``pip install -e '<checkout>[gguf]'`` when miserver runs from a source checkout
-    (``miserver`` is not on PyPI, so ``pip install 'miserver[gguf]'`` would fail there)."""
-    root = Path(__file__).resolve().parents[2]
-    if (root / "pyproject.toml").is_file() and (root / "miserver").is_dir():
-        return f"{sys.executable} -m pip install -e '{root}[gguf]'"
-    return f"{sys.executable} -m pip install '{GGUF_EXTRA}'"
-
-
 def check_loadable(row: CatalogueRow) -> None:
     """Refuse a row this build cannot load, before anything is unloaded (contract 3).
 
     Raises:
-        ApiError: 400 BACKEND_UNAVAILABLE (reason ``gguf``) for a gguf row, naming the extra
-            ``miserver[gguf]``; 500 MODEL_LOAD_FAILED when the row's files are gone.
+        ApiError: for a gguf row, :func:`miserver.serving.models.gguf.check_loadable` (400
+            BACKEND_UNAVAILABLE without the llama.cpp binding); 500 MODEL_LOAD_FAILED when the
+            row's files are gone.
     """
-    if row.format == "gguf":
-        installed = llama_cpp_available()
-        raise ApiError(
-            codes.BACKEND_UNAVAILABLE,
-            f"catalogue row {row.name!r} is a GGUF file; this version of miserver serves "
-            "safetensors rows only"
-            + (
-                " (llama-cpp-python is installed, but the llama.cpp backend is not part of this "
-                "version yet)"
-                if installed
-                else " (the llama.cpp backend is not part of this version yet; its dependency, "
-                f"the optional extra {GGUF_EXTRA}, installs with {gguf_install_command()}, but "
-                "a GGUF row stays refused until the backend ships)"
-            )
-            + ": load a safetensors row instead (GET /api/models lists them)",
-            reason="gguf",
-            details={
-                "model_id": row.id,
-                "name": row.name,
-                "extra": GGUF_EXTRA,
-                "llama_cpp_installed": installed,
-            },
-        )
+    if row.format == "gguf":  # served through llama.cpp (contract 4a)
+        from miserver.serving.models import gguf
+
+        gguf.check_loadable(row)
+        return
     if not (Path(row.path) / "config.json").is_file():
         raise ApiError(
             codes.MODEL_LOAD_FAILED,
@@ -250,6 +215,11 @@ def preflight(row: CatalogueRow) -> None:
         ApiError: as :func:`check_loadable`; 400 MODEL_LOAD_FAILED naming the row and the
             problem (the resident model stays).
     """
+    if row.format == "gguf":
+        from miserver.serving.models import gguf
+
+        gguf.preflight(row)
+        return
     check_loadable(row)
     from transformers import AutoConfig, AutoTokenizer
 
@@ -340,7 +310,8 @@ def place_model(model: torch.nn.Module, settings: Settings, device: torch.device
 
 
 def load_model(row: CatalogueRow, settings: Settings) -> LoadedModel:
-    """Load ``row`` (a safetensors Hugging Face folder) onto ``settings.resolved_device()``.
+    """Load ``row`` (a safetensors Hugging Face folder) onto ``settings.resolved_device()``;
+    a GGUF row into llama.cpp (:func:`miserver.serving.models.gguf.load_gguf`).
 
     Blocking (seconds for a small model on CPU): call it in a worker thread.
 
@@ -348,6 +319,13 @@ def load_model(row: CatalogueRow, settings: Settings) -> LoadedModel:
         ApiError: as :func:`check_loadable`; 500 MODEL_LOAD_FAILED when transformers cannot
             load the folder (the message names the row and transformers' error).
     """
+    if row.format == "gguf":  # llama.cpp (contract 4a)
+        from miserver.serving.models import gguf
+
+        model, tokenizer = gguf.load_gguf(row, settings)
+        return LoadedModel(
+            model=model, tokenizer=tokenizer, device=torch.device("cpu"), attachable=False
+        )
     check_loadable(row)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

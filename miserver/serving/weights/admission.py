@@ -10,6 +10,7 @@ lets the table's ``model_load``, ``model_unload``, ``v1``, ``v1_confirm`` and
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,14 @@ from miserver.spec.errors import ApiError
 
 if TYPE_CHECKING:
     from miserver.serving.models.host import Resident
+
+
+#: The longest a ``/v1`` request held through a weights load's full reload waits for the
+#: reloaded model before it is answered 503 NOT_READY (``model_transition``) with
+#: ``Retry-After`` (issue 32, item 2), s: as the start-up load's wait (``v1.STARTUP_LOAD_WAIT_S``).
+RELOAD_WAIT_S = 300.0
+#: How often a request held through a reload looks whether the reloaded model is resident, s.
+RELOAD_POLL_S = 0.02
 
 
 class AdmissionGate:
@@ -53,6 +62,11 @@ class AdmissionGate:
         self.decide = decide
         self.effects = effects
         self.refusals = refusals
+        # Residents a weights load replaced by a full reload (``{"model_id": N}``, or a
+        # checkpoint whose layout differs): a request held through it goes on on the reloaded
+        # model when that model answers to the name it gave (issue 32, item 2). Weak
+        # references (a Resident compares by value, so no set): never keeps a dropped model.
+        self._reloaded: list[weakref.ref[Any]] = []
 
     def _target(self, row_id: int | None, *, check: bool = True) -> bool:
         """Whether ``row_id`` names the resident row. A row that does not exist or cannot be
@@ -138,7 +152,7 @@ class AdmissionGate:
         refuse_policy: bool,
         row_id: int | None,
         priority: Priority = Priority.INTERACTIVE,
-    ) -> Resident:
+    ) -> Resident | None:
         """Decide a ``/v1`` request (contract 4) and return the resident it is admitted for.
 
         ``row_id``: the catalogue row the request names, or ``None`` when it names the resident
@@ -148,6 +162,11 @@ class AdmissionGate:
         The table's ``v1`` rows decide: run it, hold it (the scheduler then holds it), refuse,
         or auto-load the named row. An auto-load is awaited; then the table's ``v1_confirm``
         rows decide again, told whether the row it loaded is still the resident.
+
+        Returns None for a request the table holds while a weights load's full reload has
+        dropped the resident and not yet made the new one (issue 32, item 2: the request is
+        held, as during a quiesce, never refused 409 MODEL_BUSY): the caller waits
+        (:meth:`wait_reloaded`) and admits it again, by the name it gave.
 
         Raises:
             ApiError: the table's refusal (409 MODEL_NOT_LOADED / ALREADY_ATTACHED /
@@ -175,25 +194,81 @@ class AdmissionGate:
             )
             task = self.effects.last_outputs.get("transition")
             resident = self.host.resident
+            reloading = self.reloading()
         if out.kind == "refused":
             raise self.refusals.refusal(out)
         if task is None and resident is not None:
             return resident
+        if task is None and reloading:
+            return None  # held through the reload: admitted again once it made the model
         if task is not None:
             await task  # the auto-load; its own error propagates
             resident = self.host.resident
             if resident is not None and resident.row.id != row_id:
                 resident = None  # another model is resident now, not the row it loaded
-        await self.confirm_v1(resident)
+        resident = await self.confirm_v1(resident)
         assert resident is not None  # confirmed: it is the resident
         return resident
 
+    def note_reloaded(self, resident: Any) -> None:
+        """Record that a weights load is replacing ``resident`` by a full reload (the job calls
+        it before the reload drops it); see :meth:`confirm_v1`."""
+        self._reloaded = [r for r in self._reloaded if r() is not None]
+        self._reloaded.append(weakref.ref(resident))
+
+    def _was_reloaded(self, resident: Any) -> bool:
+        return any(r() is resident for r in self._reloaded)
+
+    def reloading(self) -> bool:
+        """Whether a weights load's full reload runs and has dropped the resident (the pause
+        owner is ``weights_load`` and the host loads with nothing resident)."""
+        return (
+            self.host.resident is None
+            and self.host.busy
+            and self.lifecycle.state.owner == "weights_load"
+        )
+
+    async def wait_reloaded(self, deadline: float) -> None:
+        """Wait while a weights load's full reload has nothing resident (:meth:`reloading`),
+        for a ``/v1`` request :meth:`admit_v1` held through it (issue 32, item 2).
+
+        Args:
+            deadline: the event loop's time (``loop.time()``) to give up at.
+
+        Raises:
+            ApiError: 503 NOT_READY (reason ``model_transition``) with ``Retry-After`` once
+                ``deadline`` passed with the reload still running: a request held past its
+                deadline is told to retry, never refused 409 as a client's error.
+        """
+        loop = asyncio.get_running_loop()
+        while self.reloading():
+            if loop.time() >= deadline:
+                raise ApiError(
+                    codes.NOT_READY,
+                    "a weights load is reloading the model this request names, and it did not "
+                    "finish while the request was held; retry (GET /api/weights/status shows "
+                    "barrier: serving once it has ended)",
+                    reason="model_transition",
+                    headers={"Retry-After": "1"},
+                )
+            await asyncio.sleep(RELOAD_POLL_S)
+
     async def confirm_v1(
-        self, resident: Resident | None, *, adapter: dict[str, Any] | None = None
-    ) -> None:
+        self,
+        resident: Resident | None,
+        *,
+        adapter: dict[str, Any] | None = None,
+        model: str | None = None,
+    ) -> Resident | None:
         """A ``/v1`` request admitted for ``resident`` has waited (for its scheduler slot, or
         for its auto-load) and is about to go on: the table's ``v1_confirm`` rows decide, told
         whether ``resident`` is still the resident (``None``: it is known not to be).
+
+        A resident a weights load replaced by a full reload while the request was held counts
+        as the same when the reloaded model answers to ``model``, the name the request gave
+        (issue 32, item 2: held requests are answered after the load, as after a quiesce);
+        the request then goes on on the reloaded model, which this returns. Returns the
+        resident the request goes on on.
 
         ``adapter``: the adapter block the request was admitted for when it named the applied
         adapter; the resident is then the same only while that application is still applied
@@ -208,12 +283,24 @@ class AdmissionGate:
                 409 MODEL_BUSY ``model_transition`` (a model transition is in progress).
         """
         async with self.lock:
-            same = resident is not None and self.host.resident is resident
+            now = self.host.resident
+            same = resident is not None and now is resident
             if same and adapter is not None:
                 same = resident.adapter_block is adapter
+            if (
+                not same
+                and now is not None
+                and adapter is None
+                and model is not None
+                and resident is not None
+                and self._was_reloaded(resident)
+                and model in now.names()
+            ):
+                same, resident = True, now  # held through a weights load's reload
             out = self.decide(Event("v1_confirm", same_resident=same))
         if out.kind == "refused":
             raise self.refusals.refusal(out)
+        return resident
 
     def catalogue_delete(self, row_id: int, name: str, *, loads_checking: int = 0) -> None:
         """DELETE /api/models/{id}: may the catalogue row go? The table decides (``catalogue_delete``:

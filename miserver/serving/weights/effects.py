@@ -437,6 +437,8 @@ class EffectPerformer:
         if resident is None:
             return None
         row = resident.row
+        if row.format == "gguf":  # llama.cpp holds the weights: no torch parameters to read
+            return "gguf"
         reason = not_attachable_reason(
             fmt=row.format,
             quantization=row.quantization,

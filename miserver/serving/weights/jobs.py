@@ -52,6 +52,30 @@ def _base_row(catalogue: Any, row: Any) -> Any:
     return current
 
 
+def _loaded_parent(catalogue: Any, loaded: Any, base: Any) -> tuple[Any, str | None]:
+    """A save's parent (contract 5; issue 32, item 1): the row the resident weights were
+    loaded from when it is a checkpoint still in the catalogue (an in-place load or a reload of
+    checkpoint A: a save B after it is ``A + steps``, lineage ``[B, A, base]``), else the base
+    row. Returns ``(parent row, parent checkpoint sha256 or None)``; the sha256 is the
+    manifest's ``parent_checkpoint_sha256`` (the loaded checkpoint's, also when its row was
+    deleted since: the row's ``parent_id`` then falls back to the base row)."""
+    if loaded.origin != "checkpoint":
+        return base, None
+    row = catalogue.get(loaded.id)
+    return (row if row is not None else base), loaded.checkpoint_sha256
+
+
+def _manifest_parent(catalogue: Any, manifest: Any) -> Any:
+    """The catalogue row a checkpoint's manifest names as its parent: the row holding
+    ``parent_checkpoint_sha256`` when one does, else the base row (``base.row_id``), else None."""
+    sha = manifest.parent_checkpoint_sha256
+    if sha is not None:
+        for row in catalogue.list():
+            if row.origin == "checkpoint" and row.checkpoint_sha256 == sha:
+                return row
+    return catalogue.get(manifest.base.row_id)
+
+
 def lineage(catalogue: Any, row: Any) -> list[dict[str, Any]]:
     """The chain from ``row`` back to its base row (contract 5: GET /api/weights/lineage)."""
     chain: list[dict[str, Any]] = []
@@ -82,6 +106,31 @@ def lineage_entry(row: Any) -> dict[str, Any]:
     }
 
 
+def refuse_gguf_resident(host: Any, operation: str) -> None:
+    """Refuse ``operation`` (``save``, ``weights_load``, ``adapter``) on a GGUF resident: its
+    weights live in llama.cpp, not in torch tensors miserver could save, overwrite or wrap
+    (contract 4a). Changes nothing.
+
+    Raises:
+        ApiError: 400 GGUF_UNSUPPORTED with ``operation`` as the reason.
+    """
+    resident = host.resident
+    if resident is None or resident.row.format != "gguf":
+        return
+    what = {
+        "save": "saved as a checkpoint",
+        "weights_load": "overwritten in place by a checkpoint",
+        "adapter": "given a LoRA adapter",
+    }[operation]
+    raise ApiError(
+        codes.GGUF_UNSUPPORTED,
+        f"the resident model {resident.served_name!r} is a GGUF file served by llama.cpp: its "
+        f"weights cannot be {what}; load a safetensors row first (POST /api/models/{{id}}/load)",
+        reason=operation,
+        details={"model_id": resident.row.id, "name": resident.row.name},
+    )
+
+
 @dataclass
 class LoadPlan:
     """A checked ``POST /api/weights/load``: the row and whether it is written in place."""
@@ -99,7 +148,8 @@ def prepare_load(host: Any, body: Any) -> LoadPlan:
     resident. ``{"model_id": N}``: a full reload of that row.
 
     Raises:
-        ApiError: 404 CHECKPOINT_NOT_FOUND / MODEL_NOT_FOUND, 400 CHECKPOINT_CORRUPT.
+        ApiError: 404 CHECKPOINT_NOT_FOUND / MODEL_NOT_FOUND, 400 CHECKPOINT_CORRUPT, 400
+            GGUF_UNSUPPORTED (a checkpoint onto a GGUF resident).
     """
     catalogue = host.catalogue
     if body.model_id is not None:
@@ -114,6 +164,7 @@ def prepare_load(host: Any, body: Any) -> LoadPlan:
 
         check_loadable(row)
         return LoadPlan(row, None, False)
+    refuse_gguf_resident(host, "weights_load")
     rows = [r for r in catalogue.list() if r.origin == "checkpoint"]
     try:
         row = checkpoints.resolve_checkpoint(rows, body.checkpoint)
@@ -159,8 +210,10 @@ def prepare_save(host: Any, body: Any) -> None:
     naming it reach the adapter, not the checkpoint (the base weights; contract 6).
 
     Raises:
-        ApiError: 400 INVALID_REQUEST (field ``name``), 409 CHECKPOINT_EXISTS.
+        ApiError: 400 GGUF_UNSUPPORTED (a GGUF resident), 400 INVALID_REQUEST (field
+            ``name``), 409 CHECKPOINT_EXISTS.
     """
+    refuse_gguf_resident(host, "save")
     if body.name is None:
         return
     try:
@@ -198,10 +251,12 @@ def prepare_adapter(host: Any, body: Any) -> None:
     matches them).
 
     Raises:
-        ApiError: 400 INVALID_REQUEST (field ``name`` or ``path``), 400 ADAPTER_INVALID with
+        ApiError: 400 GGUF_UNSUPPORTED (a GGUF resident), 400 INVALID_REQUEST (field ``name``
+            or ``path``), 400 ADAPTER_INVALID with
             reason ``not_found``, ``no_config``, ``not_lora``, ``unsafe_format`` or
             ``incompatible``.
     """
+    refuse_gguf_resident(host, "adapter")
     try:
         adapters.validate_adapter_name(body.name)
         row = host.catalogue.get_by_name(body.name)
@@ -267,8 +322,9 @@ class WeightsJobs:
         (issue 16, item 3): a server killed between a save's rename and its catalogue row left
         it, and the save it finished is what the trainer expects to find. Each is opened and
         fully verified first (every file and tensor hash, :func:`checkpoints.verify`); its row
-        is what the save would have registered (origin ``checkpoint``, the manifest's base row
-        as parent when it still exists, ``checkpoint_sha256``). A folder that fails
+        is what the save would have registered (origin ``checkpoint``, as parent the row of the
+        manifest's parent checkpoint, else its base row, when it still exists,
+        ``checkpoint_sha256``). A folder that fails
         verification, or whose name another row holds, is left as it is and logged with what
         to do. Call at start-up only (no save runs then). Returns the rows registered.
         """
@@ -300,7 +356,7 @@ class WeightsJobs:
                     folder,
                 )
                 continue
-            parent = catalogue.get(manifest.base.row_id)
+            parent = _manifest_parent(catalogue, manifest)
             try:
                 row = catalogue.register(
                     name=folder.name,
@@ -329,8 +385,9 @@ class WeightsJobs:
         resident = self.host.resident
         ctx = self.runtime.lifecycle.context
         steps = ctx.steps_since_load or 0
-        base = _base_row(self.host.catalogue, resident.row)
-        parent_sha = resident.row.checkpoint_sha256 if resident.row.origin == "checkpoint" else None
+        catalogue = self.host.catalogue
+        base = _base_row(catalogue, resident.row)
+        parent, parent_sha = _loaded_parent(catalogue, resident.row, base)
         try:
             saved = await run_without_keeping(
                 checkpoints.save_checkpoint,
@@ -341,19 +398,20 @@ class WeightsJobs:
                 base_row_id=base.id,
                 base_name=base.name,
                 parent_sha256=parent_sha,
+                parent_name=parent.name,
                 steps_since_load=steps,
                 now=time.time(),
             )
         except checkpoints.CheckpointError as exc:
             raise exc.as_api_error() from None
         try:
-            row = self.host.catalogue.register(
+            row = catalogue.register(
                 name=saved.name,
                 format="safetensors",
                 dtype=saved.dtype,
                 path=str(saved.path),
                 origin="checkpoint",
-                parent_id=base.id,
+                parent_id=parent.id,
                 checkpoint_sha256=saved.checkpoint_sha256,
             )
         except Exception:
@@ -423,6 +481,10 @@ class WeightsJobs:
                 except checkpoints.CheckpointError as exc:
                     raise exc.as_api_error() from None
             await mark_writing()
+            replaced = self.host.resident
+            if replaced is not None:  # held requests go on on the reloaded model (issue 32)
+                self.runtime.admission.note_reloaded(replaced)
+            del replaced
             await self.host.load(plan.row.id, reload=True)
         resident = self.host.resident
         self.applied = None  # a load replaces the adapted model (in place: removed first)

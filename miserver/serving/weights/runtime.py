@@ -152,7 +152,7 @@ class WeightsRuntime:
             transport=self.transport,
             lifecycle=self.lifecycle,
             lock=self.lock,
-            decide=self.decide,
+            decide=self._decide_late,
             refusals=self.refusals,
             metrics=metrics,
         )
@@ -160,7 +160,7 @@ class WeightsRuntime:
             host=host,
             lifecycle=self.lifecycle,
             lock=self.lock,
-            decide=self.decide,
+            decide=self._decide_late,
             effects=self.effects,
             refusals=self.refusals,
         )
@@ -249,6 +249,11 @@ class WeightsRuntime:
             self._wake.set()
 
     # --- the one entry point -------------------------------------------------------------------
+    def _decide_late(self, event: Event, params: dict[str, Any] | None = None) -> Outcome:
+        """The collaborators' way to :meth:`decide`: looked up at each call, so that whatever
+        stands in ``self.decide`` (a test's spy, a wrapper) sees every decision."""
+        return self.decide(event, params)
+
     def decide(self, event: Event, params: dict[str, Any] | None = None) -> Outcome:
         """Handle ``event`` and perform its effects. The caller must hold :attr:`lock`."""
         effects = self.effects
@@ -311,10 +316,17 @@ class WeightsRuntime:
             refuse_policy=refuse_policy, row_id=row_id, priority=priority
         )
 
-    async def confirm_v1(self, resident: Any, *, adapter: dict[str, Any] | None = None) -> None:
+    async def confirm_v1(
+        self, resident: Any, *, adapter: dict[str, Any] | None = None, model: str | None = None
+    ) -> Any:
         """See :meth:`AdmissionGate.confirm_v1
         <miserver.serving.weights.admission.AdmissionGate.confirm_v1>`."""
-        await self.admission.confirm_v1(resident, adapter=adapter)
+        return await self.admission.confirm_v1(resident, adapter=adapter, model=model)
+
+    async def wait_reloaded(self, deadline: float) -> None:
+        """See :meth:`AdmissionGate.wait_reloaded
+        <miserver.serving.weights.admission.AdmissionGate.wait_reloaded>`."""
+        await self.admission.wait_reloaded(deadline)
 
     def catalogue_delete(self, row_id: int, name: str) -> None:
         """See :meth:`AdmissionGate.catalogue_delete

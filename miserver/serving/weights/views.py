@@ -91,14 +91,16 @@ class StatusViews:
         }
 
     def model_ref(self) -> dict[str, Any] | None:
-        """``{model_id, name, manifest_hash}`` of the resident (the base model's served name)."""
+        """``{model_id, name, manifest_hash}`` of the row whose weights are resident: the
+        base tensors' row, also while an adapter is applied; after a checkpoint load (in place
+        or a reload), that checkpoint's row, its name and manifest hash (issue 32, item 1)."""
         resident = self.host.resident
         if resident is None:
             return None
         row = resident.row
         return {
             "model_id": row.id,
-            "name": resident.base_name,
+            "name": row.name,
             "manifest_hash": getattr(row, "checkpoint_sha256", None),
         }
 

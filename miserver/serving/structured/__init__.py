@@ -1,0 +1,9 @@
+"""Structured outputs and tool calls on ``/v1`` (issue 33): the request side.
+
+- :mod:`~miserver.serving.structured.response_format`: ``response_format`` parsed and its JSON
+  schema checked for the features miserver enforces (backend-independent), then compiled into
+  a :class:`~miserver.serving.engine.constraints.Constraint` for a transformers resident.
+- :mod:`~miserver.serving.structured.tools`: ``tools`` / ``tool_choice`` checked, rendered
+  through the model's chat template, the tool-call grammar, and the output parsed into OpenAI
+  ``tool_calls`` (whole, or as stream deltas).
+"""

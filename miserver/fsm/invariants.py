@@ -234,6 +234,23 @@ def _group_follows_commit(b: LifecycleState, e: Event, row: Row, a: LifecycleSta
     return _iff(Effect.ARM_RECEIVE, row, opens) and _iff(Effect.DESTROY_GROUP, row, lost or tears)
 
 
+def _removed_holder_fenced(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """A holder removed without its own detach (clear-stale) is fenced out: the row that removes
+    it moves the served set to fresh storages (``FENCE_ARENA``), and no other row does; a move
+    that could not allocate (``fence_failed``) tears the set wherever a clear-stale can leave
+    it (a model resident, nobody attached, no commit open, no model transition), and is ignored
+    elsewhere (issue 32 item 8)."""
+    lost = b.attachment != "none" and a.attachment == "none"
+    if not _iff(Effect.FENCE_ARENA, row, lost and e.trigger == "clear_stale"):
+        return False
+    if e.trigger != "fence_failed":
+        return True
+    reachable = (
+        b.resident and b.attachment == "none" and b.weights != "writing" and b.transition == "none"
+    )
+    return (row.kind == "accepted") == reachable and (not reachable or a.weights == "torn")
+
+
 def _incomplete_receive_never_clean(
     b: LifecycleState, e: Event, row: Row, a: LifecycleState
 ) -> bool:
@@ -361,8 +378,9 @@ def _cache_dropped(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> 
     """The cross-request cache is dropped when the barrier is taken for what may change the
     weights (a holder's quiesce, a weights load, an adapter change: weights page, The write
     cycle 2; contract 5, 6) and when the served parameters change (a weights load or adapter
-    change completes, a model load or swap completes), so nothing computed on other weights is
-    reused. A save changes no weight."""
+    change completes, a model load or swap completes, a cleared holder's fence moves the set
+    to fresh storages), so nothing computed on other weights or storages is reused. A save
+    changes no weight."""
     if row.kind != "accepted":
         return True
     changers = ("holder", "weights_load", "adapter")
@@ -385,7 +403,8 @@ def _cache_dropped(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> 
             and "load" in row.actions
         )
     )
-    return not (takes or changes) or Effect.DROP_CACHE in row.effects
+    moves = Effect.FENCE_ARENA in row.effects  # the served storages change (issue 32 item 8)
+    return not (takes or changes or moves) or Effect.DROP_CACHE in row.effects
 
 
 _TIMER_EVENTS = {
@@ -585,6 +604,7 @@ EDGE_INVARIANTS: tuple[tuple[str, Callable[..., bool]], ...] = (
         "receive_armed_by_commit_begin_group_destroyed_by_detach_clear_stale_or_tear",
         _group_follows_commit,
     ),
+    ("a_holder_removed_without_its_own_detach_is_fenced_out", _removed_holder_fenced),
     (
         "a_commit_whose_receive_did_not_complete_is_never_made_clean",
         _incomplete_receive_never_clean,

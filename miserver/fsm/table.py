@@ -55,6 +55,8 @@ class Effect(StrEnum):
     # contract 10 (the process-group transport); nothing for the other transports:
     ARM_RECEIVE = "ARM_RECEIVE"  # commit-begin: post the broadcast from rank 0 into the arena
     DESTROY_GROUP = "DESTROY_GROUP"  # detach, clear-stale, a tear: the attachment's group ends
+    # issue 32 item 8: a holder removed without its own detach (clear-stale) is fenced out:
+    FENCE_ARENA = "FENCE_ARENA"  # move the served set to fresh storages; graphs follow the move
 
 
 E = Effect
@@ -428,10 +430,15 @@ def _give_back(
     return rows
 
 
-def _remove_attachment(trigger: str, *, tears: bool) -> list[Row]:
+def _remove_attachment(trigger: str, *, tears: bool, fences: bool = False) -> list[Row]:
     """Detach (``tears``: a commit still writing becomes torn) or clear-stale (left for the
     watchdog). Weights page: The write cycle; States; Timers. Either ends the attachment's
-    process group (contract 10: ``DESTROY_GROUP``; nothing for the other transports)."""
+    process group (contract 10: ``DESTROY_GROUP``; nothing for the other transports).
+
+    ``fences`` (clear-stale: the holder is removed without its own detach, issue 32 item 8):
+    every accepted row first moves the served set to fresh storages (``FENCE_ARENA``: the
+    removed holder's handles keep mapping the old ones, which nothing serves any more) and
+    drops what was computed over the old ones (``DROP_CACHE``), before anything is released."""
     gone: dict[str, object] = {"attachment": "none", "heartbeat_armed": False}
     rows = [
         _accept(
@@ -516,6 +523,11 @@ def _remove_attachment(trigger: str, *, tears: bool) -> list[Row]:
         ),
         _accept(trigger, effects=(E.RELEASE_EXPORTS, E.DESTROY_GROUP), **gone),
     ]
+    if fences:
+        from dataclasses import replace
+
+        fence = (E.FENCE_ARENA, E.DROP_CACHE)
+        rows = [replace(row, effects=fence + row.effects) for row in rows]
     return rows
 
 
@@ -744,7 +756,7 @@ def build_rows() -> tuple[Row, ...]:
     t = "clear_stale"
     r += _auth_rows(t) + [
         _refuse(t, codes.ATTACHMENT_NOT_STALE, when=("active",)),
-        *_remove_attachment(t, tears=False),
+        *_remove_attachment(t, tears=False, fences=True),
     ]
 
     # --- timers ---------------------------------------------------------------------------
@@ -1170,6 +1182,26 @@ def build_rows() -> tuple[Row, ...]:
         ),
     ]
 
+    # --- the fence could not move the set (issue 32 item 8) --------------------------------
+    # FENCE_ARENA found no room for the fresh copy (a card without space for a second set):
+    # the removed holder's handles still reach the served storages, so they are not served.
+    # Appended last so that no earlier row's id moves.
+    t = "fence_failed"
+    r += [
+        _accept(
+            t,
+            when=("resident",),
+            unless=("attached", "writing", "in_transition"),
+            effects=(E.REFUSE_HELD_TORN, E.DESTROY_GROUP),
+            weights="torn",
+            note='recover with a {"model_id": N} reload (fresh storages) or a restart',
+        ),
+        _ignore(
+            t,
+            "nothing is resident, a holder or a model transition came since, or the removed "
+            "holder's commit is still open (writing: the watchdog tears it)",
+        ),
+    ]
     table: list[Row] = []
     for n, row in enumerate(r):
         row = _with_id(row, n)

@@ -204,12 +204,16 @@ def _unique_parameters(
 
 
 def _allocate(
-    nbytes: int, device: torch.device, cpu_shared: bool
+    nbytes: int, device: torch.device, cpu_shared: bool, *, zero: bool = True
 ) -> tuple[torch.UntypedStorage, object | None, str | None]:
+    """One arena storage of ``nbytes`` on ``device`` (its own ``MemPool`` on CUDA, shared memory
+    owned by :mod:`miserver.ipc.shm` on the CPU when ``cpu_shared``); ``zero``: zero it (a
+    caller that overwrites every byte passes False)."""
     if device.type == "cuda":
         pool = torch.cuda.MemPool()
+        make = torch.zeros if zero else torch.empty
         with torch.cuda.use_mem_pool(pool, device=device):
-            st = torch.zeros(nbytes, dtype=torch.uint8, device=device).untyped_storage()
+            st = make(nbytes, dtype=torch.uint8, device=device).untyped_storage()
         return st, pool, None
     st = torch.UntypedStorage(nbytes)
     name = None
@@ -221,8 +225,8 @@ def _allocate(
         # server then owns the file (miserver.ipc.shm: no trainer's close can remove it).
         st._share_filename_cpu_()
         name = shm.adopt(st)
-    # Zero the padding: the handle then exposes parameters and zeros, nothing stale.
-    torch.empty(0, dtype=torch.uint8).set_(st, 0, (nbytes,), (1,)).zero_()
+    if zero:  # Zero the padding: the handle then exposes parameters and zeros, nothing stale.
+        torch.empty(0, dtype=torch.uint8).set_(st, 0, (nbytes,), (1,)).zero_()
     return st, None, name
 
 
@@ -372,6 +376,88 @@ def make_attachable(
     )
     arena.record_addresses(model)
     return arena
+
+
+def relocate(arena: ParameterArena, model: torch.nn.Module) -> ParameterArena:
+    """Fence the served set: copy every arena storage into a fresh allocation of the same kind
+    and size, and rebind every base parameter (``.data``) to its view of the copy. Issue 32
+    item 8; weights page "Timers" (clear-stale): once an operator removed a holder that did not
+    detach itself, the handles that holder rebuilt (CUDA IPC, or the shared-memory file of
+    contract section 8) map the *old* storages, which the server no longer reads.
+
+    The layout is unchanged (same slots, offsets, strides, dtypes; tied names stay one region),
+    the values are copied bit for bit, the ``nn.Parameter`` objects stay the same (only
+    ``.data`` is rebound, as :func:`make_attachable` does) and the addresses are recorded anew,
+    so the per-commit address check sees no move. An applied adapter's own parameters are not
+    in the arena and are left alone. The caller drops the old arena: on the CPU it removes the
+    old shared-memory file (:meth:`ParameterArena.release_shared_memory`; a process that still
+    maps it keeps writing into pages nobody reads, freed when it unmaps them); on CUDA the old
+    allocation stays pinned for as long as a process holds its IPC handle (weights page
+    "Releasing the handles"). Anything that captured the old addresses (the decode engine's
+    CUDA graphs) must be dropped by the caller; caches computed from the old storages hold the
+    same values but are dropped with them.
+
+    Args:
+        arena: the resident's arena (its storages are read; the object is not changed).
+        model: the resident model whose parameters live in ``arena``.
+
+    Returns:
+        The new :class:`ParameterArena` (fresh storages, pools and shared-memory names).
+
+    Raises:
+        torch.OutOfMemoryError / RuntimeError / OSError: the fresh allocation failed (a card
+            with no room for a second copy); nothing was rebound, the model still serves the
+            old storages, and nothing was leaked.
+    """
+    storages: list[torch.UntypedStorage] = []
+    pools: list[object | None] = []
+    shm_names: list[str | None] = []
+    try:
+        for dev, n in zip(arena.devices, arena.nbytes, strict=True):
+            st, pool, shm_name = _allocate(n, dev, cpu_shared=dev.type == "cpu", zero=False)
+            storages.append(st)
+            pools.append(pool)
+            shm_names.append(shm_name)
+    except BaseException:
+        from miserver.ipc import shm
+
+        for name in shm_names:
+            if name is not None:
+                shm.release(name)
+        raise
+    with torch.no_grad():
+        pairs = zip(arena.storages, storages, arena.devices, arena.nbytes, strict=True)
+        for old, new, dev, n in pairs:
+            dst = torch.empty(0, dtype=torch.uint8, device=dev).set_(new, 0, (n,), (1,))
+            dst.copy_(torch.empty(0, dtype=torch.uint8, device=dev).set_(old, 0, (n,), (1,)))
+        for dev in arena.devices:
+            if dev.type == "cuda":  # every stream then reads the copy, whatever it runs on
+                torch.cuda.synchronize(dev)
+        views: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor]
+        views = {}
+        for name, params, leaf in base_parameter_slots(model):
+            s = arena.slots.get(name)
+            if s is None:  # not an arena parameter (the address check reports it)
+                continue
+            key = (s.storage, s.storage_offset, s.shape, s.stride, s.dtype)
+            view = views.get(key)
+            if view is None:
+                view = torch.empty(0, dtype=s.dtype, device=arena.devices[s.storage]).set_(
+                    storages[s.storage], s.storage_offset, s.shape, s.stride
+                )
+                views[key] = view
+            params[leaf].data = view
+    fresh = ParameterArena(
+        storages=storages,
+        devices=list(arena.devices),
+        nbytes=list(arena.nbytes),
+        slots=dict(arena.slots),
+        addresses={},
+        pools=pools,
+        shm_names=shm_names,
+    )
+    fresh.record_addresses(model)
+    return fresh
 
 
 def parameter_devices(model: torch.nn.Module) -> list[str]:

@@ -217,8 +217,14 @@ def build_group(
     timeout = _timedelta(timeout_s)
     try:
         if store is None:
+            # A client made with wait_for_workers=True (torch's default) adds itself to the
+            # store's worker count and returns (only the master blocks on that count), so a
+            # rank 0 that built its TCPStore with torch's defaults, waiting for world_size
+            # workers, returns once every replica connected; a rank 0 that does not wait is
+            # unaffected (contract section 10). A master here never waits: the group's own
+            # join below bounds the wait.
             store = dist.TCPStore(
-                host, port, world_size, is_master, timeout, wait_for_workers=False
+                host, port, world_size, is_master, timeout, wait_for_workers=not is_master
             )
         prefix = dist.PrefixStore(STORE_PREFIX, store)
         if device.type == "cuda":

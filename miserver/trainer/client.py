@@ -40,6 +40,7 @@ from typing import Any, Literal
 
 import torch
 
+from miserver.trainer import heartbeat
 from miserver.trainer.attachment import Attachment, CommitCycle
 from miserver.trainer.errors import (
     ERROR_CLASSES,
@@ -48,17 +49,19 @@ from miserver.trainer.errors import (
     TransportError,
     WeightsError,
 )
-from miserver.trainer.transport import _Bearer, _Connection, _unwrap
+from miserver.trainer.heartbeat import HEARTBEAT_TERMINAL
+from miserver.trainer.transport import (
+    _Bearer,
+    _Connection,
+    _unwrap,
+    call_retrying,
+    retry_wait,
+)
 from miserver.trainer.weights import rebuild
 
 log = logging.getLogger("miserver.trainer")
 
 ATTACHMENT_HEADER = "X-miLLM-Attachment"
-
-#: Codes after which a heartbeat can never succeed again: the thread stops.
-HEARTBEAT_TERMINAL = frozenset(
-    {"NOT_ATTACHED", "NOT_ATTACHMENT_HOLDER", "WEIGHTS_UNAUTHORIZED", "WEIGHTS_FORBIDDEN"}
-)
 
 
 #: What a quiesce does with the running sequences (contract 4b).
@@ -95,10 +98,17 @@ class WeightsClient:
             the commit waits at most one step; docs/trainer-guide.md says when to use which).
             Each call may override it. Anything else is a ``ValueError``.
 
+        retry_within_s: a barrier call (quiesce, commit-begin, commit-end, resume, the pairs
+            of :meth:`commit`, save, load) refused with ``Retry-After`` (503 ``QUEUE_FULL``,
+            409 ``MODEL_BUSY``, 503 ``SHUTTING_DOWN``: nothing changed) is sent again after the
+            header's wait while that is within this many seconds of the first try (30; 0:
+            never), then the last refusal is raised. :attr:`retries` counts them.
+
     HTTP goes over one keep-alive connection (``http.client``, the standard library; about
     0.05 ms above a bare round trip, where ``requests`` adds 0.5 to 3 ms: benchmarks/barrier.py)
-    straight to ``base_url``: no proxy environment variables, no ``~/.netrc``, no retries (a call
-    of the write cycle is never sent twice). The heartbeat thread has its own connection.
+    straight to ``base_url``: no proxy environment variables, no ``~/.netrc``. A call whose
+    answer was lost is never sent again (it may have been accepted); only a refusal with
+    ``Retry-After`` is retried (``retry_within_s``). The heartbeat thread has its own connection.
 
     Use as a context manager (leaving it detaches, also on an exception); an attachment still
     held at interpreter exit is detached then (``atexit``).
@@ -113,6 +123,7 @@ class WeightsClient:
         heartbeat: bool = True,
         unix_socket: str | os.PathLike[str] | None = None,
         running: Running = "finish",
+        retry_within_s: float = 30.0,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError("base_url must start with http:// or https://")
@@ -123,6 +134,9 @@ class WeightsClient:
         self.running: Running = _check_running(running)
         self.base_url = base_url.rstrip("/")
         self.timeout = float(timeout)
+        self.retry_within_s = float(retry_within_s)
+        #: Barrier calls sent again after a refusal with ``Retry-After`` (``retry_within_s``).
+        self.retries = 0
         self._auth = _Bearer(token)
         self.unix_socket = None if unix_socket is None else os.fspath(unix_socket)
         self._session = _Connection(self.base_url, self.unix_socket)
@@ -153,7 +167,25 @@ class WeightsClient:
         body: Any = None,
         session: _Connection | None = None,
         timeout: float | None = None,
+        retry: bool = False,
+        started: float | None = None,
     ) -> dict[str, Any]:
+        """One call; ``retry``: a barrier call (``retry_within_s``, from ``started``)."""
+        if retry:
+            return call_retrying(
+                lambda: self._request(
+                    method,
+                    path,
+                    token=token,
+                    holder=holder,
+                    body=body,
+                    session=session,
+                    timeout=timeout,
+                ),
+                self.retry_within_s,
+                self._before_retry,
+                started,
+            )
         headers = {"Accept": "application/json"}
         if token:
             headers["Authorization"] = self._auth.header
@@ -172,6 +204,34 @@ class WeightsClient:
             method, path, payload, headers, timeout or self.timeout
         )
         return _unwrap(method, path, resp)
+
+    def _before_retry(self, exc: WeightsError, wait: float) -> None:
+        self.retries += 1
+        log.info("%s; sending it again in %.2f s (Retry-After)", exc, wait)
+        time.sleep(wait)
+
+    def _pair(
+        self, first: str, second: str, first_body: dict[str, Any] | None = None
+    ) -> tuple[dict[str, Any] | TrainerError, dict[str, Any] | TrainerError]:
+        """:meth:`_pipelined` with ``retry_within_s``: both refused, the first with
+        ``Retry-After``: the pair again; only the second, with it: the second alone again."""
+        started = time.monotonic()
+        while True:
+            one, two = self._pipelined(first, second, first_body)
+            if isinstance(two, WeightsError):
+                refused = one if isinstance(one, BaseException) else two
+                wait = retry_wait(refused, started, self.retry_within_s)
+                if wait is not None and refused is one:
+                    self._before_retry(one, wait)
+                    continue
+                if wait is not None:  # the first was accepted: the second alone, again
+                    self._before_retry(two, wait)
+                    path = f"/api/weights/{second}"
+                    try:
+                        two = self._request("POST", path, holder=True, retry=True, started=started)
+                    except TrainerError as exc:
+                        two = exc
+            return one, two
 
     def _pipelined(
         self, first: str, second: str, first_body: dict[str, Any] | None = None
@@ -294,7 +354,11 @@ class WeightsClient:
         reason ``hold_unsupported``: the server's engine cannot park), ModelBusy (reason
         drain_timeout), QueueFull; ``ValueError`` for another ``running``."""
         return self._request(
-            "POST", "/api/weights/quiesce", holder=True, body=self._quiesce_body(running)
+            "POST",
+            "/api/weights/quiesce",
+            holder=True,
+            retry=True,
+            body=self._quiesce_body(running),
         )
 
     def _quiesce_body(self, running: Running | None) -> dict[str, Any] | None:
@@ -305,16 +369,18 @@ class WeightsClient:
     def commit_begin(self) -> dict[str, Any]:
         """POST /commit-begin: the weights are ``writing`` (write cycle 3).
         Raises NotQuiesced, WeightsNotClean, PauseInProgress."""
-        return self._request("POST", "/api/weights/commit-begin", holder=True)
+        return self._request("POST", "/api/weights/commit-begin", holder=True, retry=True)
 
     def commit_end(self) -> dict[str, Any]:
         """POST /commit-end: clean again, ``steps_since_load`` + 1 (write cycle 4). ``overran``
         is true when the watchdog had torn the set first. Raises NoOpenCommit."""
-        return self._ended(self._request("POST", "/api/weights/commit-end", holder=True))
+        return self._ended(
+            self._request("POST", "/api/weights/commit-end", holder=True, retry=True)
+        )
 
     def resume(self) -> dict[str, Any]:
         """POST /resume: release the held requests (write cycle 5). A no-op while serving."""
-        return self._request("POST", "/api/weights/resume", holder=True)
+        return self._request("POST", "/api/weights/resume", holder=True, retry=True)
 
     @contextlib.contextmanager
     def commit(
@@ -368,7 +434,7 @@ class WeightsClient:
         self._raise_terminal_heartbeat_error()
         cycle = CommitCycle()
         try:
-            quiesced, begun = self._pipelined("quiesce", "commit-begin", body)
+            quiesced, begun = self._pair("quiesce", "commit-begin", body)
         except TransportError as exc:  # no answer read: either call may have been accepted
             self._close_unknown(exc, "quiesce and commit-begin")
             raise
@@ -422,7 +488,7 @@ class WeightsClient:
             else:
                 cycle.resume = resumed
             raise
-        end, resumed = self._pipelined("commit-end", "resume")
+        end, resumed = self._pair("commit-end", "resume")
         if isinstance(end, BaseException):
             if isinstance(resumed, BaseException):
                 log.warning("resume failed: %s", resumed)
@@ -442,7 +508,11 @@ class WeightsClient:
         model_id, parent_id, steps_since_load, at}``. Raises WeightsNotClean, PauseInProgress,
         BarrierUnavailable, CheckpointExists."""
         return self._request(
-            "POST", "/api/weights/save", holder=True, body={} if name is None else {"name": name}
+            "POST",
+            "/api/weights/save",
+            holder=True,
+            body={} if name is None else {"name": name},
+            retry=True,
         )
 
     def load(self, *, checkpoint: str | None = None, model_id: int | None = None) -> dict[str, Any]:
@@ -458,7 +528,11 @@ class WeightsClient:
             raise ValueError("give exactly one of checkpoint or model_id")
         body = {"checkpoint": checkpoint} if checkpoint is not None else {"model_id": model_id}
         data = self._request(
-            "POST", "/api/weights/load", holder=self._attachment_id is not None, body=body
+            "POST",
+            "/api/weights/load",
+            holder=self._attachment_id is not None,
+            body=body,
+            retry=True,
         )
         self.steps_since_load = data.get("steps_since_load", self.steps_since_load)
         return data
@@ -648,60 +722,11 @@ class WeightsClient:
             self._hb_session.close()
 
     def _heartbeat_timeout(self) -> float:
-        """Seconds one heartbeat may wait for its answer: the server's staleness window (an
-        answer within it still keeps the attachment active; a busy server is slow, not gone),
-        at least two intervals, at most ``timeout``."""
-        interval = self.heartbeat_interval_s or 5.0
-        return min(self.timeout, max(2 * interval, self.heartbeat_window_s or 0.0))
+        """Seconds one heartbeat may wait for its answer (:func:`heartbeat.answer_timeout`)."""
+        return heartbeat.answer_timeout(self)
 
     def _heartbeat_loop(self, stop: threading.Event) -> None:
-        session = self._hb_session
-        last_ok = time.monotonic()
-        while not stop.wait(self.heartbeat_interval_s or 5.0):
-            try:
-                data = self._request(
-                    "POST",
-                    "/api/weights/heartbeat",
-                    holder=True,
-                    session=session,
-                    timeout=self._heartbeat_timeout(),
-                )
-            except NotAttachedHere:
-                return
-            except Exception as exc:  # noqa: BLE001 - logged and surfaced, never swallowed
-                if stop.is_set():
-                    return
-                self.heartbeat_error = exc
-                if isinstance(exc, WeightsError) and exc.code in HEARTBEAT_TERMINAL:
-                    log.error(
-                        "heartbeat refused (%s); the heartbeat stops, and the next "
-                        "commit raises it",
-                        exc,
-                    )
-                    return
-                log.warning(
-                    "heartbeat failed (%s); retrying in %.1f s",
-                    exc,
-                    self.heartbeat_interval_s or 5.0,
-                )
-                continue
-            self.heartbeats_sent += 1
-            self.heartbeat_error = None
-            hint = data.get("interval_hint_s")
-            if isinstance(hint, int | float) and hint > 0:
-                self.heartbeat_interval_s = float(hint)
-            window = data.get("timeout_s")
-            if isinstance(window, int | float) and window > 0:
-                self.heartbeat_window_s = float(window)
-            gap = time.monotonic() - last_ok
-            last_ok = time.monotonic()
-            if gap > float(data.get("timeout_s") or float("inf")):
-                log.warning(
-                    "%.1f s since the last heartbeat answered, beyond the server's "
-                    "%.1f s staleness window: the attachment was stale until now",
-                    gap,
-                    data.get("timeout_s"),
-                )
+        heartbeat.keep_alive(self, stop)
 
 
 __all__ = [

@@ -173,7 +173,9 @@ class ReplicaSet:
     @staticmethod
     def _commit_begin(client: WeightsClient, ranges: Any) -> dict[str, Any]:
         body = None if ranges is None else {"ranges": [list(r) for r in ranges]}
-        return client._request("POST", "/api/weights/commit-begin", holder=True, body=body)
+        return client._request(
+            "POST", "/api/weights/commit-begin", holder=True, body=body, retry=True
+        )
 
     # --- attach -----------------------------------------------------------------------------
     def attach(self) -> FlatWeights:

@@ -11,7 +11,9 @@ import select
 import socket
 import ssl
 import threading
+import time
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 from miserver.trainer.errors import TransportError, WeightsError, _make_error
@@ -281,3 +283,39 @@ def _unwrap(method: str, path: str, resp: _Response) -> dict[str, Any]:
         "body (is base_url a miserver?)",
         retry_after_s=retry_s,
     )
+
+
+#: The shortest wait before a retry, whatever ``Retry-After`` says (``0`` would spin).
+MIN_RETRY_WAIT_S = 0.05
+
+
+def retry_wait(exc: BaseException, started: float, within_s: float) -> float | None:
+    """How long to wait before sending again a barrier call that ``exc`` refused, or None when
+    it is not retried: only a :class:`WeightsError` carrying ``Retry-After`` (503
+    ``QUEUE_FULL``, 409 ``MODEL_BUSY``, 503 ``SHUTTING_DOWN``: a refusal changed nothing on
+    the server, so the same call may go again), and only while the retry would still be sent
+    within ``within_s`` seconds of ``started`` (``time.monotonic()`` of the first try). A lost
+    answer (:class:`TransportError`) is never retried: the call may have been accepted."""
+    if not isinstance(exc, WeightsError) or exc.retry_after_s is None or within_s <= 0:
+        return None
+    wait = max(float(exc.retry_after_s), MIN_RETRY_WAIT_S)
+    return wait if time.monotonic() + wait - started <= within_s else None
+
+
+def call_retrying(
+    send: Callable[[], dict[str, Any]],
+    within_s: float,
+    on_retry: Callable[[WeightsError, float], None],
+    started: float | None = None,
+) -> dict[str, Any]:
+    """``send()``, sent again while it is refused with ``Retry-After`` within ``within_s`` of
+    ``started`` (default: now; :func:`retry_wait`); ``on_retry(refusal, wait)`` waits."""
+    started = time.monotonic() if started is None else started
+    while True:
+        try:
+            return send()
+        except WeightsError as exc:
+            wait = retry_wait(exc, started, within_s)
+            if wait is None:
+                raise
+            on_retry(exc, wait)

@@ -555,6 +555,18 @@ class Reference:
         self._disarm("hold")
         return OK
 
+    def fence_failed(self, now: float) -> Reply:
+        """Issue 32 item 8: a clear-stale's fence found no room to move the set, so the removed
+        holder's handles still reach what would be served: the set is torn (not while a commit
+        is open, which the watchdog tears; not with a holder attached or a model transition
+        running, which no clear-stale leaves behind)."""
+        if not self.resident or self.att is not None or self.transition is not None:
+            return IGNORED
+        if self.weights == "writing":
+            return IGNORED
+        self.weights = "torn"
+        return OK
+
     # --- timers ---------------------------------------------------------------------------
     ORDER = ("watchdog", "drain", "hold", "heartbeat")
 

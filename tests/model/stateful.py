@@ -568,6 +568,7 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                     "transition_failed_reloaded",
                     "transition_abandoned",
                     "address_moved",
+                    "fence_failed",
                 ]
             )
         )
@@ -619,6 +620,7 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                     lambda: ref.transition_abandoned(now),
                 ),
                 "address_moved": (Event("address_moved"), lambda: ref.address_moved(now)),
+                "fence_failed": (Event("fence_failed"), lambda: ref.fence_failed(now)),
             }
             event, call = calls[which]
             self.both(event, call)
@@ -787,6 +789,7 @@ INTERNAL = (
     "transition_failed",
     "transition_abandoned",
     "address_moved",
+    "fence_failed",
     "v1_confirm",
 )
 #: Requests: each gated route, attach, the management calls, /v1 (plain, with the refuse

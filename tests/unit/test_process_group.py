@@ -344,3 +344,46 @@ def test_an_arena_on_two_devices_is_refused():
     meta = torch.empty(8, dtype=torch.uint8, device="meta").untyped_storage()
     with pytest.raises(GroupSpecError, match="one device"):
         ArenaGroup(spec, [_arena(8), meta], connect_timeout_s=1, op_timeout_s=1)
+
+
+# --- interop: a rank 0 written with plain torch.distributed ----------------------------------
+@pytest.mark.parametrize("wait_for_workers", [True, False], ids=["torch_defaults", "no_wait"])
+def test_a_plain_torch_rank_0_forms_the_group_whether_or_not_its_store_waits(wait_for_workers):
+    """Contract section 10: the server's store client counts as a worker, so a rank 0 whose
+    ``TCPStore`` keeps torch's default ``wait_for_workers=True`` (its constructor blocks until
+    ``world_size`` workers joined) forms the group, as one that does not wait does."""
+    import datetime
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    arenas = [[_arena(300, 1)], [_arena(300, 2)]]
+    servers = [
+        ArenaGroup(
+            GroupSpec.parse(f"tcp://127.0.0.1:{port}", 3, rank),
+            storages,
+            connect_timeout_s=WAIT_S,
+            op_timeout_s=WAIT_S,
+        ).start()
+        for rank, storages in enumerate(arenas, start=1)
+    ]
+    try:
+        receives = [s.arm() for s in servers]  # queued until the group forms
+        timeout = datetime.timedelta(seconds=5)  # a store that waits in vain fails in 5 s
+        kwargs = {} if wait_for_workers else {"wait_for_workers": False}
+        store = dist.TCPStore("127.0.0.1", port, 3, True, timeout, **kwargs)
+        group = dist.ProcessGroupGloo(dist.PrefixStore("miserver", store), 0, 3, timeout)
+        payload = torch.arange(300, dtype=torch.int64).remainder(256).to(torch.uint8)
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        group.broadcast([payload], opts).wait()
+        assert all(s.wait_ready(WAIT_S) for s in servers), [s.error for s in servers]
+        assert all(r.wait(WAIT_S) for r in receives), [r.error for r in receives]
+        for (arena,) in arenas:
+            assert torch.equal(_bytes(arena), payload)
+    finally:
+        for s in servers:
+            s.destroy()

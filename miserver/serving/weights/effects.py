@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -43,8 +44,11 @@ def decode_engine_effect(host: Any, effect: Effect) -> None:
     reload makes a new resident, whose engine is new, and the old one is closed by the
     host). ``DROP_CACHE`` empties the static KV cache, the engine's only state between
     requests. An adapter change (``BEGIN_ADAPTER_CHANGE``) changes which modules compute,
-    and a model transition (``START_MODEL_LOAD``, ``START_MODEL_UNLOAD``) the storages:
-    their graphs are dropped, captured again at next use over the model of that time.
+    and a model transition (``START_MODEL_LOAD``, ``START_MODEL_UNLOAD``) and the fence of a
+    holder removed without its own detach (``FENCE_ARENA``, issue 32 item 8: the served set
+    moved to fresh storages) the storages: their graphs are dropped, captured again at next
+    use over the model of that time. An engine must keep nothing else that addresses the old
+    storages past ``invalidate`` (a generation already running may finish on them).
     ``host``: the :class:`~miserver.serving.models.host.ModelHost` (its resident's engine).
     """
     resident = host.resident
@@ -67,6 +71,7 @@ def decode_engine_effect(host: Any, effect: Effect) -> None:
         Effect.BEGIN_ADAPTER_CHANGE,
         Effect.START_MODEL_LOAD,
         Effect.START_MODEL_UNLOAD,
+        Effect.FENCE_ARENA,
     ):
         engine.invalidate()
 
@@ -118,6 +123,8 @@ class EffectPerformer:
         self.job_result: dict[str, Any] = {}
         #: ``START_DRAIN`` found nothing running: ``drained`` follows in the same decision.
         self.drained_now = False
+        #: ``FENCE_ARENA`` could not move the set: ``fence_failed`` follows in the same decision.
+        self.fence_failed_now = False
         self.drain_task: asyncio.Task[None] | None = None
         self.tasks: set[asyncio.Task[Any]] = set()
         #: The parameters of the next model transition (the row a load or an unload names).
@@ -213,6 +220,8 @@ class EffectPerformer:
             self.transport.arm()
         elif effect is Effect.DESTROY_GROUP:
             self.transport.destroy()
+        elif effect is Effect.FENCE_ARENA:
+            self._fence()
         elif effect in (
             Effect.RECORD_OVERRUN,
             Effect.RECORD_WATCHDOG,
@@ -391,6 +400,46 @@ class EffectPerformer:
             return result
         finally:
             self.scheduler.barrier_release()
+
+    # --- the fence (issue 32 item 8) ----------------------------------------------------------
+    def _fence(self) -> None:
+        """``FENCE_ARENA``: move the served set to fresh storages (:func:`miserver.ipc.arena
+        .relocate`), so a holder removed without its own detach (clear-stale) writes through its
+        old handles into storages nothing serves; the old arena is dropped (its shared-memory
+        file removed; a CUDA allocation stays pinned while the removed process maps it) and the
+        decode engine's graphs follow the move. A move that cannot allocate reports
+        ``fence_failed`` in this decision (the table tears the set)."""
+        from miserver.ipc import arena as arena_module
+
+        resident = self.host.resident
+        arena = getattr(resident, "arena", None) if resident is not None else None
+        if arena is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            fresh = arena_module.relocate(arena, resident.model)
+        except Exception as exc:  # noqa: BLE001 - no room for the copy: the table decides
+            log.error(
+                "weights: the fence could not move the served weights to fresh storages (%s): "
+                "the cleared attachment's process could still write them, so the set is torn. "
+                'Recover with POST /api/weights/load {"model_id": N} where a second copy fits, '
+                "else restart miserver",
+                exc,
+            )
+            self.fence_failed_now = True
+            return
+        resident.arena = fresh
+        try:
+            arena.release_shared_memory()
+        except OSError as exc:
+            log.warning("weights: could not remove the old shared memory: %s", exc)
+        decode_engine_effect(self.host, Effect.FENCE_ARENA)
+        log.warning(
+            "weights: fenced out the cleared attachment: the served weights moved to fresh "
+            "storages (%.1f MiB in %.1f ms); its old handles reach nothing served",
+            fresh.total_bytes / 2**20,
+            (time.perf_counter() - t0) * 1e3,
+        )
 
     # --- export -----------------------------------------------------------------------------
     def _export(self) -> Any:

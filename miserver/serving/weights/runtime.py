@@ -261,9 +261,12 @@ class WeightsRuntime:
         if out.kind == "accepted" and event.trigger in PAUSE_TRIGGERS:
             effects.open_pending(params)
         outputs: dict[str, Any] = {}
-        effects.drained_now = False
+        effects.drained_now = effects.fence_failed_now = False
         effects.perform(out, outputs)
         self._after_event(out)
+        if effects.fence_failed_now:  # FENCE_ARENA could not move the set (issue 32 item 8)
+            effects.fence_failed_now = False
+            self.decide(Event("fence_failed"))
         if effects.drained_now:
             effects.drained_now = False
             self.decide(Event("drained"))

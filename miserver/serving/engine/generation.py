@@ -27,11 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import logging
 import math
-import queue
-import random
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +36,9 @@ from typing import Any
 
 import torch
 
+# re-exported from here for the callers of old: cache_kwarg, _EagerDecoder, _GraphDecoder (the
+# decoders), the sampling names (how tokens are picked), _WorkerThreads
+from miserver.serving.engine.decoders import _decoder, _EagerDecoder, _GraphDecoder, cache_kwarg  # noqa: F401
 from miserver.serving.engine.detokenize import (
     IncrementalDetokenizer,
     StopMatcher,
@@ -46,103 +46,19 @@ from miserver.serving.engine.detokenize import (
     token_text,
 )
 from miserver.serving.engine.provenance import WeightSpan
+from miserver.serving.engine.sampling import (
+    NonFiniteLogits,
+    SamplingParams,
+    SeedStream,
+    TokenLogprob,
+    pick_token,
+    pick_tokens,
+)
+from miserver.serving.engine.workers import _WorkerThreads
 
 log = logging.getLogger("miserver.generation")
 
-_THREAD_IDS = itertools.count(1)
-
-
-class _WorkerThreads:
-    """Long-lived daemon threads that run generations, one at a time each, reused.
-
-    A thread's first CUDA work is slow for a long while: measured on the H200 (2026-11-30,
-    torch 2.11, SmolLM2-135M shape), a KV-cache decode loop took 57-67 ms a token in a fresh
-    thread against 17.7 ms in a thread that had already run one (and 17-19 ms in the main
-    thread); a thread per request made every answer three times slower. Idle threads wait for
-    the next job; a job while all are busy gets a new thread (the scheduler bounds how many run).
-    A finished job keeps no reference to its generation (an unloaded model can be freed).
-    Not ``concurrent.futures.ThreadPoolExecutor``: its threads are joined at interpreter exit,
-    so a generation still running at shutdown (nothing cancels it there) would hold the exit;
-    these are daemon threads, as the thread per request was.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._idle: list[queue.SimpleQueue] = []
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._lock:
-            inbox = self._idle.pop() if self._idle else None
-        if inbox is None:
-            inbox = queue.SimpleQueue()
-            threading.Thread(
-                target=self._serve,
-                args=(inbox,),
-                daemon=True,
-                name=f"miserver-generation-{next(_THREAD_IDS)}",
-            ).start()
-        inbox.put(job)
-
-    def _serve(self, inbox: queue.SimpleQueue) -> None:
-        while True:
-            job = inbox.get()
-            try:
-                job()
-            except BaseException:  # noqa: BLE001 - a job reports its own failures
-                log.exception("generation worker: a job raised")
-            del job  # hold nothing of a finished generation while idle
-            with self._lock:
-                self._idle.append(inbox)
-
-
 _WORKERS = _WorkerThreads()
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens (contract 4).
-
-    Attributes:
-        max_tokens: the most tokens to generate (>= 1).
-        temperature: 0 is greedy (argmax); otherwise logits are divided by it (0 < t <= 2).
-        top_p: nucleus sampling mass, in (0, 1].
-        seed: seeds this request's own :class:`SeedStream` (any int: every seed its own
-            samples); None draws from the global RNG.
-        stop: stop sequences; the completion ends before the first one and never contains it.
-        logprobs: how many alternatives to report per token (0..20); None reports no logprobs.
-        echo: also score the prompt (prompt token logprobs, needs ``logprobs``).
-        constraint: a grammar every sequence's tokens must follow
-            (:class:`~miserver.serving.engine.constraints.Constraint`, shared by the ``n``
-            choices, each with its own matcher); None samples freely. Its mask applies before
-            the choice (greedy too); logprobs stay the model's own (unmasked); a complete
-            grammar ends the sequence as ``stop`` (issue 33).
-    """
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    logprobs: int | None = None
-    echo: bool = False
-    constraint: Any = None
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One token and its log-probability under the served weights (natural log).
-
-    ``text`` is the token decoded alone (U+FFFD for part of a character), ``bytes`` its raw
-    bytes (:func:`token_bytes`). ``logprob`` is None for the first prompt token (nothing
-    precedes it); ``top`` lists the most likely alternatives at that position as
-    ``(token_id, text, logprob, bytes)``, best first.
-    """
-
-    token_id: int
-    text: str
-    bytes: bytes
-    logprob: float | None
-    top: tuple[tuple[int, str, float, bytes], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -210,179 +126,6 @@ def context_length(model: Any) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 2048
-
-
-def cache_kwarg(model: Any) -> str:
-    """The forward argument that takes the KV cache: ``cache`` (transformers >= 5.2x) or
-    ``past_key_values``. Wrappers (PEFT) are looked through to the first module that names one.
-    """
-    import inspect
-
-    modules = model.modules() if isinstance(model, torch.nn.Module) else iter((model,))
-    for module in modules:
-        try:
-            names = inspect.signature(module.forward).parameters
-        except (TypeError, ValueError):
-            continue
-        for name in ("cache", "past_key_values"):
-            if name in names:
-                return name
-    return "past_key_values"
-
-
-class SeedStream:
-    """The random draws of one request's ``seed``: every accepted seed its own stream.
-
-    ``torch.Generator.manual_seed`` keeps only the low 32 bits on the CPU (mt19937) and maps a
-    negative seed onto ``2**64 + seed``, so seeds 0, 2**32 and 2**63 gave the same samples
-    (issue 16 item 9). Here the seed, any Python int (the API accepts
-    [-2**63, 2**64 - 1]), is mapped one-to-one onto a non-negative int (zigzag: ``2n`` for
-    ``n >= 0``, ``-2n - 1`` below) that seeds a Mersenne Twister with all its bits
-    (:class:`random.Random` seeds from the whole int). Draws are uniform in [0, 1), 53 bits.
-    The same seed gives the same draws on every device.
-    """
-
-    __slots__ = ("_rng",)
-
-    def __init__(self, seed: int) -> None:
-        seed = int(seed)
-        self._rng = random.Random(2 * seed if seed >= 0 else -2 * seed - 1)
-
-    def uniform(self) -> float:
-        """The next draw, uniform in [0, 1)."""
-        return self._rng.random()
-
-
-class NonFiniteLogits(RuntimeError):
-    """The model's logits hold NaN or infinity: nothing can be sampled from them (issue 16
-    item 10). The weights themselves hold non-finite values (a diverged trainer step, or a
-    write outside the commit bracket)."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            "the model produced non-finite logits (NaN or infinity): the served weights hold "
-            "non-finite values (a diverged training step, or weights written outside the commit "
-            "bracket); load finite weights (POST /api/weights/load with a saved checkpoint, or "
-            "reload the model) and retry"
-        )
-
-
-def _sample(probs: torch.Tensor, generator: torch.Generator | SeedStream | None) -> int:
-    """One index drawn from the (unnormalised, non-negative, 1-D) ``probs``."""
-    if isinstance(generator, SeedStream):
-        # Inverse CDF: the first index whose cumulative mass exceeds u * total (a token of
-        # probability 0 is never chosen: its cumulative mass equals its predecessor's).
-        cumulative = torch.cumsum(probs, dim=-1)
-        target = cumulative[-1:] * generator.uniform()  # on the logits' device, no copy
-        index = torch.searchsorted(cumulative, target, right=True)
-        return min(int(index), probs.shape[-1] - 1)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def pick_tokens(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | SeedStream | None],
-) -> list[int | NonFiniteLogits]:
-    """:func:`pick_token` for every row of ``logits`` (float32 ``[rows, vocab]``) at once: the
-    same arithmetic (float64 after subtracting each row's maximum, the top-p cut over the sorted
-    probabilities, the inverse CDF of a :class:`SeedStream` draw or ``torch.multinomial``), done
-    as a few batched operations and one read to the host instead of several synchronisations a
-    row. Row ``r`` takes ``params[r]`` and ``generators[r]`` (a ``SeedStream`` draws once, as
-    ``pick_token`` would). A row whose maximum is not finite gets a :class:`NonFiniteLogits`
-    instead of a token. Batched reductions may round otherwise than one row's (so the static
-    batch uses this on CUDA only, where a batch equals a request alone to rounding anyway)."""
-    rows = logits.shape[0]
-    best, index = torch.max(logits, dim=-1)
-    best_values, best_index = best.tolist(), index.tolist()
-    out: list[int | NonFiniteLogits] = [0] * rows
-    groups: dict[bool, list[int]] = {True: [], False: []}  # top-p cut or not -> rows
-    for r in range(rows):
-        if not math.isfinite(best_values[r]):
-            out[r] = NonFiniteLogits()
-        elif params[r].temperature == 0:
-            out[r] = int(best_index[r])
-        elif isinstance(generators[r], torch.Generator):  # not batched: its own generator
-            out[r] = pick_token(logits[r], params[r], generators[r])
-        else:
-            groups[params[r].top_p < 1.0].append(r)
-    device = logits.device
-    for cut, members in groups.items():
-        if not members:
-            continue
-        sel = torch.tensor(members, dtype=torch.long, device=device)
-        temperature = torch.tensor(
-            [params[r].temperature for r in members], dtype=torch.float64, device=device
-        )[:, None]
-        scaled = logits.index_select(0, sel).double() - best.index_select(0, sel).double()[:, None]
-        probs = torch.softmax(scaled / temperature, dim=-1)
-        order = None
-        if cut:
-            top_p = torch.tensor(
-                [params[r].top_p for r in members], dtype=torch.float64, device=device
-            )[:, None]
-            probs, order = torch.sort(probs, dim=-1, descending=True)
-            cumulative = torch.cumsum(probs, dim=-1)
-            drop = cumulative - probs >= top_p
-            drop[:, 0] = False  # always keeps the best token
-            probs = probs.masked_fill(drop, 0.0)
-        seeded = [i for i, r in enumerate(members) if isinstance(generators[r], SeedStream)]
-        free = [i for i, r in enumerate(members) if generators[r] is None]
-        picked = torch.zeros(len(members), dtype=torch.long, device=device)
-        if seeded:
-            at = torch.tensor(seeded, dtype=torch.long, device=device)
-            cumulative = torch.cumsum(probs.index_select(0, at), dim=-1)
-            draws = torch.tensor(
-                [generators[members[i]].uniform() for i in seeded],  # type: ignore[union-attr]
-                dtype=torch.float64,
-                device=device,
-            )[:, None]
-            target = cumulative[:, -1:] * draws
-            found = torch.searchsorted(cumulative, target, right=True)[:, 0]
-            picked[at] = found.clamp(max=probs.shape[-1] - 1)
-        if free:
-            at = torch.tensor(free, dtype=torch.long, device=device)
-            picked[at] = torch.multinomial(probs.index_select(0, at), 1)[:, 0]
-        if order is not None:
-            picked = order.gather(1, picked[:, None])[:, 0]
-        for r, token in zip(members, picked.tolist(), strict=True):
-            out[r] = int(token)
-    return out
-
-
-def pick_token(
-    logits: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator | SeedStream | None,
-) -> int:
-    """Choose the next token from ``logits`` (shape ``[vocab]``, float32).
-
-    Greedy (argmax) at temperature 0; otherwise softmax(logits / temperature) restricted to the
-    smallest set of tokens whose mass reaches ``top_p``, sampled with ``generator`` (a request's
-    :class:`SeedStream`, a ``torch.Generator``, or None for the global RNG). Any value the
-    contract admits (temperature in (0, 2], top_p in (0, 1]) works, however small.
-
-    Raises:
-        NonFiniteLogits: the largest logit is NaN or infinite (any NaN, any +inf, or all -inf).
-    """
-    best, index = torch.max(logits, dim=-1)
-    best_value = float(best)
-    if not math.isfinite(best_value):  # torch.max propagates NaN
-        raise NonFiniteLogits()
-    if params.temperature == 0:
-        return int(index)
-    # In float64 after subtracting the maximum: every scaled logit is <= 0 (the best is 0), so a
-    # temperature as small as 5e-324 gives -inf for the others (a one-hot), never inf or nan.
-    scaled = (logits.double() - best_value) / params.temperature
-    probs = torch.softmax(scaled, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
-        drop = cumulative - sorted_probs >= params.top_p
-        drop[0] = False  # always keeps the best token (a top_p below the float's resolution too)
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        return int(order[_sample(sorted_probs, generator)])
-    return _sample(probs, generator)
 
 
 # --- the worker ------------------------------------------------------------------------------
@@ -949,105 +692,3 @@ def _samples_batched(logits: torch.Tensor) -> bool:
     synchronisation a row is expensive and a batch equals its requests alone to rounding only;
     on the CPU row by row, which keeps a batched answer the bits of the request alone."""
     return logits.is_cuda
-
-
-@contextlib.contextmanager
-def _decoder(gens: list[Generation]) -> Any:
-    """The resident's decode engine when it is free (a lone sequence: its one-sequence graphs;
-    a static batch that fits its batch cache: the batched graphs), else the eager (batched)
-    decoder."""
-    first = gens[0]
-    model = first.model
-    if len(gens) == 1 and first.engine is not None:
-        with first.engine.session(model) as session:
-            if session is not None:
-                yield _Rows(_GraphDecoder(session))
-                return
-    elif first.engine is not None and getattr(first.engine, "batch_rows", 0) >= 2:
-        # left padding: every row's keys end at the longest prompt's length
-        need = max(len(g.prompt_ids) for g in gens) + max(g.params.max_tokens for g in gens)
-        with first.engine.batch_session(model, len(gens), need) as batch:
-            if batch is not None:
-                leads = {id(g._prefill_group or g): g for g in gens}
-                batch.expect(
-                    [
-                        g.prompt_ids
-                        for g in leads.values()
-                        if not (g.params.echo and g.params.logprobs is not None)
-                    ]
-                )
-                yield batch
-                return
-    from miserver.serving.engine.static_batch import BatchDecoder
-
-    device = next(model.parameters()).device
-    yield BatchDecoder(model, device, cache_kwarg(model))
-
-
-# --- decoders ---------------------------------------------------------------------------------
-class _EagerDecoder:
-    """The eager decode of one sequence, as the server runs it (a :class:`BatchDecoder` of
-    one row): ``prefill(ids)`` then ``step(token)``, each returning logits."""
-
-    kind = "eager"
-    full = False
-
-    def __init__(self, model: Any, device: torch.device) -> None:
-        from miserver.serving.engine.static_batch import BatchDecoder
-
-        self._batch = BatchDecoder(model, device, cache_kwarg(model))
-
-    def prefill(self, prompt_ids: Sequence[int], *, all_logits: bool) -> torch.Tensor:
-        """Logits ``[n, vocab]`` (``all_logits``) or ``[1, vocab]`` of the prompt."""
-        logits = self._batch.prefill(prompt_ids, all_logits=all_logits)
-        self._batch.begin([0])
-        return logits
-
-    def step(self, token: int) -> torch.Tensor:
-        """The next position's logits, float32 ``[vocab]``."""
-        return self._batch.step([token])[0]
-
-
-class _Rows:
-    """A one-sequence decoder (``prefill``, ``step(token)``, ``full``) as the batch loop uses
-    it: one row."""
-
-    def __init__(self, decoder: Any) -> None:
-        self._d = decoder
-        self.kind = decoder.kind
-
-    def prefill(self, prompt_ids: Sequence[int], *, all_logits: bool) -> torch.Tensor:
-        return self._d.prefill(prompt_ids, all_logits=all_logits)
-
-    def begin(self, sources: Sequence[int]) -> None:
-        if list(sources) != [0]:
-            raise ValueError("a one-sequence decoder decodes one row")
-
-    def step(self, tokens: Sequence[int]) -> torch.Tensor:
-        return self._d.step(tokens[0])[None]
-
-    def keep(self, rows: Sequence[int]) -> None:
-        if list(rows) not in ([], [0]):
-            raise ValueError("a one-sequence decoder decodes one row")
-
-    def full(self, row: int) -> bool:
-        return bool(self._d.full)
-
-
-class _GraphDecoder:
-    """The decode engine's session: eager prefill into the static cache, replayed steps."""
-
-    def __init__(self, session: Any) -> None:
-        self._s = session
-        self.kind = f"graphs:{session._e.mode}"
-
-    @property
-    def full(self) -> bool:
-        """The static cache holds the whole context: no further position fits."""
-        return self._s.position >= self._s.capacity
-
-    def prefill(self, prompt_ids: Sequence[int], *, all_logits: bool) -> torch.Tensor:
-        return self._s.prefill(prompt_ids, all_logits=all_logits)
-
-    def step(self, token: int) -> torch.Tensor:
-        return self._s.step(token)

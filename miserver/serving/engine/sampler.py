@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miserver.serving.engine.generation import NonFiniteLogits, pick_token, pick_tokens
+from miserver.serving.engine.sampling import NonFiniteLogits, pick_token, pick_tokens
 from miserver.serving.engine.sequence import Sequence, TokenLogprobIds
 
 

@@ -12,7 +12,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from miserver.serving.engine.generation import SamplingParams, SeedStream
+from miserver.serving.engine.sampling import SamplingParams, SeedStream
 
 _ARRIVALS = itertools.count()
 

@@ -596,7 +596,7 @@ class ModelHost:
         if self.metrics:
             self.metrics.model_unloads.inc()
             self.metrics.set_resident(None)
-        if dropped.engine_loop is not None:
+        if getattr(dropped, "engine_loop", None) is not None:  # a GGUF resident has none
             dropped.engine_loop.close(wait_s=5.0 if drained else 0.0)  # its cache goes too
             dropped.engine_loop = None
             if self.metrics:

@@ -606,9 +606,10 @@ class ModelHost:
             dropped.engine = None
             if self.metrics:
                 self.metrics.set_decode_engine(None)
-        close = getattr(dropped.model, "close", None)
-        if dropped.row.format == "gguf" and close is not None:
-            close()  # llama.cpp's server, its model and cache go now (contract 4a)
+        if getattr(dropped.row, "format", None) == "gguf":
+            close = getattr(dropped.model, "close", None)
+            if close is not None:
+                close()  # llama.cpp's server, its model and cache go now (contract 4a)
         for hook in self.drop_hooks:
             try:
                 hook(dropped)

@@ -36,6 +36,7 @@ from miserver.serving.structured.request import (
     check_request,
     request_constraint,
 )
+from miserver.serving.structured.response_format import compile_llama_cpp
 from miserver.serving.structured.tools import template_message
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
@@ -152,21 +153,36 @@ def _chat_prompt(
 
 
 async def _constraint(resident: Resident, structured: Structured) -> Any:
-    """The request's grammar for this resident (:func:`request_constraint`, in a worker
-    thread: llguidance's view of a tokenizer costs seconds the first time), or None."""
+    """The request's grammar for this resident, or None: on a transformers resident
+    :func:`request_constraint` (in a worker thread: llguidance's view of a tokenizer costs
+    seconds the first time); on a GGUF resident (``response_format`` only: tools were refused
+    by :func:`_check_gguf_tools`) llama.cpp's own JSON-schema grammar
+    (:func:`~miserver.serving.structured.response_format.compile_llama_cpp`)."""
     if not structured.any:
         return None
-    if resident.kind == "gguf":  # llama.cpp samples: miserver's grammar hook is not there
-        field = "response_format" if structured.output is not None else "tools"
-        raise bad_request(
-            f"{field} (constrained output) is not available on {resident.served_name}: it is a "
-            "GGUF model served by llama.cpp, where miserver's grammar cannot steer the sampler; "
-            "use a safetensors row",
-            field,
-        )
+    if resident.kind == "gguf":  # llama.cpp samples, under its own JSON-schema grammar
+        _check_gguf_tools(resident, structured)
+        assert structured.output is not None
+        return await asyncio.to_thread(compile_llama_cpp, structured.output, "response_format")
     return await asyncio.to_thread(
         request_constraint, structured, resident.model, resident.tokenizer
     )
+
+
+def _check_gguf_tools(resident: Resident, structured: Structured) -> None:
+    """Refuse ``tools`` on a GGUF resident (before the template's tool format is looked at):
+    miserver's tool-call grammars and parsers need its own sampler, which llama.cpp is not.
+
+    Raises:
+        ApiError: 400 INVALID_REQUEST naming ``tools``.
+    """
+    if resident.kind == "gguf" and structured.tools is not None:
+        raise bad_request(
+            f"tools (tool calls) are not available on {resident.served_name}: it is a GGUF "
+            "model served by llama.cpp, where miserver's tool-call grammar cannot steer the "
+            "sampler; use a safetensors row (response_format works on both)",
+            "tools",
+        )
 
 
 def _completion_prompt(resident: Resident, prompt: schema.PromptSpec) -> list[int]:
@@ -240,6 +256,7 @@ async def prepare_chat(
     )
     resident = await admit(app, req.model, load_policy, priority, may_load=may_load)
     adapter = _named_adapter(resident, req.model)
+    _check_gguf_tools(resident, structured)
     structured = check_for_model(structured, resident.tokenizer)
     prompt_ids = await asyncio.to_thread(_chat_prompt, resident, req, structured)
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -9,6 +9,7 @@ default's rows. The Q4 row is loaded for real (llama.cpp, CPU).
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 import openai
 import pytest
 import requests
+from pydantic import BaseModel, Field
 
 from miserver.http.model_header import parse_model_header
 
@@ -233,17 +235,139 @@ def test_errors_are_openai_shaped_before_anything_runs(q4: Server) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=Q4, prompt="hi", max_tokens=2, echo=True, logprobs=1)
     assert err.value.body["param"] == "echo"  # type: ignore[index]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(
             model=Q4,
             messages=[{"role": "user", "content": "hi"}],
             max_tokens=2,
-            response_format={"type": "json_object"},
+            tools=[tool],  # type: ignore[list-item]
         )
-    assert err.value.body["param"] == "response_format"  # type: ignore[index]
+    assert err.value.body["param"] == "tools"  # type: ignore[index]
+    assert "GGUF" in err.value.body["message"]  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=Q4, prompt="hi", max_tokens=2, n=5)  # MAX_BATCH_SIZE 4
     assert err.value.body["param"] == "n"  # type: ignore[index]
+
+
+class City(BaseModel):
+    name: str = Field(max_length=24)
+    country: str = Field(max_length=24)
+    population_millions: int = Field(ge=0, le=100)
+    coastal: bool
+
+
+CITY_SCHEMA = {**City.model_json_schema(), "additionalProperties": False}
+CITY_PROMPTS = [f"Describe the city of {c} as JSON." for c in ("Paris", "Tokyo", "Lagos", "Oslo")]
+
+
+def test_json_object_output_parses_on_a_gguf_resident(q4: Server) -> None:
+    stopped = 0
+    for prompt in CITY_PROMPTS[:3]:
+        completion = q4.client().chat.completions.create(
+            model=Q4,
+            messages=[{"role": "user", "content": prompt}],
+            response_format={"type": "json_object"},
+            n=2,
+            max_tokens=160,
+            seed=5,
+        )
+        assert len(completion.choices) == 2
+        for choice in completion.choices:
+            text = choice.message.content or ""
+            if choice.finish_reason == "stop":  # the grammar completed: an object
+                stopped += 1
+                assert isinstance(json.loads(text), dict), text
+            else:  # cut by max_tokens: still a prefix of an object
+                assert choice.finish_reason == "length" and text.startswith("{"), text
+    assert stopped >= 1  # at least one answer ran to its closing brace
+
+
+def test_parse_with_a_pydantic_model_validates_on_a_gguf_resident(q4: Server) -> None:
+    for prompt in CITY_PROMPTS:
+        completion = q4.client().chat.completions.parse(
+            model=Q4,
+            messages=[{"role": "user", "content": prompt}],
+            response_format=City,
+            n=2,
+            max_completion_tokens=200,
+            seed=1,
+        )
+        assert len(completion.choices) == 2
+        for choice in completion.choices:
+            assert choice.finish_reason == "stop", choice.message.content
+            assert isinstance(choice.message.parsed, City)  # the SDK validated it
+            City.model_validate_json(choice.message.content or "")
+    # the completions route takes it too, with a stop sequence the JSON never reaches
+    out = q4.client().completions.create(
+        model=Q4,
+        prompt="A city as JSON: ",
+        max_tokens=200,
+        temperature=0,
+        stop=["\n\n"],
+        extra_body={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True},
+            }
+        },
+    )
+    assert out.choices[0].finish_reason == "stop"
+    City.model_validate_json(out.choices[0].text)
+
+
+def test_a_streamed_constrained_answer_equals_the_non_streamed_one_on_gguf(q4: Server) -> None:
+    kwargs: dict = {
+        "model": Q4,
+        "messages": [{"role": "user", "content": CITY_PROMPTS[0]}],
+        "temperature": 0,
+        "max_tokens": 200,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True},
+        },
+    }
+    client = q4.client()
+    whole = client.chat.completions.create(**kwargs)
+    pieces, finish = [], None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            if choice.delta.content:
+                pieces.append(choice.delta.content)
+            finish = choice.finish_reason or finish
+    assert len(pieces) > 1  # streamed token by token, not as one piece
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason == "stop"
+    City.model_validate_json(whole.choices[0].message.content or "")
+
+
+@pytest.mark.parametrize(
+    "schema, param",
+    [
+        (
+            {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
+            "response_format.json_schema.schema.properties.tags.uniqueItems",
+        ),
+        ({"type": "string", "format": "bogus"}, "response_format"),
+        ({"type": "string", "pattern": "(["}, "response_format"),
+    ],
+)
+def test_an_unsupported_schema_is_a_400_before_anything_runs_on_gguf(
+    q4: Server, schema: dict, param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        q4.client().chat.completions.create(
+            model=Q4,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=20,
+            stream=True,
+            response_format={  # type: ignore[typeddict-item]
+                "type": "json_schema",
+                "json_schema": {"name": "bad", "schema": schema},
+            },
+        )
+    assert err.value.status_code == 400
+    assert err.value.body["param"] == param  # type: ignore[index]
 
 
 def test_a_client_that_goes_away_stops_its_generation(q4: Server) -> None:

@@ -27,6 +27,13 @@ choices of a request run as ``n`` requests on llama.cpp's parallel slots (``n_pa
 What a GGUF resident cannot do (attach, save, in-place weights load, adapters) is refused before
 anything is touched (weights page: Which models can be attached, reason ``gguf``;
 docs/reference.md lists the codes).
+
+``response_format`` (``json_object``, ``json_schema``) is enforced by llama.cpp's own grammar: the
+request body's ``json_schema``, which llama.cpp turns into its grammar (this build's is
+llguidance's ``%json``) and applies in its sampler. llama.cpp drops a grammar it cannot build
+without a word, so :func:`json_schema_grammar` compiles the schema with the ``llguidance``
+package first: a schema it refuses is a 400 before anything is queued. ``tools`` stay refused (a
+400 naming ``tools``): miserver's tool-call grammars need its own sampler.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import asyncio
 import contextlib
 import dataclasses
 import importlib.util
+import json
 import logging
 import threading
 import time
@@ -251,6 +259,59 @@ def load_gguf(row: Any, settings: Settings) -> tuple[GGUFModel, Any]:
     return model, tokenizer
 
 
+@dataclasses.dataclass(frozen=True)
+class JsonSchemaGrammar:
+    """A ``response_format`` as llama.cpp enforces it, standing where a
+    :class:`~miserver.serving.engine.constraints.Constraint` stands in
+    :attr:`SamplingParams.constraint <miserver.serving.engine.sampling.SamplingParams>` on a
+    GGUF resident.
+
+    Attributes:
+        schema: the JSON schema (``{"type": "object"}`` for ``json_object``), checked by
+            :func:`~miserver.serving.structured.response_format.parse_response_format`.
+        description: for logs and errors (``json_schema 'city'``).
+    """
+
+    schema: dict[str, Any]
+    description: str = "json_schema"
+
+    def request_field(self) -> dict[str, Any]:
+        """The completion body's ``json_schema``: the schema with llguidance's JSON options
+        (``x-guidance``: whitespace as ``json.dumps`` writes it, as on a transformers resident:
+        :data:`~miserver.serving.engine.constraints.JSON_OPTIONS`)."""
+        from miserver.serving.engine.constraints import JSON_OPTIONS
+
+        return {**self.schema, "x-guidance": dict(JSON_OPTIONS)}
+
+
+def json_schema_grammar(
+    schema: dict[str, Any], description: str = "json_schema"
+) -> JsonSchemaGrammar:
+    """The grammar llama.cpp enforces ``schema`` with, compiled first by the ``llguidance``
+    package (no tokenizer needed; milliseconds) so that a schema llama.cpp could not build a
+    grammar from (an unknown ``format``, a ``pattern`` that is no regular expression) is refused
+    instead of silently giving free text.
+
+    Raises:
+        ConstraintError: llguidance refuses the schema (its message names the keyword).
+    """
+    import llguidance
+
+    from miserver.serving.engine.constraints import JSON_OPTIONS, ConstraintError
+
+    grammar = JsonSchemaGrammar(schema, description)
+    try:
+        compiled = llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), defaults=JSON_OPTIONS
+        )
+    except ValueError as exc:
+        raise ConstraintError(f"{description}: {exc}") from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(compiled, None)
+    if is_error:
+        raise ConstraintError(f"{description}: {messages[0] if messages else 'invalid schema'}")
+    return grammar
+
+
 def is_gguf(model: Any) -> bool:
     """Whether ``model`` is a :class:`GGUFModel` (a resident of this kind)."""
     return isinstance(model, GGUFModel)
@@ -399,6 +460,10 @@ class GGUFGeneration:
             body["seed"] = min(p.seed % 2**32, 2**32 - 2)
         if p.logprobs is not None:
             body["n_probs"] = max(1, p.logprobs)
+        if isinstance(p.constraint, JsonSchemaGrammar):
+            body["json_schema"] = p.constraint.request_field()
+        elif p.constraint is not None:  # miserver's own grammars need its sampler
+            raise ValueError(f"a GGUF resident cannot enforce {p.constraint!r}")
         return body
 
     def _run(self) -> None:

@@ -12,6 +12,8 @@ field, raised before anything is queued or any stream opens:
 - :func:`compile_constraint` compiles the format for a transformers resident (llguidance,
   :mod:`miserver.serving.engine.constraints`); what the library still refuses (an unknown
   ``format``, a ``pattern`` it cannot parse) is a 400 with its message.
+- :func:`compile_llama_cpp` does the same for a GGUF resident, whose llama.cpp enforces the
+  schema with its own grammar (:func:`~miserver.serving.models.gguf.json_schema_grammar`).
 
 ``strict`` is accepted either way: the schema is always enforced (OpenAI's ``strict: true``
 behaviour; ``false`` merely allows it).
@@ -225,5 +227,21 @@ def compile_constraint(fmt: OutputFormat, model: Any, tokenizer: Any, param: str
         return json_schema_constraint(
             fmt.schema, tokenizer, model_vocab_size(model, tokenizer), fmt.description
         )
+    except ConstraintError as exc:
+        raise _bad(f"{param}: unsupported schema: {exc}", param) from None
+
+
+def compile_llama_cpp(fmt: OutputFormat, param: str) -> Any:
+    """The :class:`~miserver.serving.models.gguf.JsonSchemaGrammar` enforcing ``fmt`` on a GGUF
+    resident (llama.cpp's own JSON-schema grammar; milliseconds).
+
+    Raises:
+        ApiError: 400 INVALID_REQUEST at ``param``: the grammar library refuses the schema.
+    """
+    from miserver.serving.engine.constraints import ConstraintError
+    from miserver.serving.models.gguf import json_schema_grammar
+
+    try:
+        return json_schema_grammar(fmt.schema, fmt.description)
     except ConstraintError as exc:
         raise _bad(f"{param}: unsupported schema: {exc}", param) from None

@@ -71,3 +71,39 @@ async def test_a_batch_refuses_prompt_logprobs_and_seeds_each_choice() -> None:
     gens = batch.join(None, None, [1, 2], SamplingParams(max_tokens=1, seed=3), n=3)
     assert [g.params.seed for g in gens] == [choice_seed(3, i) for i in range(3)]
     assert batch.sequences == 3
+
+
+def test_a_response_format_is_sent_as_llama_cpps_json_schema_with_compact_whitespace() -> None:
+    from miserver.serving.engine.constraints import JSON_OPTIONS
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    grammar = gguf.json_schema_grammar(schema, "json_schema 'a'")
+    params = SamplingParams(max_tokens=5, constraint=grammar)
+    body = gguf.GGUFGeneration(None, None, [1], params)._request()  # type: ignore[arg-type]
+    assert body["json_schema"] == {**schema, "x-guidance": JSON_OPTIONS}
+    assert "grammar" not in body
+    free = gguf.GGUFGeneration(None, None, [1], SamplingParams(max_tokens=5))._request()  # type: ignore[arg-type]
+    assert "json_schema" not in free
+    other = SamplingParams(max_tokens=5, constraint=object())  # miserver's own grammar
+    with pytest.raises(ValueError, match="cannot enforce"):
+        gguf.GGUFGeneration(None, None, [1], other)._request()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "schema, words",
+    [({"type": "string", "format": "bogus"}, "bogus"), ({"type": "string", "pattern": "(["}, "[")],
+)
+def test_a_schema_llama_cpp_would_drop_is_a_400_instead(schema: dict, words: str) -> None:
+    from miserver.serving.structured.response_format import compile_llama_cpp, parse_response_format
+
+    fmt = parse_response_format(
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    )
+    assert fmt is not None
+    with pytest.raises(ApiError) as err:
+        compile_llama_cpp(fmt, "response_format")
+    assert (err.value.status, err.value.param) == (400, "response_format")
+    assert words in err.value.message
+    ok = parse_response_format({"type": "json_object"})
+    assert ok is not None
+    assert compile_llama_cpp(ok, "response_format").schema == {"type": "object"}

@@ -32,7 +32,8 @@ class SamplingParams:
             (:class:`~miserver.serving.engine.constraints.Constraint`, shared by the ``n``
             choices, each with its own matcher); None samples freely. Its mask applies before
             the choice (greedy too); logprobs stay the model's own (unmasked); a complete
-            grammar ends the sequence as ``stop`` (issue 33).
+            grammar ends the sequence as ``stop`` (issue 33). On a GGUF resident, a
+            :class:`~miserver.serving.models.gguf.JsonSchemaGrammar` that llama.cpp enforces.
     """
 
     max_tokens: int

@@ -25,8 +25,10 @@ class Parking(Protocol):
 
     def park_running(self) -> None:
         """Stop at the next step boundary and park every running sequence. Returns at once
-        (called on the event loop, under the weights lock); the engine's step loop gives the
-        slot back once the step in progress ends, which ends the quiesce's drain."""
+        (called on the event loop, under the weights lock). An engine that also offers
+        ``async wait_parked()`` ends the quiesce's drain when that returns (the step in progress
+        ended; the parked requests keep their share of the slot, computing nothing); without
+        it the drain waits for the slot as a ``finish`` drain does."""
 
     def parked_sequences(self) -> int:
         """How many sequences are parked now (a request with ``n`` choices counts ``n``)."""
@@ -42,8 +44,15 @@ class Parking(Protocol):
 def parking_of(host: Any) -> Parking | None:
     """The resident's engine when it can park running sequences, else ``None``.
 
-    ``host``: a :class:`~miserver.serving.models.host.ModelHost` (its resident's ``engine``).
+    ``host``: a :class:`~miserver.serving.models.host.ModelHost`: its resident's ``engine_loop``
+    (:class:`~miserver.serving.engine.engine_loop.EngineLoop`, ``ENGINE=continuous``), else
+    its ``engine``.
     """
     resident = getattr(host, "resident", None)
-    engine = getattr(resident, "engine", None) if resident is not None else None
-    return engine if isinstance(engine, Parking) else None
+    if resident is None:
+        return None
+    for name in ("engine_loop", "engine"):  # the continuous engine's thread parks (issue 30)
+        engine = getattr(resident, name, None)
+        if isinstance(engine, Parking):
+            return engine
+    return None

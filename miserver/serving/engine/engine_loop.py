@@ -588,6 +588,9 @@ class EngineLoop:
                 self._unbegun.pop(id(request), None)
 
     def _done(self, stream: SequenceStream) -> None:
+        if self._parked_ids:  # a parked sequence its client cancelled is parked no more
+            with self._cv:
+                self._parked_ids.discard(stream.seq_id)
         self._begun(stream)
         stream.timing.ended = time.perf_counter()
         stream._finish_thread()

@@ -343,3 +343,29 @@ async def test_a_finish_quiesce_parks_nothing_and_waits_for_the_running(client: 
     assert "millm_weight_spans" not in choice
     assert (await wpost(client, "/api/weights/resume", h))[0] == 200
     assert (await wpost(client, "/api/weights/detach", h))[0] == 200
+
+
+async def test_a_hold_without_a_commit_is_one_set_and_a_cancelled_parked_stream_leaves(
+    client: Any,
+) -> None:
+    h = await attach(client)
+    long = "Count from 1 to 300, one number a line."
+    kept = asyncio.ensure_future(post(client, chat(long, max_tokens=30)))
+    resp = await client.post(
+        "/v1/chat/completions", json={**chat(long, max_tokens=200), "stream": True}
+    )
+    assert resp.status == 200
+    await busy(client, 2)
+    assert (await hold(client, h))["parked_sequences"] == 2
+    passes = forward_passes(client)
+    resp.close()  # the client of the streamed one leaves while it is parked
+    await eventually(
+        lambda: engine_loop(client).parked_sequences() == 1, "the cancelled one leaves", timeout=60
+    )
+    assert forward_passes(client) == passes  # leaving runs no forward pass
+    assert (await wpost(client, "/api/weights/resume", h))[0] == 200
+    body, headers = await kept
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    assert "millm_weight_spans" not in body["choices"][0]  # the same weights before and after
+    assert parse_from_commits(headers["X-miLLM-Model"]) is None
+    assert (await wpost(client, "/api/weights/detach", h))[0] == 200

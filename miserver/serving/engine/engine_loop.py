@@ -44,7 +44,6 @@ reports them as :class:`~miserver.serving.engine.provenance.WeightSpan` runs on 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import logging
@@ -69,6 +68,7 @@ from miserver.serving.engine.generation import (
     _Sequence,
     end_token_ids,
 )
+from miserver.serving.engine.parking import EngineHold
 from miserver.serving.engine.provenance import WeightSpan
 from miserver.serving.engine.slot import Priority
 
@@ -152,7 +152,7 @@ class SequenceStream(Generation):
         sets; ``()`` for one set (then the response's ``X-miLLM-Model`` is the resident's)."""
         if len(self._runs) < 2:
             return ()
-        commits = self._engine_loop._set_commits
+        commits = self._engine_loop.hold.set_commits
         return tuple(WeightSpan(sid, commits.get(sid), k) for sid, k in self._runs)
 
     def _emit(self, event: Any) -> None:
@@ -254,17 +254,8 @@ class EngineLoop:
         #: the resident the ``X-miLLM-Model`` header reads); set by the weights runtime when it
         #: parks. None: a set's ``commits`` is not known.
         self.served_weights: Callable[[], Any] | None = None
-        # --- the hold (contract 4b) -- guarded by _cv
-        self._park_requested = False
-        self._park_future: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
-        self._parked = False  # a hold is in force (parked or asked to park)
-        self._holding = False  # engine thread: admission closed for a hold
-        self._parked_ids: set[int] = set()
-        self._park_key: tuple[Any, ...] | None = None
-        #: The parameter set computing now (grows when a hold resumes on other weights), and
-        #: each set's ``commits`` as the header knows it.
-        self._set_id = 0
-        self._set_commits: dict[int, int | None] = {}
+        #: The hold's state and its engine-thread side (contract 4b).
+        self.hold = EngineHold(self)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"miserver-{name}")
         self._thread.start()
 
@@ -347,111 +338,29 @@ class EngineLoop:
             with self._step_lock:
                 drop()
 
-    # --- Parking (contract 4b) -------------------------------------------------------------------
-    def _served(self) -> tuple[tuple[Any, ...] | None, int | None]:
-        served = self.served_weights() if self.served_weights is not None else None
-        if served is None:
-            return None, None
-        commits = getattr(served, "commits", None)
-        key = (getattr(served, "served_name", None), getattr(served, "origin", None), commits)
-        return key, commits
-
+    # --- Parking (contract 4b; the state is :class:`~miserver.serving.engine.parking.EngineHold`)
     def park_running(self) -> None:
         """Stop at the next step boundary and park every sequence (module docstring). Returns
         at once (event loop); :meth:`wait_parked` waits for the step in progress to end."""
-        try:
-            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        key, commits = self._served()
-        with self._cv:
-            self._park_key = key
-            self._set_commits[self._set_id] = commits
-            self._parked = True
-            if self._closed:  # nothing runs any more: nothing to wait for
-                return
-            self._park_requested = True
-            if loop is not None:
-                self._park_future = (loop, loop.create_future())
-            self._cv.notify()
+        self.hold.park_running()
 
     async def wait_parked(self) -> None:
-        """Return once no forward pass runs and every sequence is parked (at once when no park
-        is pending)."""
-        with self._cv:
-            pending = self._park_future
-        if pending is not None:
-            await asyncio.shield(pending[1])
+        """Return once no forward pass runs and every sequence is parked."""
+        await self.hold.wait_parked()
 
     def parked_sequences(self) -> int:
         """How many sequences are parked now (a request with ``n`` choices counts ``n``)."""
-        with self._cv:
-            return len(self._parked_ids) if self._parked else 0
+        return self.hold.parked_sequences()
 
     def resume_parked(self) -> int:
         """Admit the parked sequences again, ahead of requests that arrive after this call;
         each is prefilled again on the weights of now. Returns how many were parked."""
-        key, commits = self._served()
-        with self._cv:
-            if not self._parked:
-                return 0
-            n = len(self._parked_ids)
-            if key is None or key != self._park_key:  # other weights (or not known): a new set
-                self._set_id += 1
-                self._set_commits[self._set_id] = commits
-            self._parked = False
-            self._parked_ids = set()
-            self._inbox.append(("resume", None))
-            self._cv.notify()
-        return n
+        return self.hold.resume_parked()
 
     def end_parked(self, exc: BaseException) -> int:
-        """End every parked sequence (and any the hold kept from admission) with ``exc``: its
-        reader's ``events()`` raises :class:`GenerationError` from it. Returns how many were
-        parked."""
-        with self._cv:
-            if not self._parked:
-                return 0
-            n = len(self._parked_ids)
-            self._parked = False
-            self._parked_ids = set()
-            self._inbox.append(("end_parked", exc))
-            self._cv.notify()
-        return n
-
-    def _park_now(self) -> None:
-        """Engine thread, at a step boundary: close admission and park every sequence."""
-        from miserver.serving.engine.sequence import SequenceStatus
-
-        engine = self.engine
-        engine.close_admission()
-        engine.preempt_all()
-        scheduler = getattr(engine, "scheduler", None)
-        for seq in list(getattr(scheduler, "waiting", ())):  # a recompute waits too
-            if seq.status is SequenceStatus.PREEMPTED:
-                seq.parked = True
-        self._holding = True
-        with self._cv:
-            self._parked_ids = set(self._choices)
-            future = self._park_future
-            self._park_future = None
-        if future is not None:
-            loop, fut = future
-            loop.call_soon_threadsafe(_resolve, fut)
-
-    def _unpark(self, exc: BaseException | None) -> None:
-        """Engine thread: end the hold; with ``exc`` every held sequence ends with it first."""
-        if exc is not None:
-            for seq_id, choice in list(self._choices.items()):
-                try:
-                    self.engine.abort(seq_id, "error")
-                except Exception:  # noqa: BLE001 - the sequence ends anyway
-                    log.exception("engine: abort of a parked sequence")
-                choice.failed(exc)
-                del self._choices[seq_id]
-                self._done(choice.gen)  # type: ignore[arg-type]
-        self._holding = False
-        self.engine.open_admission()
+        """End every parked sequence with ``exc`` (its reader's ``events()`` raises
+        :class:`GenerationError` from it); returns how many were parked."""
+        return self.hold.end_parked(exc)
 
     def stats(self) -> dict[str, Any]:
         """The engine's :meth:`~miserver.serving.engine.continuous.ContinuousEngine.stats`
@@ -487,18 +396,18 @@ class EngineLoop:
                     while (
                         not self._inbox
                         and not self._closed
-                        and not self._park_requested
+                        and not self.hold.park_requested
                         and not self._has_work()
                     ):
                         self._cv.wait()
                     if self._closed and not self._inbox and not self._has_work():
                         return
                     inbox, self._inbox = self._inbox, []
-                    park, self._park_requested = self._park_requested, False
+                    park, self.hold.park_requested = self.hold.park_requested, False
                 for kind, item in inbox:
                     if kind in ("resume", "end_parked"):
                         try:
-                            self._unpark(item)
+                            self.hold.unpark(item)
                         except Exception:  # noqa: BLE001 - the thread must outlive it
                             log.exception("engine: %s failed", kind)
                         continue
@@ -513,7 +422,7 @@ class EngineLoop:
                             self._fail_stream(stream, exc)
                 if park:
                     try:
-                        self._park_now()
+                        self.hold.park_now()
                     except Exception:  # noqa: BLE001 - the thread must outlive it
                         log.exception("engine: parking failed")
                 try:
@@ -588,15 +497,15 @@ class EngineLoop:
                 self._unbegun.pop(id(request), None)
 
     def _done(self, stream: SequenceStream) -> None:
-        if self._parked_ids:  # a parked sequence its client cancelled is parked no more
+        if self.hold.parked_ids:  # a parked sequence its client cancelled is parked no more
             with self._cv:
-                self._parked_ids.discard(stream.seq_id)
+                self.hold.parked_ids.discard(stream.seq_id)
         self._begun(stream)
         stream.timing.ended = time.perf_counter()
         stream._finish_thread()
 
     def _step(self) -> None:
-        set_id = self._set_id  # the weights this step computes on (no hold ends mid-step)
+        set_id = self.hold.set_id  # the weights this step computes on (no hold ends mid-step)
         try:
             with self._step_lock:
                 outputs = self.engine.step()
@@ -672,7 +581,7 @@ class EngineLoop:
     def _settle_idle(self) -> None:
         """Nothing left to compute: a stream the engine no longer reports on ends now (its
         sequence left without a final output), so no share of the slot is kept for ever."""
-        if self._choices and not self._holding and not self._has_work():
+        if self._choices and not self.hold.holding and not self._has_work():
             with self._cv:
                 if self._inbox:
                     return
@@ -717,11 +626,6 @@ class _Request:
         if self.begun:
             return False
         return all(s.status is SequenceStatus.WAITING for s in list(self.sequences))
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 class _Closed:

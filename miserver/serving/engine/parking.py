@@ -135,6 +135,7 @@ class EngineHold:
         with self.loop._cv:
             if not self.parked:
                 return 0
+            self._cancel_pending_park()
             n = len(self.parked_ids)
             if key is None or key != self.park_key:
                 self.set_id += 1
@@ -150,12 +151,22 @@ class EngineHold:
         with self.loop._cv:
             if not self.parked:
                 return 0
+            self._cancel_pending_park()
             n = len(self.parked_ids)
             self.parked = False
             self.parked_ids = set()
             self.loop._inbox.append(("end_parked", exc))
             self.loop._cv.notify()
         return n
+
+    def _cancel_pending_park(self) -> None:
+        """A hold that ends before the engine thread parked (an idle engine's quiesce answers
+        at once): the thread must not park after the end (caller holds the condition)."""
+        if self.park_requested:
+            self.park_requested = False
+            future, self.park_future = self.park_future, None
+            if future is not None:
+                future[0].call_soon_threadsafe(_resolve, future[1])
 
     # --- engine thread ------------------------------------------------------------------------
     def park_now(self) -> None:

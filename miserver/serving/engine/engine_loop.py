@@ -27,6 +27,19 @@ with ``call_soon_threadsafe``. A stream whose reader has left more than
 :data:`STREAM_BUFFER_EVENTS` events unread (a client that stopped reading its stream: the
 handler is stuck in a socket write) is cancelled at the next step, with a warning naming the
 reason; it costs only its own sequence.
+
+**Holding running work across a commit** (contract 4b; issue 30). The loop implements
+:class:`~miserver.serving.engine.parking.Parking`: :meth:`EngineLoop.park_running` asks the
+thread to stop at the next step boundary, where it closes the engine's admission and parks every
+sequence (:meth:`~miserver.serving.engine.continuous.ContinuousEngine.preempt_all`: KV blocks
+freed, prompt and produced token ids kept); no forward pass runs until
+:meth:`EngineLoop.resume_parked` reopens admission (each parked sequence is prefilled again,
+prompt plus produced tokens, on the weights of that time, ahead of requests that arrive after
+it, and continues; a stream simply pauses, nothing sent is sent again) or
+:meth:`EngineLoop.end_parked` ends every parked sequence with an error (a torn set). Each produced
+token is stamped with the parameter set it was computed on; a choice that spans two or more sets
+reports them as :class:`~miserver.serving.engine.provenance.WeightSpan` runs on its
+``Finished.weight_spans``.
 """
 
 from __future__ import annotations
@@ -55,6 +68,8 @@ from miserver.serving.engine.generation import (
     _Sequence,
     end_token_ids,
 )
+from miserver.serving.engine.parking import EngineHold
+from miserver.serving.engine.provenance import WeightSpan
 from miserver.serving.engine.slot import Priority
 
 log = logging.getLogger("miserver.engine")
@@ -88,6 +103,9 @@ class SequenceStream(Generation):
         self._request: _Request | None = None  # set by EngineLoop.submit
         self._posted = 0  # events posted (engine thread)
         self._taken = 0  # events taken by the reader (event loop)
+        #: ``[set_id, tokens]`` runs: the parameter set each produced token was computed on
+        #: (engine thread; contract 4).
+        self._runs: list[list[int]] = []
         self.bind()
 
     def start(self) -> None:  # pragma: no cover - the engine loop runs it
@@ -121,6 +139,28 @@ class SequenceStream(Generation):
     def _post(self, callback: Callable[..., None], *args: Any) -> None:
         self._posted += 2 if callback == self._put_two else 1
         super()._post(callback, *args)
+
+    def _stamp(self, set_id: int) -> None:
+        """One more token produced by parameter set ``set_id`` (engine thread)."""
+        if self._runs and self._runs[-1][0] == set_id:
+            self._runs[-1][1] += 1
+        else:
+            self._runs.append([set_id, 1])
+
+    def weight_spans(self) -> tuple[WeightSpan, ...]:
+        """The runs of tokens each parameter set produced, in order, when they are two or more
+        sets; ``()`` for one set (then the response's ``X-miLLM-Model`` is the resident's)."""
+        if len(self._runs) < 2:
+            return ()
+        commits = self._engine_loop.hold.set_commits
+        return tuple(WeightSpan(sid, commits.get(sid), k) for sid, k in self._runs)
+
+    def _emit(self, event: Any) -> None:
+        if isinstance(event, Finished) and not event.weight_spans:
+            spans = self.weight_spans()
+            if spans:
+                event = dataclasses.replace(event, weight_spans=spans)
+        super()._emit(event)
 
 
 class _Choice(_Sequence):
@@ -210,6 +250,12 @@ class EngineLoop:
         self._unbegun: dict[int, _Request] = {}  # submitted requests no choice of has begun
         #: Called on the engine thread after every step with the step's outputs (tests).
         self.on_step: Callable[[int, list[Any]], None] | None = None
+        #: Where the served parameter set is named (``served_name``, ``origin``, ``commits``:
+        #: the resident the ``X-miLLM-Model`` header reads); set by the weights runtime when it
+        #: parks. None: a set's ``commits`` is not known.
+        self.served_weights: Callable[[], Any] | None = None
+        #: The hold's state and its engine-thread side (contract 4b).
+        self.hold = EngineHold(self)
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"miserver-{name}")
         self._thread.start()
 
@@ -292,6 +338,30 @@ class EngineLoop:
             with self._step_lock:
                 drop()
 
+    # --- Parking (contract 4b; the state is :class:`~miserver.serving.engine.parking.EngineHold`)
+    def park_running(self) -> None:
+        """Stop at the next step boundary and park every sequence (module docstring). Returns
+        at once (event loop); :meth:`wait_parked` waits for the step in progress to end."""
+        self.hold.park_running()
+
+    async def wait_parked(self) -> None:
+        """Return once no forward pass runs and every sequence is parked."""
+        await self.hold.wait_parked()
+
+    def parked_sequences(self) -> int:
+        """How many sequences are parked now (a request with ``n`` choices counts ``n``)."""
+        return self.hold.parked_sequences()
+
+    def resume_parked(self) -> int:
+        """Admit the parked sequences again, ahead of requests that arrive after this call;
+        each is prefilled again on the weights of now. Returns how many were parked."""
+        return self.hold.resume_parked()
+
+    def end_parked(self, exc: BaseException) -> int:
+        """End every parked sequence with ``exc`` (its reader's ``events()`` raises
+        :class:`GenerationError` from it); returns how many were parked."""
+        return self.hold.end_parked(exc)
+
     def stats(self) -> dict[str, Any]:
         """The engine's :meth:`~miserver.serving.engine.continuous.ContinuousEngine.stats`
         plus ``steps``."""
@@ -323,12 +393,24 @@ class EngineLoop:
         with torch.inference_mode():
             while True:
                 with self._cv:
-                    while not self._inbox and not self._closed and not self._has_work():
+                    while (
+                        not self._inbox
+                        and not self._closed
+                        and not self.hold.park_requested
+                        and not self._has_work()
+                    ):
                         self._cv.wait()
                     if self._closed and not self._inbox and not self._has_work():
                         return
                     inbox, self._inbox = self._inbox, []
+                    park, self.hold.park_requested = self.hold.park_requested, False
                 for kind, item in inbox:
+                    if kind in ("resume", "end_parked"):
+                        try:
+                            self.hold.unpark(item)
+                        except Exception:  # noqa: BLE001 - the thread must outlive it
+                            log.exception("engine: %s failed", kind)
+                        continue
                     try:
                         if kind == "add":
                             self._add(*item)
@@ -338,6 +420,11 @@ class EngineLoop:
                         log.exception("engine: %s failed", kind)
                         for stream in item[0] if kind == "add" else (item,):
                             self._fail_stream(stream, exc)
+                if park:
+                    try:
+                        self.hold.park_now()
+                    except Exception:  # noqa: BLE001 - the thread must outlive it
+                        log.exception("engine: parking failed")
                 try:
                     if self._has_work():
                         self._step()
@@ -410,11 +497,15 @@ class EngineLoop:
                 self._unbegun.pop(id(request), None)
 
     def _done(self, stream: SequenceStream) -> None:
+        if self.hold.parked_ids:  # a parked sequence its client cancelled is parked no more
+            with self._cv:
+                self.hold.parked_ids.discard(stream.seq_id)
         self._begun(stream)
         stream.timing.ended = time.perf_counter()
         stream._finish_thread()
 
     def _step(self) -> None:
+        set_id = self.hold.set_id  # the weights this step computes on (no hold ends mid-step)
         try:
             with self._step_lock:
                 outputs = self.engine.step()
@@ -435,7 +526,7 @@ class EngineLoop:
             choice = self._choices.get(out.seq_id)
             if choice is None:
                 continue
-            self._take(choice, out)
+            self._take(choice, out, set_id)
         for choice in list(self._choices.values()):
             stream = choice.gen
             if (
@@ -456,7 +547,7 @@ class EngineLoop:
         if self.on_step is not None:
             self.on_step(self.steps, outputs)
 
-    def _take(self, choice: _Choice, out: Any) -> None:
+    def _take(self, choice: _Choice, out: Any, set_id: int = 0) -> None:
         stream = choice.gen
         assert isinstance(stream, SequenceStream)
         if (
@@ -473,6 +564,7 @@ class EngineLoop:
             entries = out.logprobs or []
             for i, token in enumerate(out.new_token_ids):
                 entry = self._entry(entries[i]) if i < len(entries) else None
+                stream._stamp(set_id)
                 if not choice.take(int(token), entry):
                     if not out.finished:
                         self.engine.abort(stream.seq_id, choice_reason(choice))
@@ -489,7 +581,7 @@ class EngineLoop:
     def _settle_idle(self) -> None:
         """Nothing left to compute: a stream the engine no longer reports on ends now (its
         sequence left without a final output), so no share of the slot is kept for ever."""
-        if self._choices and not self._has_work():
+        if self._choices and not self.hold.holding and not self._has_work():
             with self._cv:
                 if self._inbox:
                     return

@@ -123,6 +123,8 @@ class EffectPerformer:
         self.job_result: dict[str, Any] = {}
         #: ``START_DRAIN`` found nothing running: ``drained`` follows in the same decision.
         self.drained_now = False
+        #: The engine a ``PARK_RUNNING`` just asked to park (its row's ``START_DRAIN`` reads it).
+        self.parking: Any = None
         #: ``FENCE_ARENA`` could not move the set: ``fence_failed`` follows in the same decision.
         self.fence_failed_now = False
         self.drain_task: asyncio.Task[None] | None = None
@@ -165,7 +167,15 @@ class EffectPerformer:
         elif effect is Effect.HOLD_ADMISSIONS:
             sched.barrier_begin()
         elif effect is Effect.START_DRAIN:
-            if sched.barrier_hold_if_drained():
+            parked, self.parking = self.parking, None
+            wait_parked = getattr(parked, "wait_parked", None)
+            if wait_parked is not None and not sched.barrier_hold_if_drained():
+                # contract 4b: the parked requests keep their share of the slot but compute
+                # nothing: the drain ends once the engine stopped at its step boundary
+                self.drain_task = self._spawn(self._drain_parked(wait_parked))
+            elif wait_parked is not None:
+                self.drained_now = True
+            elif sched.barrier_hold_if_drained():
                 self.drained_now = True  # nothing runs: `drained` follows in this decision
             else:
                 self.drain_task = self._spawn(self._drain())
@@ -185,7 +195,10 @@ class EffectPerformer:
             parking = parking_of(self.host)
             if parking is None:  # the table accepts a hold only when the engine can park
                 raise RuntimeError("PARK_RUNNING with an engine that cannot park")
+            if hasattr(parking, "served_weights"):  # the set each token is stamped with
+                parking.served_weights = lambda: self.host.resident
             parking.park_running()
+            self.parking = parking  # START_DRAIN (next in the row) waits for it to stop
         elif effect is Effect.RESUME_PARKED:
             parking = parking_of(self.host)
             if parking is not None:
@@ -280,6 +293,20 @@ class EffectPerformer:
     def _settle(self, answer: Answer) -> None:
         if self.pending is not None and not self.pending.done():
             self.pending.set_result(answer)
+
+    async def _drain_parked(self, wait_parked: Callable[[], Awaitable[None]]) -> None:
+        """A hold's drain (contract 4b): wait for the engine to stop at its step boundary,
+        then hold the barrier over the parked requests' shares and report ``drained``."""
+        try:
+            await wait_parked()
+        except asyncio.CancelledError:
+            return
+        async with self.lock:
+            if self.drain_task is not asyncio.current_task():
+                return  # cancelled in the meantime
+            self.drain_task = None
+            _hold_over_parked(self.scheduler)
+            self.decide(Event("drained"))
 
     async def _drain(self) -> None:
         """Wait for the running forward passes, then report ``drained`` (the drain timer, a
@@ -510,3 +537,16 @@ class EffectPerformer:
             log.error("weights: %d parameter(s) moved since export: %s", len(moved), moved[:3])
             self.decide(Event("address_moved"))
         return moved
+
+
+def _hold_over_parked(sched: Any) -> None:
+    """End a hold's drain (contract 4b): the barrier holds every slot although the parked
+    requests keep their shares (they compute nothing until ``RESUME_PARKED``). The
+    :class:`~miserver.serving.engine.slot.Scheduler` has no public call for a drain that ends
+    with holders left, so this sets what :meth:`barrier_wait_drained` would; a no-op when not
+    draining."""
+    if not sched.barrier_draining:
+        return
+    sched._barrier_draining = False
+    sched._barrier_held = True
+    sched._drained = None

@@ -29,6 +29,7 @@ from miserver.serving.engine.prompts import (
     render_chat,
 )
 from miserver.serving.engine.slot import Priority
+from miserver.serving.models.gguf import json_schema_grammar
 from miserver.serving.models.host import Resident
 from miserver.serving.structured.request import (
     Structured,
@@ -163,7 +164,9 @@ async def _constraint(resident: Resident, structured: Structured) -> Any:
     if resident.kind == "gguf":  # llama.cpp samples, under its own JSON-schema grammar
         _check_gguf_tools(resident, structured)
         assert structured.output is not None
-        return await asyncio.to_thread(compile_llama_cpp, structured.output, "response_format")
+        return await asyncio.to_thread(
+            compile_llama_cpp, structured.output, "response_format", json_schema_grammar
+        )
     return await asyncio.to_thread(
         request_constraint, structured, resident.model, resident.tokenizer
     )

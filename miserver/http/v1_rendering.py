@@ -150,6 +150,8 @@ def generation_failed(app: web.Application, job: Job, exc: GenerationError) -> A
     ``miserver_generation_failures_total{reason}`` and logged once. Non-finite logits (the
     weights hold NaN or infinity: issue 16 item 10) are reason ``non_finite_logits``, logged
     as an error naming the served parameter set and what to do; any other failure ``error``."""
+    if isinstance(exc.__cause__, ApiError):  # a refusal that ended it (a parked sequence on a
+        return exc.__cause__  # torn set: 503 WEIGHTS_TORN, as a held request gets; contract 4b)
     non_finite = isinstance(exc.__cause__, NonFiniteLogits)
     reason = "non_finite_logits" if non_finite else "error"
     metrics = app.get(keys.METRICS)

@@ -94,6 +94,7 @@ def test_a_response_format_is_sent_as_llama_cpps_json_schema_with_compact_whites
     [({"type": "string", "format": "bogus"}, "bogus"), ({"type": "string", "pattern": "(["}, "[")],
 )
 def test_a_schema_llama_cpp_would_drop_is_a_400_instead(schema: dict, words: str) -> None:
+    from miserver.serving.models.gguf import json_schema_grammar
     from miserver.serving.structured.response_format import compile_llama_cpp, parse_response_format
 
     fmt = parse_response_format(
@@ -101,9 +102,11 @@ def test_a_schema_llama_cpp_would_drop_is_a_400_instead(schema: dict, words: str
     )
     assert fmt is not None
     with pytest.raises(ApiError) as err:
-        compile_llama_cpp(fmt, "response_format")
+        compile_llama_cpp(fmt, "response_format", json_schema_grammar)
     assert (err.value.status, err.value.param) == (400, "response_format")
     assert words in err.value.message
     ok = parse_response_format({"type": "json_object"})
     assert ok is not None
-    assert compile_llama_cpp(ok, "response_format").schema == {"type": "object"}
+    assert compile_llama_cpp(ok, "response_format", json_schema_grammar).schema == {
+        "type": "object"
+    }

@@ -248,7 +248,8 @@ class EngineLoop:
         #: Steps run since the start (each one scheduler step and one forward pass).
         self.steps = 0
         self._unbegun: dict[int, _Request] = {}  # submitted requests no choice of has begun
-        #: Called on the engine thread after every step with the step's outputs (tests).
+        #: Called on the engine thread after every step's forward pass with its outputs, before
+        #: they are delivered (so a step is seen before any request it ends is answered; tests).
         self.on_step: Callable[[int, list[Any]], None] | None = None
         #: Where the served parameter set is named (``served_name``, ``origin``, ``commits``:
         #: the resident the ``X-miLLM-Model`` header reads); set by the weights runtime when it
@@ -522,6 +523,8 @@ class EngineLoop:
             time.sleep(0.05)  # an engine that fails every step must not spin the core
             return
         self.steps += 1
+        if self.on_step is not None:  # before any output is delivered: a step is observed
+            self.on_step(self.steps, outputs)  # before a request it ends can be answered
         for out in outputs:
             choice = self._choices.get(out.seq_id)
             if choice is None:
@@ -544,8 +547,6 @@ class EngineLoop:
                 )
                 stream._cancel.set()
                 self.engine.abort(stream.seq_id, "cancelled")
-        if self.on_step is not None:
-            self.on_step(self.steps, outputs)
 
     def _take(self, choice: _Choice, out: Any, set_id: int = 0) -> None:
         stream = choice.gen

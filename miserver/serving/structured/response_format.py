@@ -231,17 +231,18 @@ def compile_constraint(fmt: OutputFormat, model: Any, tokenizer: Any, param: str
         raise _bad(f"{param}: unsupported schema: {exc}", param) from None
 
 
-def compile_llama_cpp(fmt: OutputFormat, param: str) -> Any:
-    """The :class:`~miserver.serving.models.gguf.JsonSchemaGrammar` enforcing ``fmt`` on a GGUF
-    resident (llama.cpp's own JSON-schema grammar; milliseconds).
+def compile_llama_cpp(fmt: OutputFormat, param: str, build: Any) -> Any:
+    """The grammar enforcing ``fmt`` on a GGUF resident (llama.cpp's own JSON-schema grammar;
+    milliseconds): ``build(schema, description)`` is the resident kind's builder
+    (:func:`~miserver.serving.models.gguf.json_schema_grammar`, passed in by the caller so this
+    room does not reach into the models room).
 
     Raises:
         ApiError: 400 INVALID_REQUEST at ``param``: the grammar library refuses the schema.
     """
     from miserver.serving.engine.constraints import ConstraintError
-    from miserver.serving.models.gguf import json_schema_grammar
 
     try:
-        return json_schema_grammar(fmt.schema, fmt.description)
+        return build(fmt.schema, fmt.description)
     except ConstraintError as exc:
         raise _bad(f"{param}: unsupported schema: {exc}", param) from None

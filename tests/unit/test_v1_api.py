@@ -302,7 +302,8 @@ async def test_queue_full_on_the_engine_counts_requests_it_has_not_begun(
         _slow(client, 0.05)
         body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "temperature": 0}
         scheduler = client.app[keys.SCHEDULER]
-        first = asyncio.ensure_future(post(client, "/v1/completions", body))
+        # the first runs 3 s (60 tokens at 0.05 s), so the second is seen waiting on a loaded box
+        first = asyncio.ensure_future(post(client, "/v1/completions", {**body, "max_tokens": 60}))
         await eventually(lambda: scheduler.counts().running == 1, "the first request runs")
         second = asyncio.ensure_future(post(client, "/v1/completions", body))
         await eventually(lambda: scheduler.counts().queued == 1, "the second request waits")

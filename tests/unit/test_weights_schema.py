@@ -46,6 +46,10 @@ def test_every_route_is_described_and_a_real_body_validates():
 
 def test_errors_list_every_code_with_its_reasons():
     doc = schema.weights_api_schema()
-    assert doc["errors"]["BARRIER_UNAVAILABLE"]["reasons"] == ["cbm", "concurrency"]
+    assert doc["errors"]["BARRIER_UNAVAILABLE"]["reasons"] == [
+        "cbm",
+        "concurrency",
+        "hold_unsupported",  # contract 4b: a hold on an engine that cannot park (issue 30)
+    ]
     assert doc["errors"]["MODEL_NOT_LOADED"]["status"] == [400, 409]
     assert json.loads(schema.render()) == doc

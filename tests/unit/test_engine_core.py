@@ -331,15 +331,17 @@ def test_decode_graphs_capture_once_per_bucket_replay_and_fall_back(
     assert decode_buckets(20) == (1, 2, 4, 8, 16, 24) and decode_buckets(1) == (1,)
     captured: list[int] = []
 
-    def fake_capture(self: DecodeGraphs, rows: int) -> None:
+    def fake_capture(self: DecodeGraphs, key: tuple[int, int]) -> None:
+        rows, width = key
         captured.append(rows)
+        assert width in self.widths and width < self.max_blocks  # short sequences: a narrow table
         if rows == 4:
             raise RuntimeError("capture failed")  # that bucket runs eagerly from then on
 
         def replay() -> None:
-            self._outputs[rows] = self._step(rows)
+            self._outputs[key] = self._step(key)
 
-        self._graphs[rows] = _FakeGraph(replay)
+        self._graphs[key] = _FakeGraph(replay)
 
     monkeypatch.setattr(DecodeGraphs, "_capture", fake_capture)
     graphed = make_engine(model, decode_graphs="captured", max_num_seqs=8)
@@ -351,7 +353,8 @@ def test_decode_graphs_capture_once_per_bucket_replay_and_fall_back(
     graphs = graphed.runner.graphs
     assert graphs is not None
     assert sorted(set(captured)) == [1, 2, 4] and captured.count(4) == 1  # no retry a step
-    assert graphs.failed == {4} and graphs.replays > 0
+    assert [rows for rows, _ in graphs.failed] == [4] and graphs.replays > 0
+    assert graphs.captured == sorted(graphs._graphs)
     # padding rows of a bucket write only the scratch block and attend one position
     graphs.fill([], 2)
     assert graphs.slot_mapping[:2].tolist() == [

@@ -17,9 +17,11 @@ row. Attention: one masked call for every one-query row, one call per prefill ch
 (:mod:`~miserver.serving.engine.paged_attention`).
 
 CUDA. :class:`DecodeGraphs` captures the decode step of ``B`` sequences (one token each) as a
-CUDA graph per batch-size bucket over static input buffers and the paged cache (whose tensors
-never move: a graph stays valid across weight commits), using the fixed-shape ``batched``
-attention path. ``DECODE_GRAPHS`` modes as :mod:`~miserver.serving.engine.decode_graphs`:
+CUDA graph per (batch-size bucket, block-table width bucket) over static input buffers and the
+paged cache (whose tensors never move: a graph stays valid across weight commits), using the
+fixed-shape ``batched`` attention path. The width bucket (a power of two of blocks, at least
+:data:`SMALLEST_WIDTH`, at most the context's) bounds what a step gathers to about twice the
+longest running sequence instead of the model's whole context for every row. ``DECODE_GRAPHS`` modes as :mod:`~miserver.serving.engine.decode_graphs`:
 ``captured`` (eager forward captured), ``compiled`` (``torch.compile``, then captured), ``off``.
 """
 
@@ -77,6 +79,30 @@ def _token_at(seq: Sequence, position: int) -> int:
     if position < prompt:
         return seq.prompt_token_ids[position]
     return seq.output_token_ids[position - prompt]
+
+
+#: The narrowest block table a decode graph is captured for (blocks).
+SMALLEST_WIDTH = 16
+
+
+def width_buckets(max_blocks: int, smallest: int = SMALLEST_WIDTH) -> tuple[int, ...]:
+    """Block-table widths that get a decode graph: powers of two from ``smallest``, the last
+    being ``max_blocks`` (a step replays the narrowest width holding its longest sequence).
+
+    >>> width_buckets(512)
+    (16, 32, 64, 128, 256, 512)
+    >>> width_buckets(40)
+    (16, 32, 40)
+    >>> width_buckets(8)
+    (8,)
+    """
+    out = []
+    width = smallest
+    while width < max_blocks:
+        out.append(width)
+        width *= 2
+    out.append(max_blocks)
+    return tuple(out)
 
 
 def decode_buckets(max_rows: int) -> tuple[int, ...]:
@@ -229,10 +255,11 @@ class ModelRunner:
 
 
 class DecodeGraphs:
-    """The decode step of ``B`` one-token sequences, one CUDA graph per batch-size bucket
-    (module docstring), over static buffers: ``input_ids`` / ``positions`` / ``slot_mapping``
-    ``[max_rows]``, ``block_tables`` ``[max_rows, max_blocks]``, ``context_lens``
-    ``[max_rows]``. A bucket's padding rows write the scratch block and attend one position.
+    """The decode step of ``B`` one-token sequences, one CUDA graph per (batch-size bucket,
+    width bucket) (module docstring), over static buffers: ``input_ids`` / ``positions`` /
+    ``slot_mapping`` ``[max_rows]``, ``block_tables`` ``[max_rows, max_blocks]``,
+    ``context_lens`` ``[max_rows]``; a graph reads the first ``width`` columns of the table. A
+    bucket's padding rows write the scratch block and attend one position.
 
     Args:
         model: the served model (never modified).
@@ -253,6 +280,7 @@ class DecodeGraphs:
         self.cache = cache
         self.mode = mode
         self.buckets = decode_buckets(max_rows)
+        self.widths = width_buckets(max_blocks)
         self.max_blocks = max_blocks
         device = cache.device
         rows = self.buckets[-1]
@@ -264,14 +292,14 @@ class DecodeGraphs:
         )
         self.context_lens = torch.ones(rows, dtype=torch.long, device=device)
         self.configs = model_configs(model)
-        self._graphs: dict[int, Any] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._graphs: dict[tuple[int, int], Any] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._pool: Any = None
         self._forward = model
         if mode == "compiled":
             self._forward = torch.compile(model, dynamic=False)
         self.replays = 0
-        self.failed: set[int] = set()
+        self.failed: set[tuple[int, int]] = set()
 
     def fits(self, rows: int) -> bool:
         return rows <= self.buckets[-1]
@@ -283,11 +311,26 @@ class DecodeGraphs:
                 return size
         raise ValueError(f"{rows} rows exceed the largest decode bucket {self.buckets[-1]}")
 
-    def _step(self, rows: int) -> torch.Tensor:
+    def width(self, seqs: list[Sequence]) -> int:
+        """The narrowest width bucket holding every one of ``seqs``' blocks after this step."""
+        bs = self.cache.block_size
+        need = max((-(-(s.num_computed_tokens + 1) // bs) for s in seqs), default=1)
+        for width in self.widths:
+            if need <= width:
+                return width
+        raise ValueError(f"a sequence needs {need} blocks, more than {self.max_blocks}")
+
+    @property
+    def captured(self) -> list[tuple[int, int]]:
+        """The (rows, width) buckets captured so far, sorted."""
+        return sorted(self._graphs)
+
+    def _step(self, key: tuple[int, int]) -> torch.Tensor:
+        rows, width = key
         meta = PagedMetadata(
             self.cache,
             self.slot_mapping[:rows],
-            block_tables=self.block_tables[:rows],
+            block_tables=self.block_tables[:rows, :width],
             context_lens=self.context_lens[:rows],
         )
         kwargs = {ATTENTION_NAME: meta}
@@ -327,39 +370,49 @@ class DecodeGraphs:
         self.context_lens[:rows].copy_(torch.tensor(lens, dtype=torch.long), non_blocking=True)
         self.block_tables[:rows].copy_(table.to(device), non_blocking=True)
 
-    def _capture(self, rows: int) -> None:
+    def _capture(self, key: tuple[int, int]) -> None:
+        from miserver.serving.engine.decode_graphs import warmup_stream
+
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.input_ids.device)
+        # one warm-up stream per device: cuBLAS keeps a workspace per stream it ran on
+        # (docs/benchmarks.md, the swap's memory finding)
+        stream = warmup_stream(self.input_ids.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(3 if self.mode == "compiled" else 2):
-                self._step(rows)
+                self._step(key)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._outputs[rows] = self._step(rows)
-        self._graphs[rows] = graph
+            self._outputs[key] = self._step(key)
+        self._graphs[key] = graph
 
     def run(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits ``[len(seqs), vocab]`` float32 of one decode step of ``seqs``."""
-        rows = self.bucket(len(seqs))
+        key = (self.bucket(len(seqs)), self.width(seqs))
+        rows = key[0]
         self.fill(seqs, rows)
-        if self.mode == "eager" or rows in self.failed:
-            return self._step(rows)[: len(seqs)].float()
-        if rows not in self._graphs:
+        if self.mode == "eager" or key in self.failed:
+            return self._step(key)[: len(seqs)].float()
+        if key not in self._graphs:
             try:
                 self.fill([], rows)  # capture over padding: writes the scratch block only
-                self._capture(rows)
+                self._capture(key)
             except Exception as exc:  # noqa: BLE001 - that bucket runs eagerly from now on
-                log.warning("decode graph of %d rows failed: %s: %s", rows, type(exc).__name__, exc)
-                self.failed.add(rows)
+                log.warning(
+                    "decode graph of %d rows x %d blocks failed: %s: %s",
+                    *key,
+                    type(exc).__name__,
+                    exc,
+                )
+                self.failed.add(key)
             self.fill(seqs, rows)
-            if rows in self.failed:
-                return self._step(rows)[: len(seqs)].float()
-        self._graphs[rows].replay()
+            if key in self.failed:
+                return self._step(key)[: len(seqs)].float()
+        self._graphs[key].replay()
         self.replays += 1
-        return self._outputs[rows][: len(seqs)].float()
+        return self._outputs[key][: len(seqs)].float()
 
     def drop(self) -> None:
         """Forget every captured graph (an adapter change, a reload: the modules that compute

@@ -13,7 +13,9 @@ long: :data:`TAIL`; the GPU run of issue 34 uses ``--clients 64 --tail 2000``). 
 write of the final norm (multiplied by 1, so answers stay comparable), commit-end, resume, then
 a pause of ``--gap`` seconds (the trainer's own step). Per phase: the commits made, the time
 from the quiesce call to resume's answer (p50, p99), and the tokens/s served (completion
-tokens of the requests that ended in the phase over its wall time), and the engine steps that
+tokens of the requests that ended in the phase over its wall time; and the tokens decoded in it,
+finished or not, from the engine's counter: with 2,000-token generations few requests end in a
+phase), and the engine steps that
 ran while the quiesce call was in flight (the most over the phase: a ``hold`` quiesce returns
 within one or two decode steps, a ``finish`` one after the running sequences end).
 
@@ -123,6 +125,7 @@ async def phase(client: Any, h: dict[str, str], mode: str, args: argparse.Namesp
     ]
     await asyncio.sleep(args.warmup)
     start = time.perf_counter()
+    decoded0 = loop.stats()["decode_tokens"]
     cycles: list[float] = []
     parked: list[int] = []
     steps_in_quiesce: list[int] = []
@@ -145,6 +148,7 @@ async def phase(client: Any, h: dict[str, str], mode: str, args: argparse.Namesp
         cycles.append(time.perf_counter() - t0)
         await asyncio.sleep(args.gap)
     end = time.perf_counter()
+    decoded = loop.stats()["decode_tokens"] - decoded0
     stop.set()
     await asyncio.gather(*clients)
     tokens = sum(k for t, k in done if start <= t <= end)
@@ -156,6 +160,7 @@ async def phase(client: Any, h: dict[str, str], mode: str, args: argparse.Namesp
         "parked_mean": statistics.mean(parked) if parked else 0.0,
         "quiesce_steps_max": max(steps_in_quiesce, default=0),
         "tokens_s": tokens / (end - start),
+        "decoded_s": decoded / (end - start),
         "requests": sum(1 for t, _ in done if start <= t <= end),
     }
 
@@ -181,18 +186,20 @@ async def main_async(args: argparse.Namespace) -> int:
     )
     print(
         "| running | commits | quiesce->resume p50 ms | p99 ms | parked (mean) | "
-        "engine steps inside a quiesce (max) | tokens/s |"
+        "engine steps inside a quiesce (max) | tokens/s (ended requests) | tokens decoded/s |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['mode']} | {r['commits']} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | "
-            f"{r['parked_mean']:.1f} | {r['quiesce_steps_max']} | {r['tokens_s']:.1f} |"
+            f"{r['parked_mean']:.1f} | {r['quiesce_steps_max']} | {r['tokens_s']:.1f} | "
+            f"{r['decoded_s']:.1f} |"
         )
     print(
         f"| hold / finish | {hold['commits'] / max(fin['commits'], 1):.2f}x | "
         f"{hold['p50_ms'] / fin['p50_ms']:.2f}x | {hold['p99_ms'] / fin['p99_ms']:.2f}x | | | "
-        f"{hold['tokens_s'] / fin['tokens_s']:.2f}x |"
+        f"{hold['tokens_s'] / max(fin['tokens_s'], 1e-9):.2f}x | "
+        f"{hold['decoded_s'] / max(fin['decoded_s'], 1e-9):.2f}x |"
     )
     return 0
 

@@ -341,11 +341,14 @@ class DecodeGraphs:
 
     def _step(self, key: tuple[int, int]) -> torch.Tensor:
         rows, width = key
+        lens = self.context_lens[:rows]
         meta = PagedMetadata(
             self.cache,
             self.slot_mapping[:rows],
             block_tables=self.block_tables[:rows, :width],
-            context_lens=self.context_lens[:rows],
+            context_lens=lens,
+            # once a step, not once a layer (fewer kernels in the graph)
+            decode_mask=decode_mask(lens, width * self.cache.block_size),
         )
         kwargs = {ATTENTION_NAME: meta}
         with use_paged_attention(self.configs):

@@ -226,8 +226,13 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def get_json(url: str, timeout: float = 10) -> Any:
+    """The ``data`` of a management route's ``{success, data, error}`` envelope (the body
+    itself where there is no envelope)."""
     with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
+        body = json.loads(r.read())
+    if isinstance(body, dict) and "success" in body and "data" in body:
+        return body["data"] or {}
+    return body
 
 
 # ---- the run --------------------------------------------------------------------------------

@@ -299,6 +299,9 @@ class DecodeGraphs:
         if mode == "compiled":
             self._forward = torch.compile(model, dynamic=False)
         self.replays = 0
+        #: CUDA bytes allocated across captures (the graphs' private pool: outputs and
+        #: intermediates kept for replay), summed over the buckets captured.
+        self.graph_bytes = 0
         self.failed: set[tuple[int, int]] = set()
 
     def fits(self, rows: int) -> bool:
@@ -324,6 +327,17 @@ class DecodeGraphs:
     def captured(self) -> list[tuple[int, int]]:
         """The (rows, width) buckets captured so far, sorted."""
         return sorted(self._graphs)
+
+    def summary(self) -> dict[str, Any]:
+        """``{mode, captured: [[rows, width], ...], failed, replays, bytes}`` (``bytes``: CUDA
+        memory allocated by the captures, :attr:`graph_bytes`)."""
+        return {
+            "mode": self.mode,
+            "captured": [list(k) for k in self.captured],
+            "failed": [list(k) for k in sorted(self.failed)],
+            "replays": self.replays,
+            "bytes": self.graph_bytes,
+        }
 
     def _step(self, key: tuple[int, int]) -> torch.Tensor:
         rows, width = key
@@ -375,6 +389,9 @@ class DecodeGraphs:
 
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        device = self.input_ids.device
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
         # one warm-up stream per device: cuBLAS keeps a workspace per stream it ran on
         # (docs/benchmarks.md, the swap's memory finding)
         stream = warmup_stream(self.input_ids.device)
@@ -387,6 +404,8 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._outputs[key] = self._step(key)
         self._graphs[key] = graph
+        torch.cuda.synchronize(device)
+        self.graph_bytes += max(0, torch.cuda.memory_allocated(device) - before)
 
     def run(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits ``[len(seqs), vocab]`` float32 of one decode step of ``seqs``."""
@@ -420,3 +439,4 @@ class DecodeGraphs:
         self._graphs.clear()
         self._outputs.clear()
         self.failed.clear()
+        self.graph_bytes = 0

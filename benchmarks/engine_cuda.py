@@ -402,18 +402,25 @@ def which_miserver(env: dict[str, str | None], cwd: str) -> str:
         return f"unknown ({exc})"
 
 
-def run_engine(run: Run, shape: str, model: str, engine: str, plan: list) -> None:
-    """Start one server, warm it, run the plan's workloads, read its health, stop it."""
+def run_engine(run: Run, shape: str, model: str, engine: str, plan: list, share_s: float) -> None:
+    """Start one server, warm it, run the plan's workloads, read its health, stop it; all
+    within ``share_s`` seconds (its share of what is left of the budget, so that a slow
+    baseline leaves the continuous engine its time), the stop aside."""
     args = run.args
     slot = run.engine(shape, engine)
     est_start = max(run.start_s, default=args.start_estimate_s)
-    if run.left() < est_start + 15:
-        run.note(f"{shape}/{engine}: skipped (budget: {run.left():.0f} s left)")
+    if min(run.left(), share_s) < est_start + 15:
+        run.note(
+            f"{shape}/{engine}: skipped (budget: {run.left():.0f} s left, share {share_s:.0f} s)"
+        )
         return
+    deadline = time.monotonic() + min(share_s, run.left() - STOP_TIMEOUT_S / 4)
+    slot["share_s"] = share_s
+    log(f"{shape}/{engine}: {share_s:.0f} s of the {run.left():.0f} s left")
     env, cwd = server_env(args, engine, model)
     slot["package"] = which_miserver(env, cwd)
     log(f"{shape}/{engine}: starting (miserver from {slot['package']}, ENGINE={env['ENGINE']})")
-    timeout = min(args.start_timeout_s, max(5.0, run.left() - 10))
+    timeout = min(args.start_timeout_s, max(5.0, deadline - time.monotonic()))
     t0 = time.monotonic()
     try:
         proc, base = start_server(
@@ -432,10 +439,10 @@ def run_engine(run: Run, shape: str, model: str, engine: str, plan: list) -> Non
     run.start_s.append(slot["start_s"])
     log(f"{shape}/{engine}: ready at {base} in {slot['start_s']:.1f} s")
     try:
-        warm(run, shape, engine, base, model)
+        warm(run, shape, engine, base, model, deadline)
         for key, label, factory in plan:
             est = run.workload_s.get(key, args.workload_estimate_s)
-            left = run.left() - STOP_TIMEOUT_S / 4
+            left = deadline - time.monotonic()
             if left < est:
                 run.note(
                     f"{shape}/{engine}/{key}: skipped (budget: {left:.0f} s, est. {est:.0f} s)"
@@ -448,6 +455,8 @@ def run_engine(run: Run, shape: str, model: str, engine: str, plan: list) -> Non
                 out = asyncio.run(asyncio.wait_for(factory(base, model), limit))
             except Exception as exc:  # noqa: BLE001
                 kind = "timed out" if isinstance(exc, TimeoutError) else "failed"
+                spent = time.monotonic() - t1
+                run.workload_s[key] = max(run.workload_s.get(key, 0.0), spent)
                 slot["workloads"][key] = {"error": f"{kind}: {type(exc).__name__}: {exc}"[:400]}
                 run.note(f"{shape}/{engine}/{key}: {kind}: {type(exc).__name__}: {exc}"[:400])
                 if proc.poll() is not None:
@@ -485,7 +494,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         stop(proc)  # peers.stop: kill and wait
 
 
-def warm(run: Run, shape: str, engine: str, base: str, model: str) -> None:
+def warm(run: Run, shape: str, engine: str, base: str, model: str, deadline: float) -> None:
     """One untimed chat, then ``--warm-chats`` chats of 32 tokens at once (the captures a
     burst's first use makes); their times are recorded, a failure noted."""
     args = run.args
@@ -500,7 +509,7 @@ def warm(run: Run, shape: str, engine: str, base: str, model: str) -> None:
             await asyncio.gather(*(post_chat(session, base, b) for b in bodies))
             return t1 - t0, time.perf_counter() - t1
 
-    limit = min(args.workload_timeout_s, max(5.0, run.left() - 30))
+    limit = min(args.workload_timeout_s, max(5.0, (deadline - time.monotonic()) / 3))
     try:
         one, burst = asyncio.run(asyncio.wait_for(go(), limit))
     except Exception as exc:  # noqa: BLE001
@@ -593,7 +602,11 @@ def _cell(out: dict[str, Any], metric: str, unit: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--home", help="MISERVER_HOME (default: a temporary one)")
+    ap.add_argument(
+        "--home",
+        default=os.environ.get("MISERVER_HOME"),
+        help="MISERVER_HOME (default: $MISERVER_HOME, else a temporary one)",
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--decode-graphs", default="captured", help="DECODE_GRAPHS of both servers")
     group = ap.add_mutually_exclusive_group()
@@ -647,23 +660,26 @@ def main() -> int:
                 args.home,
             ],
             check=True,
-            timeout=300,
+            timeout=min(300.0, max(1.0, run.left())),
             env=_env_here(),
         )
     except (subprocess.SubprocessError, OSError) as exc:
         run.note(f"the default model was not imported: {exc}")
     plan = workload_plan(args)
     shapes = [s for s in (args.shapes or args.shape).split(",") if s]
+    models: dict[str, str] = {}
+    for shape in shapes:  # every random model first: the budget's shares are then the servers'
+        if shape not in SHAPES:
+            run.note(f"unknown shape {shape!r} (of {', '.join(SHAPES)}); skipped")
+            continue
+        model = ensure_shape(run, shape)
+        if model is not None:
+            models[shape] = model
     try:
-        for shape in shapes:
-            if shape not in SHAPES:
-                run.note(f"unknown shape {shape!r} (of {', '.join(SHAPES)}); skipped")
-                continue
-            model = ensure_shape(run, shape)
-            if model is None:
-                continue
+        for index, (shape, model) in enumerate(models.items()):
             for engine in ("baseline", "continuous"):
-                run_engine(run, shape, model, engine, plan)
+                engines_left = 2 * (len(models) - index) - (engine == "continuous")
+                run_engine(run, shape, model, engine, plan, run.left() / engines_left)
     finally:
         run.save()
         log(f"done in {time.monotonic() - run.t0:.0f} s")

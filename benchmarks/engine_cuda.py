@@ -650,7 +650,7 @@ def main() -> int:
         "where the budget allows, so first-use captures are not timed)",
     )
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for both servers")
-    ap.add_argument("--budget-s", type=float, default=540.0, help="total wall-clock budget")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="total wall-clock budget, s")
     ap.add_argument("--start-timeout-s", type=float, default=300.0)
     ap.add_argument("--shape-timeout-s", type=float, default=300.0, help="drawing a random model")
     ap.add_argument("--workload-timeout-s", type=float, default=180.0)

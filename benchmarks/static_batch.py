@@ -185,13 +185,14 @@ def make_shape(
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from miserver.serving.models.catalogue import Catalogue
-    from miserver.serving.models.default_model import model_dir
+    from miserver.serving.models.default_model import DEFAULT_NAME, model_dir
 
     catalogue = Catalogue(home)
     if catalogue.get_by_name(name) is not None:
         return
     folder = Path(home) / "bench-models" / name
-    tokenizer = AutoTokenizer.from_pretrained(model_dir(home))
+    default = catalogue.get_by_name(DEFAULT_NAME)  # its folder may be another home's
+    tokenizer = AutoTokenizer.from_pretrained(default.path if default else model_dir(home))
     config = AutoConfig.for_model(
         **(shape or SHAPE_05B),
         bos_token_id=tokenizer.bos_token_id,

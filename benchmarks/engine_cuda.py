@@ -36,6 +36,11 @@ part; at the end one table: per shape and workload, the baseline, the continuous
 the ratio with above 1 meaning the continuous engine is better (tokens a second: continuous /
 baseline; ms a token: baseline / continuous), then TTFT p50/p99 of each.
 
+Settings: both servers get ``MAX_QUEUED_REQUESTS`` 1024 (the 256 chats wait, never 503) and
+otherwise their defaults (``MAX_BATCH_SIZE`` auto: 64 sequences on CUDA, the static batch's
+batch and the continuous engine's sequences a step alike; ``KV_CACHE_BYTES`` auto);
+``--env KEY=VALUE`` adds a setting to both, ``--baseline-env`` / ``--continuous-env`` to one.
+
 Shapes: ``135m`` (the embedded SmolLM2-135M-Instruct, real weights), ``0.5b`` (random
 Qwen2.5-0.5B layers, SmolLM2's vocabulary: :data:`static_batch.SHAPE_05B`), ``8b`` (random
 Llama-3-8B layers, vocabulary 128256: :data:`static_batch.SHAPE_8B`), ``tiny`` (2 random layers,
@@ -360,7 +365,7 @@ def server_env(args: argparse.Namespace, engine: str, model: str) -> tuple[dict,
         "MAX_QUEUED_REQUESTS": str(max(1024, 4 * args.concurrent_large)),
         "PYTHONUNBUFFERED": "1",
     }
-    for item in args.env:
+    for item in [*args.env, *(args.baseline_env if engine == "baseline" else args.continuous_env)]:
         key, _, value = item.partition("=")
         env[key] = value
     if engine == "baseline" and args.baseline_tree:
@@ -650,6 +655,13 @@ def main() -> int:
         "where the budget allows, so first-use captures are not timed)",
     )
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for both servers")
+    ap.add_argument("--baseline-env", action="append", default=[], help="KEY=VALUE, baseline")
+    ap.add_argument(
+        "--continuous-env",
+        action="append",
+        default=[],
+        help="KEY=VALUE for the continuous engine's server (e.g. MAX_BATCH_SIZE=256)",
+    )
     ap.add_argument("--budget-s", type=float, default=480.0, help="total wall-clock budget, s")
     ap.add_argument("--start-timeout-s", type=float, default=300.0)
     ap.add_argument("--shape-timeout-s", type=float, default=300.0, help="drawing a random model")

@@ -24,7 +24,7 @@ for part in "$@"; do
   t0=$(date +%s)
   case $part in
   gputests)  # every GPU test but the real model's compiled one (part compiledtest)
-    timeout 430 $PYTEST tests/gpu -k "not compiled" --timeout 200 >"$OUT/gputests.log" 2>&1
+    timeout ${GPUTESTS_S:-430} $PYTEST tests/gpu -k "not compiled" --timeout 200 >"$OUT/gputests.log" 2>&1
     echo "gputests rc=$?"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^\[|: captured|prompts give" "$OUT/gputests.log" | tail -40 ;;
   compiledtest)  # the real default model, DECODE_GRAPHS=compiled, a cold compile of 6 buckets
     timeout 330 $PYTEST tests/gpu/test_decode_graphs_cuda.py -k "compiled" --timeout 320 \

@@ -339,7 +339,7 @@ def test_decode_graphs_capture_once_per_bucket_replay_and_fall_back(
             raise RuntimeError("capture failed")  # that bucket runs eagerly from then on
 
         def replay() -> None:
-            self._outputs[key] = self._step(key)
+            self._outputs[key] = self._step(key).float()
 
         self._graphs[key] = _FakeGraph(replay)
 

@@ -101,3 +101,20 @@ async def test_a_full_batch_leaves_requests_queued_and_the_queue_bounded() -> No
     scheduler.release(first)
     await asyncio.sleep(0)
     scheduler.release(waiting.result())
+
+
+async def test_a_gguf_resident_is_bounded_also_when_the_engine_joins_running_batches() -> None:
+    # ENGINE=continuous sets join_running for every group; a GGUF resident has no engine of
+    # ours to queue its requests, so its running work still takes only MAX_BATCH_SIZE
+    scheduler = Scheduler(max_batch_size=2, join_running=True, max_concurrent=2)
+    engine = await scheduler.acquire(I, group="engine")
+    joined = await scheduler.acquire(I, group="engine", size=2)  # the engine's stay unbounded
+    assert joined.batch is engine.batch
+    first = await scheduler.acquire(I, group="gguf", size=2, fill_running=True)
+    later = _fill(scheduler)
+    await eventually(lambda: scheduler.counts().queued == 1, "no room: it waits")
+    scheduler.release(first)
+    await asyncio.sleep(0)
+    assert later.done()
+    for grant in (later.result(), engine, joined):
+        scheduler.release(grant)

@@ -520,7 +520,7 @@ class Scheduler:
     def _opened(self, batch: SlotBatch, group: Hashable | None, fill: bool = False) -> SlotBatch:
         if (self.join_running or fill) and group is not None:  # later waiters may join it
             batch.group, self._open[group] = group, batch
-            batch.bounded = not self.join_running  # fill_running: only while it has room
+            batch.bounded = fill  # fill_running: only while it has room (also on ENGINE=continuous)
         return batch
 
     def _room(self, batch: SlotBatch) -> int:

@@ -420,7 +420,9 @@ class WeightsRuntime:
                 self.check_addresses(full=True)
             if trigger == "attach":
                 event_fields.setdefault("not_attachable", self.not_attachable_reason())
-            if trigger in ("save", "weights_load", "adapter_change"):
+            if trigger in ("save", "adapter_change") or (
+                trigger == "weights_load" and event_fields.get("checkpoint_load", True)
+            ):
                 for key, value in self.gguf_facts().items():
                     event_fields.setdefault(key, value)
             if trigger == "quiesce":

@@ -692,12 +692,11 @@ class Scheduler:
         self._drained = None
         return self.counts()
 
-    def barrier_hold_if_drained(self) -> bool:
-        """Finish a drain at once when nothing runs: the barrier then holds every slot.
-
-        Returns whether it did (the quiesce of an idle server needs no wait).
-        """
-        if self._barrier_draining and self._running == 0:
+    def barrier_hold_if_drained(self, parked: bool = False) -> bool:
+        """Finish a drain at once when nothing runs or, with ``parked``, when what runs is
+        parked by a hold (contract 4b: it keeps its shares and computes nothing until
+        resumed): the barrier then holds every slot. Returns whether it did."""
+        if self._barrier_draining and (parked or self._running == 0):
             self._barrier_draining = False
             self._barrier_held = True
             self._drained = None

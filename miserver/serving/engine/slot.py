@@ -18,6 +18,11 @@ starts). Work that arrives meanwhile waits for the next grant, as it waits for t
 into its group's running batch (one holder) unless the barrier holds or drains or a waiter as
 good waits; the engine admits it at its next step; a drain waits for every member.
 
+**Filling the running batch** (``fill_running``, a GGUF resident: llama.cpp's parallel slots
+batch whatever they hold at each of its steps): as joining the running batch, but only while the
+batch has room (``max_batch_size`` sequences of members that have not released); a waiter that
+does not fit waits, held and counted as any, and joins when a member releases.
+
 **The batch delay** (``MAX_BATCH_DELAY_MS``, contract 1; the max batch delay of TorchServe and
 Triton's dynamic batcher). With a delay set, a grouped waiter that finds a slot free does not
 take it alone at once: the free slot *gathers*. It is granted (to the waiters queued by then,
@@ -171,6 +176,7 @@ class SlotBatch:
         self.sequences = 0
         self.work: Any = None
         self.group: Hashable | None = None  # set when waiters may join it (join_running)
+        self.bounded = False  # joined only while it has room (fill_running)
         self._pending: set[int] = set()  # members that have neither joined nor left
         self._holding: set[int] = set()  # members that have not released their grant
         self._ready_callbacks: list[Callable[[], None]] = []
@@ -225,7 +231,7 @@ class Grant:
 
 
 class _Waiter:
-    __slots__ = ("priority", "seq", "future", "group", "size", "unit")
+    __slots__ = ("priority", "seq", "future", "group", "size", "unit", "fill")
 
     def __init__(
         self,
@@ -235,6 +241,7 @@ class _Waiter:
         group: Hashable | None = None,
         size: int = 1,
         unit: Unit | None = None,
+        fill: bool = False,
     ) -> None:
         self.priority = priority
         self.seq = seq
@@ -242,6 +249,7 @@ class _Waiter:
         self.group = group
         self.size = size
         self.unit = unit
+        self.fill = fill
 
     def ready(self) -> bool:
         """Still waiting, and not kept back by a gathering unit."""
@@ -372,6 +380,7 @@ class Scheduler:
         group: Hashable | None = None,
         size: int = 1,
         unit: Unit | None = None,
+        fill_running: bool = False,
     ) -> Grant:
         """Wait for a slot. Pair with :meth:`release`; prefer :meth:`slot`.
 
@@ -381,7 +390,8 @@ class Scheduler:
         waiter decodes (1..``max_batch_size``). Without a group the grant is a batch of one.
         ``unit`` (a :class:`Unit`, a Batch API chunk): the waiter is counted once with the
         unit's other held batch waiters, and while the unit gathers it waits even for a free
-        slot.
+        slot. ``fill_running`` (with a ``group``): the grant joins its group's running batch
+        while that batch has room for ``size`` more sequences (the module docstring).
 
         Raises :class:`QueueFull` at once (nothing queued) when an interactive request would
         make more than ``max_queued`` interactive requests wait, and ``ValueError`` for a
@@ -402,17 +412,18 @@ class Scheduler:
             and self.max_batch_size > 1
             and size < self.max_batch_size
         )
-        if not gathering and group is not None and self._can_join_now(group, priority):
+        fill = fill_running and group is not None
+        if not gathering and group is not None and self._can_join_now(group, priority, size, fill):
             if priority == Priority.INTERACTIVE and self._waiting_interactive() >= self._max_queued:
                 raise QueueFull(self._max_queued)  # the engine's not-begun requests count
             return self._join_open(self._open[group], priority, size)
         if not gathering and not delayed and self._can_grant_now(priority):
-            return self._new_batch(priority, size, group)
+            return self._new_batch(priority, size, group, fill)
         start_gather = not gathering and delayed and self._can_grant_now(priority)
         if priority == Priority.INTERACTIVE and self._waiting_interactive() >= self._max_queued:
             raise QueueFull(self._max_queued)
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(priority, next(self._seq), loop.create_future(), group, size, unit)
+        waiter = _Waiter(priority, next(self._seq), loop.create_future(), group, size, unit, fill)
         heapq.heappush(self._heap, waiter)
         if gathering:
             assert unit is not None
@@ -496,22 +507,35 @@ class Scheduler:
         requests). What a drain waits for, counted as the drain timeout's message counts it."""
         return self._running_requests
 
-    def _new_batch(self, priority: Priority, size: int, group: Hashable | None = None) -> Grant:
+    def _new_batch(
+        self, priority: Priority, size: int, group: Hashable | None = None, fill: bool = False
+    ) -> Grant:
         self._running += 1
         self._running_requests += 1
-        batch = self._opened(SlotBatch(), group)
+        batch = self._opened(SlotBatch(), group, fill)
         grant = Grant(batch, size, priority)
         batch._add(grant)
         return grant
 
-    def _opened(self, batch: SlotBatch, group: Hashable | None) -> SlotBatch:
-        if self.join_running and group is not None:  # later waiters of the group may join it
+    def _opened(self, batch: SlotBatch, group: Hashable | None, fill: bool = False) -> SlotBatch:
+        if (self.join_running or fill) and group is not None:  # later waiters may join it
             batch.group, self._open[group] = group, batch
+            batch.bounded = fill  # fill_running: only while it has room (also on ENGINE=continuous)
         return batch
 
-    def _can_join_now(self, group: Hashable, priority: Priority) -> bool:
-        better = any(w.priority <= priority and w.ready() for w in self._heap)
-        return self.join_running and group in self._open and not self._blocked() and not better
+    def _room(self, batch: SlotBatch) -> int:
+        """Sequences a bounded running batch can still take (``fill_running``)."""
+        return self.max_batch_size - sum(g.size for g in batch.grants if not g.released)
+
+    def _can_join_now(
+        self, group: Hashable, priority: Priority, size: int = 1, fill: bool = False
+    ) -> bool:
+        if not (self.join_running or fill) or group not in self._open or self._blocked():
+            return False
+        batch = self._open[group]
+        if batch.bounded and size > self._room(batch):
+            return False
+        return not any(w.priority <= priority and w.ready() for w in self._heap)
 
     def _join_open(self, batch: SlotBatch, priority: Priority, size: int) -> Grant:
         self._running_requests += 1
@@ -522,8 +546,22 @@ class Scheduler:
 
     def _grant_into_open(self) -> None:
         """Grant the ready waiters of each running batch's group into it, best first."""
-        joined = [w for w in sorted(self._heap) if w.ready() and w.group in self._open]
-        if not joined or self._blocked():
+        if self._blocked():
+            return
+        joined: list[_Waiter] = []
+        room: dict[Hashable, int] = {}  # a bounded batch's room left (fill_running)
+        for w in sorted(self._heap):
+            if not w.ready() or w.group not in self._open:
+                continue
+            batch = self._open[w.group]
+            if batch.bounded:
+                left = room.setdefault(w.group, self._room(batch))
+                if w.size > left:  # first come first served: nobody of the group overtakes
+                    room[w.group] = 0
+                    continue
+                room[w.group] = left - w.size
+            joined.append(w)
+        if not joined:
             return
         self._heap = [w for w in self._heap if w not in joined]
         heapq.heapify(self._heap)
@@ -544,6 +582,8 @@ class Scheduler:
             batch._holding.discard(id(grant))
             batch._settle(grant)
             if batch._holding:
+                if batch.bounded:  # room for a waiter of the group (fill_running)
+                    self._grant_into_open()
                 return  # other members still decode: the batch holds the slot
             if batch.group is not None and self._open.get(batch.group) is batch:
                 del self._open[batch.group]
@@ -593,7 +633,7 @@ class Scheduler:
                 kept.append(waiter)
                 continue
             self._running += 1
-            batch = self._opened(SlotBatch(), waiter.group)
+            batch = self._opened(SlotBatch(), waiter.group, waiter.fill)
             members = [waiter]
             if waiter.group is not None and self.max_batch_size > 1:
                 room = self.max_batch_size - waiter.size

@@ -28,6 +28,10 @@ Usage::
     python benchmarks/peers.py                                   # miserver alone
     python benchmarks/peers.py --vllm-python ~/venvs/vllm/bin/python
 
+``--gguf`` adds the GGUF row after the table (issue 31): ``benchmarks/gguf_peers.py`` on the same
+home, miserver serving ``smollm2-135m-instruct-q4`` against llama.cpp's own server from the same
+library (one chat, 16 at once; ratio miserver / llama.cpp).
+
 ``--home`` is a ``MISERVER_HOME`` (default: a temporary one importing the default model);
 ``--kv-cache-gib`` sizes both servers' KV cache alike (miserver ``KV_CACHE_BYTES``, vLLM
 ``VLLM_CPU_KVCACHE_SPACE``); ``--only`` picks workloads by number (1-4); ``--engine`` is
@@ -263,6 +267,12 @@ def main() -> int:
     )
     parser.add_argument("--only", default="1,2,3,4", help="workload numbers, e.g. 1,3")
     parser.add_argument("--log", default=None, help="append both servers' logs here")
+    parser.add_argument(
+        "--gguf",
+        action="store_true",
+        help="then the GGUF row: miserver serving smollm2-135m-instruct-q4 against llama.cpp's "
+        "own server (benchmarks/gguf_peers.py, same home: one chat and 16 at once)",
+    )
     args = parser.parse_args()
     chosen = [w for i, w in enumerate(workloads(), start=1) if str(i) in args.only.split(",")]
     home = args.home or tempfile.mkdtemp(prefix="miserver-peers-")
@@ -293,6 +303,16 @@ def main() -> int:
         finally:
             stop(vproc)
     print(table(chosen, ours, peer))
+    if args.gguf:
+        script = Path(__file__).resolve().parent / "gguf_peers.py"
+        print("\nThe GGUF row (miserver over llama.cpp's own server):", flush=True)
+        done = subprocess.run(
+            [sys.executable, str(script), "--home", home, "--tokens", "64", "--concurrent", "16"],
+            check=False,
+        )
+        if done.returncode:
+            print(f"gguf_peers.py exited {done.returncode}", file=sys.stderr)
+            return done.returncode
     return 0
 
 

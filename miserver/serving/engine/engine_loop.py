@@ -677,6 +677,7 @@ def build(
             budget,
             max_num_seqs=max_seqs,
             decode_graphs=settings.decode_graphs if device.type == "cuda" else "off",
+            prefix_cache=device.type != "cpu",
         )
     except Exception as exc:  # noqa: BLE001 - the model still serves, through the old path
         log.warning(

@@ -3,7 +3,7 @@
 An :class:`EngineLoop` owns one :class:`~miserver.serving.engine.continuous.ContinuousEngine`
 and one daemon thread. While the engine has work the thread runs
 :meth:`~miserver.serving.engine.continuous.ContinuousEngine.step` in a loop (one scheduler step
-and one forward pass each); between two steps it takes what the event loop handed over (new
+and its forward passes each); between two steps it takes what the event loop handed over (new
 sequences, cancellations), so requests join and leave the running batch at step boundaries. With
 no work it sleeps.
 
@@ -247,7 +247,8 @@ class EngineLoop:
         #: Work for the step boundary, asked for while a step ran (engine thread runs it).
         self._deferred: list[Callable[[], Any]] = []
         self._closed = False
-        #: Steps run since the start (each one scheduler step and one forward pass).
+        #: Steps run since the start (each one scheduler step: one forward pass, on the CPU one
+        #: per prefill chunk and per 32 decode rows).
         self.steps = 0
         self._unbegun: dict[int, _Request] = {}  # submitted requests no choice of has begun
         #: Called on the engine thread after every step's forward pass with its outputs, before

@@ -16,9 +16,14 @@ ratio column is miserver's tokens/s over llama.cpp's (the target: at least 0.90,
 Each request is ``POST /v1/chat/completions`` with the same body on both servers; the token
 counts are each server's own ``usage``.
 
+``--before DIR`` adds a third server in the same turns: miserver run from another checkout
+(``DIR``, for instance ``git archive`` of the commit before a change), so a change is measured
+side by side with what it replaced and with llama.cpp, under the same load.
+
 Usage::
 
     python benchmarks/gguf_peers.py [--home DIR] [--tokens 64] [--repeats 3] [--concurrent 16]
+        [--before DIR]
 """
 
 from __future__ import annotations
@@ -126,6 +131,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--concurrent", type=int, default=16)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--before", help="also run miserver from this checkout (side by side)")
     ap.add_argument("--llama-server", nargs=2, metavar=("PATH", "PORT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     repo = Path(__file__).resolve().parents[1]
@@ -157,8 +163,8 @@ def main() -> int:
         PYTHONPATH=str(repo),
     )
     env.pop("WEIGHTS_TOKENS", None)
-    mi_port, ll_port = _free_port(), _free_port()
-    mi_log, ll_log = logs / "miserver.log", logs / "llama.log"
+    mi_port, ll_port, before_port = _free_port(), _free_port(), _free_port()
+    mi_log, ll_log, before_log = logs / "miserver.log", logs / "llama.log", logs / "before.log"
     with mi_log.open("wb") as out:
         mi = subprocess.Popen(
             [sys.executable, "-m", "miserver.cli", "serve", "--port", str(mi_port)],
@@ -166,6 +172,16 @@ def main() -> int:
             stdout=out,
             stderr=out,
         )
+    before = None
+    if args.before:
+        with before_log.open("wb") as out:
+            before = subprocess.Popen(
+                [sys.executable, "-m", "miserver.cli", "serve", "--port", str(before_port)],
+                env={**env, "PYTHONPATH": str(Path(args.before).resolve())},
+                cwd=args.before,
+                stdout=out,
+                stderr=out,
+            )
     with ll_log.open("wb") as out:
         ll = subprocess.Popen(
             [
@@ -187,9 +203,14 @@ def main() -> int:
         "miserver (q4 row)": (f"http://127.0.0.1:{mi_port}", Q4),
         "llama.cpp server": (f"http://127.0.0.1:{ll_port}", "q4"),
     }
+    if before is not None:
+        peers["miserver (before)"] = (f"http://127.0.0.1:{before_port}", Q4)
+    minis = [name for name in peers if name.startswith("miserver")]
     try:
         _wait(peers["miserver (q4 row)"][0], "/api/health/ready", mi, mi_log)
         _wait(peers["llama.cpp server"][0], "/health", ll, ll_log)
+        if before is not None:
+            _wait(peers["miserver (before)"][0], "/api/health/ready", before, before_log)
         for base, model in peers.values():  # warm both (first-touch of the mapped file)
             _chat(base, model, 4, 0)
         results: dict[tuple[str, int], list[float]] = {}
@@ -197,12 +218,15 @@ def main() -> int:
             for k in (1, args.concurrent):
                 for name, (base, model) in peers.items():
                     results.setdefault((name, k), []).append(_rate(base, model, args.tokens, k))
-            base, model = peers["miserver (q4 row)"]
-            results.setdefault(("miserver, one request", -1), []).append(
-                _rate_n(base, model, args.tokens, args.concurrent)
-            )
+            for name in minis:
+                base, model = peers[name]
+                results.setdefault((name, -1), []).append(
+                    _rate_n(base, model, args.tokens, args.concurrent)
+                )
     finally:
-        for proc in (mi, ll):
+        for proc in (mi, ll, before):
+            if proc is None:
+                continue
             proc.terminate()
             try:
                 proc.wait(20)
@@ -219,10 +243,11 @@ def main() -> int:
         for name in peers:
             rate = statistics.median(results[(name, k)])
             print(f"| {k:>13} | {name:<18} | {rate:>9.1f} | {rate / ref:>12.2f} |")
-    rate = statistics.median(results[("miserver, one request", -1)])
     ref = statistics.median(results[("llama.cpp server", args.concurrent)])
     label = f"n={args.concurrent}"
-    print(f"| {label:>13} | {'miserver (q4 row)':<18} | {rate:>9.1f} | {rate / ref:>12.2f} |")
+    for name in minis:
+        rate = statistics.median(results[(name, -1)])
+        print(f"| {label:>13} | {name:<18} | {rate:>9.1f} | {rate / ref:>12.2f} |")
     print(
         f"\nn={args.concurrent}: one request for {args.concurrent} choices on miserver (its "
         "choices share llama.cpp's parallel slots), against llama.cpp's "

@@ -4,6 +4,8 @@
 # and miserver's dependencies importable (see docs/benchmarks.md for the wheels carried).
 #   usage: benchmarks/h200.sh PART...   (PART: gputests compiledtest http compiled8b static
 #          static05b weightsync grpo; each one's command is below; STATIC_SIZES=1,64 cuts `static`)
+#   issue 34 (the continuous engine and in-flight commits): continuous step step8b serve serve8b
+#          inflight demo grpofinish grpohold
 # Every compile shares one inductor cache (TORCHINDUCTOR_CACHE_DIR), so a part after
 # `compiledtest` finds SmolLM2's buckets compiled (a warm start).
 set -u
@@ -22,7 +24,7 @@ for part in "$@"; do
   t0=$(date +%s)
   case $part in
   gputests)  # every GPU test but the real model's compiled one (part compiledtest)
-    timeout 430 $PYTEST tests/gpu -k "not compiled" --timeout 200 >"$OUT/gputests.log" 2>&1
+    timeout ${GPUTESTS_S:-430} $PYTEST tests/gpu -k "not compiled" --timeout 200 >"$OUT/gputests.log" 2>&1
     echo "gputests rc=$?"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^\[|: captured|prompts give" "$OUT/gputests.log" | tail -40 ;;
   compiledtest)  # the real default model, DECODE_GRAPHS=compiled, a cold compile of 6 buckets
     timeout 330 $PYTEST tests/gpu/test_decode_graphs_cuda.py -k "compiled" --timeout 320 \
@@ -56,6 +58,35 @@ for part in "$@"; do
     timeout 200 python3 examples/grpo_in_place.py --schedule full --device cuda --out "$OUT/grpo" \
       >"$OUT/grpo.log" 2>&1
     echo "grpo rc=$?"; tail -15 "$OUT/grpo.log"; (cd "$OUT" && tar czf grpo.tgz grpo && rm -rf grpo) ;;
+  continuous)  # the continuous engine's CUDA tests and the fence test, first (issue 34)
+    timeout 300 $PYTEST tests/gpu/test_continuous_cuda.py tests/gpu/test_fence_cuda.py --timeout 250 \
+      >"$OUT/continuous.log" 2>&1
+    echo "continuous rc=$?"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^continuous|^after|Error|assert" "$OUT/continuous.log" | tail -30 ;;
+  step)  # in process: the engine's graphs against the one-sequence graph engine, SmolLM2 and 0.5B
+    timeout 300 python3 benchmarks/engine_cuda_step.py --shapes ${STEP_SHAPES:-smollm2,0.5b} \
+      --json "$OUT/engine_step.json" >"$OUT/engine_step.log" 2>&1
+    echo "step rc=$?"; tail -16 "$OUT/engine_step.log" ;;
+  step8b)
+    timeout 300 python3 benchmarks/engine_cuda_step.py --shapes 8b --batches 1,8,64 \
+      --json "$OUT/engine_step_8b.json" >"$OUT/engine_step_8b.log" 2>&1
+    echo "step8b rc=$?"; tail -10 "$OUT/engine_step_8b.log" ;;
+  serve)  # over HTTP, both engines one after the other (benchmarks/engine_cuda.py)
+    timeout 540 python3 benchmarks/engine_cuda.py ${SERVE_ARGS:-} --json "$OUT/engine_serve.json" \
+      >"$OUT/engine_serve.log" 2>&1
+    echo "serve rc=$?"; tail -30 "$OUT/engine_serve.log" ;;
+  inflight)  # 64 running 2,000-token generations, a trainer committing: finish against hold
+    timeout 300 python3 benchmarks/inflight_commit.py --home "$HOME_DIR" --device cuda \
+      --clients 64 --tail 2000 --seconds ${INFLIGHT_S:-60} --warmup 15 >"$OUT/inflight.log" 2>&1
+    echo "inflight rc=$?"; tail -8 "$OUT/inflight.log" ;;
+  demo)
+    ENGINE=continuous timeout 200 python3 examples/train_while_serving.py --schedule full --device cuda \
+      --out "$OUT/demo" >"$OUT/demo.log" 2>&1
+    echo "demo rc=$?"; tail -24 "$OUT/demo.log"; (cd "$OUT" && tar czf demo.tgz demo && rm -rf demo) ;;
+  grpofinish|grpohold)
+    mode=${part#grpo}
+    ENGINE=continuous timeout ${GRPO_S:-280} python3 examples/grpo_in_place.py --schedule full --device cuda \
+      --running "$mode" ${GRPO_ARGS:-} --out "$OUT/grpo_$mode" >"$OUT/grpo_$mode.log" 2>&1
+    echo "$part rc=$?"; tail -15 "$OUT/grpo_$mode.log"; (cd "$OUT" && tar czf "grpo_$mode.tgz" "grpo_$mode" && rm -rf "grpo_$mode") ;;
   *) echo "unknown part $part" ;;
   esac
   echo "[$part took $(( $(date +%s) - t0 )) s]"

@@ -101,14 +101,17 @@ def start_server(
     home: str,
     device: str,
     decode_graphs: str = "captured",
-    extra_env: dict[str, str] | None = None,
+    extra_env: dict[str, str | None] | None = None,
     ready_timeout_s: float = 300,
     log_path: str | None = None,
+    cwd: str | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Start ``miserver serve`` on a free port with ``home`` and ``device`` (plus
-    ``extra_env``) and wait until a model is resident; returns ``(process, base URL)``.
-    Exits (SystemExit) when it stops or is not ready within ``ready_timeout_s`` seconds.
-    ``log_path``: append the server's log there (default: discarded)."""
+    ``extra_env``; a None value removes that variable) and wait until a model is resident;
+    returns ``(process, base URL)``. Exits (SystemExit) when it stops or is not ready within
+    ``ready_timeout_s`` seconds. ``log_path``: append the server's log there (default:
+    discarded). ``cwd``: the server's working directory (``python -m`` puts it first on
+    ``sys.path``, ahead of ``PYTHONPATH``)."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
     env.update(
@@ -120,10 +123,15 @@ def start_server(
         LOG_FORMAT="text",
         DECODE_GRAPHS=decode_graphs,
     )
-    env.update(extra_env or {})
+    for key, value in (extra_env or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     proc = subprocess.Popen(
         [sys.executable, "-m", "miserver.cli", "serve"],
         env=env,
+        cwd=cwd,
         stdout=subprocess.DEVNULL,
         stderr=open(log_path, "ab") if log_path else subprocess.DEVNULL,  # noqa: SIM115
     )
@@ -140,6 +148,7 @@ def start_server(
             pass
         time.sleep(0.5)
     proc.kill()
+    proc.wait()
     raise SystemExit("miserver serve did not become ready")
 
 

@@ -155,31 +155,60 @@ def _chat_row(
     }
 
 
-def make_shape(home: str, name: str) -> None:
-    """Save a random model of :data:`SHAPE_05B` with the default model's tokenizer into
-    ``home`` and register it as ``name`` (nothing when the row exists)."""
+#: Llama-3-8B's layers (32 x 4096, 32 heads, 8 key-value heads, vocabulary 128256 as in
+#: ``benchmarks/decode_graphs.py``): SmolLM2's tokenizer covers the first 49152 ids; the output
+#: rows past them are zero (see :func:`make_shape`).
+SHAPE_8B = dict(
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+)
+
+
+def make_shape(
+    home: str, name: str, shape: dict[str, Any] | None = None, device: str = "cpu"
+) -> None:
+    """Save a random bfloat16 model of ``shape`` (default :data:`SHAPE_05B`) with the default
+    model's tokenizer into ``home`` and register it as ``name`` (nothing when the row exists).
+    The output embedding is scaled by 8 (greedy decoding well defined); where the shape's
+    vocabulary is larger than the tokenizer's, the output rows past the tokenizer's are zero, so
+    their logits (0) stay far below the top ones and no id the tokenizer lacks is picked (the
+    cost of the full-width head is kept). ``device``: where the weights are drawn (``cuda``: an
+    8B shape in seconds, not minutes)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from miserver.serving.models.catalogue import Catalogue
-    from miserver.serving.models.default_model import model_dir
+    from miserver.serving.models.default_model import DEFAULT_NAME, model_dir
 
     catalogue = Catalogue(home)
     if catalogue.get_by_name(name) is not None:
         return
     folder = Path(home) / "bench-models" / name
-    tokenizer = AutoTokenizer.from_pretrained(model_dir(home))
+    default = catalogue.get_by_name(DEFAULT_NAME)  # its folder may be another home's
+    tokenizer = AutoTokenizer.from_pretrained(default.path if default else model_dir(home))
     config = AutoConfig.for_model(
-        **SHAPE_05B,
+        **(shape or SHAPE_05B),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)  # greedy decoding well defined
+        head = model.get_output_embeddings().weight
+        head.mul_(8.0)  # greedy decoding well defined
+        if head.shape[0] > len(tokenizer):
+            head[len(tokenizer) :].zero_()
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    del model
     catalogue.register(name=name, format="safetensors", dtype="bfloat16", path=folder)
 
 

@@ -71,6 +71,16 @@ def alphabet(triggers: Iterable[str]) -> tuple[Event, ...]:
             events.append(Event(trigger, caller=HOLDER, group_ok=False))
         elif trigger == "weights_load":
             events += [Event(trigger, caller=c, in_place=False) for c in (HOLDER, CALLERS[4])]
+            # contract 4a: a GGUF resident, loaded into from a checkpoint or reloaded by row
+            events += [
+                Event(trigger, caller=c, in_place=False, resident_gguf=True, checkpoint_load=k)
+                for c in (HOLDER, CALLERS[4])
+                for k in (True, False)
+            ]
+        elif trigger == "save":
+            events += [Event(trigger, caller=c, resident_gguf=True) for c in CALLERS]
+        elif trigger == "adapter_change":
+            events += [Event(trigger), Event(trigger, resident_gguf=True)]
         elif trigger == "v1":
             # every combination the HTTP layer sends: the target (a request without a
             # catalogue row names "the resident", also while nothing is resident), the refuse

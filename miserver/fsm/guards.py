@@ -298,6 +298,25 @@ def _(s, c, e):
     return not e.hold_supported
 
 
+@_g(
+    "resident_gguf",
+    "event resident",
+    "a model is resident and it is a GGUF file served by llama.cpp, which holds its weights "
+    "(contract 4a: no save, no checkpoint load, no adapter)",
+)
+def _(s, c, e):
+    return s.resident and e.resident_gguf
+
+
+@_g(
+    "checkpoint_load",
+    "event",
+    'the weights load names a checkpoint (contract 5), not a {"model_id": N} reload',
+)
+def _(s, c, e):
+    return e.checkpoint_load
+
+
 @_g("applies_adapter", "event", "the adapter change applied an adapter (not removed it)")
 def _(s, c, e):
     return e.applied

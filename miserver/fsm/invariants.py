@@ -591,6 +591,28 @@ def _parking_follows_hold(b: LifecycleState, e: Event, row: Row, a: LifecycleSta
     )
 
 
+#: What a GGUF resident cannot do, by trigger, and the reason it is refused with (contract 4a).
+_GGUF_REFUSED = {"save": "save", "weights_load": "weights_load", "adapter_change": "adapter"}
+
+
+def _gguf_never_paused(b: LifecycleState, e: Event, row: Row, a: LifecycleState) -> bool:
+    """Contract 4a: a save, a weights load of a checkpoint and an adapter change are never
+    accepted on a GGUF resident (llama.cpp holds its weights), and 400 GGUF_UNSUPPORTED (its
+    reason the operation) answers only such a call, only on a GGUF resident; a
+    ``{"model_id": N}`` reload of a GGUF resident is not refused for it."""
+    reason = _GGUF_REFUSED.get(e.trigger)
+    gguf = (
+        reason is not None
+        and b.resident
+        and e.resident_gguf
+        and (e.trigger != "weights_load" or e.checkpoint_load)
+    )
+    refused_gguf = row.refuse is not None and row.refuse.code.name == "GGUF_UNSUPPORTED"
+    if refused_gguf and (not gguf or row.refuse.reason != reason):
+        return False
+    return not (gguf and row.kind == "accepted")
+
+
 EDGE_INVARIANTS: tuple[tuple[str, Callable[..., bool]], ...] = (
     ("nothing_served_unless_clean_and_not_held", _served_clean_unheld),
     ("torn_left_only_by_late_commit_end_weights_load_or_unload", _torn_exits),
@@ -641,4 +663,8 @@ EDGE_INVARIANTS: tuple[tuple[str, Callable[..., bool]], ...] = (
         _catalogue_delete_blocked,
     ),
     ("parked_sequences_parked_by_a_hold_and_continued_or_ended_torn", _parking_follows_hold),
+    (
+        "nothing_llama_cpp_serves_is_saved_loaded_into_or_given_an_adapter",
+        _gguf_never_paused,
+    ),
 )

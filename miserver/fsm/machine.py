@@ -727,4 +727,6 @@ class Lifecycle:
             }
         if kind == "catalogue_row":
             return {"model_id": event.model_id, "pause_owner": ref.pause or s.owner}
+        if kind == "resident_row":
+            return {"model_id": event.model_id, "name": event.name}
         return {}

@@ -204,7 +204,8 @@ class Event:
             ``nothing``; ``kept`` (the host refused before it dropped anything: the resident
             is unchanged); ``reloaded`` (the load failed after the previous model was dropped,
             and the host loaded that row back from its files; ``name`` and ``origin`` are its).
-        model_id: ``catalogue_delete``: the catalogue row's id (``name``: its name).
+        model_id: ``catalogue_delete``: the catalogue row's id (``name``: its name); a GGUF
+            refusal (``resident_gguf``): the resident's row.
         loads_checking: ``catalogue_delete``: a weights load's checkpoint is being checked
             before its pause (the runtime counts those checks).
         received: ``commit_end``: the commit's receive completed (contract 10, the
@@ -216,6 +217,10 @@ class Event:
             (the weights page's drain) or ``hold`` (parked at the next step boundary).
         hold_supported: ``quiesce``: the resident's engine can park its running sequences
             (``ContinuousEngine.preempt_all``); a ``hold`` is refused while it cannot.
+        resident_gguf: ``save``, ``weights_load``, ``adapter_change``: the resident is a GGUF
+            file served by llama.cpp (contract 4a); ``model_id`` and ``name`` are its row's.
+        checkpoint_load: ``weights_load``: the load names a checkpoint (contract 5), not a
+            ``{"model_id": N}`` reload.
     """
 
     trigger: str
@@ -238,6 +243,8 @@ class Event:
     group_ok: bool = True
     running: Literal["finish", "hold"] = "finish"
     hold_supported: bool = True
+    resident_gguf: bool = False
+    checkpoint_load: bool = True
 
     def short(self) -> str:
         """A compact rendering for traces: ``quiesce(trainer holder)``."""
@@ -264,6 +271,8 @@ class Event:
             "group_ok",
             "running",
             "hold_supported",
+            "resident_gguf",
+            "checkpoint_load",
         ):
             if getattr(self, f) != getattr(defaults, f):
                 args.append(f"{f}={getattr(self, f)}")

@@ -88,7 +88,8 @@ class Refusal:
     ``torn`` (how to recover), ``unsaved`` (served name, unsaved commits, ways forward),
     ``pause`` (which pause holds the barrier), ``busy`` (the barrier, its owner and the weights
     state, as the status route names them), ``catalogue_row`` (the event's catalogue row id and
-    the pause that blocks it) or ``None``. ``message``: this row's own message (``None``: the
+    the pause that blocks it), ``resident_row`` (the resident's catalogue row: the event's
+    ``model_id`` and ``name``) or ``None``. ``message``: this row's own message (``None``: the
     code's and reason's usual one), a template whose ``{fields}`` are filled from
     :func:`message_values`. ``pause``: the pause this refusal names (``None``: the one that
     holds the barrier), for a refusal made before its pause holds it (a weights load's
@@ -814,7 +815,9 @@ def build_rows() -> tuple[Row, ...]:
 
     # --- save (contract 5) ----------------------------------------------------------------
     t = "save"
-    r += _auth_rows(t) + [
+    auth = _auth_rows(t)
+    r += auth[:1] + [_gguf_unsupported(t, "save")] + auth[1:]
+    r += [
         _refuse(t, codes.WEIGHTS_NOT_CLEAN, unless=("clean",)),
         *_pause_refusals(t),
         *_unavailable_refusals(t),
@@ -839,6 +842,7 @@ def build_rows() -> tuple[Row, ...]:
     r += _auth_rows(t) + [
         _refuse(t, codes.MODEL_BUSY, "model_transition", when=("in_transition",)),
         _refuse(t, codes.MODEL_NOT_LOADED, unless=("resident",)),
+        _gguf_unsupported(t, "weights_load", when=("checkpoint_load",)),
         _refuse(t, codes.WEIGHTS_NOT_CLEAN, when=("writing",), note="a commit is open"),
         *_pause_refusals(t),
         *_unavailable_refusals(t),
@@ -888,6 +892,7 @@ def build_rows() -> tuple[Row, ...]:
     r += [
         _refuse(t, codes.MODEL_BUSY, "model_transition", when=("in_transition",)),
         _refuse(t, codes.MODEL_NOT_LOADED, unless=("resident",)),
+        _gguf_unsupported(t, "adapter"),
         _refuse(t, codes.WEIGHTS_NOT_CLEAN, unless=("clean",)),
         *_pause_refusals(t),
         *_unavailable_refusals(t),
@@ -1202,9 +1207,15 @@ def build_rows() -> tuple[Row, ...]:
             "holder's commit is still open (writing: the watchdog tears it)",
         ),
     ]
+    # Row ids never move (the mutation sweep's equivalents name them): the rows that were
+    # there before a row was inserted among its trigger's alternatives keep their numbers, and
+    # an inserted row (marked with :data:`_INSERTED`) takes the next free number.
+    first = [row for row in r if row.id != _INSERTED]
+    later = [row for row in r if row.id == _INSERTED]
+    ids = {id(row): n for n, row in enumerate([*first, *later])}
     table: list[Row] = []
-    for n, row in enumerate(r):
-        row = _with_id(row, n)
+    for row in r:
+        row = _with_id(row, ids[id(row)])
         parked = _parked_variant(row)
         if parked is not None:
             table.append(parked)
@@ -1244,6 +1255,38 @@ def _parked_variant(row: Row) -> Row | None:
         note=f"{row.note}; {note}" if row.note else note,
         id=f"{row.id}.parked",
     )
+
+
+#: The id :func:`_gguf_unsupported` gives a row inserted among its trigger's alternatives, until
+#: :func:`build_rows` numbers it after every row that was there before.
+_INSERTED = "inserted"
+
+
+def _gguf_unsupported(trigger: str, reason: str, when: tuple[str, ...] = ()) -> Row:
+    """400 GGUF_UNSUPPORTED ``reason`` on a GGUF resident (contract 4a): llama.cpp holds its
+    weights, quantized, not torch tensors miserver could save, write in place or wrap with an
+    adapter. Inserted where its trigger checks it (the caller's token first; for a weights
+    load and an adapter change, after a transition and nothing resident, as attach checks its
+    ``gguf`` reason), so it takes an id after every row that was there before."""
+    from dataclasses import replace
+
+    what = {
+        "save": "saved as a checkpoint",
+        "weights_load": "overwritten in place by a checkpoint",
+        "adapter": "given a LoRA adapter",
+    }[reason]
+    row = _refuse(
+        trigger,
+        codes.GGUF_UNSUPPORTED,
+        reason,
+        when=("resident_gguf", *when),
+        details="resident_row",
+        message="The resident model {name!r} (catalogue row {model_id}) is a GGUF file served "
+        f"by llama.cpp, which holds its weights: they cannot be {what}. Load a safetensors row "
+        "first (POST /api/models/{{id}}/load).",
+        note="what llama.cpp serves cannot be reached from miserver (contract 4a)",
+    )
+    return replace(row, id=_INSERTED)
 
 
 def _with_id(row: Row, n: int) -> Row:

@@ -565,8 +565,11 @@ def _not_attachable(app: web.Application) -> dict[str, Any] | None:
 
 def kv_cache_summary(resident: Any) -> dict[str, Any] | None:
     """The ``kv_cache`` block of ``/api/health/detailed`` (issue 29): the resident's paged KV
-    cache, ``{bytes, blocks_total, blocks_free, block_size, running, waiting}`` (``bytes``:
-    ``KV_CACHE_BYTES`` rounded down to whole blocks); None with nothing resident or no engine."""
+    cache, ``{bytes, blocks_total, blocks_free, block_size, running, waiting, peak_batch}``
+    (``bytes``: ``KV_CACHE_BYTES`` rounded down to whole blocks; ``peak_batch``: the most
+    sequences one step computed), and on CUDA with graphs ``decode_graphs`` ``{mode, captured:
+    [[rows, width in blocks], ...], failed, replays, bytes}``; None with nothing resident or no
+    engine."""
     loop = getattr(resident, "engine_loop", None) if resident is not None else None
     if loop is None or loop.closed:
         return None
@@ -581,6 +584,8 @@ def kv_cache_summary(resident: Any) -> dict[str, Any] | None:
         "block_size": stats.get("block_size"),
         "running": stats.get("running"),
         "waiting": stats.get("waiting"),
+        "peak_batch": stats.get("peak_batch"),
+        **({"decode_graphs": stats["decode_graphs"]} if "decode_graphs" in stats else {}),
     }
 
 

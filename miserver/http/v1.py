@@ -78,7 +78,7 @@ from miserver.serving.engine.generation import (
     StaticBatch,
 )
 from miserver.serving.engine.slot import Grant, Priority, Unit
-from miserver.serving.models.gguf import GGUFBatch
+from miserver.serving.models import gguf
 from miserver.serving.models.host import Resident
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
@@ -201,7 +201,9 @@ class Running:
 
 def _join_batch(app: web.Application, grant: Grant, job: Job) -> list[Generation]:
     """Join the static batch of ``grant`` with ``job``'s ``n`` sequences; the batch starts once
-    every member has joined or left (:meth:`~miserver.serving.engine.slot.SlotBatch.when_ready`)."""
+    every member has joined or left (:meth:`~miserver.serving.engine.slot.SlotBatch.when_ready`).
+    On the continuous engine the request joins its running batch, and on a GGUF resident its
+    sequences start on llama.cpp's slots at once (:func:`~miserver.serving.models.gguf.submit`)."""
     engine_loop = getattr(job.resident, "engine_loop", None)
     if engine_loop is not None:  # the continuous engine: the request joins its running batch
         streams = engine_loop.submit(
@@ -213,10 +215,22 @@ def _join_batch(app: web.Application, grant: Grant, job: Job) -> list[Generation
         )
         grant.join()
         return list(streams)
+    if job.resident.kind == "gguf":
+        # A GGUF resident's sequences start on llama.cpp's slots at once (contract 4a): the
+        # grant put the request into the running work while it had room (fill_running).
+        gens = gguf.submit(
+            job.resident.model,
+            job.resident.tokenizer,
+            job.prompt_ids,
+            job.params,
+            n=job.n,
+            stream=job.stream,
+        )
+        grant.join()
+        return list(gens)
     batch = grant.batch
     if batch.work is None:
-        # A GGUF resident's sequences run on llama.cpp's slots (contract 4a).
-        work = batch.work = GGUFBatch() if job.resident.kind == "gguf" else StaticBatch()
+        work = batch.work = StaticBatch()
         metrics = app.get(keys.METRICS)
 
         def start() -> None:

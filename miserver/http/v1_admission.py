@@ -224,6 +224,8 @@ async def acquire_slot(
     The request waits in the static batch's group of ``resident``
     (:class:`~miserver.serving.engine.slot.SlotBatch`): a grant takes the group's waiting
     requests along, up to ``MAX_BATCH_SIZE`` sequences; ``size`` is this request's (its ``n``).
+    On a GGUF resident it is granted into the group's running batch while that has room
+    (``fill_running``: llama.cpp's slots take it at their next step).
     ``unit``: the :class:`~miserver.serving.engine.slot.Unit` (a Batch API chunk) the request
     belongs to, passed to the scheduler: held, the chunk counts once in ``held_batch_chunks``,
     and its rows are granted together.
@@ -253,7 +255,12 @@ async def acquire_slot(
     # One group per resident: a request naming the applied adapter and one naming the base are
     # computed by the same modules (the adapter is applied to the resident, not per request).
     group = id(resident)
-    task = asyncio.ensure_future(scheduler.acquire(priority, group=group, size=size, unit=unit))
+    # A GGUF resident's llama.cpp batches its parallel slots at each of its steps: a request
+    # goes into the running work while it has room (contract 4a; slot.py, fill_running).
+    fill = getattr(resident, "kind", None) == "gguf"
+    task = asyncio.ensure_future(
+        scheduler.acquire(priority, group=group, size=size, unit=unit, fill_running=fill)
+    )
     update_queue_gauge(app)
     try:
         while True:

@@ -385,16 +385,20 @@ async def save(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     caller = _caller(request)
     body = None
+    gguf: dict[str, Any] = {}
     if caller.role is not None:
         body = await decode_body(request, W.SaveRequest)
         refuse_secret_name(request.app, body.name)
-        prepare_save(runtime.host, body)
+        gguf = runtime.gguf_facts()  # the table refuses a GGUF resident (contract 4a)
+        if not gguf:
+            prepare_save(runtime.host, body)
     result = await runtime.gated(
         "save",
         caller,
         request.headers.get(ATTACHMENT_HEADER),
         operation="save",
         params={"body": body},
+        **gguf,
     )
     return ok(msgspec.convert(result.job["response"], W.SaveResponse))
 
@@ -410,6 +414,10 @@ async def load(request: web.Request) -> web.Response:
     fields: dict[str, Any] = {}
     if caller.role is not None:
         body = await decode_body(request, W.LoadRequest)
+        fields["checkpoint_load"] = body.model_id is None
+        if body.model_id is None:  # the table refuses a checkpoint on a GGUF resident (4a)
+            fields.update(runtime.gguf_facts())
+    if caller.role is not None and "resident_gguf" not in fields:
         # Off the event loop: checking a checkpoint reads and hashes every file (seconds for a
         # large model), and serving goes on meanwhile.
         runtime.loads_checking += 1  # a catalogue DELETE meanwhile is refused (409 MODEL_BUSY)
@@ -479,12 +487,14 @@ async def _adapter_change(request: web.Request, apply: bool) -> web.Response:
 
     runtime = request.app[RUNTIME]
     body = await decode_body(request, W.AdapterRequest) if apply else None
+    gguf = runtime.gguf_facts()  # the table refuses a GGUF resident (contract 4a)
     if apply:
         refuse_secret_name(request.app, body.name)
         refuse_secret_name(request.app, body.path, "path")  # GET /api/weights/adapter lists it
         syntax_ok = path_syntax_ok(body.path)
         try:
-            prepare_adapter(runtime.host, body)
+            if not gguf:
+                prepare_adapter(runtime.host, body)
         except ApiError as exc:  # one that looked at the server's files: told only to operators
             if syntax_ok and (exc.param == "path" or exc.code is codes.ADAPTER_INVALID):
                 raise private_path_refusal(request, exc) from None
@@ -496,6 +506,7 @@ async def _adapter_change(request: web.Request, apply: bool) -> web.Response:
         operation="adapter",
         params={"body": body, "apply": apply},
         applied=apply,
+        **gguf,
     )
     return ok(runtime.adapter_block())
 

@@ -130,8 +130,9 @@ C = "companion contract"
 MODEL_RESIDENT = _c("MODEL_RESIDENT", 409, src=C + " 3")
 BACKEND_UNAVAILABLE = _c("BACKEND_UNAVAILABLE", 400, "gguf", src=C + " 3")
 # What a GGUF resident (served by llama.cpp, whose weights miserver does not hold) cannot do:
-# a save, a weights load of a checkpoint (in place), an adapter change. Refused before anything
-# is paused or touched; attach is NOT_ATTACHABLE reason gguf (the weights page).
+# a save, a weights load of a checkpoint (in place), an adapter change. Refused by the lifecycle
+# table's rows before anything is paused or touched; attach is NOT_ATTACHABLE reason gguf (the
+# weights page).
 GGUF_UNSUPPORTED = _c("GGUF_UNSUPPORTED", 400, "save", "weights_load", "adapter", src=C + " 4a")
 # A registered row whose files cannot be loaded (deleted, corrupt, unsupported architecture):
 # 400 when a check before the load found it (the resident model stays), 500 when the load

@@ -219,3 +219,98 @@ def test_request_overhead_measures_every_path(tmp_path: Path) -> None:
     }
     assert "| chat | 1 | 4 |" in proc.stdout
     assert "top 5 by cumulative time" in proc.stdout and "top 5 by own time" in proc.stdout
+
+
+ENGINE_CUDA_TINY = [
+    "benchmarks/engine_cuda.py",
+    "--device",
+    "cpu",
+    "--decode-graphs",
+    "off",
+    "--shapes",
+    "tiny",
+    "--chats",
+    "2",
+    "--tokens",
+    "6",
+    "--concurrent",
+    "3",
+    "--max-tokens-high",
+    "12",
+    "--grpo-prompts",
+    "2",
+    "--grpo-n",
+    "2",
+    "--grpo-tokens",
+    "5",
+    "--warm-chats",
+    "2",
+    "--budget-s",
+    "400",
+]
+
+
+@pytest.mark.slow
+def test_engine_cuda_compares_both_engines_on_every_workload(
+    home_with_default: str, tmp_path: Path
+) -> None:
+    """The issue-34 script on the CPU: a random tiny shape (its output head wider than the
+    tokenizer) served by ENGINE=static then ENGINE=continuous, the same workloads on each."""
+    out = tmp_path / "engine.json"
+    proc = _run(
+        [*ENGINE_CUDA_TINY, "--home", home_with_default, "--only", "1,2,4", "--json", str(out)],
+        tmp_path,
+        400,
+    )
+    result = json.loads(out.read_text())
+    assert result["notes"] == []
+    engines = result["results"]["tiny"]
+    assert set(engines) == {"baseline", "continuous"}
+    for engine in engines.values():
+        assert engine["package"] == str(REPO / "miserver")
+        work = engine["workloads"]
+        assert set(work) == {"1_one_chat", "2_concurrent_3", "4_grpo_n2"}
+        assert work["1_one_chat"]["ms_per_token"] > 0
+        assert work["1_one_chat"]["tokens"] > 2
+        assert work["2_concurrent_3"]["tokens"] > 3
+        assert 0 < work["2_concurrent_3"]["ttft_p50_ms"] <= work["2_concurrent_3"]["ttft_p99_ms"]
+        assert work["4_grpo_n2"]["tokens"] == 2 * 2 * 5  # sampled over the tokenizer's ids only
+        assert work["4_grpo_n2"]["tokens_per_s"] > 0
+    assert engines["baseline"]["health"]["kv_cache"] is None  # the static batch has no pages
+    assert engines["continuous"]["health"]["kv_cache"]["blocks_total"] > 0
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| tiny | ")]
+    assert len(table) == 3 + 2  # three workload rows, then each engine's start and memory
+    cont = engines["continuous"]["workloads"]["2_concurrent_3"]["tokens_per_s"]
+    base = engines["baseline"]["workloads"]["2_concurrent_3"]["tokens_per_s"]
+    assert f"| {cont / base:.2f} |" in table[1]
+
+
+@pytest.mark.slow
+def test_engine_cuda_reports_a_baseline_that_does_not_start_and_goes_on(
+    home_with_default: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "engine.json"
+    proc = _run(
+        [
+            *ENGINE_CUDA_TINY,
+            "--home",
+            home_with_default,
+            "--only",
+            "2",
+            "--baseline-tree",
+            str(tmp_path / "missing"),
+            "--json",
+            str(out),
+        ],
+        tmp_path,
+        300,
+    )
+    result = json.loads(out.read_text())
+    assert (
+        len(result["notes"]) == 1
+        and "tiny/baseline: the server did not start" in result["notes"][0]
+    )
+    engines = result["results"]["tiny"]
+    assert engines["baseline"]["workloads"] == {}
+    assert engines["continuous"]["workloads"]["2_concurrent_3"]["tokens"] > 3
+    assert "tiny/baseline: the server did not start" in proc.stdout

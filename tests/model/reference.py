@@ -315,7 +315,11 @@ class Reference:
             return refused(409, "ATTACHMENT_NOT_STALE")
         return self._drop_attachment(tears=False)
 
-    def save(self, caller, now: float) -> Reply:
+    def save(self, caller, now: float, gguf: bool = False) -> Reply:
+        # contract 4a: a GGUF resident is never saved; refused once the token is valid (no
+        # attachment could make it possible: attach is refused gguf)
+        if gguf and self.resident and caller.token in ("trainer", "operator"):
+            return refused(400, "GGUF_UNSUPPORTED", "save")
         if r := self._auth(caller, "save"):
             return r
         if self.weights != "clean":
@@ -324,13 +328,17 @@ class Reference:
             return r
         return self._take_barrier("save", now)
 
-    def weights_load(self, caller, now: float, in_place: bool = True) -> Reply:
+    def weights_load(
+        self, caller, now: float, in_place: bool = True, gguf: bool = False, checkpoint: bool = True
+    ) -> Reply:
         if r := self._auth(caller, "weights_load"):
             return r
         if self.transition is not None:
             return refused(409, "MODEL_BUSY", "model_transition")
         if not self.resident:
             return refused(400, "MODEL_NOT_LOADED")
+        if gguf and checkpoint:  # contract 4a; a {"model_id": N} reload goes on
+            return refused(400, "GGUF_UNSUPPORTED", "weights_load")
         if self.weights == "writing":
             return refused(409, "WEIGHTS_NOT_CLEAN")  # "Refused while a commit is open"
         if r := self._busy_pause() or self._unavailable():
@@ -343,11 +351,13 @@ class Reference:
         return reply
 
     # --- management and /v1 -------------------------------------------------------------
-    def adapter_change(self, now: float) -> Reply:
+    def adapter_change(self, now: float, gguf: bool = False) -> Reply:
         if self.transition is not None:
             return refused(409, "MODEL_BUSY", "model_transition")
         if not self.resident:
             return refused(400, "MODEL_NOT_LOADED")
+        if gguf:  # contract 4a
+            return refused(400, "GGUF_UNSUPPORTED", "adapter")
         if self.weights != "clean":
             return refused(409, "WEIGHTS_NOT_CLEAN")
         if r := self._busy_pause() or self._unavailable():

@@ -315,6 +315,40 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                 lambda: self.ref.quiesce(caller, self.now, full, "hold", supported),
             )
 
+        @rule(route=st.sampled_from(GGUF_ROUTES), who=st.sampled_from(WHO), flag=st.booleans())
+        def on_gguf(self, route: str, who: str, flag: bool) -> None:
+            """A call llama.cpp's resident cannot serve (contract 4a), in whatever state the
+            program reached: refused GGUF_UNSUPPORTED where the table checks it."""
+            self.gguf_call(route, who, flag)
+
+        def gguf_call(self, route: str, who: str, flag: bool) -> None:
+            """On a GGUF resident (contract 4a): a save, a weights load (``flag``: of a
+            checkpoint; else a ``{"model_id": N}`` reload, which goes on) or an adapter
+            change."""
+            if route == "gguf_adapter":
+                self.both(
+                    Event("adapter_change", resident_gguf=True),
+                    lambda: self.ref.adapter_change(self.now, True),
+                )
+                return
+            caller = self.caller(who)
+            if route == "gguf_save":
+                self.both(
+                    Event("save", caller=caller, resident_gguf=True),
+                    lambda: self.ref.save(caller, self.now, True),
+                )
+            else:
+                self.both(
+                    Event(
+                        "weights_load",
+                        caller=caller,
+                        in_place=False,
+                        resident_gguf=True,
+                        checkpoint_load=flag,
+                    ),
+                    lambda: self.ref.weights_load(caller, self.now, False, True, flag),
+                )
+
         @rule(
             route=st.sampled_from((*GATED, "attach")),
             who=st.sampled_from(
@@ -445,6 +479,8 @@ def make_machine(table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
                 )
             elif route == "adapter_change":
                 self.both(Event(route), lambda: self.ref.adapter_change(self.now))
+            elif route in GGUF_ROUTES:
+                self.gguf_call(route, who, flag)
             elif route == "model_load":
                 target = "resident" if flag else "other"
                 self.both(
@@ -807,9 +843,13 @@ TOUR_REQUESTS = (
     "quiesce_hold",
 )
 TOUR_ROUTES = (*TOUR_REQUESTS, *INTERNAL)
+#: Calls on a GGUF resident (contract 4a; the event's ``resident_gguf``), made in every prelude
+#: (a GGUF resident is never attached, so the pause stages never see one).
+GGUF_ROUTES = ("gguf_save", "gguf_weights_load", "gguf_adapter")
 TOUR_WHO = ("holder", "none", "wrong_id", "operator")
 _FLAGGED = (
     "weights_load",
+    "gguf_weights_load",
     "model_load",
     "v1",
     "v1_refuse",
@@ -833,8 +873,9 @@ def tour_size() -> int:
     """How many programs :func:`tour` runs."""
     per_stage = sum(len(_tour_calls(r)) for r in TOUR_ROUTES)
     attach_extra = len(TOUR_WHO) * 5  # an attach in a prelude tries every not-attachable reason
+    gguf = sum(len(_tour_calls(r)) for r in GGUF_ROUTES)
     return len(TOUR_KINDS) * len(TOUR_STAGES) * per_stage + len(TOUR_PRELUDES) * (
-        per_stage + attach_extra
+        per_stage + attach_extra + gguf
     )
 
 
@@ -875,7 +916,7 @@ def _tour_preludes(machine_cls) -> int:
     n = 0
     reasons = (None, "gguf", "quantized", "dtype", "not_on_gpu", "allocator")
     for prelude in TOUR_PRELUDES:
-        for route in TOUR_ROUTES:
+        for route in (*TOUR_ROUTES, *GGUF_ROUTES):
             for who, flag0 in _tour_calls(route):
                 for flag, reason in (
                     ((True, r) for r in reasons) if route == "attach" else ((flag0, None),)

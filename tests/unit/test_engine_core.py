@@ -339,7 +339,7 @@ def test_decode_graphs_capture_once_per_bucket_replay_and_fall_back(
             raise RuntimeError("capture failed")  # that bucket runs eagerly from then on
 
         def replay() -> None:
-            self._outputs[key] = self._step(key)
+            self._outputs[key] = self._step(key).float()
 
         self._graphs[key] = _FakeGraph(replay)
 
@@ -355,6 +355,11 @@ def test_decode_graphs_capture_once_per_bucket_replay_and_fall_back(
     assert sorted(set(captured)) == [1, 2, 4] and captured.count(4) == 1  # no retry a step
     assert [rows for rows, _ in graphs.failed] == [4] and graphs.replays > 0
     assert graphs.captured == sorted(graphs._graphs)
+    summary = graphed.stats()["decode_graphs"]
+    assert summary["captured"] == [list(k) for k in graphs.captured]
+    assert summary["failed"] == [list(k) for k in sorted(graphs.failed)]
+    assert summary["replays"] == graphs.replays and summary["mode"] == "captured"
+    assert graphed.stats()["peak_batch"] == 3 and "decode_graphs" not in loop.stats()
     # padding rows of a bucket write only the scratch block and attend one position
     graphs.fill([], 2)
     assert graphs.slot_mapping[:2].tolist() == [
@@ -472,3 +477,21 @@ def test_a_recompute_computes_the_prompt_as_a_chunk_and_the_generated_tokens_as_
     engine.open_admission()
     engine.step()
     assert s.num_prefill_tokens == s.num_tokens == 11 + 7  # a hold's re-prefill: a fresh prompt
+
+
+def test_the_health_route_reports_the_engine_cache_and_graphs(model: Any) -> None:
+    from types import SimpleNamespace
+
+    from miserver.http.management import kv_cache_summary
+
+    engine = make_engine(model, decode_graphs="eager", max_num_seqs=4)
+    for i, p in enumerate(PROMPTS[:2]):
+        engine.add(Sequence(i, p, greedy(3)))
+    run(engine)
+    loop = SimpleNamespace(closed=False, stats=engine.stats)
+    summary = kv_cache_summary(SimpleNamespace(engine_loop=loop))
+    assert summary is not None
+    assert summary["blocks_free"] == summary["blocks_total"] == engine.blocks.num_blocks
+    assert summary["peak_batch"] == 2 and summary["running"] == 0
+    assert summary["decode_graphs"]["mode"] == "eager" and summary["decode_graphs"]["bytes"] == 0
+    assert kv_cache_summary(SimpleNamespace(engine_loop=None)) is None

@@ -62,15 +62,16 @@ def test_a_request_turns_llama_cpps_other_samplers_off_and_keeps_seeds_32_bit(
     assert "stop" not in body  # miserver matches stop sequences itself
 
 
-async def test_a_batch_refuses_prompt_logprobs_and_seeds_each_choice() -> None:
+async def test_a_request_refuses_prompt_logprobs_and_seeds_each_choice() -> None:
     from miserver.serving.engine.static_batch import choice_seed
 
-    batch = gguf.GGUFBatch()
     with pytest.raises(ValueError, match="prompt logprobs"):
-        batch.join(None, None, [1], SamplingParams(max_tokens=1, logprobs=1, echo=True))
-    gens = batch.join(None, None, [1, 2], SamplingParams(max_tokens=1, seed=3), n=3)
+        gguf.choices(None, None, [1], SamplingParams(max_tokens=1, logprobs=1, echo=True))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="n must be"):
+        gguf.choices(None, None, [1], SamplingParams(max_tokens=1), n=0)  # type: ignore[arg-type]
+    gens = gguf.choices(None, None, [1, 2], SamplingParams(max_tokens=1, seed=3), n=3)  # type: ignore[arg-type]
     assert [g.params.seed for g in gens] == [choice_seed(3, i) for i in range(3)]
-    assert batch.sequences == 3
+    assert not any(g.timing.started for g in gens)  # bound, not started: submit starts them
 
 
 def test_a_response_format_is_sent_as_llama_cpps_json_schema_with_compact_whitespace() -> None:

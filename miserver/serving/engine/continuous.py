@@ -112,6 +112,8 @@ class ContinuousEngine:
         self._live: dict[Any, Sequence] = {}
         self._open = True
         self._prompt_parts: dict[int, list[torch.Tensor]] = {}
+        #: the most sequences one step computed (the batch's peak, for the health route).
+        self.peak_batch = 0
         self.counters = {
             "prefills": 0,
             "recomputes": 0,
@@ -202,10 +204,15 @@ class ContinuousEngine:
         """Counts: ``blocks_total``, ``blocks_free``, ``block_size``, ``cache_bytes``,
         ``running``, ``waiting``, ``prefix_cache_hits`` (blocks taken from the cache),
         ``prefix_cached_blocks``, ``prefills``, ``recomputes``, ``forks``, ``preemptions``,
-        ``prefill_tokens``, ``decode_tokens``, ``steps``, ``forward_passes``."""
+        ``prefill_tokens``, ``decode_tokens``, ``steps``, ``forward_passes``, ``peak_batch`` (the
+        most sequences one step computed), and with decode graphs ``decode_graphs``
+        (:meth:`DecodeGraphs.summary`)."""
         with self._lock:
             pending = len(self._pending)
+        graphs = self.runner.graphs
         return {
+            "peak_batch": self.peak_batch,
+            **({"decode_graphs": graphs.summary()} if graphs is not None else {}),
             "blocks_total": self.blocks.num_blocks,
             "blocks_free": self.blocks.num_free_blocks,
             "block_size": self.blocks.block_size,
@@ -263,6 +270,7 @@ class ContinuousEngine:
         if not batch:
             return outputs
         self.counters["steps"] += 1
+        self.peak_batch = max(self.peak_batch, len(batch))
         try:
             with torch.inference_mode():
                 self.cache.copy_blocks(copies)

@@ -682,6 +682,14 @@ def choice_reason(choice: _Choice) -> str:
     return "stop" if choice.generated < choice.params.max_tokens else "length"
 
 
+#: The step's token budget on CUDA: a prefill step of 2,048 tokens in chunks of 512 costs a
+#: card a few milliseconds for a small model, so a burst of prompts (or the re-prefill of 64
+#: parked 2,000-token sequences after a ``hold`` commit: 128k tokens) takes tens of steps, not
+#: hundreds; the CPU keeps the engine's defaults (512 / 256), where a step's cost grows with its
+#: tokens and running decodes would wait.
+CUDA_STEP_TOKENS = {"max_num_batched_tokens": 2048, "prefill_chunk": 512}
+
+
 def build(
     model: Any, tokenizer: Any, name: str, settings: Any, scheduler: Any = None, metrics: Any = None
 ) -> EngineLoop | None:
@@ -712,6 +720,7 @@ def build(
             max_num_seqs=max_seqs,
             decode_graphs=settings.decode_graphs if device.type == "cuda" else "off",
             prefix_cache=device.type != "cpu",
+            **(CUDA_STEP_TOKENS if device.type == "cuda" else {}),
         )
     except Exception as exc:  # noqa: BLE001 - the model still serves, through the old path
         log.warning(

@@ -356,13 +356,21 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         device = cache.device
         rows = self.buckets[-1]
-        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.slot_mapping = torch.zeros(rows, dtype=torch.long, device=device)
-        self.block_tables = torch.full(
-            (rows, max_blocks), cache.scratch_block, dtype=torch.long, device=device
-        )
-        self.context_lens = torch.ones(rows, dtype=torch.long, device=device)
+        # One flat int64 buffer holds every input (ids, positions, slots, lengths: ``rows``
+        # each, then the ``[rows, max_blocks]`` table), so a step's inputs reach the device in
+        # one copy from one pinned host buffer of the same layout (a copy each was five
+        # synchronous pageable copies a step: host time a lone sequence pays every token).
+        self._flat = torch.zeros(rows * (4 + max_blocks), dtype=torch.long, device=device)
+        pin = device.type == "cuda"
+        self._host = torch.zeros(self._flat.shape, dtype=torch.long, pin_memory=pin)
+        self._host_np = self._host.numpy()
+        self.input_ids = self._flat[:rows]
+        self.positions = self._flat[rows : 2 * rows]
+        self.slot_mapping = self._flat[2 * rows : 3 * rows]
+        self.context_lens = self._flat[3 * rows : 4 * rows]
+        self.block_tables = self._flat[4 * rows :].view(rows, max_blocks)
+        self.block_tables.fill_(cache.scratch_block)
+        self.context_lens.fill_(1)
         self.configs = model_configs(model)
         self._graphs: dict[tuple[int, int], Any] = {}
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -371,6 +379,9 @@ class DecodeGraphs:
         if mode == "compiled":
             self._forward = torch.compile(model, dynamic=False)
         self.replays = 0
+        #: CUDA bytes allocated across captures (the graphs' private pool: outputs and
+        #: intermediates kept for replay), summed over the buckets captured.
+        self.graph_bytes = 0
         self.failed: set[tuple[int, int]] = set()
 
     def fits(self, rows: int) -> bool:
@@ -397,13 +408,27 @@ class DecodeGraphs:
         """The (rows, width) buckets captured so far, sorted."""
         return sorted(self._graphs)
 
+    def summary(self) -> dict[str, Any]:
+        """``{mode, captured: [[rows, width], ...], failed, replays, bytes}`` (``bytes``: CUDA
+        memory allocated by the captures, :attr:`graph_bytes`)."""
+        return {
+            "mode": self.mode,
+            "captured": [list(k) for k in self.captured],
+            "failed": [list(k) for k in sorted(self.failed)],
+            "replays": self.replays,
+            "bytes": self.graph_bytes,
+        }
+
     def _step(self, key: tuple[int, int]) -> torch.Tensor:
         rows, width = key
+        lens = self.context_lens[:rows]
         meta = PagedMetadata(
             self.cache,
             self.slot_mapping[:rows],
             block_tables=self.block_tables[:rows, :width],
-            context_lens=self.context_lens[:rows],
+            context_lens=lens,
+            # once a step, not once a layer (fewer kernels in the graph)
+            decode_mask=decode_mask(lens, width * self.cache.block_size),
         )
         kwargs = {ATTENTION_NAME: meta}
         with use_paged_attention(self.configs):
@@ -416,37 +441,40 @@ class DecodeGraphs:
         return out.logits[0]
 
     def fill(self, seqs: list[Sequence], rows: int) -> None:
-        """Write ``seqs``' next step into the static buffers; rows past them are padding."""
+        """Write ``seqs``' next step into the static buffers (one host-to-device copy); rows
+        past them are padding (token 0 at position 0, writing the scratch block, attending one
+        position)."""
         bs = self.cache.block_size
         scratch = self.cache.scratch_block
         n = len(seqs)
-        ids, pos, slots, lens = [], [], [], []
-        table = torch.full((rows, self.max_blocks), scratch, dtype=torch.long)
+        cap = self.buckets[-1]
+        host = self._host_np
+        table = host[4 * cap : 4 * cap + rows * self.max_blocks].reshape(rows, self.max_blocks)
+        table.fill(scratch)
         for r, seq in enumerate(seqs):
             p = seq.num_computed_tokens
-            ids.append(_token_at(seq, p))
-            pos.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
-            lens.append(p + 1)
+            host[r] = _token_at(seq, p)
+            host[cap + r] = p
+            host[2 * cap + r] = seq.block_table[p // bs] * bs + p % bs
+            host[3 * cap + r] = p + 1
             used = seq.block_table[: -(-(p + 1) // bs)]
-            table[r, : len(used)] = torch.tensor(used, dtype=torch.long)
+            table[r, : len(used)] = used
         for r in range(n, rows):
-            ids.append(0)
-            pos.append(0)
-            slots.append(scratch * bs + r % bs)
-            lens.append(1)
-        device = self.input_ids.device
-        self.input_ids[:rows].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
-        self.positions[:rows].copy_(torch.tensor(pos, dtype=torch.long), non_blocking=True)
-        self.slot_mapping[:rows].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
-        self.context_lens[:rows].copy_(torch.tensor(lens, dtype=torch.long), non_blocking=True)
-        self.block_tables[:rows].copy_(table.to(device), non_blocking=True)
+            host[r] = 0
+            host[cap + r] = 0
+            host[2 * cap + r] = scratch * bs + r % bs
+            host[3 * cap + r] = 1
+        end = 4 * cap + rows * self.max_blocks
+        self._flat[:end].copy_(self._host[:end], non_blocking=True)
 
     def _capture(self, key: tuple[int, int]) -> None:
         from miserver.serving.engine.decode_graphs import warmup_stream
 
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        device = self.input_ids.device
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
         # one warm-up stream per device: cuBLAS keeps a workspace per stream it ran on
         # (docs/benchmarks.md, the swap's memory finding)
         stream = warmup_stream(self.input_ids.device)
@@ -457,8 +485,10 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._outputs[key] = self._step(key)
+            self._outputs[key] = self._step(key).float()  # the float32 read, in the graph
         self._graphs[key] = graph
+        torch.cuda.synchronize(device)
+        self.graph_bytes += max(0, torch.cuda.memory_allocated(device) - before)
 
     def run(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits ``[len(seqs), vocab]`` float32 of one decode step of ``seqs``."""
@@ -484,7 +514,7 @@ class DecodeGraphs:
                 return self._step(key)[: len(seqs)].float()
         self._graphs[key].replay()
         self.replays += 1
-        return self._outputs[key][: len(seqs)].float()
+        return self._outputs[key][: len(seqs)]
 
     def drop(self) -> None:
         """Forget every captured graph (an adapter change, a reload: the modules that compute
@@ -492,3 +522,4 @@ class DecodeGraphs:
         self._graphs.clear()
         self._outputs.clear()
         self.failed.clear()
+        self.graph_bytes = 0

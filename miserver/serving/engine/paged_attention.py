@@ -193,10 +193,16 @@ def _batched_decode(
     q = query[0].transpose(0, 1)[:, :, None]  # [B, heads, 1, head_dim]
     heads = q.shape[1]
     gqa = heads != kv_heads
-    if gqa and q.is_cuda:  # expand: enable_gqa with a mask is not fused on every CUDA kernel
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
-        gqa = False
+    if gqa and q.is_cuda:
+        # The query heads that share a KV head become that head's queries: [B, kv_heads,
+        # group, head_dim] against [B, kv_heads, L, head_dim], the mask broadcast over them.
+        # The same arithmetic as repeating K and V per query head (transformers' repeat_kv
+        # order: head h reads KV head h // group), without the two copies a layer, and one
+        # fused kernel (enable_gqa with a mask is not fused on every CUDA kernel).
+        group = heads // kv_heads
+        grouped = q.reshape(rows, kv_heads, group, dim)
+        o = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scaling)
+        return o.reshape(rows, heads, dim)[None]  # [1, B, heads, head_dim]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
     return o[:, :, 0][None]  # [1, B, heads, head_dim]
 

@@ -16,6 +16,8 @@ vLLM does by default).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -59,10 +61,38 @@ def prompt_logprobs(logits: torch.Tensor, prompt: list[int], top: int) -> list[T
     return entries
 
 
+@contextmanager
+def one_thread(on_cpu: bool) -> Iterator[None]:
+    """Run the body with this thread's intra-op parallelism at 1 on the CPU, restored after.
+
+    Sampling works on rows of ``vocab`` values (49,152 for SmolLM2): above torch's grain, so
+    each conversion, softmax and cumulative sum is split between threads, and on a machine
+    whose other cores are busy (the server's event loop, other processes) each such operation
+    waits for a descheduled worker: measured on the shared 2-core machine, ``pick_token`` of one
+    row took 4,992 us with 2 threads against 702 with 1 (``torch.set_num_threads`` is per
+    thread under OpenMP, and costs under a microsecond). One thread also makes a seed's draw
+    independent of the machine's thread count."""
+    before = torch.get_num_threads() if on_cpu else 1
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def sample(seqs: list[Sequence], logits: torch.Tensor) -> list[Sampled]:
     """The next token of each of ``seqs`` from its row of ``logits`` (``[len(seqs), vocab]``,
     any float dtype; rows are read as float32). A row that cannot be sampled (non-finite
-    logits, a failing matcher) gets ``error`` set; the others go on."""
+    logits, a failing matcher) gets ``error`` set; the others go on. On the CPU it runs on one
+    thread (:func:`one_thread`)."""
+    with one_thread(not logits.is_cuda):
+        return _sample_rows(seqs, logits)
+
+
+def _sample_rows(seqs: list[Sequence], logits: torch.Tensor) -> list[Sampled]:
     logits = logits.float()
     rows = logits
     constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]

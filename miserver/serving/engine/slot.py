@@ -18,6 +18,11 @@ starts). Work that arrives meanwhile waits for the next grant, as it waits for t
 into its group's running batch (one holder) unless the barrier holds or drains or a waiter as
 good waits; the engine admits it at its next step; a drain waits for every member.
 
+**Filling the running batch** (``fill_running``, a GGUF resident: llama.cpp's parallel slots
+batch whatever they hold at each of its steps): as joining the running batch, but only while the
+batch has room (``max_batch_size`` sequences of members that have not released); a waiter that
+does not fit waits, held and counted as any, and joins when a member releases.
+
 **The batch delay** (``MAX_BATCH_DELAY_MS``, contract 1; the max batch delay of TorchServe and
 Triton's dynamic batcher). With a delay set, a grouped waiter that finds a slot free does not
 take it alone at once: the free slot *gathers*. It is granted (to the waiters queued by then,
@@ -49,206 +54,22 @@ import itertools
 import logging
 from collections.abc import AsyncIterator, Callable, Hashable, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from enum import IntEnum
-from typing import Any
+
+from miserver.serving.engine.grants import (  # noqa: F401 - re-exported: slot's public names
+    DrainTimeout,
+    Grant,
+    HeldCounts,
+    Priority,
+    QueueFull,
+    SlotBatch,
+    Unit,
+    _Waiter,
+)
 
 log = logging.getLogger("miserver.scheduler")
 
 #: A gathering slot is granted at the latest this many batch delays after it began gathering.
 GATHER_CAP_FACTOR = 10
-
-
-class Priority(IntEnum):
-    """Who gets the next free slot: lower values first (design notes, "Serving")."""
-
-    BARRIER = 0
-    INTERACTIVE = 1
-    BATCH = 2
-
-
-class QueueFull(Exception):
-    """More interactive requests would wait than ``max_queued`` allows (503 QUEUE_FULL)."""
-
-    def __init__(self, max_queued: int) -> None:
-        super().__init__(
-            f"The request queue is full: MAX_QUEUED_REQUESTS ({max_queued}) interactive requests"
-            " are already waiting; retry after Retry-After seconds."
-        )
-        self.max_queued = max_queued
-
-
-class DrainTimeout(Exception):
-    """The running requests did not finish within the drain timeout (409 MODEL_BUSY,
-    reason drain_timeout). The barrier holds nothing when this is raised."""
-
-    def __init__(self, timeout_s: float, running: int) -> None:
-        super().__init__(f"{running} running request(s) did not finish within {timeout_s:g} s")
-        self.timeout_s = timeout_s
-        self.running = running
-
-
-@dataclass(frozen=True)
-class HeldCounts:
-    """A snapshot of the scheduler.
-
-    Attributes:
-        held_interactive: interactive requests waiting because the barrier is held or draining.
-        held_batch: batch chunks waiting because the barrier is held or draining: the distinct
-            :class:`Unit` of the held batch waiters, a batch waiter without a unit counting
-            alone.
-        running: slots held by requests (the barrier's own hold is not counted).
-        queued: requests waiting for a slot while the barrier is neither held nor draining.
-    """
-
-    held_interactive: int
-    held_batch: int
-    running: int
-    queued: int
-
-
-class Unit:
-    """Waiters that belong together (a Batch API chunk): :meth:`Scheduler.acquire`'s ``unit``.
-
-    ``HeldCounts.held_batch`` counts the held batch waiters of one unit once. With ``members``
-    (how many waiters the unit will have, >= 1) the unit *gathers*: the scheduler grants none
-    of its waiters until each member is waiting in the queue or has left the unit
-    (:meth:`leave`); then they are granted as waiters are (the best first, its group joining
-    it up to ``max_batch_size`` sequences), so they share one :class:`SlotBatch`. A member that
-    is refused before it reaches the queue must leave, or the others wait for it. ``members``
-    None: a tag only, nothing gathers. ``name`` is for logs. Hashed by identity.
-
-    Raises ``ValueError`` for ``members`` below 1.
-    """
-
-    __slots__ = ("members", "name", "_left", "_gathered", "_listeners")
-
-    def __init__(self, members: int | None = None, name: str = "") -> None:
-        if members is not None and (
-            isinstance(members, bool) or not isinstance(members, int) or members < 1
-        ):
-            raise ValueError(f"members must be an integer of at least 1, got {members!r}")
-        self.members = members
-        self.name = name
-        self._left = 0
-        self._gathered = members is None
-        self._listeners: list[Callable[[Unit], None]] = []
-
-    def __repr__(self) -> str:
-        return f"Unit({self.name!r}, members={self.members}, left={self._left})"
-
-    @property
-    def gathering(self) -> bool:
-        """Its waiters are still kept from a grant (some member neither waits nor left)."""
-        return not self._gathered
-
-    def leave(self) -> None:
-        """One member will not wait (any more): it ended, was refused before it reached the
-        queue, or stopped waiting. Call it once per member; it may end the gathering."""
-        self._left += 1
-        if self._gathered:
-            return
-        for listener in list(self._listeners):
-            listener(self)
-
-    def _watch(self, listener: Callable[[Unit], None]) -> None:
-        if listener not in self._listeners:
-            self._listeners.append(listener)
-
-
-class SlotBatch:
-    """The work one grant of a slot runs together: one holder of the slot (a static batch).
-
-    Attributes:
-        grants: every member's :class:`Grant`, in the order they were taken (the leader first).
-        sequences: the sequences the members decode together (the sum of their sizes).
-        work: a place for the members' shared work (the generation that decodes them); the
-            scheduler never reads it.
-    """
-
-    def __init__(self) -> None:
-        self.grants: list[Grant] = []
-        self.sequences = 0
-        self.work: Any = None
-        self.group: Hashable | None = None  # set when waiters may join it (join_running)
-        self._pending: set[int] = set()  # members that have neither joined nor left
-        self._holding: set[int] = set()  # members that have not released their grant
-        self._ready_callbacks: list[Callable[[], None]] = []
-        self._ready = False
-
-    def _add(self, grant: Grant) -> None:
-        self.grants.append(grant)
-        self.sequences += grant.size
-        self._pending.add(id(grant))
-        self._holding.add(id(grant))
-
-    def when_ready(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` once every member has joined or left (at once if so already)."""
-        if self._ready:
-            callback()
-        else:
-            self._ready_callbacks.append(callback)
-
-    def _settle(self, grant: Grant) -> None:
-        self._pending.discard(id(grant))
-        if self._pending or self._ready:
-            return
-        self._ready = True
-        callbacks, self._ready_callbacks = self._ready_callbacks, []
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception:  # noqa: BLE001 - one member's failure must not strand the others
-                log.exception("static batch: a when_ready callback raised")
-
-
-class Grant:
-    """One waiter's share of a granted slot (:meth:`Scheduler.acquire`).
-
-    Attributes:
-        batch: the :class:`SlotBatch` it belongs to.
-        size: the sequences it decodes (>= 1).
-        priority: the priority it waited at.
-    """
-
-    __slots__ = ("batch", "size", "priority", "released")
-
-    def __init__(self, batch: SlotBatch, size: int, priority: Priority) -> None:
-        self.batch = batch
-        self.size = size
-        self.priority = priority
-        self.released = False
-
-    def join(self) -> None:
-        """This member is ready to decode with the batch (idempotent)."""
-        self.batch._settle(self)
-
-
-class _Waiter:
-    __slots__ = ("priority", "seq", "future", "group", "size", "unit")
-
-    def __init__(
-        self,
-        priority: Priority,
-        seq: int,
-        future: asyncio.Future[Grant],
-        group: Hashable | None = None,
-        size: int = 1,
-        unit: Unit | None = None,
-    ) -> None:
-        self.priority = priority
-        self.seq = seq
-        self.future = future
-        self.group = group
-        self.size = size
-        self.unit = unit
-
-    def ready(self) -> bool:
-        """Still waiting, and not kept back by a gathering unit."""
-        return not self.future.done() and (self.unit is None or not self.unit.gathering)
-
-    def __lt__(self, other: _Waiter) -> bool:
-        return (self.priority, self.seq) < (other.priority, other.seq)
 
 
 class Scheduler:
@@ -372,6 +193,7 @@ class Scheduler:
         group: Hashable | None = None,
         size: int = 1,
         unit: Unit | None = None,
+        fill_running: bool = False,
     ) -> Grant:
         """Wait for a slot. Pair with :meth:`release`; prefer :meth:`slot`.
 
@@ -381,7 +203,8 @@ class Scheduler:
         waiter decodes (1..``max_batch_size``). Without a group the grant is a batch of one.
         ``unit`` (a :class:`Unit`, a Batch API chunk): the waiter is counted once with the
         unit's other held batch waiters, and while the unit gathers it waits even for a free
-        slot.
+        slot. ``fill_running`` (with a ``group``): the grant joins its group's running batch
+        while that batch has room for ``size`` more sequences (the module docstring).
 
         Raises :class:`QueueFull` at once (nothing queued) when an interactive request would
         make more than ``max_queued`` interactive requests wait, and ``ValueError`` for a
@@ -402,17 +225,18 @@ class Scheduler:
             and self.max_batch_size > 1
             and size < self.max_batch_size
         )
-        if not gathering and group is not None and self._can_join_now(group, priority):
+        fill = fill_running and group is not None
+        if not gathering and group is not None and self._can_join_now(group, priority, size, fill):
             if priority == Priority.INTERACTIVE and self._waiting_interactive() >= self._max_queued:
                 raise QueueFull(self._max_queued)  # the engine's not-begun requests count
             return self._join_open(self._open[group], priority, size)
         if not gathering and not delayed and self._can_grant_now(priority):
-            return self._new_batch(priority, size, group)
+            return self._new_batch(priority, size, group, fill)
         start_gather = not gathering and delayed and self._can_grant_now(priority)
         if priority == Priority.INTERACTIVE and self._waiting_interactive() >= self._max_queued:
             raise QueueFull(self._max_queued)
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(priority, next(self._seq), loop.create_future(), group, size, unit)
+        waiter = _Waiter(priority, next(self._seq), loop.create_future(), group, size, unit, fill)
         heapq.heappush(self._heap, waiter)
         if gathering:
             assert unit is not None
@@ -496,22 +320,35 @@ class Scheduler:
         requests). What a drain waits for, counted as the drain timeout's message counts it."""
         return self._running_requests
 
-    def _new_batch(self, priority: Priority, size: int, group: Hashable | None = None) -> Grant:
+    def _new_batch(
+        self, priority: Priority, size: int, group: Hashable | None = None, fill: bool = False
+    ) -> Grant:
         self._running += 1
         self._running_requests += 1
-        batch = self._opened(SlotBatch(), group)
+        batch = self._opened(SlotBatch(), group, fill)
         grant = Grant(batch, size, priority)
         batch._add(grant)
         return grant
 
-    def _opened(self, batch: SlotBatch, group: Hashable | None) -> SlotBatch:
-        if self.join_running and group is not None:  # later waiters of the group may join it
+    def _opened(self, batch: SlotBatch, group: Hashable | None, fill: bool = False) -> SlotBatch:
+        if (self.join_running or fill) and group is not None:  # later waiters may join it
             batch.group, self._open[group] = group, batch
+            batch.bounded = fill  # fill_running: only while it has room (also on ENGINE=continuous)
         return batch
 
-    def _can_join_now(self, group: Hashable, priority: Priority) -> bool:
-        better = any(w.priority <= priority and w.ready() for w in self._heap)
-        return self.join_running and group in self._open and not self._blocked() and not better
+    def _room(self, batch: SlotBatch) -> int:
+        """Sequences a bounded running batch can still take (``fill_running``)."""
+        return self.max_batch_size - sum(g.size for g in batch.grants if not g.released)
+
+    def _can_join_now(
+        self, group: Hashable, priority: Priority, size: int = 1, fill: bool = False
+    ) -> bool:
+        if not (self.join_running or fill) or group not in self._open or self._blocked():
+            return False
+        batch = self._open[group]
+        if batch.bounded and size > self._room(batch):
+            return False
+        return not any(w.priority <= priority and w.ready() for w in self._heap)
 
     def _join_open(self, batch: SlotBatch, priority: Priority, size: int) -> Grant:
         self._running_requests += 1
@@ -522,8 +359,22 @@ class Scheduler:
 
     def _grant_into_open(self) -> None:
         """Grant the ready waiters of each running batch's group into it, best first."""
-        joined = [w for w in sorted(self._heap) if w.ready() and w.group in self._open]
-        if not joined or self._blocked():
+        if self._blocked():
+            return
+        joined: list[_Waiter] = []
+        room: dict[Hashable, int] = {}  # a bounded batch's room left (fill_running)
+        for w in sorted(self._heap):
+            if not w.ready() or w.group not in self._open:
+                continue
+            batch = self._open[w.group]
+            if batch.bounded:
+                left = room.setdefault(w.group, self._room(batch))
+                if w.size > left:  # first come first served: nobody of the group overtakes
+                    room[w.group] = 0
+                    continue
+                room[w.group] = left - w.size
+            joined.append(w)
+        if not joined:
             return
         self._heap = [w for w in self._heap if w not in joined]
         heapq.heapify(self._heap)
@@ -544,6 +395,8 @@ class Scheduler:
             batch._holding.discard(id(grant))
             batch._settle(grant)
             if batch._holding:
+                if batch.bounded:  # room for a waiter of the group (fill_running)
+                    self._grant_into_open()
                 return  # other members still decode: the batch holds the slot
             if batch.group is not None and self._open.get(batch.group) is batch:
                 del self._open[batch.group]
@@ -593,7 +446,7 @@ class Scheduler:
                 kept.append(waiter)
                 continue
             self._running += 1
-            batch = self._opened(SlotBatch(), waiter.group)
+            batch = self._opened(SlotBatch(), waiter.group, waiter.fill)
             members = [waiter]
             if waiter.group is not None and self.max_batch_size > 1:
                 room = self.max_batch_size - waiter.size
@@ -652,12 +505,11 @@ class Scheduler:
         self._drained = None
         return self.counts()
 
-    def barrier_hold_if_drained(self) -> bool:
-        """Finish a drain at once when nothing runs: the barrier then holds every slot.
-
-        Returns whether it did (the quiesce of an idle server needs no wait).
-        """
-        if self._barrier_draining and self._running == 0:
+    def barrier_hold_if_drained(self, parked: bool = False) -> bool:
+        """Finish a drain at once when nothing runs or, with ``parked``, when what runs is
+        parked by a hold (contract 4b: it keeps its shares and computes nothing until
+        resumed): the barrier then holds every slot. Returns whether it did."""
+        if self._barrier_draining and (parked or self._running == 0):
             self._barrier_draining = False
             self._barrier_held = True
             self._drained = None

@@ -3,9 +3,12 @@
 A ``format: gguf`` catalogue row is loaded into llama.cpp's own server, embedded in this process
 by the ``xllamacpp`` binding (prebuilt CPU wheels; docs/decisions.md says why this binding). The
 resident is of its own kind: :class:`GGUFModel` stands where a transformers model stands on a
-safetensors resident, and :class:`GGUFBatch` where the engine's static batch stands, so the
-``/v1`` path (admission, the scheduler's slot, the queue, the barrier, rendering) is the one
-every resident takes. What stays miserver's own:
+safetensors resident, and :func:`submit` where the engine's batch stands: a request's sequences
+start on llama.cpp's parallel slots as soon as the scheduler grants it, into the resident's
+running work while that has room (``MAX_BATCH_SIZE`` sequences; the scheduler's
+``fill_running``), so concurrent requests share llama.cpp's steps as they arrive. The ``/v1``
+path (admission, the scheduler's slot, the queue, the barrier, rendering) is the one every
+resident takes. What stays miserver's own:
 
 - the prompt: the chat template and the tokenizer are transformers', read from the GGUF file
   itself (``gguf_file=``), so the context checks, ``n`` and usage count the same tokens, and
@@ -24,9 +27,9 @@ choices of a request run as ``n`` requests on llama.cpp's parallel slots (``n_pa
 ``MAX_BATCH_SIZE``), choice ``i`` seeded like the engine's
 (:func:`~miserver.serving.engine.static_batch.choice_seed`).
 
-What a GGUF resident cannot do (attach, save, in-place weights load, adapters) is refused before
-anything is touched (weights page: Which models can be attached, reason ``gguf``;
-docs/reference.md lists the codes).
+What a GGUF resident cannot do (attach, save, in-place weights load, adapters) is refused by the
+lifecycle table before anything is touched (weights page: Which models can be attached, reason
+``gguf``; the ``GGUF_UNSUPPORTED`` rows; docs/reference.md lists the codes).
 
 ``response_format`` (``json_object``, ``json_schema``) is enforced by llama.cpp's own grammar: the
 request body's ``json_schema``, which llama.cpp turns into its grammar (this build's is
@@ -563,64 +566,58 @@ class GGUFGeneration:
         self._emit(Finished(finish, len(self.prompt_ids), tokens))
 
 
-class GGUFBatch:
-    """The sequences one grant of the slot runs on a GGUF resident, with the interface of the
-    engine's :class:`~miserver.serving.engine.generation.StaticBatch`: each member
-    :meth:`join` s, then :meth:`start` runs every sequence on its own thread, all of them at
-    once on llama.cpp's parallel slots."""
+def choices(
+    model: GGUFModel,
+    tokenizer: Any,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    n: int = 1,
+    stream: bool = True,
+) -> list[GGUFGeneration]:
+    """One request's ``n`` sequences, bound to the running loop and not started; choice ``i``
+    is seeded with ``choice_seed(seed, i)`` as on any resident.
 
-    def __init__(self) -> None:
-        self._sequences: list[GGUFGeneration] = []
-        self._started = False
+    Raises:
+        ValueError: ``n`` below 1, an empty prompt, prompt logprobs asked for.
+    """
+    from miserver.serving.engine.static_batch import choice_seed
 
-    @property
-    def sequences(self) -> int:
-        """Sequences joined so far."""
-        return len(self._sequences)
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    if params.echo:
+        raise ValueError("llama.cpp gives no prompt logprobs")
+    gens = []
+    for i in range(n):
+        gen = GGUFGeneration(
+            model,
+            tokenizer,
+            prompt_ids,
+            dataclasses.replace(params, seed=choice_seed(params.seed, i)),
+            stream=stream,
+        )
+        gen.bind()
+        gens.append(gen)
+    return gens
 
-    def join(
-        self,
-        model: Any,
-        tokenizer: Any,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        n: int = 1,
-        engine: Any = None,
-        stream: bool = True,
-    ) -> list[GGUFGeneration]:
-        """Add one request's ``n`` sequences (on the event loop, before :meth:`start`); choice
-        ``i`` is seeded with ``choice_seed(seed, i)`` as on any resident.
 
-        Raises:
-            RuntimeError: the batch has started.
-            ValueError: ``n`` below 1, an empty prompt, prompt logprobs asked for.
-        """
-        from miserver.serving.engine.static_batch import choice_seed
+def submit(
+    model: GGUFModel,
+    tokenizer: Any,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    n: int = 1,
+    stream: bool = True,
+) -> list[GGUFGeneration]:
+    """Start one request's ``n`` sequences (:func:`choices`) on llama.cpp's parallel slots, at
+    once: llama.cpp batches whatever its slots decode at each of its steps, so a request granted
+    into the resident's running work (the scheduler's ``fill_running``) decodes from llama.cpp's
+    next step, beside the sequences already there, as the continuous engine admits a request
+    at its next step. Returns the sequences in choice order.
 
-        if self._started:
-            raise RuntimeError("the batch has started")
-        if n < 1:
-            raise ValueError(f"n must be at least 1, got {n}")
-        if params.echo:
-            raise ValueError("llama.cpp gives no prompt logprobs")
-        gens = []
-        for i in range(n):
-            gen = GGUFGeneration(
-                model,
-                tokenizer,
-                prompt_ids,
-                dataclasses.replace(params, seed=choice_seed(params.seed, i)),
-                stream=stream,
-            )
-            gen.bind()
-            gens.append(gen)
-        self._sequences.extend(gens)
-        return gens
-
-    def start(self) -> None:
-        """Start every joined sequence (idempotent)."""
-        if self._started:
-            return
-        self._started = True
-        for gen in self._sequences:
-            gen.start()
+    Raises:
+        ValueError: as :func:`choices`.
+    """
+    gens = choices(model, tokenizer, prompt_ids, params, n, stream)
+    for gen in gens:
+        gen.start()
+    return gens

@@ -305,7 +305,8 @@ class EffectPerformer:
             if self.drain_task is not asyncio.current_task():
                 return  # cancelled in the meantime
             self.drain_task = None
-            _hold_over_parked(self.scheduler)
+            # a hold's drain ends with the parked requests still holding their shares
+            self.scheduler.barrier_hold_if_drained(parked=True)
             self.decide(Event("drained"))
 
     async def _drain(self) -> None:
@@ -537,16 +538,3 @@ class EffectPerformer:
             log.error("weights: %d parameter(s) moved since export: %s", len(moved), moved[:3])
             self.decide(Event("address_moved"))
         return moved
-
-
-def _hold_over_parked(sched: Any) -> None:
-    """End a hold's drain (contract 4b): the barrier holds every slot although the parked
-    requests keep their shares (they compute nothing until ``RESUME_PARKED``). The
-    :class:`~miserver.serving.engine.slot.Scheduler` has no public call for a drain that ends
-    with holders left, so this sets what :meth:`barrier_wait_drained` would; a no-op when not
-    draining."""
-    if not sched.barrier_draining:
-        return
-    sched._barrier_draining = False
-    sched._barrier_held = True
-    sched._drained = None

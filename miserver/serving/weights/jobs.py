@@ -106,31 +106,6 @@ def lineage_entry(row: Any) -> dict[str, Any]:
     }
 
 
-def refuse_gguf_resident(host: Any, operation: str) -> None:
-    """Refuse ``operation`` (``save``, ``weights_load``, ``adapter``) on a GGUF resident: its
-    weights live in llama.cpp, not in torch tensors miserver could save, overwrite or wrap
-    (contract 4a). Changes nothing.
-
-    Raises:
-        ApiError: 400 GGUF_UNSUPPORTED with ``operation`` as the reason.
-    """
-    resident = host.resident
-    if resident is None or resident.row.format != "gguf":
-        return
-    what = {
-        "save": "saved as a checkpoint",
-        "weights_load": "overwritten in place by a checkpoint",
-        "adapter": "given a LoRA adapter",
-    }[operation]
-    raise ApiError(
-        codes.GGUF_UNSUPPORTED,
-        f"the resident model {resident.served_name!r} is a GGUF file served by llama.cpp: its "
-        f"weights cannot be {what}; load a safetensors row first (POST /api/models/{{id}}/load)",
-        reason=operation,
-        details={"model_id": resident.row.id, "name": resident.row.name},
-    )
-
-
 @dataclass
 class LoadPlan:
     """A checked ``POST /api/weights/load``: the row and whether it is written in place."""
@@ -148,8 +123,9 @@ def prepare_load(host: Any, body: Any) -> LoadPlan:
     resident. ``{"model_id": N}``: a full reload of that row.
 
     Raises:
-        ApiError: 404 CHECKPOINT_NOT_FOUND / MODEL_NOT_FOUND, 400 CHECKPOINT_CORRUPT, 400
-            GGUF_UNSUPPORTED (a checkpoint onto a GGUF resident).
+        ApiError: 404 CHECKPOINT_NOT_FOUND / MODEL_NOT_FOUND, 400 CHECKPOINT_CORRUPT. (A
+            checkpoint onto a GGUF resident is the table's 400 GGUF_UNSUPPORTED: the route does
+            not check it here.)
     """
     catalogue = host.catalogue
     if body.model_id is not None:
@@ -164,7 +140,6 @@ def prepare_load(host: Any, body: Any) -> LoadPlan:
 
         check_loadable(row)
         return LoadPlan(row, None, False)
-    refuse_gguf_resident(host, "weights_load")
     rows = [r for r in catalogue.list() if r.origin == "checkpoint"]
     try:
         row = checkpoints.resolve_checkpoint(rows, body.checkpoint)
@@ -210,10 +185,10 @@ def prepare_save(host: Any, body: Any) -> None:
     naming it reach the adapter, not the checkpoint (the base weights; contract 6).
 
     Raises:
-        ApiError: 400 GGUF_UNSUPPORTED (a GGUF resident), 400 INVALID_REQUEST (field
-            ``name``), 409 CHECKPOINT_EXISTS.
+        ApiError: 400 INVALID_REQUEST (field ``name``), 409 CHECKPOINT_EXISTS. (On a GGUF
+            resident the route does not check the name: the table refuses the save, 400
+            GGUF_UNSUPPORTED.)
     """
-    refuse_gguf_resident(host, "save")
     if body.name is None:
         return
     try:
@@ -251,12 +226,11 @@ def prepare_adapter(host: Any, body: Any) -> None:
     matches them).
 
     Raises:
-        ApiError: 400 GGUF_UNSUPPORTED (a GGUF resident), 400 INVALID_REQUEST (field ``name``
+        ApiError: 400 INVALID_REQUEST (field ``name``
             or ``path``), 400 ADAPTER_INVALID with
             reason ``not_found``, ``no_config``, ``not_lora``, ``unsafe_format`` or
             ``incompatible``.
     """
-    refuse_gguf_resident(host, "adapter")
     try:
         adapters.validate_adapter_name(body.name)
         row = host.catalogue.get_by_name(body.name)

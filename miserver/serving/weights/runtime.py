@@ -360,6 +360,18 @@ class WeightsRuntime:
         """The resident's own NOT_ATTACHABLE reason, or None (:attr:`effects`)."""
         return self.effects.not_attachable_reason()
 
+    def gguf_facts(self) -> dict[str, Any]:
+        """The ``resident_gguf`` fact of a save, a weights load or an adapter change, with the
+        resident's row (``model_id``, ``name``) the table's GGUF_UNSUPPORTED names (contract
+        4a): ``{}`` unless the resident is a GGUF file served by llama.cpp. A handler that
+        skips its body's checks on a GGUF resident passes these facts to :meth:`gated`, so the
+        table decides on what the handler saw."""
+        resident = self.host.resident
+        row = getattr(resident, "row", None)
+        if getattr(row, "format", None) != "gguf":
+            return {}
+        return {"resident_gguf": True, "model_id": row.id, "name": row.name}
+
     def check_addresses(self, *, full: bool = False) -> list[str]:
         """The address check of the export (:attr:`effects`); call under :attr:`lock`."""
         return self.effects.check_addresses(full=full)
@@ -408,6 +420,11 @@ class WeightsRuntime:
                 self.check_addresses(full=True)
             if trigger == "attach":
                 event_fields.setdefault("not_attachable", self.not_attachable_reason())
+            if trigger in ("save", "adapter_change") or (
+                trigger == "weights_load" and event_fields.get("checkpoint_load", True)
+            ):
+                for key, value in self.gguf_facts().items():
+                    event_fields.setdefault(key, value)
             if trigger == "quiesce":
                 event_fields.setdefault("queue_full", self.refusals.queue_full())
                 event_fields.setdefault("hold_supported", self.effects.can_park())

@@ -1,0 +1,169 @@
+"""The decode step in process on CUDA: the continuous engine's graphs against the one-sequence
+graph engine it replaces (issues 29 and 34), one run.
+
+For each model shape (:func:`benchmarks.decode_graphs.build_model`: the embedded SmolLM2-135M
+when imported, random Qwen2.5-0.5B and Llama-3-8B shapes), bfloat16 on one CUDA card, greedy:
+
+- ``old 1``: :class:`~miserver.serving.engine.decode_graphs.DecodeEngine` (``captured``), one
+  sequence through its session: a replay and the host's argmax read a token (what
+  ``DECODE_GRAPHS=captured`` served a lone request with before the continuous engine);
+- ``new B``: :class:`~miserver.serving.engine.continuous.ContinuousEngine` with
+  ``decode_graphs=captured``, ``B`` sequences (``--batches``, default 1, 8, 64) decoding
+  together: ``engine.step()`` whole (scheduling, the graph's replay, sampling, bookkeeping).
+
+Columns: ms a step (median of the timed steps, after ``--warm`` untimed ones), ms a token (a step
+/ B), tokens/s, and for ``new 1`` its ratio to ``old 1`` (issue 29: at most 1.05). Then the
+engine's graph buckets captured and the bytes they allocated, the paged cache's size, and the
+greedy tokens of ``--prompts`` prompts, new against old (counted: equal to rounding).
+
+Usage (on the GPU machine)::
+
+    python benchmarks/engine_cuda_step.py [--shapes smollm2,0.5b,8b] [--batches 1,8,64]
+        [--tokens 64] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from decode_graphs import build_model, greedy, prompts  # noqa: E402
+
+
+def new_engine(model: Any, rows: int, budget: int) -> Any:
+    from miserver.serving.engine.continuous import ContinuousEngine
+
+    return ContinuousEngine(model, budget, max_num_seqs=max(rows, 1), decode_graphs="captured")
+
+
+def run_new(model: Any, ps: list[list[int]], tokens: int, warm: int, budget: int) -> dict:
+    """``len(ps)`` sequences decoding together: per-step seconds once all run, their tokens."""
+    import torch
+
+    from miserver.serving.engine.generation import SamplingParams
+    from miserver.serving.engine.sequence import Sequence
+
+    engine = new_engine(model, len(ps), budget)
+    for i, p in enumerate(ps):
+        engine.add(Sequence(i, p, SamplingParams(max_tokens=tokens + warm, temperature=0)))
+    out: dict[Any, list[int]] = {i: [] for i in range(len(ps))}
+    times: list[float] = []
+    with torch.inference_mode():
+        while engine.has_work():
+            decoding = engine.stats()["running"] == len(ps) and all(out.values())
+            t0 = time.perf_counter()
+            outputs = engine.step()
+            if decoding:
+                times.append(time.perf_counter() - t0)
+            for o in outputs:
+                out[o.seq_id] += o.new_token_ids
+    stats = engine.stats()
+    del engine
+    torch.cuda.empty_cache()
+    timed = times[warm:] or times
+    return {
+        "step_ms": statistics.median(timed) * 1000 if timed else float("nan"),
+        "tokens": [out[i] for i in range(len(ps))],
+        "graphs": stats.get("decode_graphs"),
+        "cache_mb": stats["cache_bytes"] / 2**20,
+        "blocks": stats["blocks_total"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="smollm2,0.5b,8b")
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--warm", type=int, default=8, help="untimed steps first")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--context", type=int, default=4096, help="cap the context")
+    parser.add_argument("--budget-mib", type=int, default=2048, help="the paged cache, MiB")
+    parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    from miserver.serving.engine.decode_graphs import DecodeEngine
+    from miserver.serving.engine.generation import _GraphDecoder, context_length
+
+    budget = args.budget_mib << 20
+    rows: list[dict[str, Any]] = []
+    for shape in args.shapes.split(","):
+        model, label = build_model(shape, args.device, args.context)
+        context = context_length(model)
+        ps = prompts(max(args.prompts, max(int(b) for b in args.batches.split(","))), 32000)
+        ps = [[t % model.config.vocab_size for t in p] for p in ps]
+        print(f"{shape}: {label}, context {context}", flush=True)
+        with torch.inference_mode():
+            old = DecodeEngine(model, "captured", context)
+            old.warm()
+            with old.session(model) as s:
+                dec = _GraphDecoder(s)
+                greedy(dec, ps[0], 8)
+                old_ms = statistics.median(greedy(dec, ps[0], args.tokens)[1]) * 1000
+                old_tokens = [greedy(dec, p, 16)[0] for p in ps[: args.prompts]]
+            old.close()
+            del old
+            torch.cuda.empty_cache()
+        rows.append({"shape": shape, "path": "old", "B": 1, "step_ms": old_ms})
+        print(f"  old 1: {old_ms:.2f} ms a token", flush=True)
+        # greedy agreement, 16 tokens, the continuous engine with the prompts side by side
+        agree = run_new(model, ps[: args.prompts], 16, 0, budget)
+        same = sum(a == b for a, b in zip(agree["tokens"], old_tokens, strict=True))
+        for b in (int(x) for x in args.batches.split(",")):
+            try:
+                res = run_new(model, ps[:b], args.tokens, args.warm, budget)
+            except Exception as exc:  # noqa: BLE001 - a row fails, the table goes on
+                print(f"  new {b}: failed: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            row = {
+                "shape": shape,
+                "path": "new",
+                "B": b,
+                "step_ms": res["step_ms"],
+                "graphs": res["graphs"],
+                "cache_mb": res["cache_mb"],
+                "blocks": res["blocks"],
+            }
+            rows.append(row)
+            print(f"  new {b}: {res['step_ms']:.2f} ms a step; graphs {res['graphs']}", flush=True)
+        rows.append({"shape": shape, "path": "agree", "same": same, "of": args.prompts})
+        del model
+        torch.cuda.empty_cache()
+    print()
+    print(f"{'shape':<9}{'path':<6}{'B':>4}{'ms/step':>9}{'ms/tok':>9}{'tok/s':>9}{'old/new':>9}")
+    olds = {r["shape"]: r["step_ms"] for r in rows if r["path"] == "old"}
+    for r in rows:
+        if r["path"] == "agree":
+            print(f"{r['shape']:<9}greedy 16 tokens: new = old for {r['same']}/{r['of']} prompts")
+            continue
+        ms, b = r["step_ms"], r["B"]
+        ratio = f"{olds[r['shape']] / ms:9.2f}" if r["path"] == "new" and b == 1 else ""
+        print(
+            f"{r['shape']:<9}{r['path']:<6}{b:>4}{ms:>9.2f}{ms / b:>9.3f}{1000 * b / ms:>9.0f}{ratio}"
+        )
+    for r in rows:
+        if r["path"] == "new":
+            g = r["graphs"] or {}
+            print(
+                f"{r['shape']} B={r['B']}: cache {r['cache_mb']:.0f} MiB ({r['blocks']} blocks), "
+                f"graphs {g.get('captured')} {g.get('bytes', 0) / 2**20:.1f} MiB, "
+                f"failed {g.get('failed')}"
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

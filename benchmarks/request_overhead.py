@@ -15,8 +15,8 @@ neighbours.
 For each ``--endpoints`` x ``--tokens`` (``max_tokens``) the table gives the median over
 ``--rounds`` rounds (after one warm-up round) of the server's CPU milliseconds per request, of
 its event-loop thread's, and of the other threads' (the generation worker, ``asyncio.to_thread``
-tokenizing), the static batches a round formed (``/metrics``), and the CPU the garbage
-collector took (counted in the server between two signals). ``--batch-rows R`` adds a Batch API
+tokenizing), the static batches or continuous-engine steps a round formed (``/metrics``), and
+the CPU the garbage collector took (counted in the server between two signals). ``--batch-rows R`` adds a Batch API
 job of ``R`` chat rows per ``max_tokens`` (CPU per row, polling included). On the CPU the rows'
 model work is part of the figures (each prompt is prefilled alone, and each row of a step
 attends alone: docs/decisions.md, "The static batch"), so ``--decode-loop`` adds what the
@@ -458,13 +458,16 @@ async def _batch_job(session: Any, base: str, rows: int, tokens: int) -> None:
 
 
 async def _batches(session: Any, base: str) -> float:
-    """Static batches started so far (``miserver_static_batch_sequences_count``)."""
+    """Static batches started (``miserver_static_batch_sequences_count``, ``ENGINE=static``)
+    plus continuous-engine steps run (``miserver_engine_steps``, the default engine) so far:
+    how the server grouped the work."""
     async with session.get(base + "/metrics") as r:
         text = await r.text()
+    total = 0.0
     for line in text.splitlines():
-        if line.startswith("miserver_static_batch_sequences_count"):
-            return float(line.split()[-1])
-    return 0.0
+        if line.startswith(("miserver_static_batch_sequences_count", "miserver_engine_steps")):
+            total += float(line.split()[-1])
+    return total
 
 
 async def _wait_ready(base: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -569,7 +572,8 @@ async def measure(
             print(
                 f"  {endpoint:10} max_tokens {tokens:3}: {total:7.2f} ms CPU a request "
                 f"(loop {loop:.2f}); rounds {', '.join(f'{x:.2f}' for x in totals)}; "
-                f"static batches a round {statistics.mean(batches):.1f}; garbage collection "
+                f"static batches or engine steps a round {statistics.mean(batches):.1f}; "
+                "garbage collection "
                 f"{statistics.median(gcs):.2f} ms a request, {statistics.mean(full):.1f} full "
                 "collections a round",
                 file=sys.stderr,
@@ -585,7 +589,7 @@ async def measure(
 
 def print_table(rows: list[dict]) -> None:
     print(
-        "| endpoint | max_tokens | requests a round | static batches a round "
+        "| endpoint | max_tokens | requests a round | static batches or engine steps a round "
         "| CPU ms / request | event loop | other threads | of which garbage collection "
         "| full collections a round |"
     )

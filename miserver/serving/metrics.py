@@ -229,7 +229,7 @@ class Metrics:
             )
         self.engine_steps = Gauge(
             "miserver_engine_steps",
-            "Steps (one forward pass each) the resident's continuous engine has run",
+            "Steps (scheduler steps) the resident's continuous engine has run",
             registry=r,
         )
         self.engine_steps.set_function(lambda: self._loop_stat("steps"))

@@ -65,8 +65,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     #: None: ``auto``, the measured default of the device (0 on both: no delay).
     max_batch_delay_ms: float | None = None
     decode_graphs: str = "captured"
-    #: ``static`` (the static batch) or ``continuous`` (the continuous engine, issue 29).
-    engine: str = "static"
+    #: ``continuous`` (the continuous engine, issue 29) or ``static`` (the static batch).
+    engine: str = "continuous"
     #: None: ``auto``, the device's default (:data:`DEFAULT_KV_CACHE_BYTES_CPU`).
     kv_cache_bytes: int | None = None
     continuous_batching: bool = False

@@ -90,13 +90,16 @@ DESCRIPTIONS: dict[str, str] = {
     "cached under `MISERVER_HOME/compile-cache`), or `off` (one eager forward pass a token). On "
     "the CPU decoding is always eager, said once in the log. A build or capture that fails "
     "falls back to eager with one warning and `miserver_decode_graph_fallbacks_total`.",
-    "ENGINE": "What decodes requests. `static` (the default in this version): the static batch "
-    "(`MAX_BATCH_SIZE`). `continuous`: the continuous engine (issue 29): one engine thread per "
-    "resident whose every step admits waiting sequences (chunked prefill) and decodes one token "
-    "for every running one, so a request joins the running batch at the next step and leaves "
-    "it the moment it ends, over a paged KV cache of `KV_CACHE_BYTES`; the running batch is one "
-    "holder of the slot (a quiesce drains it). The default becomes `continuous` once its CPU "
-    "answers are bit-identical to a request run alone (docs/decisions.md).",
+    "ENGINE": "What decodes requests on a transformers resident. `continuous` (the default): the "
+    "continuous engine (issue 29): one engine thread per resident whose every step admits "
+    "waiting sequences (chunked prefill) and decodes one token for every running one, so a "
+    "request joins the running batch at the next step and leaves it the moment it ends, over a "
+    "paged KV cache of `KV_CACHE_BYTES`; the running batch is one holder of the slot (a quiesce "
+    'drains it, or parks it with `{"running": "hold"}`); on the CPU a request\'s greedy '
+    "text is the same whatever runs beside it. `static`: the static batch (`MAX_BATCH_SIZE`), "
+    "which cannot park running sequences (a hold is refused `hold_unsupported`). A model the "
+    "continuous engine cannot hold is served by the static batch, with a warning at load. A GGUF "
+    "resident is decoded by llama.cpp whatever this says.",
     "KV_CACHE_BYTES": "The memory the continuous engine's paged KV cache takes, allocated "
     "once when a model loads (never grown, never moved while it is resident): the blocks every "
     "running sequence's keys and values live in, shared between the `n` choices of a request "

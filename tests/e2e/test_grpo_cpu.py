@@ -372,7 +372,9 @@ def test_cpu_grpo_raises_the_served_reward_to_the_target(
     assert s["final_held_out"] >= target, log
     assert s["reached_target_at_step"] == evals[-1]["step"] == s["steps"], log  # stops there
     assert s["final_sampled_reward"] > s["untrained_sampled_reward"] + 0.2, log
-    assert s["untrained_sampled_reward"] > 0, log  # the task gives a group something to learn
+    # the task gives a group something to learn: sampled answers of the untrained model earn
+    # a reward within the first steps (about 1 in 16 does; the first step's 32 may all miss)
+    assert any(r["reward"] > 0 for r in steps[:5]), log
 
     # one commit a step; every group sampled from the weights after `step - 1` commits, every
     # evaluation answer from those after `step`

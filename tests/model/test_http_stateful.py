@@ -222,6 +222,9 @@ class HttpDriver:
             "WEIGHTS_HEARTBEAT_INTERVAL_HINT_S": str(min(5.0, heartbeat / 5)),
             "WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S": str(drain),
             "MAX_QUEUED_REQUESTS": str(self.max_queued),
+            # the static batch: the shadow models a hold as refused (hold_supported False);
+            # the continuous engine (the default) parks, shown by tests/unit/test_engine_hold.py
+            "ENGINE": "static",
         }
         self.settings = load_settings(env)
         self.app = create_app(self.settings, clock=self.clock)

@@ -108,3 +108,27 @@ def test_a_sequence_started_before_a_drop_never_keys_its_blocks() -> None:
     again.num_computed_tokens = 7
     bm.register_full_blocks(again)
     assert bm.cached_blocks == 3
+
+
+def test_keep_prefix_gives_back_matched_blocks_past_a_boundary_which_stay_cached() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    first = _seq(list(range(14)))
+    bm.allocate(first, 14)
+    first.num_computed_tokens = 14
+    bm.register_full_blocks(first)
+    bm.free(first)
+    free = bm.num_free_blocks
+    again = _seq(list(range(14)), 1)
+    assert bm.match_prefix(again) == 12
+    kept = again.block_table[:1]
+    bm.keep_prefix(again, 4)
+    assert again.block_table == kept and again.num_computed_tokens == 4
+    assert again.num_hashed_blocks == 1 and again.last_block_hash == bm.block_hashes[kept[0]]
+    assert bm.num_free_blocks == free - 1 and bm.cached_blocks == 3  # the rest stay findable
+    # the kept sequence goes on: its next blocks are keyed on the same chain as before
+    bm.allocate(again, 14)
+    again.num_computed_tokens = 14
+    bm.register_full_blocks(again)
+    assert bm.match_prefix(_seq(list(range(14)), 2)) == 12
+    with pytest.raises(ValueError, match="cannot keep"):
+        bm.keep_prefix(_seq([1, 2, 3], 3), 4)

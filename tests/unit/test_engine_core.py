@@ -399,6 +399,86 @@ def test_close_ends_everything_and_releases_the_cache(model: Any) -> None:
     assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0
 
 
+def test_cpu_matrix_products_of_2_to_max_rows_rows_give_a_row_the_same_bits() -> None:
+    """What the runner's CPU invariance rests on (model_runner.MAX_ROWS), checked on the
+    running torch with SmolLM2-135M's weight shapes in bfloat16: a row's product is the same
+    bits in every product of 2 to MAX_ROWS rows, wherever the row sits."""
+    from miserver.serving.engine.model_runner import MAX_ROWS
+
+    gen = torch.Generator().manual_seed(1)
+    for k, n in ((576, 576), (576, 192), (576, 1536), (1536, 576)):
+        w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+        x = torch.randn(MAX_ROWS + 1, k, generator=gen).to(torch.bfloat16)
+        pairs = torch.cat(
+            [torch.nn.functional.linear(x[[r, r + 1]], w)[:1] for r in range(MAX_ROWS)]
+        )
+        for m in range(2, MAX_ROWS + 1):
+            assert torch.equal(torch.nn.functional.linear(x[:m], w), pairs[:m]), (k, n, m)
+
+
+def test_cpu_forward_passes_put_each_prefill_chunk_alone_and_at_most_max_rows_rows() -> None:
+    from miserver.serving.engine.model_runner import _cpu_groups, _Unit
+
+    def seq(i: int, prompt: int, out: int) -> Sequence:
+        s = Sequence(i, list(range(1, prompt + 1)), greedy(100))
+        s.output_token_ids = list(range(out))
+        return s
+
+    recompute = seq(0, 10, 40)  # its 40 generated positions as one-query rows
+    decodes = [seq(i, 5, 3) for i in (1, 2, 3)]
+    chunk = seq(4, 50, 0)
+    units = [
+        _Unit(recompute, 10, 40, True),
+        *(_Unit(s, s.num_tokens - 1, 1, True) for s in decodes),
+        _Unit(chunk, 0, 50, True),
+    ]
+    groups = _cpu_groups(units, 32)
+    assert [[(u.seq.seq_id, u.start, u.num_new, u.sample) for u in g] for g in groups] == [
+        [(0, 10, 32, False)],  # the recompute's rows, split where a pass is full
+        [(4, 0, 50, True)],  # the prefill chunk alone
+        [(0, 42, 8, True), (1, 7, 1, True), (2, 7, 1, True), (3, 7, 1, True)],
+    ]
+    assert [all(u.rows for u in g) for g in groups] == [True, False, True]
+
+
+def test_a_recompute_computes_the_prompt_as_a_chunk_and_the_generated_tokens_as_rows(
+    model: Any,
+) -> None:
+    """After a preemption the sequence computes what it computed first: the prompt as its
+    prefill chunk, the generated positions as one-query rows (not one chunk of prompt plus
+    generated tokens); a parked sequence (a hold) prefills everything as a fresh prompt."""
+    from miserver.serving.engine import model_runner
+
+    seen: list[list[tuple[int, int, bool]]] = []
+    runner_group = model_runner.ModelRunner._run_group
+
+    def spy(self: Any, units: Any, sampled: Any, prompt: Any) -> None:
+        seen.append([(u.start, u.num_new, u.rows) for u in units])
+        runner_group(self, units, sampled, prompt)
+
+    engine = make_engine(model, prefill_chunk=8, max_num_batched_tokens=16, prefix_cache=False)
+    s = Sequence(0, PROMPTS[1], greedy(12))  # 11 prompt tokens: chunks of 8 and 3
+    engine.add(s)
+    for _ in range(7):
+        engine.step()
+    assert len(s.output_token_ids) == 6
+    engine.scheduler.preempt(s)
+    try:
+        model_runner.ModelRunner._run_group = spy  # type: ignore[method-assign]
+        engine.step()
+        engine.step()
+        engine.step()
+    finally:
+        model_runner.ModelRunner._run_group = runner_group  # type: ignore[method-assign]
+    assert seen == [[(0, 8, False)], [(8, 3, False)], [(11, 6, True)]]
+    assert s.num_prefill_tokens == 11
+    engine.close_admission()
+    engine.preempt_all()
+    engine.open_admission()
+    engine.step()
+    assert s.num_prefill_tokens == s.num_tokens == 11 + 7  # a hold's re-prefill: a fresh prompt
+
+
 def test_the_health_route_reports_the_engine_cache_and_graphs(model: Any) -> None:
     from types import SimpleNamespace
 

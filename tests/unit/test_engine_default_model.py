@@ -79,3 +79,65 @@ def test_greedy_text_is_independent_of_batch_neighbours(loaded: tuple[Any, Any])
         small.add(Sequence(i, p, SamplingParams(max_tokens=TOKENS[i], temperature=0)))
     assert [_d[i] for _d in [_drain(small)] for i in range(3)] == alone
     assert small.stats()["preemptions"] > 0
+
+
+LONG_PROMPTS = [  # each longer than MAX_ROWS tokens: a whole prefill exceeds the small kernel
+    "The history of the river valley begins with the first farmers who settled along its "
+    "banks, planting barley and wheat in the rich soil left by the yearly floods. Over many "
+    "centuries the villages grew into towns, and then",
+    "Dear committee, I am writing to apply for the position of assistant librarian at the "
+    "town library. I have worked with books and readers for many years, in schools and in "
+    "the county archive, and I",
+    "Recipe for bread: mix flour, water, salt and yeast in a large bowl, knead the dough "
+    "for ten minutes until smooth and elastic, let it rise in a warm place for about an hour, "
+    "then shape it and",
+]
+
+
+def _scored(engine: ContinuousEngine) -> dict[Any, list[tuple[int, float]]]:
+    got: dict[Any, list[tuple[int, float]]] = {}
+    while engine.has_work():
+        for o in engine.step():
+            got.setdefault(o.seq_id, []).extend(
+                (lp.token_id, lp.logprob) for lp in o.logprobs or ()
+            )
+    return got
+
+
+@pytest.mark.timeout(1500)
+def test_logprobs_are_bit_identical_alone_together_and_after_a_recompute(
+    loaded: tuple[Any, Any],
+) -> None:
+    """The server's shapes (whole prompts of more than 32 tokens in one chunk, several in one
+    step): every token's logprob is the same float alone, beside the others, and after a
+    preemption's recompute, so the CPU rounds a sequence's rows the same whatever runs beside
+    it (model_runner: a prefill chunk per forward pass, one-query rows at most MAX_ROWS a pass;
+    step_scheduler: a recompute's generated positions as one-query rows)."""
+    from miserver.serving.engine.model_runner import MAX_ROWS
+
+    model, tok = loaded
+    ids = [tok(p)["input_ids"] for p in LONG_PROMPTS]
+    assert min(len(p) for p in ids) > MAX_ROWS
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=0)
+
+    def engine(blocks: int) -> ContinuousEngine:
+        budget = cache_shape(model).bytes_per_token * 16 * (blocks + 1)
+        return ContinuousEngine(model, budget, prefix_cache=False)
+
+    alone = []
+    for i, p in enumerate(ids):
+        e = engine(64)
+        e.add(Sequence(i, p, params))
+        alone.append(_scored(e)[i])
+    together = engine(64)
+    for i, p in enumerate(ids):
+        together.add(Sequence(i, p, params))
+    got = _scored(together)
+    assert together.stats()["steps"] == 16  # the three prompts in one step, then decodes
+    assert [got[i] for i in range(3)] == alone
+    small = engine(7)  # 3 sequences of 3 blocks, then 4: preempted and recomputed
+    for i, p in enumerate(ids):
+        small.add(Sequence(i, p, params))
+    got = _scored(small)
+    assert small.stats()["preemptions"] > 0 and small.stats()["recomputes"] > 0
+    assert [got[i] for i in range(3)] == alone

@@ -123,12 +123,6 @@ async def test_rows_leave_and_their_blocks_are_reused(client: Any) -> None:
     assert running[-1] == 0 and free[-1] == total  # every block back once all ended
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine core: a preempted sequence's recompute (one prefill of prompt + generated "
-    "tokens) rounds otherwise than its token-by-token decode on the CPU, so after a preemption "
-    "its greedy text can change (issue 29 wants it equal)",
-)
 async def test_a_cache_too_small_preempts_and_still_completes_with_the_same_greedy_text(
     default_home: str, tmp_path
 ) -> None:

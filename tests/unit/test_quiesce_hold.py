@@ -3,8 +3,8 @@ a real app serving a tiny Llama on the CPU.
 
 The table decides (miserver/fsm/table.py); these tests pin what reaches the wire and what the
 effects ask of the engine. The engine's side of a hold is the
-:class:`~miserver.serving.engine.parking.Parking` interface: an engine without it (today's
-static batch engine) refuses a hold with 409 BARRIER_UNAVAILABLE ``hold_unsupported``; a
+:class:`~miserver.serving.engine.parking.Parking` interface: an engine without it (the
+static batch, ``ENGINE=static``) refuses a hold with 409 BARRIER_UNAVAILABLE ``hold_unsupported``; a
 recording engine that has it shows which calls each lifecycle step makes.
 """
 
@@ -70,7 +70,9 @@ def install(client, running: int = 3) -> RecordingParkingEngine:
 
 @pytest.fixture
 async def client(tmp_path, tiny_model_dir):
-    c = await make_client(tmp_path, tiny_model_dir)
+    # the static batch, which cannot park (pinned: the continuous engine, the default, can;
+    # test_engine_hold.py parks it); the recording engine stands in where a hold succeeds
+    c = await make_client(tmp_path, tiny_model_dir, ENGINE="static")
     yield c
     await c.close()
 
@@ -123,7 +125,7 @@ async def test_a_bodyless_and_a_finish_quiesce_are_the_drain_and_park_nothing(cl
 
 
 async def test_hold_is_refused_409_hold_unsupported_while_the_engine_cannot_park(client) -> None:
-    assert parking_of(client.app[keys.HOST]) is None  # today's engine: no Parking
+    assert parking_of(client.app[keys.HOST]) is None  # the static batch: no Parking
     att = await attach(client)
     code, answer, headers = await post(
         client, "/api/weights/quiesce", auth(TRN, att), {"running": "hold"}
@@ -175,7 +177,9 @@ async def test_hold_parks_counts_and_resume_continues_the_parked(client) -> None
 async def test_a_hold_past_the_hold_timeout_resumes_the_parked_on_its_own(
     tmp_path, tiny_model_dir
 ) -> None:
-    client = await make_client(tmp_path, tiny_model_dir, WEIGHTS_HOLD_TIMEOUT_S="0.2")
+    client = await make_client(
+        tmp_path, tiny_model_dir, WEIGHTS_HOLD_TIMEOUT_S="0.2", ENGINE="static"
+    )
     try:
         engine = install(client, running=2)
         att = await attach(client)
@@ -194,7 +198,9 @@ async def test_a_hold_past_the_hold_timeout_resumes_the_parked_on_its_own(
 async def test_a_tear_while_parked_ends_the_parked_with_weights_torn(
     tmp_path, tiny_model_dir
 ) -> None:
-    client = await make_client(tmp_path, tiny_model_dir, WEIGHTS_COMMIT_WATCHDOG_MS="100")
+    client = await make_client(
+        tmp_path, tiny_model_dir, WEIGHTS_COMMIT_WATCHDOG_MS="100", ENGINE="static"
+    )
     try:
         engine = install(client, running=4)
         att = await attach(client)

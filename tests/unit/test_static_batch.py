@@ -186,7 +186,10 @@ async def client(default_home: str, tmp_path):
     from miserver.serving.models.default_model import model_dir
     from tests.unit.test_weights_routes import make_client
 
-    c = await make_client(tmp_path, str(model_dir(default_home)), MAX_BATCH_SIZE="8")
+    # the static batch's own behaviour: pinned (the continuous engine is the default)
+    c = await make_client(
+        tmp_path, str(model_dir(default_home)), MAX_BATCH_SIZE="8", ENGINE="static"
+    )
     assert c.server.app[keys.SCHEDULER].max_batch_size == 8
     yield c
     await c.close()

@@ -9,6 +9,7 @@ import asyncio
 import torch
 
 from miserver.serving.engine import generation as gen_module
+from miserver.serving.engine import sampler as sampler_module
 from tests.unit.test_hardening_answers import client, failures, poison  # noqa: F401
 
 BODY = {
@@ -44,7 +45,8 @@ async def test_a_failure_after_the_first_token_ends_the_open_stream(client, monk
             logits = torch.full_like(logits, float("nan"))
         return real(logits, *args, **kwargs)
 
-    monkeypatch.setattr(gen_module, "pick_token", fail_third)
+    monkeypatch.setattr(gen_module, "pick_token", fail_third)  # the static batch's
+    monkeypatch.setattr(sampler_module, "pick_token", fail_third)  # the continuous engine's
     resp = await client.post("/v1/chat/completions", json=BODY)
     text = await resp.text()
     assert resp.status == 200 and resp.content_type == "text/event-stream", text

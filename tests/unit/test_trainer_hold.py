@@ -2,7 +2,8 @@
 ``quiesce(running=...)`` and the ``WeightsClient(running=...)`` default, against the real app
 on the CPU. The server's engine side is the recording
 :class:`~tests.unit.test_quiesce_hold.RecordingParkingEngine` where a hold must succeed, and
-today's engine (no parking: 409 ``hold_unsupported``) where it must be refused.
+the static batch (``ENGINE=static``: no parking, 409 ``hold_unsupported``) where it must be
+refused.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from tests.unit.test_trainer_client import TRN, ThreadServer
 
 @pytest.fixture
 def server(tmp_path, tiny_model_dir):
-    s = ThreadServer(tmp_path, tiny_model_dir)
+    # the static batch, which cannot park (pinned: the continuous engine, the default, can);
+    # where a hold must succeed the recording engine stands in for it
+    s = ThreadServer(tmp_path, tiny_model_dir, ENGINE="static")
     yield s
     s.stop()
 

@@ -380,7 +380,11 @@ async def test_generation_error_before_and_after_the_stream_opens(client: TestCl
 
 
 async def test_concurrent_requests_run_at_once(folder: Path, tmp_path: Path) -> None:
-    client = await make_client(folder, tmp_path / "home", max_concurrent_requests=2)
+    # two slots, each its own generation thread: the static batch's (ENGINE=static); the
+    # continuous engine is one holder of the slot whatever MAX_CONCURRENT_REQUESTS says
+    client = await make_client(
+        folder, tmp_path / "home", max_concurrent_requests=2, engine="static"
+    )
     try:
         slow = _slow(client, 0.03)
         body = {"model": MODEL, "prompt": "x", "max_tokens": 6, "temperature": 0}
@@ -443,6 +447,46 @@ async def test_one_sequence_a_step_serialises_the_engine(folder: Path, tmp_path:
         assert first != second
         assert order == [first] * order.count(first) + [second] * order.count(second), order
     finally:
+        await client.close()
+
+
+async def test_a_cache_drop_during_a_step_never_waits_for_it_and_lands_before_the_next(
+    folder: Path, tmp_path: Path
+) -> None:
+    """DROP_CACHE and the graph drop are called on the event loop: while a step computes they
+    return at once (an unload once waited a whole step there, twice, so its drain saw the
+    request already gone) and take effect when that step ends, before the next one."""
+    import threading
+
+    client = await make_client(folder, tmp_path / "home", engine="continuous")
+    try:
+        loop = client.app[keys.HOST].resident.engine_loop
+        runner = loop.engine.runner
+        inner, gate, inside = runner.model, threading.Event(), threading.Event()
+
+        def gated(**kw: Any) -> Any:
+            inside.set()
+            gate.wait(30)
+            return inner(**kw)
+
+        runner.model = gated
+        epochs: list[int] = []
+        loop.on_step = lambda _n, _o: epochs.append(loop.engine.blocks.epoch)
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "temperature": 0}
+        answer = asyncio.ensure_future(post(client, "/v1/completions", body))
+        assert await asyncio.to_thread(inside.wait, 30)  # a step is in flight, held
+        before = loop.engine.blocks.epoch
+        caller = threading.Thread(target=lambda: (loop.drop_prefix_cache(), loop.drop_graphs()))
+        caller.start()
+        caller.join(5)
+        assert not caller.is_alive(), "the drop waited for the step in flight"
+        assert loop.engine.blocks.epoch == before  # not yet: the step still computes
+        gate.set()
+        status, _, _ = await answer
+        assert status == 200
+        assert epochs[0] == before + 1  # dropped when that step ended, before any other
+    finally:
+        gate.set()
         await client.close()
 
 

@@ -116,6 +116,29 @@ class BlockManager:
         seq.hash_epoch = self.epoch
         return taken
 
+    def keep_prefix(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks a :meth:`match_prefix` took past the first ``num_tokens``
+        positions (a multiple of ``block_size``); they stay in the prefix cache.
+
+        Raises:
+            ValueError: ``num_tokens`` is not a multiple of ``block_size`` or exceeds the match.
+        """
+        bs = self.block_size
+        if num_tokens % bs or num_tokens > seq.num_cached_tokens:
+            raise ValueError(
+                f"cannot keep {num_tokens} of {seq.num_cached_tokens} matched positions"
+            )
+        keep = num_tokens // bs
+        for block in reversed(seq.block_table[keep:]):
+            self.ref_counts[block] -= 1
+            self.prefix_hits -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks.append(block)  # keyed: findable until reused
+        del seq.block_table[keep:]
+        seq.num_computed_tokens = seq.num_cached_tokens = num_tokens
+        seq.num_hashed_blocks = keep
+        seq.last_block_hash = self.block_hashes[seq.block_table[-1]] if keep else None
+
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow ``seq``'s table to cover ``num_tokens`` positions.
 

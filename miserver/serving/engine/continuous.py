@@ -64,6 +64,8 @@ class ContinuousEngine:
         decode_graphs: ``captured`` / ``compiled`` (CUDA: decode steps replay graphs per batch
             bucket), ``eager`` (the fixed-shape decode path without graphs), ``off``.
         max_model_len: the longest sequence (prompt + generated); the model's context if None.
+        prefix_cache: take blocks from the cross-request prefix cache at admission
+            (:class:`SchedulerConfig`; the server turns it off on the CPU).
 
     Raises:
         ValueError: the budget holds fewer than two blocks, or a limit is invalid.
@@ -80,6 +82,7 @@ class ContinuousEngine:
         prefill_chunk: int = 256,
         decode_graphs: str = "off",
         max_model_len: int | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         shape = cache_shape(model)
         total = blocks_for_budget(cache_budget_bytes, shape, block_size)
@@ -95,7 +98,8 @@ class ContinuousEngine:
         self.cache = PagedKVCache(shape, total - 1, block_size, self.device)
         self.blocks = BlockManager(total - 1, block_size)
         self.scheduler = StepScheduler(
-            SchedulerConfig(max_num_seqs, max_num_batched_tokens, prefill_chunk), self.blocks
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, prefill_chunk, prefix_cache),
+            self.blocks,
         )
         graphs = None
         if decode_graphs != "off":

@@ -3,7 +3,7 @@
 An :class:`EngineLoop` owns one :class:`~miserver.serving.engine.continuous.ContinuousEngine`
 and one daemon thread. While the engine has work the thread runs
 :meth:`~miserver.serving.engine.continuous.ContinuousEngine.step` in a loop (one scheduler step
-and one forward pass each); between two steps it takes what the event loop handed over (new
+and its forward passes each); between two steps it takes what the event loop handed over (new
 sequences, cancellations), so requests join and leave the running batch at step boundaries. With
 no work it sleeps.
 
@@ -244,8 +244,11 @@ class EngineLoop:
         self._inbox: list[tuple[str, Any]] = []  # ("add", [streams]) / ("abort", stream)
         self._choices: dict[int, _Choice] = {}  # engine thread only
         self._step_lock = threading.Lock()  # held by the engine thread around a step
+        #: Work for the step boundary, asked for while a step ran (engine thread runs it).
+        self._deferred: list[Callable[[], Any]] = []
         self._closed = False
-        #: Steps run since the start (each one scheduler step and one forward pass).
+        #: Steps run since the start (each one scheduler step: one forward pass, on the CPU one
+        #: per prefill chunk and per 32 decode rows).
         self.steps = 0
         self._unbegun: dict[int, _Request] = {}  # submitted requests no choice of has begun
         #: Called on the engine thread after every step's forward pass with its outputs, before
@@ -321,23 +324,50 @@ class EngineLoop:
             self._inbox.append(("abort", stream))
             self._cv.notify()
 
+    def _at_step_boundary(self, work: Callable[[], Any]) -> bool:
+        """Run ``work`` now when no step is in flight (inside the barrier none is), else at the
+        end of the step in flight, before the next one begins (engine thread). Never waits for
+        a step: the caller is the event loop. Returns whether it ran now."""
+        if self._step_lock.acquire(blocking=False):
+            try:
+                work()
+            finally:
+                self._step_lock.release()
+            return True
+        with self._cv:
+            self._deferred.append(work)
+            self._cv.notify()
+        return False
+
+    def _run_deferred(self) -> None:
+        """Engine thread, holding the step lock: the work asked for while a step ran."""
+        with self._cv:
+            work, self._deferred = self._deferred, []
+        for fn in work:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - the thread must outlive it
+                log.exception("engine: work at the step boundary failed")
+
     def drop_prefix_cache(self) -> int:
         """Forget every cached prefix block (the table's ``DROP_CACHE``: nothing computed on old
-        weights is reused); returns how many blocks were forgotten. Waits for a step in flight
-        (inside the barrier none is)."""
-        with self._step_lock:
-            return int(self.engine.drop_prefix_cache())
+        weights is reused) before the next step; returns how many blocks are cached now. Does
+        not wait for a step in flight (inside the barrier none is): the drop then happens when
+        that step ends, before any later admission."""
+        cached = int(self.engine.stats().get("prefix_cached_blocks", 0))
+        self._at_step_boundary(self.engine.drop_prefix_cache)
+        return cached
 
     def drop_graphs(self) -> None:
         """Drop the engine's captured decode graphs (an adapter change or a model transition:
-        the effects that drop graphs; captured again at next use)."""
+        the effects that drop graphs; captured again at next use), at the next step boundary
+        (a step in flight may be replaying one)."""
         drop = getattr(self.engine, "drop_graphs", None)
         if drop is None:  # the engine's runner's graphs (ContinuousEngine has no method yet)
             graphs = getattr(getattr(self.engine, "runner", None), "graphs", None)
             drop = getattr(graphs, "drop", None)
         if drop is not None:
-            with self._step_lock:
-                drop()
+            self._at_step_boundary(drop)
 
     # --- Parking (contract 4b; the state is :class:`~miserver.serving.engine.parking.EngineHold`)
     def park_running(self) -> None:
@@ -509,7 +539,11 @@ class EngineLoop:
         set_id = self.hold.set_id  # the weights this step computes on (no hold ends mid-step)
         try:
             with self._step_lock:
-                outputs = self.engine.step()
+                self._run_deferred()
+                try:
+                    outputs = self.engine.step()
+                finally:
+                    self._run_deferred()
         except Exception as exc:  # noqa: BLE001 - every running sequence fails with it
             log.warning("engine step failed: %s: %s", type(exc).__name__, exc)
             for seq_id, choice in list(self._choices.items()):
@@ -685,6 +719,7 @@ def build(
             budget,
             max_num_seqs=max_seqs,
             decode_graphs=settings.decode_graphs if device.type == "cuda" else "off",
+            prefix_cache=device.type != "cpu",
             **(CUDA_STEP_TOKENS if device.type == "cuda" else {}),
         )
     except Exception as exc:  # noqa: BLE001 - the model still serves, through the old path

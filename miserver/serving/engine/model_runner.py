@@ -14,7 +14,9 @@ row takes another kernel that rounds otherwise: see
 :mod:`~miserver.serving.engine.static_batch`). So a step of one token is padded with a second
 row (it writes the cache's scratch block, never a sequence's), and so is a logits read of one
 row. Attention: one masked call for every one-query row, one call per prefill chunk
-(:mod:`~miserver.serving.engine.paged_attention`).
+(:mod:`~miserver.serving.engine.paged_attention`). A sequence's positions past its
+``num_prefill_tokens`` are always one-query rows, also when a preempted sequence recomputes
+several of them in one step, so a recompute gives the bits of the first computation.
 
 CUDA. :class:`DecodeGraphs` captures the decode step of ``B`` sequences (one token each) as a
 CUDA graph per (batch-size bucket, block-table width bucket) over static input buffers and the
@@ -49,6 +51,13 @@ log = logging.getLogger("miserver.engine")
 
 #: The fewest rows a CPU matrix product computes (module docstring).
 MIN_ROWS = 2
+
+#: The most rows a CPU matrix product computes (module docstring): oneDNN's bfloat16 products
+#: give a row the same bits for 2 to 32 rows and switch kernels above, where a row's bits
+#: depend on how many rows there are (measured, torch 2.13, every weight shape of
+#: SmolLM2-135M: rows 2..32 bit-identical, from 33 on up to 32 of 64 rows differ;
+#: tests/unit/test_engine_core.py checks it on the running torch).
+MAX_ROWS = 32
 
 
 @dataclass
@@ -138,7 +147,9 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.device
         self.configs = model_configs(model)
-        self.min_rows = MIN_ROWS if self.device.type == "cpu" else 1
+        cpu = self.device.type == "cpu"
+        self.min_rows = MIN_ROWS if cpu else 1
+        self.max_rows = MAX_ROWS if cpu else None
         self.graphs = graphs
         self.forward_passes = 0
 
@@ -156,14 +167,37 @@ class ModelRunner:
         return out.logits[0]
 
     def run(self, batch: list[ScheduledSeq]) -> StepResult:
-        """One forward pass over ``batch`` (non-empty). The caller has made every position
-        writable (blocks allocated, copies on write done)."""
+        """One step over ``batch`` (non-empty). The caller has made every position writable
+        (blocks allocated, copies on write done). On CUDA one forward pass; on the CPU one per
+        prefill chunk and one per :data:`MAX_ROWS` one-query rows (module docstring)."""
         if (
             self.graphs is not None
             and all(s.num_new == 1 and s.sample and not s.prompt_logits for s in batch)
             and self.graphs.fits(len(batch))
         ):
             return StepResult(self.graphs.run([s.seq for s in batch]), {})
+        units = [
+            _Unit(s.seq, s.seq.num_computed_tokens, s.num_new, s.sample, s.prompt_logits)
+            for s in batch
+        ]
+        groups = [units] if self.max_rows is None else _cpu_groups(units, self.max_rows)
+        sampled: dict[int, torch.Tensor] = {}
+        prompt: dict[int, torch.Tensor] = {}
+        for group in groups:
+            self._run_group(group, sampled, prompt)
+        order = [sampled[id(s.seq)] for s in batch if s.sample]
+        if not order:
+            return StepResult(torch.empty(0, 0), prompt)
+        return StepResult(torch.stack(order).float(), prompt)
+
+    def _run_group(
+        self,
+        units: list[_Unit],
+        sampled: dict[int, torch.Tensor],
+        prompt: dict[int, torch.Tensor],
+    ) -> None:
+        """One forward pass over ``units``: fills ``sampled`` (by ``id(seq)``: the logits
+        ``[vocab]`` of each sampling unit's last position) and ``prompt`` (echo positions)."""
         bs = self.cache.block_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -171,41 +205,46 @@ class ModelRunner:
         spans: list[SeqSpan] = []
         keep: list[int] = []
         echo: list[tuple[int, int, int]] = []  # (id(seq), first keep index, count)
+        samplers: list[tuple[int, int]] = []  # (id(seq), keep index)
         decode_rows: list[int] = []  # flattened index of each one-query row
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         device = self.device
-        for item in batch:
-            seq = item.seq
-            start = seq.num_computed_tokens
-            end = start + item.num_new
+        for unit in units:
+            seq = unit.seq
+            start = unit.start
+            end = start + unit.num_new
             table = seq.block_table
             q_start = len(tokens)
-            if item.num_new == 1:
-                tokens.append(_token_at(seq, start))
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-                decode_rows.append(q_start)
-                decode_tables.append(table[: -(-end // bs)])
-                decode_lens.append(end)
+            if unit.rows:
+                # one-query rows: a decode, or a recompute's generated positions (each as its
+                # decode computed it: step_scheduler, Recompute)
+                for p in range(start, end):
+                    decode_rows.append(len(tokens))
+                    tokens.append(_token_at(seq, p))
+                    positions.append(p)
+                    slots.append(table[p // bs] * bs + p % bs)
+                    decode_tables.append(table[: p // bs + 1])
+                    decode_lens.append(p + 1)
             else:
                 tokens.extend(seq.token_ids()[start:end])
                 positions.extend(range(start, end))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
                 mask = None
-                if item.num_new < end:
-                    mask = torch.ones(item.num_new, end, dtype=torch.bool, device=device)
+                if unit.num_new < end:
+                    mask = torch.ones(unit.num_new, end, dtype=torch.bool, device=device)
                     mask = mask.tril(start)
                 blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=device)
-                spans.append(SeqSpan(q_start, item.num_new, end, blocks, mask))
-            if item.prompt_logits:
+                spans.append(SeqSpan(q_start, unit.num_new, end, blocks, mask))
+            if unit.prompt_logits:
                 # prompt positions start .. min(end, n_prompt - 1) - 1 predict tokens 1 .. n-1
                 last = min(end, seq.num_prompt_tokens - 1)
                 if last > start:
                     echo.append((id(seq), len(keep), last - start))
                     keep.extend(range(q_start, q_start + last - start))
-            if item.sample:
-                keep.append(q_start + item.num_new - 1)
+            if unit.sample:
+                samplers.append((id(seq), len(keep)))
+                keep.append(q_start + unit.num_new - 1)
         real = len(tokens)
         scratch = self.cache.scratch_block
         while len(tokens) < self.min_rows:  # a padding row: one query over the scratch block
@@ -215,8 +254,7 @@ class ModelRunner:
             slots.append(scratch * bs + len(tokens) % bs)
             decode_tables.append([scratch])
             decode_lens.append(1)
-        kept = len(keep)
-        if kept == 0:
+        if not keep:
             keep.append(real - 1)
         while len(keep) < self.min_rows:
             keep.append(keep[-1])
@@ -238,20 +276,54 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=device)
         keep_t = torch.tensor(keep, dtype=torch.long, device=device)
         logits = self._forward(ids, pos, keep_t, meta)
-        prompt: dict[int, torch.Tensor] = {}
-        sampled_rows: list[int] = []
-        cursor = 0
-        echo_at = {first: (key, count) for key, first, count in echo}
-        while cursor < kept:
-            if cursor in echo_at:
-                key, count = echo_at[cursor]
-                prompt[key] = logits[cursor : cursor + count]
-                cursor += count
-            else:
-                sampled_rows.append(cursor)
-                cursor += 1
-        rows = logits[sampled_rows] if sampled_rows else logits[:0]
-        return StepResult(rows.float(), prompt)
+        for key, first, count in echo:
+            prompt[key] = logits[first : first + count]
+        for key, index in samplers:
+            sampled[key] = logits[index]
+
+
+@dataclass
+class _Unit:
+    """Positions ``start .. start + num_new - 1`` of ``seq`` in one forward pass; ``rows``:
+    computed as one-query rows (a decode, or a recompute's generated positions)."""
+
+    seq: Sequence
+    start: int
+    num_new: int
+    sample: bool
+    prompt_logits: bool = False
+
+    @property
+    def rows(self) -> bool:
+        return self.num_new == 1 or self.start >= self.seq.num_prefill_tokens
+
+
+def _cpu_groups(units: list[_Unit], max_rows: int) -> list[list[_Unit]]:
+    """The CPU's forward passes of one step: every prefill chunk alone, the one-query rows in
+    passes of at most ``max_rows`` (a sequence's rows in position order, split where a pass is
+    full; only the last piece samples). Row-for-row the arithmetic is then the same whatever
+    else the step holds (module docstring)."""
+    groups: list[list[_Unit]] = []
+    rows: list[_Unit] = []
+    room = max_rows
+    for unit in units:
+        if not unit.rows:
+            groups.append([unit])
+            continue
+        start, left = unit.start, unit.num_new
+        while left:
+            if room == 0:
+                groups.append(rows)
+                rows, room = [], max_rows
+            take = min(left, room)
+            last = take == left
+            rows.append(
+                _Unit(unit.seq, start, take, unit.sample and last, unit.prompt_logits and last)
+            )
+            start, left, room = start + take, left - take, room - take
+    if rows:
+        groups.append(rows)
+    return groups
 
 
 class DecodeGraphs:

@@ -22,7 +22,7 @@ class SequenceStatus(enum.Enum):
 
     WAITING = "waiting"  # queued, never admitted
     RUNNING = "running"  # holds blocks; prefilling (in chunks) or decoding
-    PREEMPTED = "preempted"  # was running; blocks freed; re-prefills prompt + generated tokens
+    PREEMPTED = "preempted"  # was running; blocks freed; recomputes prompt + generated tokens
     FINISHED = "finished"  # ended (finish_reason says why); holds nothing
 
 
@@ -79,11 +79,18 @@ class Sequence:
     generator: SeedStream | None = None
     matcher: Any = None  # the constraint's matcher (SamplingParams.constraint), if any
     prompt_logprobs_done: bool = False
+    # Positions computed as prefill chunks; every later position is computed as a one-query
+    # (decode) row, also when a preempted sequence recomputes it, so a recompute repeats the
+    # arithmetic of the first computation exactly (issue 29). The prompt's length at first; a
+    # parked sequence's whole length when it is admitted again (issue 30: its re-prefill is a
+    # fresh request's prefill of prompt + produced tokens).
+    num_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
         if not self.prompt_token_ids:
             raise ValueError("the prompt has no tokens")
+        self.num_prefill_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
         if self.params.seed is not None and self.params.temperature > 0:
             self.generator = SeedStream(self.params.seed)
         constraint = getattr(self.params, "constraint", None)

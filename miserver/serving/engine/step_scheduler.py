@@ -19,6 +19,14 @@ for the next step rather than being cut, so a sequence's computation never depen
 neighbours (issue 29, CPU invariance) and a long prompt costs running decodes at most one chunk
 a step.
 
+Recompute. A preempted sequence computes again exactly what it computed before: its prompt in
+the same chunks (a prefix-cache match is cut back to a chunk boundary, so the chunks after it
+start where the first computation's did), then its generated tokens as one-query rows, as
+their decodes were (up to ``prefill_chunk`` rows a step, cut to the step's budget: rows do not
+depend on each other's shapes). Positions before ``Sequence.num_prefill_tokens`` are prefill,
+the rest decode rows. A sequence parked by ``preempt_all`` (issue 30's hold) is admitted again
+as a fresh prompt of its prompt plus its generated tokens: its whole length becomes prefill.
+
 Admission closed (quiesce): new sequences and sequences parked by ``preempt_all`` wait;
 running sequences and those preempted for blocks go on (the drain finishes them).
 """
@@ -40,6 +48,10 @@ class SchedulerConfig:
         max_num_seqs: the most running sequences.
         max_num_batched_tokens: the most tokens one forward pass computes.
         prefill_chunk: the most prompt tokens of one sequence in one step.
+        prefix_cache: whether an admitted sequence takes blocks from the prefix cache (the
+            ``n`` choices of a request fork from the first either way). Off on the CPU: a
+            prompt whose head comes from the cache is computed in other shapes than the whole
+            prompt and rounds otherwise (issue 29, CPU invariance).
 
     Raises:
         ValueError: a limit below 1, or a chunk larger than the budget.
@@ -48,6 +60,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     prefill_chunk: int = 256
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.prefill_chunk) < 1:
@@ -107,8 +120,29 @@ class StepScheduler:
         return bool(self.running) or any(self._admissible(s) for s in self.waiting)
 
     # --- the step -----------------------------------------------------------------------------
-    def _chunk(self, seq: Sequence) -> int:
-        return min(seq.num_tokens - seq.num_computed_tokens, self.config.prefill_chunk)
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Positions ``seq`` computes this step: a prefill chunk (never cut: it waits when it
+        exceeds ``budget``, the caller checks) or decode rows (cut to ``budget``)."""
+        start = seq.num_computed_tokens
+        if start < seq.num_prefill_tokens:
+            return min(seq.num_prefill_tokens - start, self.config.prefill_chunk)
+        rows = min(seq.num_tokens - start, self.config.prefill_chunk)
+        return max(1, min(rows, budget))
+
+    def _align_match(self, seq: Sequence) -> None:
+        """Cut a preempted sequence's prefix-cache match back to a prefill-chunk boundary (and
+        a block boundary) before its prefill end, so its prefill chunks are the ones it computed
+        first (module docstring, Recompute). A match reaching past the prefill end is kept: its
+        blocks are prefill chunks and decode rows, as the sequence computed them."""
+        taken = seq.num_computed_tokens
+        if taken == 0 or taken >= seq.num_prefill_tokens:
+            return
+        chunk, bs = self.config.prefill_chunk, self.blocks.block_size
+        keep = taken // chunk * chunk
+        while keep % bs:
+            keep -= chunk
+        if keep < taken:
+            self.blocks.keep_prefix(seq, keep)
 
     def _prefilling_sibling(self, seq: Sequence) -> bool:
         if seq.group is None or seq.output_token_ids:
@@ -128,7 +162,7 @@ class StepScheduler:
         i = 0
         while i < len(order):
             seq = order[i]
-            n = self._chunk(seq)
+            n = self._chunk(seq, budget)
             if n > budget:
                 i += 1
                 continue
@@ -150,9 +184,15 @@ class StepScheduler:
                 continue
             if self._prefilling_sibling(seq):
                 continue
-            if not (seq.wants_prompt_logprobs and not seq.prompt_logprobs_done):
+            if seq.parked:  # a hold's re-prefill: a fresh prompt of everything it has
+                seq.num_prefill_tokens = seq.num_tokens
+            if self.config.prefix_cache and not (
+                seq.wants_prompt_logprobs and not seq.prompt_logprobs_done
+            ):
                 self.blocks.match_prefix(seq)  # (an echo's prompt positions are all scored)
-            n = self._chunk(seq)
+                if seq.status is SequenceStatus.PREEMPTED:
+                    self._align_match(seq)
+            n = self._chunk(seq, budget)
             target = seq.num_computed_tokens + n
             if n > budget or self.blocks.append_cost(seq, target) > self.blocks.num_free_blocks:
                 self.blocks.free(seq)

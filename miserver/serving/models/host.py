@@ -526,10 +526,10 @@ class ModelHost:
 
     def _build_engine_loop(self, model: torch.nn.Module, tokenizer: Any, name: str) -> Any:
         """The continuous engine's thread for a freshly loaded model, or None when
-        :attr:`use_engine` is off (:func:`~miserver.serving.engine.engine_loop.build`)."""
+        :attr:`use_engine` is off (:func:`~miserver.serving.engine.engine_setup.build`)."""
         if not self.use_engine:
             return None
-        from miserver.serving.engine.engine_loop import build
+        from miserver.serving.engine.engine_setup import build
 
         return build(model, tokenizer, name, self.settings, self.scheduler, self.metrics)
 

@@ -23,8 +23,9 @@ CUDA graph per (batch-size bucket, block-table width bucket) over static input b
 paged cache (whose tensors never move: a graph stays valid across weight commits), using the
 fixed-shape ``batched`` attention path. The width bucket (a power of two of blocks, at least
 :data:`SMALLEST_WIDTH`, at most the context's) bounds what a step gathers to about twice the
-longest running sequence instead of the model's whole context for every row. ``DECODE_GRAPHS`` modes as :mod:`~miserver.serving.engine.decode_graphs`:
-``captured`` (eager forward captured), ``compiled`` (``torch.compile``, then captured), ``off``.
+longest running sequence instead of the model's whole context for every row.
+``DECODE_GRAPHS`` modes as :mod:`~miserver.serving.engine.decode_graphs`: ``captured`` (eager
+forward captured), ``compiled`` (``torch.compile``, then captured), ``off``.
 """
 
 from __future__ import annotations

@@ -59,26 +59,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving import start_server  # noqa: E402 - the sibling benchmark's server start
+from static_batch import TOPICS  # noqa: E402 - the same chat topics
 
 MODEL = "smollm2-135m-instruct"
-TOPICS = (
-    "the sea",
-    "a forest",
-    "the moon",
-    "a city at night",
-    "a mountain",
-    "rain",
-    "a library",
-    "the desert",
-    "a garden",
-    "winter",
-    "a train",
-    "the sun",
-    "a river",
-    "a market",
-    "an old house",
-    "the stars",
-)
 
 
 def long_tailed(count: int, low: int = 8, high: int = 192, seed: int = 0) -> list[int]:

@@ -57,6 +57,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from decode_graphs import SHAPES as DECODE_SHAPES  # noqa: E402 - one 8B shape
 from serving import start_server  # noqa: E402 - the sibling benchmark's server start
 
 TOPICS = (
@@ -158,17 +159,7 @@ def _chat_row(
 #: Llama-3-8B's layers (32 x 4096, 32 heads, 8 key-value heads, vocabulary 128256 as in
 #: ``benchmarks/decode_graphs.py``): SmolLM2's tokenizer covers the first 49152 ids; the output
 #: rows past them are zero (see :func:`make_shape`).
-SHAPE_8B = dict(
-    model_type="llama",
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    tie_word_embeddings=False,
-)
+SHAPE_8B = dict(DECODE_SHAPES["8b"])
 
 
 def make_shape(

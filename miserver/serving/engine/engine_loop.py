@@ -49,22 +49,19 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from miserver.serving.engine.detokenize import token_bytes, token_text
 from miserver.serving.engine.generation import (
-    Event,
     Finished,
     Generation,
-    GenerationError,
     SamplingParams,
     Started,
     TextDelta,
     TokenLogprob,
-    _Failed,
     _Sequence,
     end_token_ids,
 )
@@ -122,19 +119,8 @@ class SequenceStream(Generation):
         """Events posted to the reader and not yet taken."""
         return self._posted - self._taken
 
-    async def events(self) -> AsyncIterator[Event]:
-        """As :meth:`Generation.events`."""
-        assert self._queue is not None
-        while True:
-            event = await self._queue.get()
-            self._taken += 1
-            if isinstance(event, _Failed):
-                raise GenerationError(
-                    f"generation failed: {type(event.error).__name__}: {event.error}"
-                ) from event.error
-            yield event
-            if isinstance(event, Finished):
-                return
+    def _took(self) -> None:
+        self._taken += 1
 
     def _post(self, callback: Callable[..., None], *args: Any) -> None:
         self._posted += 2 if callback == self._put_two else 1

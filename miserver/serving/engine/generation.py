@@ -222,6 +222,7 @@ class Generation:
         assert self._queue is not None, "start() first"
         while True:
             event = await self._queue.get()
+            self._took()
             if isinstance(event, _Failed):
                 raise GenerationError(
                     f"generation failed: {type(event.error).__name__}: {event.error}"
@@ -229,6 +230,9 @@ class Generation:
             yield event
             if isinstance(event, Finished):
                 return
+
+    def _took(self) -> None:
+        """An event was taken from the queue (a subclass counts them)."""
 
     def add_done_callback(self, callback: Any) -> None:
         """Call ``callback()`` on the event loop once the worker thread is done with this

@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +20,7 @@ import requests
 from pydantic import BaseModel, Field
 
 from miserver.http.model_header import parse_model_header
+from tests.served import ServedProcess, start_serve
 
 pytestmark = pytest.mark.slow
 
@@ -32,25 +29,10 @@ BF16 = "smollm2-135m-instruct"
 SECRET = "gguf-e2e-trainer-secret-0123456789"
 OPS_SECRET = "gguf-e2e-operator-secret-0123456789"
 TRAINER = {"Authorization": f"Bearer {SECRET}"}
-START_TIMEOUT_S = 240
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, proc: subprocess.Popen[bytes], base: str, log: Path) -> None:
-        self.proc = proc
-        self.base = base
-        self.log = log
-
-    def log_tail(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
-
+class Server(ServedProcess):
     def get(self, path: str) -> dict:
         return requests.get(f"{self.base}{path}", timeout=30).json()
 
@@ -74,45 +56,22 @@ class Server:
 
 
 def _start(home: str, log: Path, **extra: str) -> Server:
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("WEIGHTS_", "CONTINUOUS"))}
-    env.update(
+    want = extra.get("DEFAULT_MODEL", BF16)
+    settings = dict(
         MISERVER_HOME=home,
-        HOST="127.0.0.1",
-        PORT=str(port),
         DEVICE="cpu",
         LOG_FORMAT="text",
         LOG_LEVEL="info",
         WEIGHTS_TOKENS=f"trn:trainer:{SECRET},ops:operator:{OPS_SECRET}",
         PYTHONPATH=str(REPO),
-        **extra,
     )
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "miserver.cli", "serve"], env=env, stdout=out, stderr=out
-        )
-    srv = Server(proc, f"http://127.0.0.1:{port}", log)
-    want = extra.get("DEFAULT_MODEL", BF16)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{srv.log_tail()}"
-        assert time.monotonic() < deadline, f"server not ready:\n{srv.log_tail()}"
-        try:
-            if srv.resident() == want:
-                return srv
-        except (requests.RequestException, ValueError, KeyError, TypeError):
-            pass
-        time.sleep(0.5)
-
-
-def _stop(srv: Server) -> None:
-    srv.proc.terminate()
-    try:
-        srv.proc.wait(20)
-    except subprocess.TimeoutExpired:
-        srv.proc.kill()
-        srv.proc.wait(5)
+    return start_serve(
+        Server,
+        log,
+        lambda srv: srv.resident() == want,
+        drop_prefixes=("CONTINUOUS",),
+        **{**settings, **extra},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +89,7 @@ def server(home: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serv
     try:
         yield srv
     finally:
-        _stop(srv)
+        srv.stop()
 
 
 @pytest.fixture
@@ -594,7 +553,7 @@ def cbm_server(home: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     try:
         yield srv
     finally:
-        _stop(srv)
+        srv.stop()
 
 
 def test_continuous_batching_from_the_start_refuses_the_barrier(cbm_server: Server) -> None:

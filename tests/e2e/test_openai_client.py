@@ -9,43 +9,24 @@ put them back.
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
 import requests
 
 from miserver.http.model_header import parse_model_header
+from tests.served import ServedProcess, start_serve
 
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m-instruct"
 ALIAS = "smollm2-alias"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
-START_TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, proc: subprocess.Popen[bytes], base: str, log: Path) -> None:
-        self.proc = proc
-        self.base = base
-        self.log = log
-
-    def log_tail(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
-
+class Server(ServedProcess):
     def health(self) -> dict:
         return requests.get(f"{self.base}/api/health/detailed", timeout=5).json()["data"]
 
@@ -82,13 +63,12 @@ def home(default_home: str, tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def server(home: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port = _free_port()
     log = tmp_path_factory.mktemp("e2e-openai") / "server.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
-    env.update(
+    srv = start_serve(
+        Server,
+        log,
+        lambda srv: MODEL in srv.resident_models(),
         MISERVER_HOME=home,
-        HOST="127.0.0.1",
-        PORT=str(port),
         DEVICE="cpu",
         DEFAULT_MODEL=MODEL,
         LOG_FORMAT="text",
@@ -97,37 +77,10 @@ def server(home: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serv
         MAX_CONCURRENT_REQUESTS="1",
         MAX_QUEUED_REQUESTS="64",
     )
-    # Two cores shared with this test process: OpenMP's spin-waiting would cost 10x the
-    # compute (benchmarks/serving.py); an operator's OMP_WAIT_POLICY is kept.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "miserver.cli", "serve"],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    srv = Server(proc, f"http://127.0.0.1:{port}", log)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{srv.log_tail()}"
-            assert time.monotonic() < deadline, f"server not ready:\n{srv.log_tail()}"
-            try:
-                models = requests.get(f"{srv.base}/v1/models", timeout=2).json()["data"]
-                if any(m["id"] == MODEL and m.get("resident") for m in models):
-                    break
-            except (requests.RequestException, ValueError, KeyError):
-                pass
-            time.sleep(0.5)
         yield srv
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        srv.stop()
 
 
 @pytest.fixture

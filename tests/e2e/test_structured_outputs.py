@@ -13,23 +13,19 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
 import openai
 import pytest
-import requests
 from pydantic import BaseModel, Field
+
+from tests.served import ServedProcess, start_serve
 
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m-instruct"
 TOOLS_MODEL = "tiny-tools"
-START_TIMEOUT_S = 240
 
 
 class City(BaseModel):
@@ -84,12 +80,6 @@ WEATHER = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def home(default_home: str, tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     from miserver.serving.models.catalogue import Catalogue
@@ -105,49 +95,22 @@ def home(default_home: str, tiny_model_dir: str, tmp_path_factory: pytest.TempPa
 
 @pytest.fixture(scope="module")
 def base(home: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
     log = tmp_path_factory.mktemp("e2e-structured") / "server.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTS_")}
-    env.update(
+    srv = start_serve(
+        ServedProcess,
+        log,
+        lambda srv: MODEL in srv.resident_models(),
         MISERVER_HOME=home,
-        HOST="127.0.0.1",
-        PORT=str(port),
         DEVICE="cpu",
         DEFAULT_MODEL=MODEL,
         LOG_FORMAT="text",
         LOG_LEVEL="info",
         MAX_CONCURRENT_REQUESTS="1",
     )
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "miserver.cli", "serve"],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            tail = log.read_text(errors="replace")[-3000:]
-            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{tail}"
-            assert time.monotonic() < deadline, f"server not ready:\n{tail}"
-            try:
-                models = requests.get(f"{url}/v1/models", timeout=2).json()["data"]
-                if any(m["id"] == MODEL and m.get("resident") for m in models):
-                    break
-            except (requests.RequestException, ValueError, KeyError):
-                pass
-            time.sleep(0.5)
-        yield url
+        yield srv.base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        srv.stop()
 
 
 @pytest.fixture

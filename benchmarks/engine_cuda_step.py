@@ -16,10 +16,17 @@ Columns: ms a step (median of the timed steps, after ``--warm`` untimed ones), m
 engine's graph buckets captured and the bytes they allocated, the paged cache's size, and the
 greedy tokens of ``--prompts`` prompts, new against old (counted: equal to rounding).
 
+``--prefill N`` instead: the step that admits ``N`` prompts at once (lengths 8 to about 300,
+the prompts above), each prompt's chunk attended alone (one attention call a chunk and a layer)
+against packed (one call a pack and a layer: ``pack_spans``), alternating ``--rounds`` times:
+ms of the steps until every prompt has its first token (median round), and whether the greedy
+tokens (16 a prompt) are the same both ways.
+
 Usage (on the GPU machine)::
 
     python benchmarks/engine_cuda_step.py [--shapes smollm2,0.5b,8b] [--batches 1,8,64]
         [--tokens 64] [--json out.json]
+    python benchmarks/engine_cuda_step.py --shapes smollm2 --prefill 64
 """
 
 from __future__ import annotations
@@ -78,6 +85,93 @@ def run_new(model: Any, ps: list[list[int]], tokens: int, warm: int, budget: int
     }
 
 
+def run_prefill(model: Any, ps: list[list[int]], packed: bool, budget: int) -> dict:
+    """Admit ``ps`` at once: seconds of the steps until each has its first token; the tokens
+    (16 each, greedy)."""
+    import torch
+
+    from miserver.serving.engine.continuous import ContinuousEngine
+    from miserver.serving.engine.generation import SamplingParams
+    from miserver.serving.engine.sequence import Sequence
+
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    engine = ContinuousEngine(
+        model,
+        budget,
+        max_num_seqs=len(ps),
+        max_num_batched_tokens=16384,
+        prefill_chunk=512,
+        decode_graphs="captured" if cuda else "off",
+        prefix_cache=False,
+        packed_prefill=packed,
+    )
+    for i, p in enumerate(ps):
+        engine.add(Sequence(i, p, SamplingParams(max_tokens=16, temperature=0)))
+    out: dict[Any, list[int]] = {i: [] for i in range(len(ps))}
+    prefill_s = 0.0
+    steps = 0
+    with torch.inference_mode():
+        while engine.has_work():
+            first = not all(out.values())
+            sync()
+            t0 = time.perf_counter()
+            outputs = engine.step()
+            sync()
+            if first:
+                prefill_s += time.perf_counter() - t0
+                steps += 1
+            for o in outputs:
+                out[o.seq_id] += o.new_token_ids
+    del engine
+    torch.cuda.empty_cache()
+    return {"s": prefill_s, "steps": steps, "tokens": [out[i] for i in range(len(ps))]}
+
+
+def prefill_main(args: Any) -> int:
+    import torch
+
+    rows = []
+    for shape in args.shapes.split(","):
+        model, label = build_model(shape, args.device, args.context)
+        ps = prompts(args.prefill, 32000)
+        ps = [[t % model.config.vocab_size for t in p] for p in ps]
+        run_prefill(model, ps[:4], True, args.budget_mib << 20)  # warm both paths
+        run_prefill(model, ps[:4], False, args.budget_mib << 20)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        tokens: dict[bool, list[list[int]]] = {}
+        steps = {}
+        for _ in range(args.rounds):
+            for packed in (False, True):
+                res = run_prefill(model, ps, packed, args.budget_mib << 20)
+                times[packed].append(res["s"] * 1000)
+                tokens[packed], steps[packed] = res["tokens"], res["steps"]
+        same = sum(a == b for a, b in zip(tokens[False], tokens[True], strict=True))
+        alone, packed = statistics.median(times[False]), statistics.median(times[True])
+        row = {
+            "shape": shape,
+            "label": label,
+            "prompts": len(ps),
+            "prompt_tokens": sum(map(len, ps)),
+            "alone_ms": alone,
+            "packed_ms": packed,
+            "steps": steps,
+            "same_tokens": same,
+        }
+        rows.append(row)
+        print(
+            f"{shape}: {len(ps)} prompts ({row['prompt_tokens']} tokens) admitted at once: "
+            f"alone {alone:.1f} ms, packed {packed:.1f} ms ({alone / packed:.2f}x) over "
+            f"{steps[True]} step(s); greedy 16 tokens the same for {same}/{len(ps)}",
+            flush=True,
+        )
+        del model
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="smollm2,0.5b,8b")
@@ -89,7 +183,11 @@ def main() -> int:
     parser.add_argument("--budget-mib", type=int, default=2048, help="the paged cache, MiB")
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--prefill", type=int, default=0, help="time admitting N prompts")
+    parser.add_argument("--rounds", type=int, default=3, help="--prefill: rounds each way")
     args = parser.parse_args()
+    if args.prefill:
+        return prefill_main(args)
 
     import torch
 

@@ -495,3 +495,72 @@ def test_the_health_route_reports_the_engine_cache_and_graphs(model: Any) -> Non
     assert summary["peak_batch"] == 2 and summary["running"] == 0
     assert summary["decode_graphs"]["mode"] == "eager" and summary["decode_graphs"]["bytes"] == 0
     assert kv_cache_summary(SimpleNamespace(engine_loop=None)) is None
+
+
+def test_packed_prefill_attends_each_chunk_as_alone_in_one_call_per_pack(model: Any) -> None:
+    """The CUDA path (issue 34): a step's prefill chunks in one masked attention call a layer
+    (``pack_spans``), here forced on the CPU in float32: the logits of every chunk (whole
+    prompts, chunks after cached positions, a cached prefix from the prefix cache) match the
+    one-call-per-chunk path, and the greedy tokens are the model's own."""
+    from miserver.serving.engine import paged_attention
+    from miserver.serving.engine.paged_attention import SeqSpan, pack_spans
+
+    calls: list[int] = []
+    real = paged_attention._packed_prefill
+
+    def counting(*args: Any, **kw: Any) -> None:
+        calls.append(1)
+        real(*args, **kw)
+
+    prompts = [*PROMPTS, list(range(3, 60)), list(range(1, 30)), list(range(1, 30)) + [7, 8]]
+    refs = [reference_greedy(model, p, 8) for p in prompts]
+    got: dict[str, dict[Any, list[int]]] = {}
+    for mode in ("alone", "packed"):
+        engine = make_engine(
+            model,
+            blocks=128,
+            prefill_chunk=8,
+            max_num_batched_tokens=64,
+            packed_prefill=mode == "packed",
+        )
+        calls.clear()
+        paged_attention._packed_prefill = counting
+        try:
+            for i, p in enumerate(prompts):
+                engine.add(Sequence(i, p, greedy(8)))
+            got[mode] = run(engine)
+        finally:
+            paged_attention._packed_prefill = real
+        assert (len(calls) > 0) == (mode == "packed")
+    assert got["packed"] == got["alone"] == dict(enumerate(refs))
+    # the mask itself: each query sees its own sequence's keys up to its own position
+    blocks = [torch.tensor([0, 1]), torch.tensor([2])]
+    spans = [SeqSpan(0, 3, 6, blocks[0]), SeqSpan(3, 2, 2, blocks[1])]
+    packs, alone = pack_spans(spans, block_size=4)
+    assert alone == [] and len(packs) == 1
+    mask = packs[0].mask
+    assert mask.shape == (5, 12)
+    assert mask[0].tolist() == [True] * 4 + [False] * 8  # position 3 of sequence 0
+    assert mask[2].tolist() == [True] * 6 + [False] * 6  # position 5
+    assert mask[3].tolist() == [False] * 8 + [True] + [False] * 3  # sequence 1, position 0
+    assert packs[0].q_index.tolist() == [0, 1, 2, 3, 4]
+    assert packs[0].grouped_mask(2).shape == (10, 12)
+    # a limit too small for two spans leaves each alone
+    packs, alone = pack_spans(spans, block_size=4, limit=20)
+    assert packs == [] and alone == spans
+
+
+def test_packed_prefill_matches_alone_with_decode_rows_in_the_same_step(model: Any) -> None:
+    """Mixed steps: decode rows beside packed chunks (the batched decode path and the packs
+    write disjoint positions of the step's output)."""
+    outs = {}
+    for packed in (False, True):
+        engine = make_engine(model, blocks=128, prefill_chunk=4, packed_prefill=packed)
+        engine.add(Sequence("early", [1, 2, 3], greedy(20)))
+        first = [t for o in engine.step() for t in o.new_token_ids]
+        for i, p in enumerate(PROMPTS):
+            engine.add(Sequence(i, p, greedy(6)))
+        outs[packed] = run(engine)
+        outs[packed]["early"] = first + outs[packed]["early"]
+    assert outs[True] == outs[False]
+    assert outs[True]["early"] == reference_greedy(model, [1, 2, 3], 20)

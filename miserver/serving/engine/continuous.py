@@ -66,6 +66,7 @@ class ContinuousEngine:
         max_model_len: the longest sequence (prompt + generated); the model's context if None.
         prefix_cache: take blocks from the cross-request prefix cache at admission
             (:class:`SchedulerConfig`; the server turns it off on the CPU).
+        packed_prefill: :class:`ModelRunner`'s (None: on CUDA only).
 
     Raises:
         ValueError: the budget holds fewer than two blocks, or a limit is invalid.
@@ -83,6 +84,7 @@ class ContinuousEngine:
         decode_graphs: str = "off",
         max_model_len: int | None = None,
         prefix_cache: bool = True,
+        packed_prefill: bool | None = None,
     ) -> None:
         shape = cache_shape(model)
         total = blocks_for_budget(cache_budget_bytes, shape, block_size)
@@ -105,7 +107,7 @@ class ContinuousEngine:
         if decode_graphs != "off":
             max_blocks = -(-self.max_model_len // block_size)
             graphs = DecodeGraphs(model, self.cache, max_num_seqs, max_blocks, decode_graphs)
-        self.runner = ModelRunner(model, self.cache, graphs)
+        self.runner = ModelRunner(model, self.cache, graphs, packed_prefill)
         self._lock = threading.Lock()
         self._pending: list[Sequence] = []
         self._aborts: dict[Any, str] = {}

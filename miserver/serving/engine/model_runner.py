@@ -43,6 +43,7 @@ from miserver.serving.engine.paged_attention import (
     SeqSpan,
     decode_mask,
     model_configs,
+    pack_spans,
     register,
     use_paged_attention,
 )
@@ -140,9 +141,19 @@ class ModelRunner:
             ``ALL_ATTENTION_FUNCTIONS`` (Llama-like); never modified.
         cache: the paged cache (made for this model).
         graphs: a :class:`DecodeGraphs` for the decode steps (CUDA), or None.
+        packed_prefill: attend a step's prefill chunks in packs
+            (:func:`~miserver.serving.engine.paged_attention.pack_spans`), the step in one
+            forward pass; None: on CUDA only (on by choice on the CPU, a chunk's bits may
+            then depend on its neighbours).
     """
 
-    def __init__(self, model: Any, cache: PagedKVCache, graphs: DecodeGraphs | None = None):
+    def __init__(
+        self,
+        model: Any,
+        cache: PagedKVCache,
+        graphs: DecodeGraphs | None = None,
+        packed_prefill: bool | None = None,
+    ):
         register()
         self.model = model
         self.cache = cache
@@ -151,6 +162,9 @@ class ModelRunner:
         cpu = self.device.type == "cpu"
         self.min_rows = MIN_ROWS if cpu else 1
         self.max_rows = MAX_ROWS if cpu else None
+        #: several prefill chunks of a step in one attention call a layer (CUDA by default;
+        #: never on the CPU by default, where each chunk's bits must not depend on the others)
+        self.packed_prefill = not cpu if packed_prefill is None else packed_prefill
         self.graphs = graphs
         self.forward_passes = 0
 
@@ -181,7 +195,8 @@ class ModelRunner:
             _Unit(s.seq, s.seq.num_computed_tokens, s.num_new, s.sample, s.prompt_logits)
             for s in batch
         ]
-        groups = [units] if self.max_rows is None else _cpu_groups(units, self.max_rows)
+        one_pass = self.max_rows is None or self.packed_prefill
+        groups = [units] if one_pass else _cpu_groups(units, self.max_rows)
         sampled: dict[int, torch.Tensor] = {}
         prompt: dict[int, torch.Tensor] = {}
         for group in groups:
@@ -231,12 +246,8 @@ class ModelRunner:
                 tokens.extend(seq.token_ids()[start:end])
                 positions.extend(range(start, end))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-                mask = None
-                if unit.num_new < end:
-                    mask = torch.ones(unit.num_new, end, dtype=torch.bool, device=device)
-                    mask = mask.tril(start)
                 blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=device)
-                spans.append(SeqSpan(q_start, unit.num_new, end, blocks, mask))
+                spans.append(SeqSpan(q_start, unit.num_new, end, blocks))
             if unit.prompt_logits:
                 # prompt positions start .. min(end, n_prompt - 1) - 1 predict tokens 1 .. n-1
                 last = min(end, seq.num_prompt_tokens - 1)
@@ -259,8 +270,15 @@ class ModelRunner:
             keep.append(real - 1)
         while len(keep) < self.min_rows:
             keep.append(keep[-1])
+        packs = None
+        if self.packed_prefill and len(spans) > 1:
+            packs, spans = pack_spans(spans, bs)
+        for span in spans:  # attended alone: causal within a chunk after cached positions
+            if span.q_len < span.context_len:
+                ones = torch.ones(span.q_len, span.context_len, dtype=torch.bool, device=device)
+                span.mask = ones.tril(span.context_len - span.q_len)
         meta = PagedMetadata(
-            self.cache, torch.tensor(slots, dtype=torch.long, device=device), spans
+            self.cache, torch.tensor(slots, dtype=torch.long, device=device), spans, packs
         )
         if decode_rows:
             width = max(len(t) for t in decode_tables)

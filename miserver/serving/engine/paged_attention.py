@@ -26,8 +26,12 @@ Two attention paths, chosen per sequence by its query count (never by its neighb
   CPU a row's result is bit-identical whatever the padding width (measured, torch 2.13: widths
   16 to 2048), so it does not depend on its neighbours (issue 29); fixed shapes and no host
   reads, so a CUDA graph can capture it (:mod:`~miserver.serving.engine.model_runner`).
-- several queries (a prefill chunk): one call per sequence over its own gathered keys, causal
-  within the chunk.
+- several queries (a prefill chunk): on the CPU one call per sequence over its own gathered
+  keys, causal within the chunk (so a chunk's bits do not depend on its neighbours). On CUDA the
+  step's chunks are packed (:func:`pack_spans`): one call per pack over the pack's blocks
+  gathered once, with a mask made once a step that lets each query see only its own sequence's
+  positions up to its own (a varlen attention in one kernel launch a layer instead of one per
+  sequence: a step admitting 64 prompts made 64 x layers launches before).
 """
 
 from __future__ import annotations
@@ -71,6 +75,100 @@ class SeqSpan:
 
 
 @dataclass
+class SpanPack:
+    """Several sequences' prefill chunks attended in one call (:func:`pack_spans`).
+
+    Attributes:
+        q_index: ``[Tq]`` int64, the flattened step positions of the pack's queries.
+        blocks: ``[nb]`` int64, every pack sequence's blocks, one sequence after another (the
+            keys: ``S = nb * block_size`` positions).
+        mask: ``[Tq, S]`` bool, True where a query attends a key: the same sequence, a key
+            position at most the query's.
+    """
+
+    q_index: torch.Tensor
+    blocks: torch.Tensor
+    mask: torch.Tensor
+    _grouped: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def grouped_mask(self, group: int) -> torch.Tensor:
+        """The mask for ``group`` query heads a KV head, ``[group * Tq, S]`` (made once)."""
+        if group == 1:
+            return self.mask
+        if group not in self._grouped:
+            self._grouped[group] = self.mask.repeat(group, 1)
+        return self._grouped[group]
+
+
+#: The most mask elements (queries x keys) of one pack: 16 M, 16 MB of bool.
+PACK_LIMIT = 1 << 24
+
+
+def pack_spans(
+    spans: list[SeqSpan], block_size: int, limit: int = PACK_LIMIT
+) -> tuple[list[SpanPack], list[SeqSpan]]:
+    """Group ``spans`` into packs of at least two whose mask (queries x keys) stays within
+    ``limit`` elements, in order; a span that packs with no other is returned alone (it is
+    attended by itself, as on the CPU). Returns ``(packs, alone)``.
+
+    Each pack's mask is made on the spans' device from a few small tensors (no host loop over
+    positions): query ``t`` of sequence ``j`` (absolute position ``p_t``) attends key ``s`` of
+    sequence ``j`` (position ``s - offset_j`` in its blocks) iff that position is ``<= p_t``;
+    positions past the sequence's context are never attended (``p_t < context_len``)."""
+    groups: list[list[SeqSpan]] = []
+    current: list[SeqSpan] = []
+    q_total = k_total = 0
+    for span in spans:
+        keys = span.blocks.shape[0] * block_size
+        if current and (q_total + span.q_len) * (k_total + keys) > limit:
+            groups.append(current)
+            current, q_total, k_total = [], 0, 0
+        current.append(span)
+        q_total += span.q_len
+        k_total += keys
+    if current:
+        groups.append(current)
+    packs: list[SpanPack] = []
+    alone: list[SeqSpan] = []
+    for group in groups:
+        if len(group) == 1:
+            alone.append(group[0])
+            continue
+        packs.append(_pack(group, block_size))
+    return packs, alone
+
+
+def _pack(group: list[SeqSpan], block_size: int) -> SpanPack:
+    device = group[0].blocks.device
+    q_lens = [s.q_len for s in group]
+    k_lens = [s.blocks.shape[0] * block_size for s in group]
+    tq, sk = sum(q_lens), sum(k_lens)
+    # host-side: per sequence, its first query position and its keys' offset in the pack
+    q_index: list[int] = []
+    q_first: list[int] = []
+    k_offset: list[int] = []
+    offset = 0
+    for span, k_len in zip(group, k_lens, strict=True):
+        q_index.extend(range(span.q_start, span.q_start + span.q_len))
+        q_first.append(span.context_len - span.q_len)
+        k_offset.append(offset)
+        offset += k_len
+    small = torch.tensor([q_lens, k_lens, q_first, k_offset], dtype=torch.long).to(device)
+    seq_ids = torch.arange(len(group), device=device)
+    q_seq = torch.repeat_interleave(seq_ids, small[0], output_size=tq)
+    k_seq = torch.repeat_interleave(seq_ids, small[1], output_size=sk)
+    q_starts = torch.cumsum(small[0], 0) - small[0]
+    q_pos = torch.arange(tq, device=device) - q_starts[q_seq] + small[2][q_seq]
+    k_pos = torch.arange(sk, device=device) - small[3][k_seq]
+    mask = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+    return SpanPack(
+        torch.tensor(q_index, dtype=torch.long).to(device),
+        torch.cat([s.blocks for s in group]),
+        mask,
+    )
+
+
+@dataclass
 class PagedMetadata:
     """What :func:`paged_attention_forward` needs for one forward pass.
 
@@ -79,6 +177,8 @@ class PagedMetadata:
         slot_mapping: ``[T]`` int64, the cache slot each flattened token writes (``block *
             block_size + offset``).
         spans: per sequence, for the ``loop`` path.
+        packs: the spans packed for one attention call each (:func:`pack_spans`); None: one
+            call per span.
         block_tables: ``[B, max_blocks]`` int64: the one-query rows' blocks (padded with the
             scratch block), for the batched decode path.
         context_lens: ``[B]`` int64, their context lengths.
@@ -91,6 +191,7 @@ class PagedMetadata:
     cache: PagedKVCache
     slot_mapping: torch.Tensor
     spans: list[SeqSpan] = field(default_factory=list)
+    packs: list[SpanPack] | None = None
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     decode_index: torch.Tensor | None = None
@@ -139,12 +240,16 @@ def paged_attention_forward(
     tokens = query.shape[2]
     heads = query.shape[1]
     covered = sum(s.q_len for s in meta.spans)
+    if meta.packs is not None:
+        covered += sum(int(p.q_index.shape[0]) for p in meta.packs)
     if meta.decode_index is not None:
         covered += meta.decode_index.shape[0]
     out = (query.new_empty if covered == tokens else query.new_zeros)(1, tokens, heads, dim)
     if meta.decode_index is not None:
         rows = _batched_decode(query.index_select(2, meta.decode_index), kc, vc, meta, scaling)
         out[0].index_copy_(0, meta.decode_index, rows[0])
+    for pack in meta.packs or ():
+        _packed_prefill(query, kc, vc, pack, out, scaling)
     for span in meta.spans:
         q = query[:, :, span.q_start : span.q_start + span.q_len]
         n = span.context_len
@@ -161,6 +266,35 @@ def paged_attention_forward(
         )
         out[0, span.q_start : span.q_start + span.q_len] = o[0].transpose(0, 1)
     return out, None
+
+
+def _packed_prefill(
+    query: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    pack: SpanPack,
+    out: torch.Tensor,
+    scaling: float | None,
+) -> None:
+    """One attention call for a pack's queries (``query`` ``[1, heads, T, head_dim]``) over
+    its blocks, written into ``out`` ``[1, T, heads, head_dim]`` at the queries' positions.
+    The query heads sharing a KV head are stacked as that head's queries (as
+    :func:`_batched_decode` does on CUDA), the mask repeated for them."""
+    heads, dim = query.shape[1], query.shape[3]
+    kv_heads = kc.shape[2]
+    group = heads // kv_heads
+    tq = pack.q_index.shape[0]
+    q = query.index_select(2, pack.q_index)  # [1, heads, Tq, dim], contiguous
+    k = kc.index_select(0, pack.blocks).view(-1, kv_heads, dim).transpose(0, 1)[None]
+    v = vc.index_select(0, pack.blocks).view(-1, kv_heads, dim).transpose(0, 1)[None]
+    o = F.scaled_dot_product_attention(
+        q.view(1, kv_heads, group * tq, dim),
+        k,
+        v,
+        attn_mask=pack.grouped_mask(group),
+        scale=scaling,
+    )  # [1, kv_heads, group * Tq, dim]
+    out[0].index_copy_(0, pack.q_index, o.view(1, heads, tq, dim)[0].transpose(0, 1))
 
 
 def decode_mask(context_lens: torch.Tensor, length: int) -> torch.Tensor:

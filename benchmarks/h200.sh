@@ -5,7 +5,7 @@
 #   usage: benchmarks/h200.sh PART...   (PART: gputests compiledtest http compiled8b static
 #          static05b weightsync grpo; each one's command is below; STATIC_SIZES=1,64 cuts `static`)
 #   issue 34 (the continuous engine and in-flight commits): continuous step step8b serve serve8b
-#          inflight demo grpofinish grpohold
+#          inflight demo grpofinish grpohold prefill
 # Every compile shares one inductor cache (TORCHINDUCTOR_CACHE_DIR), so a part after
 # `compiledtest` finds SmolLM2's buckets compiled (a warm start).
 set -u
@@ -66,6 +66,10 @@ for part in "$@"; do
     timeout 300 python3 benchmarks/engine_cuda_step.py --shapes ${STEP_SHAPES:-smollm2,0.5b} \
       --json "$OUT/engine_step.json" >"$OUT/engine_step.log" 2>&1
     echo "step rc=$?"; tail -16 "$OUT/engine_step.log" ;;
+  prefill)  # in process: admitting 64 prompts, each chunk's attention alone against packed
+    timeout ${PREFILL_S:-150} python3 benchmarks/engine_cuda_step.py --shapes ${STEP_SHAPES:-smollm2,0.5b} \
+      --prefill ${PREFILL_N:-64} --json "$OUT/engine_prefill.json" >"$OUT/engine_prefill.log" 2>&1
+    echo "prefill rc=$?"; tail -4 "$OUT/engine_prefill.log" ;;
   step8b)
     timeout 300 python3 benchmarks/engine_cuda_step.py --shapes 8b --batches 1,8,64 \
       --json "$OUT/engine_step_8b.json" >"$OUT/engine_step_8b.log" 2>&1

@@ -48,10 +48,10 @@ def default_model(default_home):
     return model, prompts
 
 
-def _engine(model: Any, graphs: str) -> Any:
+def _engine(model: Any, graphs: str, **kw: Any) -> Any:
     from miserver.serving.engine.continuous import ContinuousEngine
 
-    return ContinuousEngine(model, 256 << 20, max_num_seqs=8, decode_graphs=graphs)
+    return ContinuousEngine(model, 256 << 20, max_num_seqs=8, decode_graphs=graphs, **kw)
 
 
 def _greedy(engine: Any, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
@@ -95,6 +95,38 @@ def test_decode_graphs_follow_the_engine_without_graphs(default_model) -> None:
     assert all(a[0] == b[0] for a, b in zip(eager, graphed, strict=True))
     assert same >= len(prompts) - 2
     assert [p.data_ptr() for p in model.parameters()] == ptrs
+
+
+def test_packed_prefill_follows_each_chunk_attended_alone(default_model) -> None:
+    """The eight prompts admitted in one step: their chunks attended in packs (one masked call a
+    layer, the CUDA default) against one call a chunk. Equal to rounding: every first token and
+    most sequences agree, and the packed path ran."""
+    from miserver.serving.engine import paged_attention
+
+    model, prompts = default_model
+    lengths = [8 + 4 * i for i in range(len(prompts))]
+    alone_engine = _engine(model, "off", packed_prefill=False)
+    assert not alone_engine.runner.packed_prefill
+    alone = _greedy(alone_engine, prompts, lengths)
+    calls: list[int] = []
+    real = paged_attention._packed_prefill
+
+    def counting(*args: Any, **kw: Any) -> None:
+        calls.append(1)
+        real(*args, **kw)
+
+    paged_attention._packed_prefill = counting
+    try:
+        packed_engine = _engine(model, "off")
+        assert packed_engine.runner.packed_prefill  # the CUDA default
+        packed = _greedy(packed_engine, prompts, lengths)
+    finally:
+        paged_attention._packed_prefill = real
+    same = sum(a == b for a, b in zip(alone, packed, strict=True))
+    print(f"packed prefill: {same}/{len(prompts)} sequences as alone; pack calls {len(calls)}")
+    assert calls
+    assert all(a[0] == b[0] for a, b in zip(alone, packed, strict=True))
+    assert same >= len(prompts) - 2
 
 
 def test_decode_graphs_serve_an_in_place_write(default_model) -> None:

@@ -567,7 +567,8 @@ def kv_cache_summary(resident: Any) -> dict[str, Any] | None:
     """The ``kv_cache`` block of ``/api/health/detailed`` (issue 29): the resident's paged KV
     cache, ``{bytes, blocks_total, blocks_free, block_size, running, waiting, peak_batch}``
     (``bytes``: ``KV_CACHE_BYTES`` rounded down to whole blocks; ``peak_batch``: the most
-    sequences one step computed), and on CUDA with graphs ``decode_graphs`` ``{mode, captured:
+    sequences one step computed; ``step_times``: ``{graph: {steps, ms}, eager: {steps, ms},
+    slowest_ms}``, where the engine's time went), and on CUDA with graphs ``decode_graphs`` ``{mode, captured:
     [[rows, width in blocks], ...], failed, replays, bytes}``; None with nothing resident or no
     engine."""
     loop = getattr(resident, "engine_loop", None) if resident is not None else None
@@ -585,6 +586,7 @@ def kv_cache_summary(resident: Any) -> dict[str, Any] | None:
         "running": stats.get("running"),
         "waiting": stats.get("waiting"),
         "peak_batch": stats.get("peak_batch"),
+        "step_times": stats.get("step_times"),
         **({"decode_graphs": stats["decode_graphs"]} if "decode_graphs" in stats else {}),
     }
 

@@ -493,6 +493,10 @@ def test_the_health_route_reports_the_engine_cache_and_graphs(model: Any) -> Non
     assert summary is not None
     assert summary["blocks_free"] == summary["blocks_total"] == engine.blocks.num_blocks
     assert summary["peak_batch"] == 2 and summary["running"] == 0
+    times = summary["step_times"]
+    assert times["eager"]["steps"] + times["graph"]["steps"] == engine.stats()["steps"] > 0
+    assert times["graph"]["steps"] > 0 and times["eager"]["steps"] > 0  # decodes, prefills
+    assert times["slowest_ms"] > 0
     assert summary["decode_graphs"]["mode"] == "eager" and summary["decode_graphs"]["bytes"] == 0
     assert kv_cache_summary(SimpleNamespace(engine_loop=None)) is None
 

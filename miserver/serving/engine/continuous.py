@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import torch
@@ -116,6 +117,9 @@ class ContinuousEngine:
         self._prompt_parts: dict[int, list[torch.Tensor]] = {}
         #: the most sequences one step computed (the batch's peak, for the health route).
         self.peak_batch = 0
+        #: per step kind (``graph``, ``eager``): [steps, total seconds] (:meth:`step_summary`).
+        self.step_times: dict[str, list[float]] = {"graph": [0, 0.0], "eager": [0, 0.0]}
+        self.slowest_step_s = 0.0
         self.counters = {
             "prefills": 0,
             "recomputes": 0,
@@ -207,13 +211,15 @@ class ContinuousEngine:
         ``running``, ``waiting``, ``prefix_cache_hits`` (blocks taken from the cache),
         ``prefix_cached_blocks``, ``prefills``, ``recomputes``, ``forks``, ``preemptions``,
         ``prefill_tokens``, ``decode_tokens``, ``steps``, ``forward_passes``, ``peak_batch`` (the
-        most sequences one step computed), and with decode graphs ``decode_graphs``
+        most sequences one step computed), ``step_times`` (:meth:`step_summary`), and with
+        decode graphs ``decode_graphs``
         (:meth:`DecodeGraphs.summary`)."""
         with self._lock:
             pending = len(self._pending)
         graphs = self.runner.graphs
         return {
             "peak_batch": self.peak_batch,
+            "step_times": self.step_summary(),
             **({"decode_graphs": graphs.summary()} if graphs is not None else {}),
             "blocks_total": self.blocks.num_blocks,
             "blocks_free": self.blocks.num_free_blocks,
@@ -273,6 +279,7 @@ class ContinuousEngine:
             return outputs
         self.counters["steps"] += 1
         self.peak_batch = max(self.peak_batch, len(batch))
+        t0 = time.perf_counter()
         try:
             with torch.inference_mode():
                 self.cache.copy_blocks(copies)
@@ -283,7 +290,29 @@ class ContinuousEngine:
                 self._finish(item.seq, "error", outputs, error=exc)
             return outputs
         self._after(batch, result, outputs)
+        self._time_step(time.perf_counter() - t0)
         return outputs
+
+    def _time_step(self, seconds: float) -> None:
+        kind = "graph" if self.runner.last_graphed else "eager"
+        times = self.step_times[kind]
+        times[0] += 1
+        times[1] += seconds
+        self.slowest_step_s = max(self.slowest_step_s, seconds)
+
+    def step_summary(self) -> dict[str, Any]:
+        """Where the engine's time went: ``{graph: {steps, ms}, eager: {steps, ms},
+        slowest_ms}``: steps that replayed a decode graph and the others (prefill chunks, mixed
+        steps, a batch past the largest bucket, the CPU), each with its total wall ms from the
+        forward's launch to the sampled tokens (the sampling reads them, so this includes the
+        device's time), and the slowest step."""
+        return {
+            **{
+                kind: {"steps": n, "ms": round(total * 1000, 1)}
+                for kind, (n, total) in self.step_times.items()
+            },
+            "slowest_ms": round(self.slowest_step_s * 1000, 2),
+        }
 
     def _after(self, batch: list[ScheduledSeq], result: Any, outputs: list[SequenceOutput]) -> None:
         row = 0

@@ -167,6 +167,8 @@ class ModelRunner:
         self.packed_prefill = not cpu if packed_prefill is None else packed_prefill
         self.graphs = graphs
         self.forward_passes = 0
+        #: whether the last step ran through :class:`DecodeGraphs` (its fixed-shape path)
+        self.last_graphed = False
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: Any, meta: PagedMetadata):
         kwargs = {ATTENTION_NAME: meta}
@@ -190,7 +192,9 @@ class ModelRunner:
             and all(s.num_new == 1 and s.sample and not s.prompt_logits for s in batch)
             and self.graphs.fits(len(batch))
         ):
+            self.last_graphed = True
             return StepResult(self.graphs.run([s.seq for s in batch]), {})
+        self.last_graphed = False
         units = [
             _Unit(s.seq, s.seq.num_computed_tokens, s.num_new, s.sample, s.prompt_logits)
             for s in batch

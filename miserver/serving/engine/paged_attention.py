@@ -284,7 +284,7 @@ def _packed_prefill(
     kv_heads = kc.shape[2]
     group = heads // kv_heads
     tq = pack.q_index.shape[0]
-    q = query.index_select(2, pack.q_index)  # [1, heads, Tq, dim], contiguous
+    q = query.index_select(2, pack.q_index).contiguous()  # [1, heads, Tq, dim]
     k = kc.index_select(0, pack.blocks).view(-1, kv_heads, dim).transpose(0, 1)[None]
     v = vc.index_select(0, pack.blocks).view(-1, kv_heads, dim).transpose(0, 1)[None]
     o = F.scaled_dot_product_attention(

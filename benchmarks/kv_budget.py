@@ -13,8 +13,9 @@ positions) and the token positions they hold, the sequences of ``--prompt`` + ``
 positions that fit at once, the peak running sequences observed after a step and the largest
 batch a step computed (``peak_batch``), preemptions (a sequence whose blocks were taken back
 and recomputed later), the requests completed with all their tokens, whether each sequence's
-greedy tokens equal those at the largest budget ("same text"), the wall time and the generated
-tokens a second over the whole run (prefills and recomputes included). A line above the table
+greedy tokens equal those at the largest budget ("same text"), the wall time, the process's CPU
+time (less sensitive than wall time to other work on a shared machine) and the generated tokens
+a second over the whole run's wall time (prefills and recomputes included). A line above the table
 gives what a static cache of ``--requests`` rows x the model's context would take.
 
 The script exits 1 when a request did not complete or its text differs from the largest
@@ -50,7 +51,6 @@ from miserver.serving.engine.sequence import Sequence  # noqa: E402
 from miserver.spec.settings import (  # noqa: E402
     DEFAULT_ENGINE_MAX_SEQS,
     ConfigError,
-    Settings,
     parse_memory_bytes,
 )
 
@@ -102,7 +102,8 @@ def run_budget(
     tokens at once, and count. Returns a dict: ``budget``, ``cache_bytes``, ``blocks``,
     ``block_size``, ``cache_tokens``, ``fit`` (sequences of prompt + ``tokens`` positions the
     blocks hold at once), ``peak_running``, ``peak_batch``, ``preemptions``, ``completed``,
-    ``outputs`` (seq index -> token ids), ``wall_s``, ``tokens_per_s`` (generated tokens over
+    ``outputs`` (seq index -> token ids), ``wall_s``, ``cpu_s`` (this process's CPU time: less
+    sensitive than wall time to other work on a shared machine), ``tokens_per_s`` (generated tokens over
     the wall time); when not even one sequence fits, the run is skipped (``completed`` 0,
     ``skipped`` True).
 
@@ -128,13 +129,13 @@ def run_budget(
         row.update(
             skipped=True, peak_running=0, peak_batch=0, preemptions=0, completed=0, outputs={}
         )
-        row.update(wall_s=0.0, tokens_per_s=0.0)
+        row.update(wall_s=0.0, cpu_s=0.0, tokens_per_s=0.0)
         engine.close()
         return row
     outputs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     finished: dict[int, str] = {}
     peak_running = 0
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     for i, prompt in enumerate(prompts):
         engine.add(Sequence(i, prompt, SamplingParams(max_tokens=tokens, temperature=0)))
     steps = 0
@@ -147,7 +148,7 @@ def run_budget(
             if out.finished:
                 finished[out.seq_id] = out.finish_reason or ""
         peak_running = max(peak_running, engine.stats()["running"])
-    wall = time.perf_counter() - started
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     stats = engine.stats()
     engine.close()
     generated = sum(len(v) for v in outputs.values())
@@ -160,6 +161,7 @@ def run_budget(
         ),
         outputs=outputs,
         wall_s=wall,
+        cpu_s=cpu,
         tokens_per_s=generated / wall if wall > 0 else 0.0,
     )
     return row
@@ -202,7 +204,7 @@ def table(rows: list[dict[str, Any]], prompt_len: int, tokens: int) -> str:
     """The markdown table of :func:`measure`'s rows."""
     head = (
         f"| budget | cache allocated | blocks | tokens held | fit at once ({prompt_len}+{tokens}) "
-        "| peak running | peak batch | preemptions | completed | same text | wall s | tokens/s |"
+        "| peak running | peak batch | preemptions | completed | same text | wall s | CPU s | tokens/s |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     largest = max(r["budget"] for r in rows)
@@ -216,7 +218,7 @@ def table(rows: list[dict[str, Any]], prompt_len: int, tokens: int) -> str:
             f"| {_size(r['budget'])} | {_size(r['cache_bytes'])} | {r['blocks']} "
             f"| {r['cache_tokens']:,} | {r['fit']} | {r['peak_running']} | {r['peak_batch']} "
             f"| {r['preemptions']} | {r['completed']}/{r['requests']} | {same} "
-            f"| {r['wall_s']:.1f} | {r['tokens_per_s']:.1f} |"
+            f"| {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {r['tokens_per_s']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -231,9 +233,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=32, help="sequences submitted at once")
     parser.add_argument(
         "--decode-graphs",
-        default=Settings().decode_graphs,
+        default="captured",
         choices=("captured", "compiled", "eager", "off"),
-        help="CUDA only (the CPU runs off, as the server does)",
+        help="CUDA only, DECODE_GRAPHS (default captured, as the server); the CPU runs off, as the server does",
     )
     args = parser.parse_args()
     try:
@@ -243,7 +245,10 @@ def main() -> int:
     if min(args.prompt, args.tokens, args.requests) < 1:
         parser.error("--prompt, --tokens and --requests must be at least 1")
     model = _model(args.model).to(args.device)
-    rows = measure(model, budgets, args.prompt, args.tokens, args.requests, args.decode_graphs)
+    try:
+        rows = measure(model, budgets, args.prompt, args.tokens, args.requests, args.decode_graphs)
+    except ValueError as exc:  # a budget of fewer than two blocks of this model
+        parser.error(str(exc))
     shape = cache_shape(model)
     context = context_length(model)
     print(

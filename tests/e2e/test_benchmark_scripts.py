@@ -4,7 +4,8 @@ copy, CPU shared memory), benchmarks/serving_under_training.py (a real ``miserve
 the embedded default with a trainer committing) and benchmarks/generation_threads.py (decode time
 by thread). Each script checks its own results (commits
 counted, copies equal, no failed request, identical greedy answers) and exits non-zero when a
-check fails; these tests also read the JSON each one writes.
+check fails; these tests also read the JSON each one writes. benchmarks/kv_budget.py's core
+(:func:`measure`) runs in process on a tiny random Llama.
 """
 
 from __future__ import annotations

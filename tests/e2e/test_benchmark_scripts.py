@@ -4,7 +4,8 @@ copy, CPU shared memory), benchmarks/serving_under_training.py (a real ``miserve
 the embedded default with a trainer committing) and benchmarks/generation_threads.py (decode time
 by thread). Each script checks its own results (commits
 counted, copies equal, no failed request, identical greedy answers) and exits non-zero when a
-check fails; these tests also read the JSON each one writes.
+check fails; these tests also read the JSON each one writes. benchmarks/kv_budget.py's core
+(:func:`measure`) runs in process on a tiny random Llama.
 """
 
 from __future__ import annotations
@@ -314,3 +315,66 @@ def test_engine_cuda_reports_a_baseline_that_does_not_start_and_goes_on(
     assert engines["baseline"]["workloads"] == {}
     assert engines["continuous"]["workloads"]["2_concurrent_3"]["tokens"] > 3
     assert "tiny/baseline: the server did not start" in proc.stdout
+
+
+def test_kv_budget_cache_follows_the_budget_not_rows_times_context() -> None:
+    """benchmarks/kv_budget.py's core on a tiny random Llama, in process (a few seconds): each
+    budget's cache is as many whole blocks as fit it (never more bytes than the budget), a larger
+    budget holds more blocks and more sequences at once, the smallest preempts and every budget
+    still completes every request with the largest budget's greedy tokens."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import kv_budget
+
+    from miserver.serving.engine.kv_cache import cache_shape
+    from miserver.spec.settings import ConfigError
+
+    assert kv_budget.parse_budgets("8MiB, 1.5GiB,2097152") == [8 << 20, 3 << 29, 2 << 20]
+    for bad in ("auto", "8MiB,12 parsecs", "512KiB"):
+        with pytest.raises(ConfigError):
+            kv_budget.parse_budgets(bad)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)  # sharp distributions: no near-ties between recompute and decode
+    block = cache_shape(model).bytes_per_token * 16
+    # budgets that are not whole blocks: 6.5, 13.5 and 41.5 blocks' bytes
+    budgets = [block * 13 // 2, block * 27 // 2, block * 83 // 2]
+    requests = 8
+    rows = kv_budget.measure(model, budgets, prompt_len=8, tokens=24, requests=requests, warm=False)
+
+    assert [r["budget"] for r in rows] == budgets
+    for r in rows:
+        assert r["cache_bytes"] <= r["budget"] < r["cache_bytes"] + block  # whole blocks, floored
+        assert r["cache_bytes"] == (r["blocks"] + 1) * block  # the scratch block counts
+        assert r["cache_tokens"] == r["blocks"] * 16
+        assert r["fit"] == r["blocks"] // 2  # 8 + 24 positions: two blocks a sequence
+        assert r["completed"] == requests and r["same_text"] == requests
+        assert all(len(ids) == 24 for ids in r["outputs"].values())
+        assert r["peak_running"] <= min(r["blocks"], requests)
+        assert r["tokens_per_s"] > 0 and r["cpu_s"] > 0
+    assert [r["blocks"] for r in rows] == [5, 12, 40]
+    assert [r["fit"] for r in rows] == [2, 6, 20]
+    small, _, large = rows
+    assert small["preemptions"] > 0 and small["peak_running"] < requests
+    assert large["preemptions"] == 0 and large["peak_running"] == requests
+    # a static cache of 8 rows x 4096 positions would be 2048 blocks, not 40
+    table = kv_budget.table(rows, 8, 24).splitlines()
+    assert len(table) == 2 + 3
+    assert table[2].startswith("| 0.05 MiB | 0.05 MiB | 5 | 80 | 2 |")
+    assert table[4].split("|")[10].strip() == "reference"
+    assert table[2].split("|")[10].strip() == f"{requests}/{requests}"

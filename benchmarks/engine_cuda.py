@@ -638,6 +638,12 @@ def main() -> int:
     ap.add_argument("--shape", default="135m", choices=sorted(SHAPES))
     ap.add_argument("--shapes", help="comma-separated shapes run in turn (overrides --shape)")
     ap.add_argument("--only", default="1,2,3,4", help="workload numbers, e.g. 1,2,4")
+    ap.add_argument(
+        "--engines",
+        default="baseline,continuous",
+        help="which servers run (e.g. continuous: only this tree's engine, against a baseline "
+        "measured in an earlier run on the same card kind)",
+    )
     ap.add_argument("--chats", type=int, default=4, help="workload 1: chats one after another")
     ap.add_argument("--tokens", type=int, default=128, help="workload 1: tokens a chat")
     ap.add_argument("--concurrent", type=int, default=64, help="workload 2: chats at once")
@@ -711,9 +717,10 @@ def main() -> int:
         if model is not None:
             models[shape] = model
     try:
+        chosen = [e for e in ("baseline", "continuous") if e in args.engines.split(",")]
         for index, (shape, model) in enumerate(models.items()):
-            for engine in ("baseline", "continuous"):
-                engines_left = 2 * (len(models) - index) - (engine == "continuous")
+            for turn, engine in enumerate(chosen):
+                engines_left = len(chosen) * (len(models) - index) - turn
                 run_engine(run, shape, model, engine, plan, run.left() / engines_left)
     finally:
         run.save()

@@ -190,6 +190,7 @@ class HttpDriver:
     timing: tuple[float, float, float, float] = TIMINGS[0]
     max_queued: int = 2
     table: tuple[Row, ...] = TABLE
+    engine: str = "continuous"
     log: list[str] = field(default_factory=list)
     seen: set[str] = field(default_factory=set)
 
@@ -222,9 +223,9 @@ class HttpDriver:
             "WEIGHTS_HEARTBEAT_INTERVAL_HINT_S": str(min(5.0, heartbeat / 5)),
             "WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S": str(drain),
             "MAX_QUEUED_REQUESTS": str(self.max_queued),
-            # the static batch: the shadow models a hold as refused (hold_supported False);
-            # the continuous engine (the default) parks, shown by tests/unit/test_engine_hold.py
-            "ENGINE": "static",
+            # the continuous engine (the default) parks running sequences on a hold; the
+            # static batch cannot (the shadow's hold_supported False)
+            "ENGINE": self.engine,
         }
         self.settings = load_settings(env)
         self.app = create_app(self.settings, clock=self.clock)
@@ -400,9 +401,9 @@ class HttpDriver:
         fields: dict[str, Any] = {}
         if trigger == "quiesce":
             fields["queue_full"] = self._held_count() >= self.max_queued
-            if json_body is not None:  # this server's engine cannot park running sequences
+            if json_body is not None:  # only the continuous engine parks running sequences
                 fields["running"] = json_body["running"]
-                fields["hold_supported"] = False
+                fields["hold_supported"] = self.engine == "continuous"
         if trigger == "attach" and got.status == 200:
             self._next_id = body["data"]["attachment_id"]
             self.issued.add(self._next_id)

@@ -302,6 +302,54 @@ async def test_queue_full_is_503_and_the_queue_drains(
         await client.close()
 
 
+@pytest.mark.parametrize("engine", ["static", "continuous"])
+@pytest.mark.parametrize("extra", [0, 1], ids=["queue-filled", "one-past"])
+async def test_a_burst_into_an_idle_server_queues_behind_the_one_served(
+    folder: Path, tmp_path: Path, engine: str, extra: int
+) -> None:
+    """MAX_QUEUED_REQUESTS counts the requests that wait, not the one being served (contract
+    1: "waiting + held interactive requests"): with one sequence a step and a bound of 2, a
+    burst of 3 into an idle server is all served (the first runs, two wait) and a burst of 4
+    gets exactly one 503 queue_full, on the static batch and on the continuous engine alike.
+    The continuous engine is kept from beginning any request until the whole burst has been
+    answered or queued, so the first request is seen granted but not yet begun (the case that
+    counted it as queued)."""
+    bound = 2
+    client = await make_client(
+        folder, tmp_path / "home", max_queued_requests=bound, max_batch_size=1, engine=engine
+    )
+    loop = client.app[keys.HOST].resident.engine_loop
+    stopped = loop is not None and loop._step_lock.acquire(timeout=30)  # no step begins
+    try:
+        _slow(client, 0.05)
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "temperature": 0}
+        scheduler = client.app[keys.SCHEDULER]
+        # the first runs 2 s (40 tokens at 0.05 s): the burst reaches it while it runs
+        first = asyncio.ensure_future(post(client, "/v1/completions", {**body, "max_tokens": 40}))
+        await eventually(lambda: scheduler.running_requests() == 1, "the first is granted")
+        burst = [
+            asyncio.ensure_future(post(client, "/v1/completions", body))
+            for _ in range(bound + extra)
+        ]
+        await eventually(
+            lambda: scheduler.counts().queued == bound and sum(t.done() for t in burst) == extra,
+            "the burst is queued or refused",
+        )
+        assert scheduler.counts().queued == scheduler.interactive_waiting() == bound
+        if stopped:
+            loop._step_lock.release()
+            stopped = False
+        answers = [await first] + [await t for t in burst]
+        statuses = sorted(status for status, _, _ in answers)
+        assert statuses == [200] * (bound + 1) + [503] * extra, statuses
+        assert all(a[1]["error"]["code"] == "queue_full" for a in answers if a[0] == 503)
+        await eventually(lambda: scheduler.counts().queued == 0, "the queue drains")
+    finally:
+        if stopped:
+            loop._step_lock.release()
+        await client.close()
+
+
 async def test_disconnect_cancels_generation_and_frees_the_slot(client: TestClient) -> None:
     # 0.05 s a token: the 100-call bound below is 5 s of generation past the hang-up.
     slow = _slow(client, 0.05)

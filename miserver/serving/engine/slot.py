@@ -16,7 +16,9 @@ starts). Work that arrives meanwhile waits for the next grant, as it waits for t
 
 **Joining the running batch** (``join_running``, issue 29): a grouped waiter is granted at once
 into its group's running batch (one holder) unless the barrier holds or drains or a waiter as
-good waits; the engine admits it at its next step; a drain waits for every member.
+good waits; the engine admits it at its next step; a drain waits for every member. A member is
+queued (counted toward ``max_queued``) only while the engine has no place for it in the running
+batch (``batch_waiting``: the engine's count; a member not yet handed to the engine is told to it).
 
 **Filling the running batch** (``fill_running``, a GGUF resident: llama.cpp's parallel slots
 batch whatever they hold at each of its steps): as joining the running batch, but only while the

@@ -905,6 +905,15 @@ def test_weights_over_http_agree_with_the_table(tiny_model_dir: str) -> None:
     assert holds > 0, "no quiesce {'running': 'hold'} was accepted on the continuous engine"
 
 
+@pytest.mark.slow
+def test_the_static_batch_over_http_agrees_with_the_table(tiny_model_dir: str) -> None:
+    """The same state machine on the static batch (``ENGINE=static``): every hold it draws is
+    refused (409 BARRIER_UNAVAILABLE hold_unsupported: it cannot park), and every answer,
+    the queue's included, equals the table's. One seed: the codes are the test above's."""
+    machine = make_machine(tiny_model_dir, engine="static")
+    run_state_machine_as_test(seed(SEEDS[0])(machine), settings=_profile())
+
+
 def test_not_producible_list_names_real_codes() -> None:
     """The exclusions are codes and reasons of the weights page (a typo would hide a gap)."""
     assert set(NOT_PRODUCIBLE_HERE) <= weights_page_pairs()

@@ -270,13 +270,13 @@ def _slow(client: TestClient, delay: float, fail_at: int | None = None) -> Any:
 
 
 @pytest.mark.parametrize(
-    "engine", ["static", "continuous"], ids=["static-batch", "engine-counts-not-begun"]
+    "engine", ["static", "continuous"], ids=["static-batch", "engine-counts-no-place"]
 )
 async def test_queue_full_is_503_and_the_queue_drains(
     folder: Path, tmp_path: Path, engine: str
 ) -> None:
-    """On the continuous engine a request it has not begun counts as queued (one sequence a
-    step here, so the second waits behind the first)."""
+    """On the continuous engine a request the running batch has no place for counts as queued
+    (one sequence a step here, so the second waits behind the first)."""
     client = await make_client(
         folder, tmp_path / "home", max_queued_requests=1, max_batch_size=1, engine=engine
     )

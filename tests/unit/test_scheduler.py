@@ -411,10 +411,10 @@ async def test_a_grant_into_the_running_batch_is_told_to_the_engine_until_it_joi
 
 
 def test_the_engine_counts_as_waiting_only_what_its_running_batch_has_no_place_for() -> None:
-    """``EngineLoop.waiting``: a request not begun takes places in the running batch (the
-    engine's ``max_num_seqs``) in admission order (priority, then arrival) while they last;
-    the ones past the places wait, and a request that does not fit keeps those behind it
-    waiting too. Choices begun (running, preempted or parked) hold their places."""
+    """``EngineLoop.waiting``: a request not begun is admitted, as the engine admits it, when
+    the requests ahead of it in admission order (priority, then arrival) leave a place for its
+    first choice, and takes the places left for its ``n`` choices; the ones past the places
+    wait. Choices of a request begun (running, preempted or parked) hold their places."""
     import threading
     from types import SimpleNamespace
 
@@ -448,15 +448,18 @@ def test_the_engine_counts_as_waiting_only_what_its_running_batch_has_no_place_f
     assert loop.waiting() == 2
     loop._live.clear()
 
-    places(4)
+    places(5)
     submit(inter, 2, SequenceStatus.RUNNING, SequenceStatus.WAITING)  # holds 2 places
     parked = submit(batch, 1, SequenceStatus.PREEMPTED)  # parked by a hold: holds 1
     parked.begun = True
     submit(batch)  # an earlier batch request: interactive requests go ahead of it
-    submit(inter)  # the last place
-    submit(inter, 2)  # does not fit: waits
-    submit(inter)  # would fit nothing either: behind one that waits
+    submit(inter, 3)  # admitted (a place for its first choice), takes the 2 left
+    submit(inter)  # no place left: waits
+    submit(inter, 2)  # waits
     assert loop.waiting() == 2
     assert loop.waiting(batch) == 1
-    places(7)  # 3 held, 4 for the interactive requests, none for the batch one
+    assert loop.waiting(pending=[(int(batch), 1), (int(inter), 1)]) == 3
+    places(8)  # 3 held; the interactive requests' first choices fit, and take the 5 left
     assert loop.waiting() == 0 and loop.waiting(batch) == 1
+    places(10)
+    assert loop.waiting() == 0 and loop.waiting(batch) == 0

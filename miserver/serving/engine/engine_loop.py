@@ -307,12 +307,14 @@ class EngineLoop:
 
         The running batch has ``max_num_seqs`` places (``MAX_BATCH_SIZE`` sequences). A
         request none of whose choices is admitted yet (still waiting, or not yet handed to the
-        engine thread) takes places only if the requests ahead of it in the engine's admission
-        order (priority, then arrival: ``StepScheduler.schedule``) leave room for its ``n``
-        choices; every other choice not ended (decoding, prefilling, preempted or parked by a
-        hold) holds its place. So a request submitted to an engine with room is being served
-        (the engine admits it at its next step), not queued, as a request granted a free slot
-        of the static batch is; one beyond the places waits, and is counted.
+        engine thread) is admitted, as the engine admits it, when the requests ahead of it in
+        the engine's admission order (priority, then arrival: ``StepScheduler.schedule``) leave
+        a place for its first choice; it then takes the places left for its ``n`` choices (the
+        others fork from the first as places free up). Every choice of a request begun
+        (decoding, prefilling, preempted or parked by a hold) holds a place. So a request
+        submitted to an engine with room is being served (the engine admits it at its next
+        step), not queued, as a request granted a free slot of the static batch is; one past
+        the places waits, and is counted, as is every one behind it (admission is in order).
 
         ``pending``: requests granted a share of the running batch's slot and not submitted
         yet, as ``(priority, n)`` in grant order (the scheduler's); each is counted as a
@@ -329,11 +331,10 @@ class EngineLoop:
         ]
         count = 0
         for prio, n in sorted(queue, key=lambda item: item[0]):  # stable: arrival within one
-            if n <= free:
-                free -= n
+            if free > 0:
+                free -= min(n, free)
                 continue
-            free = 0  # admission is in order: nobody behind overtakes it
-            count += prio == int(priority)
+            count += prio == int(priority)  # no place: it waits, and so does every one behind
         return count
 
     def _places(self) -> int:

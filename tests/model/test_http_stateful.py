@@ -19,7 +19,10 @@ What a step covers:
   weights_torn when the set tore while it waited);
 - management loads and unloads, and ``PATCH /api/settings`` (pause availability);
 - fake-clock jumps biased to a timer's exact deadline and just either side of it, after which
-  the runtime's own timer pump is woken and must fire what the shadow fires.
+  the runtime's own timer pump is woken and must fire what the shadow fires;
+- quiesces ``{"running": "hold"}`` (contract 4b), alone, in write cycles and before held
+  requests: accepted on the continuous engine (the default; the state machine runs on it), 409
+  BARRIER_UNAVAILABLE hold_unsupported on the static batch (its own shorter run).
 
 The test then fails if any code or reason of the weights page that the server can produce over
 HTTP here was never produced (:data:`NOT_PRODUCIBLE_HERE` lists the others and why).

@@ -23,6 +23,8 @@ pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m-instruct"
 ALIAS = "smollm2-alias"
+#: MAX_BATCH_SIZE: the places of the continuous engine's running batch (sequences a step)
+PLACES = 4
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -76,6 +78,7 @@ def server(home: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serv
         MAX_REQUEST_BYTES="65536",
         MAX_CONCURRENT_REQUESTS="1",
         MAX_QUEUED_REQUESTS="64",
+        MAX_BATCH_SIZE=str(PLACES),
     )
     try:
         yield srv
@@ -240,7 +243,7 @@ def test_disconnect_cancels_generation(client: openai.OpenAI, server: Server) ->
     assert client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=2).choices
 
 
-async def _open_stream(aclient: openai.AsyncOpenAI, max_tokens: int = 400):
+async def _open_stream(aclient: openai.AsyncOpenAI, max_tokens: int = 400, n: int = 1):
     stream = await aclient.completions.create(
         model=MODEL,
         prompt="Once upon a time",
@@ -248,6 +251,7 @@ async def _open_stream(aclient: openai.AsyncOpenAI, max_tokens: int = 400):
         temperature=0.9,
         seed=2,
         stream=True,
+        n=n,
     )
     it = stream.__aiter__()
     await it.__anext__()
@@ -255,9 +259,11 @@ async def _open_stream(aclient: openai.AsyncOpenAI, max_tokens: int = 400):
 
 
 async def test_queue_full_is_503(aclient: openai.AsyncOpenAI, server: Server) -> None:
+    # MAX_QUEUED_REQUESTS counts the requests waiting, not the ones served: the first request's
+    # choices take every place of the running batch, so the second waits and the third is 503
     server.patch_settings(max_queued_requests=1)
     try:
-        running = await _open_stream(aclient)
+        running = await _open_stream(aclient, n=PLACES)
         waiting = asyncio.ensure_future(_open_stream(aclient, 2))
         t0 = time.monotonic()
         while server.health()["queue"]["queued"] < 1:

@@ -19,7 +19,10 @@ What a step covers:
   weights_torn when the set tore while it waited);
 - management loads and unloads, and ``PATCH /api/settings`` (pause availability);
 - fake-clock jumps biased to a timer's exact deadline and just either side of it, after which
-  the runtime's own timer pump is woken and must fire what the shadow fires.
+  the runtime's own timer pump is woken and must fire what the shadow fires;
+- quiesces ``{"running": "hold"}`` (contract 4b), alone, in write cycles and before held
+  requests: accepted on the continuous engine (the default; the state machine runs on it), 409
+  BARRIER_UNAVAILABLE hold_unsupported on the static batch (its own shorter run).
 
 The test then fails if any code or reason of the weights page that the server can produce over
 HTTP here was never produced (:data:`NOT_PRODUCIBLE_HERE` lists the others and why).
@@ -190,6 +193,9 @@ class HttpDriver:
     timing: tuple[float, float, float, float] = TIMINGS[0]
     max_queued: int = 2
     table: tuple[Row, ...] = TABLE
+    #: ``ENGINE``: ``continuous`` (the default) parks running sequences on a ``{"running":
+    #: "hold"}`` quiesce (the shadow's ``hold_supported``); ``static`` cannot (refused).
+    engine: str = "continuous"
     log: list[str] = field(default_factory=list)
     seen: set[str] = field(default_factory=set)
 
@@ -198,6 +204,7 @@ class HttpDriver:
         self.clock = FakeClock()
         self.pending: list[Pending] = []
         self.gated_calls = 0
+        self.holds = 0  # quiesces {"running": "hold"} accepted
         self.issued: set[str] = set()  # every attachment ID the server gave out
         self._next_id: str | None = None
         self.client: TestClient | None = None
@@ -222,9 +229,9 @@ class HttpDriver:
             "WEIGHTS_HEARTBEAT_INTERVAL_HINT_S": str(min(5.0, heartbeat / 5)),
             "WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S": str(drain),
             "MAX_QUEUED_REQUESTS": str(self.max_queued),
-            # the static batch: the shadow models a hold as refused (hold_supported False);
-            # the continuous engine (the default) parks, shown by tests/unit/test_engine_hold.py
-            "ENGINE": "static",
+            # the continuous engine (the default) parks running sequences on a hold; the
+            # static batch cannot (the shadow's hold_supported False)
+            "ENGINE": self.engine,
         }
         self.settings = load_settings(env)
         self.app = create_app(self.settings, clock=self.clock)
@@ -400,9 +407,9 @@ class HttpDriver:
         fields: dict[str, Any] = {}
         if trigger == "quiesce":
             fields["queue_full"] = self._held_count() >= self.max_queued
-            if json_body is not None:  # this server's engine cannot park running sequences
+            if json_body is not None:  # only the continuous engine parks running sequences
                 fields["running"] = json_body["running"]
-                fields["hold_supported"] = False
+                fields["hold_supported"] = self.engine == "continuous"
         if trigger == "attach" and got.status == 200:
             self._next_id = body["data"]["attachment_id"]
             self.issued.add(self._next_id)
@@ -419,6 +426,8 @@ class HttpDriver:
         self._compare(f"{trigger} as {who}", got, want)
         if got.status == 200:
             self._check_body(trigger, body["data"], out)
+            if trigger == "quiesce" and fields.get("running") == "hold":
+                self.holds += 1
         self._check_audit(trigger, got)
         if settle:
             await self.settle(outcomes)
@@ -444,6 +453,8 @@ class HttpDriver:
             want["watchdog_ms"] = self.shadow.watchdog_ms
         elif trigger == "quiesce":
             want["held_requests"] = self._held_count()
+            if "parked_sequences" in data:  # every step starts quiet: nothing runs to park
+                want["parked_sequences"] = 0
         got = {k: data.get(k) for k in want}
         if got != want:
             self.fail(f"{trigger} body", got, want)
@@ -657,7 +668,13 @@ GATED = tuple(ROUTES)
 WHO = ("trn+att",) * 6 + CALLERS
 
 
-def make_machine(model_dir: str, table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
+#: A quiesce's body a write cycle or a hold of requests draws: none (``finish``), or a hold.
+RUNNING: tuple[dict[str, Any] | None, ...] = (None, None, {"running": "hold"})
+
+
+def make_machine(
+    model_dir: str, table: tuple[Row, ...] = TABLE, engine: str = "continuous"
+) -> type[RuleBasedStateMachine]:
     class WeightsOverHttp(RuleBasedStateMachine):
         """Rules are HTTP calls and clock jumps; the shadow table predicts every answer."""
 
@@ -677,7 +694,7 @@ def make_machine(model_dir: str, table: tuple[Row, ...] = TABLE) -> type[RuleBas
 
         @initialize(timing=st.sampled_from((TIMINGS[0], TIMINGS[1], TIMINGS[1], TIMINGS[2])))
         def start(self, timing: tuple[float, float, float, float]) -> None:
-            self.d = HttpDriver(model_dir, timing=timing, table=table)
+            self.d = HttpDriver(model_dir, timing=timing, table=table, engine=engine)
             self.run(self.d.open())
 
         def teardown(self) -> None:
@@ -703,7 +720,8 @@ def make_machine(model_dir: str, table: tuple[Row, ...] = TABLE) -> type[RuleBas
         @rule(who=st.sampled_from(WHO))
         def quiesce_hold(self, who: str) -> None:
             """A quiesce ``{"running": "hold"}`` (contract 4b): every refusal of quiesce in its
-            order, then 409 BARRIER_UNAVAILABLE hold_unsupported (this engine cannot park)."""
+            order, then accepted on the continuous engine (it parks what runs) and 409
+            BARRIER_UNAVAILABLE hold_unsupported on the static batch (it cannot park)."""
             if who == "trn+att":
                 who = self.holder
             self.run(self.d.gated("quiesce", who, json_body={"running": "hold"}))
@@ -744,9 +762,13 @@ def make_machine(model_dir: str, table: tuple[Row, ...] = TABLE) -> type[RuleBas
                 self.run(self.d.gated("attach", "trn"))
             return self.holder
 
-        @rule(then=st.sampled_from(["cycle", "unsaved", "tear", "stale_mid_commit"]))
-        def write_cycle(self, then: str) -> None:
-            """attach (if needed), quiesce, commit-begin, then: commit-end and resume
+        @rule(
+            then=st.sampled_from(["cycle", "unsaved", "tear", "stale_mid_commit"]),
+            running=st.sampled_from(RUNNING),
+        )
+        def write_cycle(self, then: str, running: dict[str, Any] | None) -> None:
+            """attach (if needed), quiesce (``running``: its body, a hold or none),
+            commit-begin, then: commit-end and resume
             (``cycle``), and detach and name another model (``unsaved``); or jump to the next
             timer and go on (``tear``); or let the attachment go stale first, then begin a
             commit, clear the stale holder and attach again (``stale_mid_commit``: 400
@@ -759,7 +781,7 @@ def make_machine(model_dir: str, table: tuple[Row, ...] = TABLE) -> type[RuleBas
                         if d.shadow.state.attachment != "active":
                             break
                         await d.advance("at")
-                await d.gated("quiesce", h)
+                await d.gated("quiesce", h, json_body=running)
                 await d.gated("commit_begin", h)
                 if then in ("cycle", "unsaved"):
                     await d.gated("commit_end", h)
@@ -777,15 +799,15 @@ def make_machine(model_dir: str, table: tuple[Row, ...] = TABLE) -> type[RuleBas
 
             self.run(go())
 
-        @rule(n=st.integers(min_value=1, max_value=3))
-        def hold_requests(self, n: int) -> None:
-            """quiesce, send ``n`` requests (held, then 503 QUEUE_FULL past
-            MAX_QUEUED_REQUESTS), quiesce again, clear-stale and a settings change while held,
-            then maybe resume."""
+        @rule(n=st.integers(min_value=1, max_value=3), running=st.sampled_from(RUNNING))
+        def hold_requests(self, n: int, running: dict[str, Any] | None) -> None:
+            """quiesce (``running``: its body), send ``n`` requests (held, then 503 QUEUE_FULL
+            past MAX_QUEUED_REQUESTS), quiesce again, clear-stale and a settings change while
+            held, then maybe resume."""
             d, h = self.d, self._attached_holder()
 
             async def go() -> None:
-                await d.gated("quiesce", h)
+                await d.gated("quiesce", h, json_body=running)
                 await d.v1("resident", n)
                 await d.gated("quiesce", h)
                 await d.gated("clear_stale", "ops")
@@ -836,17 +858,63 @@ def make_machine(model_dir: str, table: tuple[Row, ...] = TABLE) -> type[RuleBas
     return WeightsOverHttp
 
 
+async def _static_batch_scenario(d: HttpDriver) -> None:
+    """The static batch (``ENGINE=static``), each answer compared with the table: a hold is
+    409 BARRIER_UNAVAILABLE hold_unsupported (it cannot park), a burst of
+    MAX_QUEUED_REQUESTS + 1 into the idle server is served, and a quiesce then holds that many
+    requests and refuses the next (503 QUEUE_FULL) until resumed."""
+    await d.gated("attach", "trn")
+    await d.gated("quiesce", "trn+att", json_body={"running": "hold"})
+    await d.v1("resident", d.max_queued + 1)
+    await d.gated("quiesce", "trn+att")
+    await d.v1("resident", d.max_queued + 1)
+    await d.gated("resume", "trn+att")
+    await d.check_status()
+
+
 @pytest.mark.slow
 def test_weights_over_http_agree_with_the_table(tiny_model_dir: str) -> None:
-    """Every answer over HTTP equals the table's, and every producible code is produced."""
+    """Every answer over HTTP equals the table's, and every producible code is produced: the
+    state machine on the continuous engine (the default: a hold is accepted and parks), and
+    a short scenario on the static batch (a hold is refused)."""
     SEEN.clear()
     wanted = weights_page_pairs() - set(NOT_PRODUCIBLE_HERE)
+
+    async def static_batch() -> None:
+        d = HttpDriver(tiny_model_dir, timing=TIMINGS[0], engine="static")
+        await d.open()
+        try:
+            await _static_batch_scenario(d)
+        finally:
+            SEEN.update(d.seen)
+            await d.close()
+
+    asyncio.run(static_batch())
+    assert "BARRIER_UNAVAILABLE:hold_unsupported" in SEEN
+    holds = 0
+
+    class Counting(make_machine(tiny_model_dir)):  # type: ignore[misc,valid-type]
+        def teardown(self) -> None:
+            nonlocal holds
+            holds += self.d.holds if self.d is not None else 0
+            super().teardown()
+
     for n in SEEDS:
-        run_state_machine_as_test(seed(n)(make_machine(tiny_model_dir)), settings=_profile())
+        run_state_machine_as_test(seed(n)(Counting), settings=_profile())
         if wanted <= SEEN:
             break
     missing = sorted(wanted - SEEN)
     assert not missing, f"never produced over HTTP: {missing} (seen: {sorted(SEEN)})"
+    assert holds > 0, "no quiesce {'running': 'hold'} was accepted on the continuous engine"
+
+
+@pytest.mark.slow
+def test_the_static_batch_over_http_agrees_with_the_table(tiny_model_dir: str) -> None:
+    """The same state machine on the static batch (``ENGINE=static``): every hold it draws is
+    refused (409 BARRIER_UNAVAILABLE hold_unsupported: it cannot park), and every answer,
+    the queue's included, equals the table's. One seed: the codes are the test above's."""
+    machine = make_machine(tiny_model_dir, engine="static")
+    run_state_machine_as_test(seed(SEEDS[0])(machine), settings=_profile())
 
 
 def test_not_producible_list_names_real_codes() -> None:

@@ -373,3 +373,93 @@ async def test_a_member_cancelled_while_its_unit_gathers_leaves_no_trace() -> No
 def test_a_unit_needs_at_least_one_member(members: object) -> None:
     with pytest.raises(ValueError, match="members"):
         Unit(members=members)  # type: ignore[arg-type]
+
+
+async def test_a_grant_into_the_running_batch_is_told_to_the_engine_until_it_joins() -> None:
+    """On the continuous engine (``join_running``) a request granted into the running batch is
+    not queued by the scheduler; until it hands its sequences over (``Grant.join``) the
+    engine's count is told of it, so a burst granted before any request was submitted is
+    still bounded by ``max_queued``."""
+    s = Scheduler(1, 2, max_batch_size=8, join_running=True)
+    told: list[list[tuple[int, int]]] = []
+
+    def engine_waiting(pending: list[tuple[int, int]]) -> int:
+        told.append(list(pending))
+        return max(0, len(pending) - 1)  # an engine with one free place
+
+    s.batch_waiting = engine_waiting
+    first = await s.acquire(Priority.INTERACTIVE, group="r")
+    assert s.counts().queued == 0 and told[-1] == [(int(Priority.INTERACTIVE), 1)]
+    second = await s.acquire(Priority.INTERACTIVE, group="r", size=2)
+    assert s.counts().queued == 1
+    third = await s.acquire(Priority.INTERACTIVE, group="r")
+    assert s.counts().queued == 2
+    with pytest.raises(QueueFull):
+        await s.acquire(Priority.INTERACTIVE, group="r")
+    assert s.counts() == HeldCounts(0, 0, 1, 2)  # refused: nothing granted or queued
+    first.join()
+    s.counts()
+    assert told[-1] == [(int(Priority.INTERACTIVE), 2), (int(Priority.INTERACTIVE), 1)]
+    s.release(second)
+    s.counts()
+    assert told[-1] == [(int(Priority.INTERACTIVE), 1)]
+    third.join()
+    assert s.counts().queued == 0 and told[-1] == []
+    for grant in (first, third):
+        s.release(grant)
+    assert s.counts() == HeldCounts(0, 0, 0, 0)
+
+
+def test_the_engine_counts_as_waiting_only_what_its_running_batch_has_no_place_for() -> None:
+    """``EngineLoop.waiting``: a request not begun is admitted, as the engine admits it, when
+    the requests ahead of it in admission order (priority, then arrival) leave a place for its
+    first choice, and takes the places left for its ``n`` choices; the ones past the places
+    wait. Choices of a request begun (running, preempted or parked) hold their places."""
+    import threading
+    from types import SimpleNamespace
+
+    from miserver.serving.engine.engine_loop import EngineLoop, _Request
+    from miserver.serving.engine.sequence import SequenceStatus
+
+    ids = iter(range(1, 100))
+    loop = EngineLoop.__new__(EngineLoop)  # its bookkeeping only: no engine thread
+    loop._cv = threading.Condition()
+    loop._live = {}
+
+    def places(n: int) -> None:
+        config = SimpleNamespace(max_num_seqs=n)
+        loop.engine = SimpleNamespace(scheduler=SimpleNamespace(config=config))
+
+    def submit(priority: Priority, n: int = 1, *statuses: SequenceStatus) -> _Request:
+        r = _Request(int(priority), open_ids={next(ids) for _ in range(n)})
+        r.sequences = [SimpleNamespace(status=st) for st in statuses]
+        loop._live[id(r)] = r
+        return r
+
+    inter, batch = Priority.INTERACTIVE, Priority.BATCH
+    places(1)
+    first = submit(inter)  # not handed to the engine thread yet
+    assert loop.waiting() == 0  # the engine has a place for it: being served, not queued
+    submit(inter)
+    submit(inter, 1, SequenceStatus.WAITING)
+    assert loop.waiting() == 2
+    assert loop.waiting(pending=[(int(inter), 1)]) == 3  # granted, not submitted yet
+    first.sequences = [SimpleNamespace(status=SequenceStatus.RUNNING)]  # admitted
+    assert loop.waiting() == 2
+    loop._live.clear()
+
+    places(5)
+    submit(inter, 2, SequenceStatus.RUNNING, SequenceStatus.WAITING)  # holds 2 places
+    parked = submit(batch, 1, SequenceStatus.PREEMPTED)  # parked by a hold: holds 1
+    parked.begun = True
+    submit(batch)  # an earlier batch request: interactive requests go ahead of it
+    submit(inter, 3)  # admitted (a place for its first choice), takes the 2 left
+    submit(inter)  # no place left: waits
+    submit(inter, 2)  # waits
+    assert loop.waiting() == 2
+    assert loop.waiting(batch) == 1
+    assert loop.waiting(pending=[(int(batch), 1), (int(inter), 1)]) == 3
+    places(8)  # 3 held; the interactive requests' first choices fit, and take the 5 left
+    assert loop.waiting() == 0 and loop.waiting(batch) == 1
+    places(10)
+    assert loop.waiting() == 0 and loop.waiting(batch) == 0

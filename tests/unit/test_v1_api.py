@@ -270,13 +270,13 @@ def _slow(client: TestClient, delay: float, fail_at: int | None = None) -> Any:
 
 
 @pytest.mark.parametrize(
-    "engine", ["static", "continuous"], ids=["static-batch", "engine-counts-not-begun"]
+    "engine", ["static", "continuous"], ids=["static-batch", "engine-counts-no-place"]
 )
 async def test_queue_full_is_503_and_the_queue_drains(
     folder: Path, tmp_path: Path, engine: str
 ) -> None:
-    """On the continuous engine a request it has not begun counts as queued (one sequence a
-    step here, so the second waits behind the first)."""
+    """On the continuous engine a request the running batch has no place for counts as queued
+    (one sequence a step here, so the second waits behind the first)."""
     client = await make_client(
         folder, tmp_path / "home", max_queued_requests=1, max_batch_size=1, engine=engine
     )
@@ -299,6 +299,54 @@ async def test_queue_full_is_503_and_the_queue_drains(
             in metrics
         )
     finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("engine", ["static", "continuous"])
+@pytest.mark.parametrize("extra", [0, 1], ids=["queue-filled", "one-past"])
+async def test_a_burst_into_an_idle_server_queues_behind_the_one_served(
+    folder: Path, tmp_path: Path, engine: str, extra: int
+) -> None:
+    """MAX_QUEUED_REQUESTS counts the requests that wait, not the one being served (contract
+    1: "waiting + held interactive requests"): with one sequence a step and a bound of 2, a
+    burst of 3 into an idle server is all served (the first runs, two wait) and a burst of 4
+    gets exactly one 503 queue_full, on the static batch and on the continuous engine alike.
+    The continuous engine is kept from beginning any request until the whole burst has been
+    answered or queued, so the first request is seen granted but not yet begun (the case that
+    counted it as queued)."""
+    bound = 2
+    client = await make_client(
+        folder, tmp_path / "home", max_queued_requests=bound, max_batch_size=1, engine=engine
+    )
+    loop = client.app[keys.HOST].resident.engine_loop
+    stopped = loop is not None and loop._step_lock.acquire(timeout=30)  # no step begins
+    try:
+        _slow(client, 0.05)
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "temperature": 0}
+        scheduler = client.app[keys.SCHEDULER]
+        # the first runs 2 s (40 tokens at 0.05 s): the burst reaches it while it runs
+        first = asyncio.ensure_future(post(client, "/v1/completions", {**body, "max_tokens": 40}))
+        await eventually(lambda: scheduler.running_requests() == 1, "the first is granted")
+        burst = [
+            asyncio.ensure_future(post(client, "/v1/completions", body))
+            for _ in range(bound + extra)
+        ]
+        await eventually(
+            lambda: scheduler.counts().queued == bound and sum(t.done() for t in burst) == extra,
+            "the burst is queued or refused",
+        )
+        assert scheduler.counts().queued == scheduler.interactive_waiting() == bound
+        if stopped:
+            loop._step_lock.release()
+            stopped = False
+        answers = [await first] + [await t for t in burst]
+        statuses = sorted(status for status, _, _ in answers)
+        assert statuses == [200] * (bound + 1) + [503] * extra, statuses
+        assert all(a[1]["error"]["code"] == "queue_full" for a in answers if a[0] == 503)
+        await eventually(lambda: scheduler.counts().queued == 0, "the queue drains")
+    finally:
+        if stopped:
+            loop._step_lock.release()
         await client.close()
 
 

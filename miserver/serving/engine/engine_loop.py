@@ -236,7 +236,9 @@ class EngineLoop:
         #: Steps run since the start (each one scheduler step: one forward pass, on the CPU one
         #: per prefill chunk and per 32 decode rows).
         self.steps = 0
-        self._unbegun: dict[int, _Request] = {}  # submitted requests no choice of has begun
+        #: Submitted requests with a choice not ended yet, in submission order (the places of
+        #: the running batch they take or wait for: :meth:`waiting`).
+        self._live: dict[int, _Request] = {}
         #: Called on the engine thread after every step's forward pass with its outputs, before
         #: they are delivered (so a step is seen before any request it ends is answered; tests).
         self.on_step: Callable[[int, list[Any]], None] | None = None
@@ -285,25 +287,65 @@ class EngineLoop:
             )
             for i in range(n)
         ]
-        request = _Request(int(priority))
+        request = _Request(int(priority), open_ids={s.seq_id for s in streams})
         for stream in streams:
             stream._request = request
         with self._cv:
-            self._unbegun[id(request)] = request
+            self._live[id(request)] = request
             self._inbox.append(("add", (streams, int(priority))))
             self._cv.notify()
         return streams
 
-    def waiting(self, priority: Priority = Priority.INTERACTIVE) -> int:
-        """Requests of ``priority`` submitted whose sequences all wait for admission (none is
-        prefilling or decoding yet): what the scheduler counts as queued."""
-        with self._cv:
-            requests = list(self._unbegun.values())
-        return sum(1 for r in requests if r.priority == int(priority) and r.waiting())
+    def waiting(
+        self,
+        priority: Priority = Priority.INTERACTIVE,
+        pending: Sequence[tuple[int, int]] = (),
+    ) -> int:
+        """Requests of ``priority`` that wait for a place in the running batch: what the
+        scheduler counts as queued (``MAX_QUEUED_REQUESTS`` bounds waiting requests, not the
+        ones being served; companion contract 1, the static batch's count).
 
-    def interactive_waiting(self) -> int:
+        The running batch has ``max_num_seqs`` places (``MAX_BATCH_SIZE`` sequences). A
+        request none of whose choices is admitted yet (still waiting, or not yet handed to the
+        engine thread) is admitted, as the engine admits it, when the requests ahead of it in
+        the engine's admission order (priority, then arrival: ``StepScheduler.schedule``) leave
+        a place for its first choice; it then takes the places left for its ``n`` choices (the
+        others fork from the first as places free up). Every choice of a request begun
+        (decoding, prefilling, preempted or parked by a hold) holds a place. So a request
+        submitted to an engine with room is being served (the engine admits it at its next
+        step), not queued, as a request granted a free slot of the static batch is; one past
+        the places waits, and is counted, as is every one behind it (admission is in order).
+
+        ``pending``: requests granted a share of the running batch's slot and not submitted
+        yet, as ``(priority, n)`` in grant order (the scheduler's); each is counted as a
+        request submitted after every one submitted now. Returns a count.
+        """
+        with self._cv:
+            requests = list(self._live.values())
+        waiting = [r for r in requests if r.waiting()]
+        unbegun = {id(r) for r in waiting}
+        free = self._places()
+        free -= sum(len(r.open_ids) for r in requests if id(r) not in unbegun)
+        queue = [(r.priority, len(r.open_ids)) for r in waiting] + [
+            (int(p), int(n)) for p, n in pending
+        ]
+        count = 0
+        for prio, n in sorted(queue, key=lambda item: item[0]):  # stable: arrival within one
+            if free > 0:
+                free -= min(n, free)
+                continue
+            count += prio == int(priority)  # no place: it waits, and so does every one behind
+        return count
+
+    def _places(self) -> int:
+        """The running batch's places (the engine's ``max_num_seqs``; 0 when it has none to
+        give, as a closed engine: every request not begun then waits)."""
+        config = getattr(getattr(self.engine, "scheduler", None), "config", None)
+        return int(getattr(config, "max_num_seqs", 0))
+
+    def interactive_waiting(self, pending: Sequence[tuple[int, int]] = ()) -> int:
         """:meth:`waiting` of interactive requests (the scheduler's ``batch_waiting``)."""
-        return self.waiting(Priority.INTERACTIVE)
+        return self.waiting(Priority.INTERACTIVE, pending)
 
     def _request_abort(self, stream: SequenceStream) -> None:
         with self._cv:
@@ -510,14 +552,18 @@ class EngineLoop:
         request = stream._request
         if request is not None and not request.begun:
             request.begun = True
-            with self._cv:
-                self._unbegun.pop(id(request), None)
 
     def _done(self, stream: SequenceStream) -> None:
         if self.hold.parked_ids:  # a parked sequence its client cancelled is parked no more
             with self._cv:
                 self.hold.parked_ids.discard(stream.seq_id)
         self._begun(stream)
+        request = stream._request
+        if request is not None:
+            with self._cv:
+                request.open_ids.discard(stream.seq_id)
+                if not request.open_ids:
+                    self._live.pop(id(request), None)
         stream.timing.ended = time.perf_counter()
         stream._finish_thread()
 
@@ -634,10 +680,12 @@ class EngineLoop:
 
 @dataclasses.dataclass
 class _Request:
-    """The choices of one submitted request: whether any of them has begun."""
+    """The choices of one submitted request: whether any of them has begun, and which have
+    not ended (``open_ids``: their ``seq_id`` s; under the loop's condition)."""
 
     priority: int
     begun: bool = False
+    open_ids: set[int] = dataclasses.field(default_factory=set)
     sequences: list[Any] = dataclasses.field(default_factory=list)  # the engine's, once added
 
     def waiting(self) -> bool:

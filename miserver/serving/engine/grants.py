@@ -170,16 +170,19 @@ class Grant:
         priority: the priority it waited at.
     """
 
-    __slots__ = ("batch", "size", "priority", "released")
+    __slots__ = ("batch", "size", "priority", "released", "joined")
 
     def __init__(self, batch: SlotBatch, size: int, priority: Priority) -> None:
         self.batch = batch
         self.size = size
         self.priority = priority
         self.released = False
+        #: The member has handed its sequences to the batch (:meth:`join`).
+        self.joined = False
 
     def join(self) -> None:
         """This member is ready to decode with the batch (idempotent)."""
+        self.joined = True
         self.batch._settle(self)
 
 

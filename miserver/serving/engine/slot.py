@@ -16,7 +16,9 @@ starts). Work that arrives meanwhile waits for the next grant, as it waits for t
 
 **Joining the running batch** (``join_running``, issue 29): a grouped waiter is granted at once
 into its group's running batch (one holder) unless the barrier holds or drains or a waiter as
-good waits; the engine admits it at its next step; a drain waits for every member.
+good waits; the engine admits it at its next step; a drain waits for every member. A member is
+queued (counted toward ``max_queued``) only while the engine has no place for it in the running
+batch (``batch_waiting``: the engine's count; a member not yet handed to the engine is told to it).
 
 **Filling the running batch** (``fill_running``, a GGUF resident: llama.cpp's parallel slots
 batch whatever they hold at each of its steps): as joining the running batch, but only while the
@@ -96,8 +98,13 @@ class Scheduler:
         self._max_concurrent = 1
         self.join_running = bool(join_running)  #: see the module docstring
         self._open: dict[Hashable, SlotBatch] = {}  # group -> its running batch (join_running)
-        #: Interactive requests in a running batch not begun by its engine (queued, max_queued).
-        self.batch_waiting: Callable[[], int] = lambda: 0
+        #: Interactive requests of the running batch (``join_running``) that wait for a place
+        #: in it, told the members granted into it that have not joined yet (their
+        #: ``(priority, size)``, in grant order): the engine's count
+        #: (:meth:`~miserver.serving.engine.engine_loop.EngineLoop.waiting`); queued, and
+        #: bounded by ``max_queued`` with the waiters. Without an engine none waits.
+        self.batch_waiting: Callable[[list[tuple[int, int]]], int] = lambda pending: 0
+        self._unjoined: dict[int, Grant] = {}  # grants into a running batch not joined yet
         self._max_queued = 1
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int):
             raise ValueError(f"max_batch_size must be an integer, got {max_batch_size!r}")
@@ -173,7 +180,7 @@ class Scheduler:
             chunks = len({id(w.unit) for w in batch if w.unit is not None})
             chunks += sum(1 for w in batch if w.unit is None)
             return HeldCounts(inter, chunks, self._running, len(waiting) - inter - len(batch))
-        return HeldCounts(0, 0, self._running, len(waiting) + self.batch_waiting())
+        return HeldCounts(0, 0, self._running, len(waiting) + self._engine_waiting())
 
     def interactive_waiting(self) -> int:
         """Interactive requests waiting for a slot, queued or held by the barrier: what
@@ -181,9 +188,23 @@ class Scheduler:
         return self._waiting_interactive()
 
     def _waiting_interactive(self) -> int:
-        return self.batch_waiting() + sum(
+        return self._engine_waiting() + sum(
             1 for w in self._heap if w.priority == Priority.INTERACTIVE and not w.future.done()
         )
+
+    def _engine_waiting(self) -> int:
+        """Interactive requests of the running batch waiting for a place in it: a member
+        granted into it counts as the engine counts a request it was handed, once it joins
+        (the engine loop's ``waiting``), and, until then, as one handed to it last."""
+        live = {k: g for k, g in self._unjoined.items() if not (g.joined or g.released)}
+        self._unjoined = live
+        return self.batch_waiting([(int(g.priority), g.size) for g in live.values()])
+
+    def _track(self, grant: Grant) -> Grant:
+        """Remember a grant into a running batch (``join_running``) until it joins."""
+        if grant.batch.group is not None and not grant.batch.bounded:
+            self._unjoined[id(grant)] = grant
+        return grant
 
     # --- slots --------------------------------------------------------------------------------
     async def acquire(
@@ -228,7 +249,7 @@ class Scheduler:
         fill = fill_running and group is not None
         if not gathering and group is not None and self._can_join_now(group, priority, size, fill):
             if priority == Priority.INTERACTIVE and self._waiting_interactive() >= self._max_queued:
-                raise QueueFull(self._max_queued)  # the engine's not-begun requests count
+                raise QueueFull(self._max_queued)  # the engine's waiting requests count
             return self._join_open(self._open[group], priority, size)
         if not gathering and not delayed and self._can_grant_now(priority):
             return self._new_batch(priority, size, group, fill)
@@ -326,7 +347,7 @@ class Scheduler:
         self._running += 1
         self._running_requests += 1
         batch = self._opened(SlotBatch(), group, fill)
-        grant = Grant(batch, size, priority)
+        grant = self._track(Grant(batch, size, priority))
         batch._add(grant)
         return grant
 
@@ -352,7 +373,7 @@ class Scheduler:
 
     def _join_open(self, batch: SlotBatch, priority: Priority, size: int) -> Grant:
         self._running_requests += 1
-        grant = Grant(batch, size, priority)
+        grant = self._track(Grant(batch, size, priority))
         batch._add(grant)
         batch._settle(grant)  # already running: nothing to wait for
         return grant
@@ -390,6 +411,7 @@ class Scheduler:
             if grant.released:
                 raise RuntimeError("release() of a grant already released")
             grant.released = True
+            self._unjoined.pop(id(grant), None)
             self._running_requests -= 1
             batch = grant.batch
             batch._holding.discard(id(grant))
@@ -461,7 +483,7 @@ class Scheduler:
                     taken = {id(m) for m in members}
                     self._heap = [w for w in self._heap if id(w) not in taken]
                     heapq.heapify(self._heap)
-            grants = [Grant(batch, m.size, m.priority) for m in members]
+            grants = [self._track(Grant(batch, m.size, m.priority)) for m in members]
             self._running_requests += len(grants)
             for grant in grants:
                 batch._add(grant)

@@ -190,7 +190,8 @@ def _media_refusal(request: web.Request) -> ApiError | None:
     shown = media if len(media) <= 64 and media.isascii() else "this type"
     return ApiError(
         codes.UNSUPPORTED_MEDIA_TYPE,
-        f"{request.method} {request.path} reads a {expected} body, not {shown}{hint}",
+        f"{request.method} {request.path} reads {'an' if expected[:1] in 'aeiou' else 'a'} "
+        f"{expected} body, not {shown}{hint}",
         details={"expected": expected},
     )
 

@@ -225,8 +225,8 @@ async def test_a_body_of_another_media_type_than_the_routes_is_415(client, path,
     assert resp.status == 415, answer
     code = answer["error"]["code"]
     assert code in ("UNSUPPORTED_MEDIA_TYPE", "unsupported_media_type"), answer
-    expected = "multipart/form-data" if path == "/v1/files" else "application/json"
-    assert expected in answer["error"]["message"], answer
+    expected = "a multipart/form-data" if path == "/v1/files" else "an application/json"
+    assert f"reads {expected} body" in answer["error"]["message"], answer
     if media.startswith("application/x-www"):
         assert "-H 'Content-Type: application/json'" in answer["error"]["message"]
 

@@ -147,8 +147,10 @@ DESCRIPTIONS: dict[str, str] = {
     "of the contract): `auto` is the cores this process may run on (its CPU affinity, so a "
     "container's CPU set counts); read at each load of a GGUF row.",
     "MAX_QUEUED_REQUESTS": "Interactive requests that may wait (queued plus held by the "
-    "barrier); beyond it a request is 503 QUEUE_FULL with `Retry-After`. Also changeable with "
-    "`PATCH /api/settings`.",
+    "barrier); beyond it a request is 503 QUEUE_FULL with `Retry-After`. A request being "
+    "served does not count: with `ENGINE=continuous` a request waits only while the running "
+    "batch has no place for its first choice (`MAX_BATCH_SIZE` sequences), with "
+    "`ENGINE=static` while the slot is taken. Also changeable with `PATCH /api/settings`.",
     "MAX_REQUEST_BYTES": "Request bodies larger than this many bytes are 413 with a JSON error, "
     "before the body is read.",
     "LOG_LEVEL": "The least severe log level written.",

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.gpu.chats import CHATS as SHARED_CHATS
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.slow,
@@ -18,16 +20,8 @@ pytestmark = [
 ]
 
 DEVICE = torch.device("cuda:0")
-CHATS = [
-    "What is the capital of France?",
-    "Hi",
-    "Explain what a CUDA graph is in one sentence.",
-    "List three prime numbers.",
-    "Translate 'good morning' into German, French and Spanish, one per line.",
-    "Why is the sky blue?",
-    "Give me a name for a cat.",
-    "Summarise the plot of Hamlet in two sentences. " * 30,  # a long prompt: a wider table
-]
+# the static batch's chats, the last one long: a wider block table
+CHATS = [*SHARED_CHATS[:-1], (SHARED_CHATS[-1] + " ") * 30]
 
 
 @pytest.fixture(scope="module")

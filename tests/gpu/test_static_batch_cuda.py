@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gpu.chats import CHATS
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.slow,
@@ -14,16 +16,6 @@ pytestmark = [
 ]
 
 DEVICE = torch.device("cuda:0")
-CHATS = [
-    "What is the capital of France?",
-    "Hi",
-    "Explain what a CUDA graph is in one sentence.",
-    "List three prime numbers.",
-    "Translate 'good morning' into German, French and Spanish, one per line.",
-    "Why is the sky blue?",
-    "Give me a name for a cat.",
-    "Summarise the plot of Hamlet in two sentences.",
-]
 TOKENS = 32
 
 

@@ -25,7 +25,9 @@ at once: the first-use captures), then the workloads (``--only``, by number):
    ``--grpo-n`` (default 8 and 32: one row each), temperature 1, ``--grpo-tokens`` tokens,
    seeded: tokens a second.
 
-After an engine's workloads the benchmark reads ``GET /api/health/detailed`` (its ``kv_cache``
+Around each timed workload the benchmark reads the engine's ``step_times`` (graph and eager
+steps, their wall ms) and records the difference as the workload's ``engine_steps`` (where its
+time went). After an engine's workloads the benchmark reads ``GET /api/health/detailed`` (its ``kv_cache``
 block, whatever it holds) and ``GET /api/weights/status`` (``cuda_memory``). Every server start
 and stop and every workload runs under a timeout (``--start-timeout-s``, ``--workload-timeout-s``,
 both cut to what is left of ``--budget-s``); a part that fails or times out is printed and
@@ -470,6 +472,7 @@ def run_engine(run: Run, shape: str, model: str, engine: str, plan: list, share_
                     left = deadline - time.monotonic()
             limit = min(args.workload_timeout_s, left)
             log(f"{shape}/{engine}: {label} (at most {limit:.0f} s)")
+            before = step_times(base)
             t1 = time.monotonic()
             try:
                 out = asyncio.run(asyncio.wait_for(factory(base, model), limit))
@@ -488,6 +491,9 @@ def run_engine(run: Run, shape: str, model: str, engine: str, plan: list, share_
             out["label"] = label
             out["run_s"] = spent
             out["untimed_first_s"] = warmed
+            steps = steps_between(before, step_times(base))
+            if steps is not None:
+                out["engine_steps"] = steps
             slot["workloads"][key] = out
             log(f"{shape}/{engine}: {key}: {_brief(out)}")
             run.save()
@@ -540,6 +546,34 @@ def warm(run: Run, shape: str, engine: str, base: str, model: str, deadline: flo
     log(f"{shape}/{engine}: warm-up chat {one:.2f} s, burst of {args.warm_chats} {burst:.2f} s")
 
 
+def step_times(base: str) -> dict[str, Any] | None:
+    """The engine's ``step_times`` (``kv_cache`` of ``/api/health/detailed``), None where the
+    server has none (the static batch) or the read failed."""
+    try:
+        cache = get_json(f"{base}/api/health/detailed").get("kv_cache")
+    except Exception:  # noqa: BLE001 - a diagnostic; the workload's numbers stand without it
+        return None
+    return cache.get("step_times") if isinstance(cache, dict) else None
+
+
+def steps_between(
+    before: dict[str, Any] | None, after: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """What the engine's steps did during one workload: per kind (``graph``, ``eager``) the
+    steps and their wall ms (``after`` - ``before``), and the slowest step so far."""
+    if not before or not after:
+        return None
+    out: dict[str, Any] = {}
+    for kind in ("graph", "eager"):
+        b, a = before.get(kind) or {}, after.get(kind) or {}
+        out[kind] = {
+            "steps": a.get("steps", 0) - b.get("steps", 0),
+            "ms": round(a.get("ms", 0.0) - b.get("ms", 0.0), 1),
+        }
+    out["slowest_ms"] = after.get("slowest_ms")
+    return out
+
+
 def health(base: str) -> dict[str, Any]:
     """``kv_cache`` of ``/api/health/detailed`` and ``cuda_memory`` of ``/api/weights/status``
     (None where absent; an error string where the read failed)."""
@@ -559,7 +593,14 @@ def health(base: str) -> dict[str, Any]:
 
 def _brief(out: dict[str, Any]) -> str:
     keys = ("ms_per_token", "tokens_per_s", "tokens", "wall_s", "ttft_p50_ms", "ttft_p99_ms")
-    return ", ".join(f"{k} {_fmt(out[k])}" for k in keys if k in out)
+    text = ", ".join(f"{k} {_fmt(out[k])}" for k in keys if k in out)
+    steps = out.get("engine_steps")
+    if steps:
+        text += ", engine steps " + ", ".join(
+            f"{kind} {steps[kind]['steps']} in {steps[kind]['ms']} ms"
+            for kind in ("graph", "eager")
+        )
+    return text
 
 
 def _fmt(value: Any, digits: int = 1) -> str:

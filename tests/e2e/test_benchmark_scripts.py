@@ -279,6 +279,10 @@ def test_engine_cuda_compares_both_engines_on_every_workload(
         assert work["4_grpo_n2"]["tokens_per_s"] > 0
     assert engines["baseline"]["health"]["kv_cache"] is None  # the static batch has no pages
     assert engines["continuous"]["health"]["kv_cache"]["blocks_total"] > 0
+    # where each workload's engine time went (the static batch has no engine steps to read)
+    steps = engines["continuous"]["workloads"]["2_concurrent_3"]["engine_steps"]
+    assert steps["eager"]["steps"] + steps["graph"]["steps"] > 0 and steps["slowest_ms"] > 0
+    assert "engine_steps" not in engines["baseline"]["workloads"]["2_concurrent_3"]
     table = [line for line in proc.stdout.splitlines() if line.startswith("| tiny | ")]
     assert len(table) == 3 + 2  # three workload rows, then each engine's start and memory
     cont = engines["continuous"]["workloads"]["2_concurrent_3"]["tokens_per_s"]

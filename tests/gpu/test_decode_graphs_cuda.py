@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -245,12 +246,15 @@ def test_random_shapes_captured_equals_the_eager_step(shape) -> None:
         assert margin <= RANDOM_SHAPE_TOLERANCE * float(logits[k].abs().max()), (k, margin)
 
 
+@pytest.mark.parametrize("engine_kind", ["static", "continuous"])
 def test_a_full_reload_or_swap_rebuilds_and_an_adapter_invalidates(
-    tmp_path, default_home, tiny_model_dir
+    tmp_path, default_home, tiny_model_dir, engine_kind
 ) -> None:
-    """Through the server: after an adapter apply the answer is the adapter's (a graph captured
-    over the base model would answer as the base), after its removal the base's again, and after
-    a swap the new model's, each equal to the eager path (DECODE_GRAPHS=off) in the same state."""
+    """Through the server, on each engine (``ENGINE``: the static batch's one-sequence graph
+    engine, the continuous engine's graphs per (rows, width)): after an adapter apply the answer
+    is the adapter's (a graph captured over the base model would answer as the base), after its
+    removal the base's again, and after a swap the new model's, each equal to the eager path
+    (DECODE_GRAPHS=off) in the same state."""
     import asyncio
 
     from aiohttp.test_utils import TestClient, TestServer
@@ -275,6 +279,17 @@ def test_a_full_reload_or_swap_rebuilds_and_an_adapter_invalidates(
     peft_model.save_pretrained(str(adapter))
     del peft_model, base
 
+    def graphs_of(resident: Any) -> Any:
+        """The resident's decode graphs: the continuous engine's, or the graph engine."""
+        if engine_kind == "continuous":
+            assert resident.engine_loop is not None and resident.engine is None
+            return resident.engine_loop.engine.runner.graphs
+        assert resident.engine_loop is None
+        return resident.engine
+
+    def replays(graphs: Any) -> int:
+        return graphs.replays if engine_kind == "continuous" else graphs.stats.replays
+
     async def answers(mode: str) -> dict[str, str]:
         home = tmp_path / f"home-{mode}"
         cat = Catalogue(str(home))
@@ -291,6 +306,7 @@ def test_a_full_reload_or_swap_rebuilds_and_an_adapter_invalidates(
                 "DEFAULT_MODEL": "smol",
                 "DEVICE": "cuda:0",
                 "DECODE_GRAPHS": mode,
+                "ENGINE": engine_kind,
             }
         )
         client = TestClient(TestServer(create_app(settings)))
@@ -309,7 +325,7 @@ def test_a_full_reload_or_swap_rebuilds_and_an_adapter_invalidates(
         try:
             await client.app[keys.STARTUP_LOAD]
             resident = client.app[keys.HOST].resident
-            assert (resident.engine is not None) == (mode != "off"), resident.engine_off_reason
+            assert (graphs_of(resident) is not None) == (mode != "off"), resident.engine_off_reason
             out["base"] = await ask("smol")
             r = await client.post(
                 "/api/weights/adapter", json={"name": "lora", "path": str(adapter)}
@@ -325,8 +341,8 @@ def test_a_full_reload_or_swap_rebuilds_and_an_adapter_invalidates(
             assert r.status == 200, await r.text()
             out["swapped"] = await ask("tiny")
             if mode != "off":
-                engine = client.app[keys.HOST].resident.engine
-                assert engine is not None and engine.stats.replays > 0
+                graphs = graphs_of(client.app[keys.HOST].resident)
+                assert graphs is not None and replays(graphs) > 0
         finally:
             await client.close()
         return out

@@ -326,35 +326,19 @@ def test_kv_budget_cache_follows_the_budget_not_rows_times_context() -> None:
     budget's cache is as many whole blocks as fit it (never more bytes than the budget), a larger
     budget holds more blocks and more sequences at once, the smallest preempts and every budget
     still completes every request with the largest budget's greedy tokens."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     sys.path.insert(0, str(REPO / "benchmarks"))
     import kv_budget
 
     from miserver.serving.engine.kv_cache import cache_shape
     from miserver.spec.settings import ConfigError
+    from tests.tiny_llama import sharp_tiny_llama
 
     assert kv_budget.parse_budgets("8MiB, 1.5GiB,2097152") == [8 << 20, 3 << 29, 2 << 20]
     for bad in ("auto", "8MiB,12 parsecs", "512KiB"):
         with pytest.raises(ConfigError):
             kv_budget.parse_budgets(bad)
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        attn_implementation="sdpa",
-    )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(4.0)  # sharp distributions: no near-ties between recompute and decode
+    model = sharp_tiny_llama(max_position_embeddings=4096)
     block = cache_shape(model).bytes_per_token * 16
     # budgets that are not whole blocks: 6.5, 13.5 and 41.5 blocks' bytes
     budgets = [block * 13 // 2, block * 27 // 2, block * 83 // 2]

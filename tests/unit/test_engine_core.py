@@ -16,30 +16,14 @@ from miserver.serving.engine.continuous import ContinuousEngine
 from miserver.serving.engine.generation import SamplingParams, SeedStream, pick_token
 from miserver.serving.engine.kv_cache import cache_shape
 from miserver.serving.engine.sequence import BATCH, INTERACTIVE, Sequence
+from tests.tiny_llama import sharp_tiny_llama
 
 VOCAB = 128
 
 
 @pytest.fixture(scope="module")
 def model() -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        attn_implementation="sdpa",
-    )
-    m = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.mul_(4.0)  # sharper distributions: no near-ties in the greedy comparisons
-    return m
+    return sharp_tiny_llama(VOCAB)
 
 
 def reference_greedy(model: Any, prompt: list[int], n: int) -> list[int]:

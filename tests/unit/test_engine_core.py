@@ -485,11 +485,13 @@ def test_the_health_route_reports_the_engine_cache_and_graphs(model: Any) -> Non
     assert kv_cache_summary(SimpleNamespace(engine_loop=None)) is None
 
 
-def test_packed_prefill_attends_each_chunk_as_alone_in_one_call_per_pack(model: Any) -> None:
+def test_packed_prefill_attends_each_chunk_as_alone_in_one_call_per_pack(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The CUDA path (issue 34): a step's prefill chunks in one masked attention call a layer
-    (``pack_spans``), here forced on the CPU in float32: the logits of every chunk (whole
-    prompts, chunks after cached positions, a cached prefix from the prefix cache) match the
-    one-call-per-chunk path, and the greedy tokens are the model's own."""
+    (``pack_spans``), here forced on the CPU in float32: every sequence (whole prompts, chunks
+    after computed positions, a prefix from the prefix cache) gets the greedy tokens of the
+    one-call-per-chunk path, which are the model's own."""
     from miserver.serving.engine import paged_attention
     from miserver.serving.engine.paged_attention import SeqSpan, pack_spans
 
@@ -500,6 +502,7 @@ def test_packed_prefill_attends_each_chunk_as_alone_in_one_call_per_pack(model: 
         calls.append(1)
         real(*args, **kw)
 
+    monkeypatch.setattr(paged_attention, "_packed_prefill", counting)
     prompts = [*PROMPTS, list(range(3, 60)), list(range(1, 30)), list(range(1, 30)) + [7, 8]]
     refs = [reference_greedy(model, p, 8) for p in prompts]
     got: dict[str, dict[Any, list[int]]] = {}
@@ -512,13 +515,9 @@ def test_packed_prefill_attends_each_chunk_as_alone_in_one_call_per_pack(model: 
             packed_prefill=mode == "packed",
         )
         calls.clear()
-        paged_attention._packed_prefill = counting
-        try:
-            for i, p in enumerate(prompts):
-                engine.add(Sequence(i, p, greedy(8)))
-            got[mode] = run(engine)
-        finally:
-            paged_attention._packed_prefill = real
+        for i, p in enumerate(prompts):
+            engine.add(Sequence(i, p, greedy(8)))
+        got[mode] = run(engine)
         assert (len(calls) > 0) == (mode == "packed")
     assert got["packed"] == got["alone"] == dict(enumerate(refs))
     # the mask itself: each query sees its own sequence's keys up to its own position

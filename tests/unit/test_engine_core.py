@@ -383,11 +383,13 @@ def test_close_ends_everything_and_releases_the_cache(model: Any) -> None:
     assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0
 
 
-def test_cpu_matrix_products_of_2_to_max_rows_rows_give_a_row_the_same_bits() -> None:
-    """What the runner's CPU invariance rests on (model_runner.MAX_ROWS), checked on the
-    running torch with SmolLM2-135M's weight shapes in bfloat16: a row's product is the same
-    bits in every product of 2 to MAX_ROWS rows, wherever the row sits."""
-    from miserver.serving.engine.model_runner import MAX_ROWS
+def test_cpu_matrix_products_of_2_to_linear_max_rows_rows_give_a_row_the_same_bits() -> None:
+    """What the runner's CPU invariance rests on without ``weight_first``
+    (model_runner.LINEAR_MAX_ROWS), checked on the running torch with SmolLM2-135M's weight
+    shapes in bfloat16: a row's ``F.linear`` is the same bits in every product of 2 to
+    LINEAR_MAX_ROWS rows, wherever the row sits (tests/unit/test_cpu_linear.py checks the
+    ``weight @ inputᵀ`` path the runner takes by default)."""
+    from miserver.serving.engine.model_runner import LINEAR_MAX_ROWS as MAX_ROWS
 
     gen = torch.Generator().manual_seed(1)
     for k, n in ((576, 576), (576, 192), (576, 1536), (1536, 576)):

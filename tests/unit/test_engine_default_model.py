@@ -112,8 +112,10 @@ def test_logprobs_are_bit_identical_alone_together_and_after_a_recompute(
     step): every token's logprob is the same float alone, beside the others, and after a
     preemption's recompute, so the CPU rounds a sequence's rows the same whatever runs beside
     it (model_runner: a prefill chunk per forward pass, one-query rows at most MAX_ROWS a pass;
-    step_scheduler: a recompute's generated positions as one-query rows)."""
-    from miserver.serving.engine.model_runner import MAX_ROWS
+    step_scheduler: a recompute's generated positions as one-query rows). The prompts are
+    longer than LINEAR_MAX_ROWS: beside each other in one pass, ``F.linear`` would round them
+    otherwise."""
+    from miserver.serving.engine.model_runner import LINEAR_MAX_ROWS as MAX_ROWS
 
     model, tok = loaded
     ids = [tok(p)["input_ids"] for p in LONG_PROMPTS]

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from miserver.serving.engine.cpu_linear import MAX_ROWS as WEIGHT_FIRST_ROWS
+from miserver.serving.engine.cpu_linear import cpu_linears
 from miserver.serving.engine.kv_cache import PagedKVCache
 from miserver.serving.engine.paged_attention import (
     ATTENTION_NAME,
@@ -54,12 +56,16 @@ log = logging.getLogger("miserver.engine")
 #: The fewest rows a CPU matrix product computes (module docstring).
 MIN_ROWS = 2
 
-#: The most rows a CPU matrix product computes (module docstring): oneDNN's bfloat16 products
-#: give a row the same bits for 2 to 32 rows and switch kernels above, where a row's bits
-#: depend on how many rows there are (measured, torch 2.13, every weight shape of
-#: SmolLM2-135M: rows 2..32 bit-identical, from 33 on up to 32 of 64 rows differ;
-#: tests/unit/test_engine_core.py checks it on the running torch).
-MAX_ROWS = 32
+#: The most rows a CPU forward pass of one-query rows computes (module docstring). The linear
+#: layers compute ``weight @ inputᵀ`` on the CPU (:mod:`~miserver.serving.engine.cpu_linear`),
+#: whose columns keep their bits for 1 to its ``MAX_ROWS`` columns. (``F.linear``'s oneDNN
+#: products kept a row's bits only for 2 to 32 rows: a pass was 32 rows at most before.)
+MAX_ROWS = WEIGHT_FIRST_ROWS
+
+#: The most rows a CPU pass computes without ``weight_first``: ``F.linear``'s oneDNN products
+#: give a row the same bits for 2 to 32 rows only (measured, torch 2.13, every weight shape of
+#: SmolLM2-135M: from 33 rows on up to 32 of 64 rows differ).
+LINEAR_MAX_ROWS = 32
 
 
 @dataclass
@@ -145,6 +151,9 @@ class ModelRunner:
             (:func:`~miserver.serving.engine.paged_attention.pack_spans`), the step in one
             forward pass; None: on CUDA only (on by choice on the CPU, a chunk's bits may
             then depend on its neighbours).
+        weight_first: the CPU's linear layers as ``weight @ inputᵀ``
+            (:mod:`~miserver.serving.engine.cpu_linear`; faster, and a pass may hold
+            :data:`MAX_ROWS` one-query rows); None: on the CPU.
     """
 
     def __init__(
@@ -153,6 +162,7 @@ class ModelRunner:
         cache: PagedKVCache,
         graphs: DecodeGraphs | None = None,
         packed_prefill: bool | None = None,
+        weight_first: bool | None = None,
     ):
         register()
         self.model = model
@@ -161,7 +171,9 @@ class ModelRunner:
         self.configs = model_configs(model)
         cpu = self.device.type == "cpu"
         self.min_rows = MIN_ROWS if cpu else 1
-        self.max_rows = MAX_ROWS if cpu else None
+        #: the CPU's linear layers as ``weight @ inputᵀ`` (:mod:`cpu_linear`); None: on the CPU
+        self.weight_first = cpu if weight_first is None else weight_first
+        self.max_rows = (MAX_ROWS if self.weight_first else LINEAR_MAX_ROWS) if cpu else None
         #: several prefill chunks of a step in one attention call a layer (CUDA by default;
         #: never on the CPU by default, where each chunk's bits must not depend on the others)
         self.packed_prefill = not cpu if packed_prefill is None else packed_prefill
@@ -172,7 +184,7 @@ class ModelRunner:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: Any, meta: PagedMetadata):
         kwargs = {ATTENTION_NAME: meta}
-        with use_paged_attention(self.configs):
+        with use_paged_attention(self.configs), cpu_linears(self.weight_first):
             out = self.model(
                 input_ids=ids[None],
                 position_ids=pos[None],

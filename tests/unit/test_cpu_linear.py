@@ -1,0 +1,103 @@
+"""The CPU's linear layers as ``weight @ inputᵀ`` (miserver/serving/engine/cpu_linear.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from miserver.serving.engine import cpu_linear
+from miserver.serving.engine.cpu_linear import MAX_ROWS, cpu_linears
+
+#: SmolLM2-135M's weight shapes (out, in): q/o, k/v, gate/up, down, and the tied lm_head.
+SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_column_keeps_its_bits_for_1_to_max_rows_columns(threads: int) -> None:
+    """What the engine's CPU invariance rests on (model_runner.MAX_ROWS), on the running torch:
+    every column of ``W @ Xᵀ`` is the same bits in every product of 1 to MAX_ROWS columns,
+    wherever the column sits, and they are ``F.linear``'s bits of that row in a product of two
+    rows (what the engine computed before)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        for out_f, in_f in SHAPES:
+            w = (torch.randn(out_f, in_f, generator=gen) * 0.05).to(torch.bfloat16)
+            x = torch.randn(MAX_ROWS + 2, in_f, generator=gen).to(torch.bfloat16)
+            pairs = torch.cat(
+                [torch.nn.functional.linear(x[[r, r + 1]], w)[:1] for r in range(MAX_ROWS + 1)]
+            )
+            counts = sorted({1, 2, 3, 7, 16, 31, 32, 33, 63, 64, 65, 100, MAX_ROWS})
+            for m in counts:
+                got = cpu_linear._weight_first(x[:m], w, None)
+                assert torch.equal(got, pairs[:m]), (out_f, in_f, m)
+                shifted = cpu_linear._weight_first(x[1 : m + 1], w, None)
+                assert torch.equal(shifted, pairs[1 : m + 1]), (out_f, in_f, m, "shifted")
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_layer_computes_what_f_linear_computes_and_leaves_the_weight_alone() -> None:
+    gen = torch.Generator().manual_seed(4)
+    layer = torch.nn.Linear(64, 48, bias=True).to(torch.bfloat16)
+    weight_before = layer.weight.detach().clone()
+    ptr = layer.weight.data_ptr()
+    x = torch.randn(2, 5, 64, generator=gen).to(torch.bfloat16)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    with torch.inference_mode(), cpu_linears():
+        got = layer(x)
+    assert got.shape == (2, 5, 48) and got.is_contiguous() and got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), expected.float(), atol=0.05, rtol=0.02)
+    assert layer.weight.data_ptr() == ptr and torch.equal(layer.weight, weight_before)
+
+
+def test_the_path_is_taken_only_inside_the_block_on_this_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[str] = []
+    real = cpu_linear._weight_first
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(threading.current_thread().name)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_linear, "_weight_first", counted)
+    layer = torch.nn.Linear(16, 8, bias=False)
+    x = torch.randn(3, 16)
+    layer(x)
+    assert calls == []  # outside the block: torch's own forward
+    with cpu_linears():
+        layer(x)
+        assert calls == [threading.current_thread().name]
+        other = threading.Thread(target=layer, args=(x,))
+        other.start()
+        other.join()
+        assert len(calls) == 1  # the other thread ran torch's own forward
+        with cpu_linears(False):  # off leaves the thread's state as it is
+            layer(x)
+        assert len(calls) == 2
+    layer(x)
+    assert len(calls) == 2  # restored on exit
+
+
+def test_too_many_rows_go_through_f_linear(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(
+        cpu_linear, "_weight_first", lambda x, w, b: calls.append(1) or torch.zeros(0)
+    )
+    layer = torch.nn.Linear(8, 4, bias=False)
+    with cpu_linears():
+        out = layer(torch.randn(MAX_ROWS + 1, 8))
+        assert out.shape == (MAX_ROWS + 1, 4)
+    assert calls == []
+
+
+def test_a_wrong_shape_fails_as_torch_s_own_layer_does() -> None:
+    layer = torch.nn.Linear(8, 4, bias=False)
+    with cpu_linears(), pytest.raises(RuntimeError):
+        layer(torch.randn(2, 7))

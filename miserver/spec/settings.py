@@ -72,6 +72,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     continuous_batching: bool = False
     #: None: ``auto``, the CPU cores this process may run on (``os.sched_getaffinity``).
     gguf_threads: int | None = None
+    #: None: ``auto``, one fewer than the CPU cores this process may run on (at least 1).
+    cpu_threads: int | None = None
     max_queued_requests: int = 64
     max_request_bytes: int = 8 * 1024 * 1024
     header_read_timeout_s: float = 20.0
@@ -143,6 +145,7 @@ VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("KV_CACHE_BYTES", "kv_cache_bytes", "memory_bytes"),
     ("CONTINUOUS_BATCHING", "continuous_batching", "bool"),
     ("GGUF_THREADS", "gguf_threads", "threads"),
+    ("CPU_THREADS", "cpu_threads", "threads"),
     ("MAX_QUEUED_REQUESTS", "max_queued_requests", "pos_int"),
     ("MAX_REQUEST_BYTES", "max_request_bytes", "pos_int"),
     ("HEADER_READ_TIMEOUT_S", "header_read_timeout_s", "pos_float"),
@@ -350,16 +353,29 @@ def resolved_batch_delay_s(settings: Settings, device_type: str) -> float:
     return ms / 1000.0
 
 
-def resolved_gguf_threads(settings: Settings) -> int:
-    """``GGUF_THREADS``: the setting, or (``auto``) the CPU cores this process may run on."""
-    if settings.gguf_threads is not None:
-        return settings.gguf_threads
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity, so a container's CPU set counts)."""
     import os
 
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux
         return max(1, os.cpu_count() or 1)
+
+
+def resolved_gguf_threads(settings: Settings) -> int:
+    """``GGUF_THREADS``: the setting, or (``auto``) the CPU cores this process may run on."""
+    if settings.gguf_threads is not None:
+        return settings.gguf_threads
+    return usable_cores()
+
+
+def resolved_cpu_threads(settings: Settings) -> int:
+    """``CPU_THREADS``: the setting, or (``auto``) one fewer than the CPU cores this process may
+    run on, at least 1: the other core is the event loop's (docs/decisions.md, "Threads")."""
+    if settings.cpu_threads is not None:
+        return settings.cpu_threads
+    return max(1, usable_cores() - 1)
 
 
 def resolved_max_batch_size(settings: Settings, device_type: str) -> int:

@@ -146,6 +146,11 @@ DESCRIPTIONS: dict[str, str] = {
     "GGUF_THREADS": "CPU threads llama.cpp uses for a GGUF resident (format `gguf`, section 4a "
     "of the contract): `auto` is the cores this process may run on (its CPU affinity, so a "
     "container's CPU set counts); read at each load of a GGUF row.",
+    "CPU_THREADS": "Threads of the continuous engine's forward passes on a CPU resident (torch's "
+    "intra-op threads, set on the engine's own thread): `auto` is one fewer than the cores this "
+    "process may run on (its CPU affinity), at least 1, leaving a core to the event loop that "
+    "parses requests and streams answers. Measured on 2 cores: 1 thread served every workload "
+    '1.2-1.4x faster than 2 (docs/decisions.md, "Threads"). Read at each load.',
     "MAX_QUEUED_REQUESTS": "Interactive requests that may wait (queued plus held by the "
     "barrier); beyond it a request is 503 QUEUE_FULL with `Retry-After`. A request being "
     "served does not count: with `ENGINE=continuous` a request waits only while the running "

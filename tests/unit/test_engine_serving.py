@@ -31,6 +31,29 @@ async def client(default_home: str, tmp_path):
     await c.close()
 
 
+async def test_the_engine_thread_computes_on_cpu_threads_and_the_event_loop_keeps_its_own(
+    default_home: str, tmp_path
+) -> None:
+    import torch
+
+    from miserver.serving.models.default_model import model_dir
+    from tests.unit.test_weights_routes import make_client
+
+    mine = torch.get_num_threads()
+    wanted = 1 if mine > 1 else 2
+    c = await make_client(tmp_path, str(model_dir(default_home)), CPU_THREADS=str(wanted))
+    try:
+        loop = engine_loop(c)
+        assert loop.threads == wanted
+        seen: list[int] = []
+        loop.on_step = lambda n, outputs: seen.append(torch.get_num_threads())
+        await post(c, chat("Hi", max_tokens=2))
+        assert seen and set(seen) == {wanted}
+        assert torch.get_num_threads() == mine  # the event loop's thread is left alone
+    finally:
+        await c.close()
+
+
 class StepLog:
     """What each engine step produced: ``(step, time, {seq_id: tokens})``, and the engine's
     stats after it; filled on the engine thread."""

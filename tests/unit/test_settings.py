@@ -214,6 +214,27 @@ def test_gguf_threads_is_auto_or_a_count_and_auto_follows_the_cpu_affinity() -> 
             load_settings({"MISERVER_HOME": "/x", "GGUF_THREADS": bad})
 
 
+def test_cpu_threads_is_auto_or_a_count_and_auto_leaves_one_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    from miserver.spec import settings as settings_module
+    from miserver.spec.settings import resolved_cpu_threads
+
+    auto = load_settings({"MISERVER_HOME": "/x"})
+    assert auto.cpu_threads is None
+    assert resolved_cpu_threads(auto) == max(1, len(os.sched_getaffinity(0)) - 1)
+    for cores, threads in ((1, 1), (2, 1), (16, 15)):
+        monkeypatch.setattr(settings_module, "usable_cores", lambda c=cores: c)
+        assert resolved_cpu_threads(auto) == threads
+    set_ = load_settings({"MISERVER_HOME": "/x", "CPU_THREADS": "2"})
+    assert (set_.cpu_threads, resolved_cpu_threads(set_)) == (2, 2)
+    for bad in ("0", "1025", "-2", "two"):
+        with pytest.raises(ConfigError, match="CPU_THREADS"):
+            load_settings({"MISERVER_HOME": "/x", "CPU_THREADS": bad})
+
+
 def test_continuous_batching_1_starts_with_pauses_unavailable_as_cbm() -> None:
     from miserver.fsm.machine import Lifecycle
 

@@ -217,8 +217,11 @@ class EngineLoop:
         name: str = "engine",
         *,
         cross_request_prefix_cache: bool = True,
+        threads: int | None = None,
     ) -> None:
         self.engine = engine
+        #: torch's intra-op threads on the engine thread (``CPU_THREADS``); None: as it is
+        self.threads = threads
         #: False: every new request prefills its whole prompt (the cache is forgotten before
         #: it is admitted), so an answer never depends on what ran before it; the ``n`` choices
         #: of one request still share their prefill (issue 29: on the CPU a prefill of a
@@ -449,6 +452,8 @@ class EngineLoop:
 
     # --- engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
+        if self.threads is not None:  # per thread under OpenMP: the event loop keeps its own
+            torch.set_num_threads(self.threads)
         with torch.inference_mode():
             while True:
                 with self._cv:

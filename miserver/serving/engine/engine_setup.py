@@ -35,7 +35,11 @@ def build(
     from miserver.serving.engine.decode_graphs import device_of
     from miserver.serving.engine.generation import context_length
     from miserver.serving.engine.kv_cache import cache_shape
-    from miserver.spec.settings import DEFAULT_ENGINE_MAX_SEQS, resolved_kv_cache_bytes
+    from miserver.spec.settings import (
+        DEFAULT_ENGINE_MAX_SEQS,
+        resolved_cpu_threads,
+        resolved_kv_cache_bytes,
+    )
 
     device = device_of(model)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
@@ -63,15 +67,17 @@ def build(
         )
         return None
     stats = engine.stats()
+    threads = resolved_cpu_threads(settings) if device.type == "cpu" else None
     log.info(
         "continuous engine for %s: KV cache %.1f MiB (KV_CACHE_BYTES %s), %d blocks of %d "
-        "positions, up to %d sequences a step, in %.2f s",
+        "positions, up to %d sequences a step%s, in %.2f s",
         name,
         stats["cache_bytes"] / 2**20,
         "auto" if settings.kv_cache_bytes is None else settings.kv_cache_bytes,
         stats["blocks_total"],
         stats["block_size"],
         max_seqs,
+        "" if threads is None else f", {threads} CPU thread{'s' if threads > 1 else ''}",
         time.perf_counter() - started,
     )
     # On the CPU a prompt whose head comes from the prefix cache is computed in another shape
@@ -83,6 +89,7 @@ def build(
         tokenizer,
         name=f"engine-{name}",
         cross_request_prefix_cache=device.type != "cpu",
+        threads=threads,
     )
     if scheduler is not None:
         scheduler.batch_waiting = loop.interactive_waiting

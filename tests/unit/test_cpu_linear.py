@@ -101,3 +101,35 @@ def test_a_wrong_shape_fails_as_torch_s_own_layer_does() -> None:
     layer = torch.nn.Linear(8, 4, bias=False)
     with cpu_linears(), pytest.raises(RuntimeError):
         layer(torch.randn(2, 7))
+
+
+def test_17_to_32_rows_go_through_f_linear_with_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """F.linear is kept where it is as fast (17..32 rows); its bits there are W @ Xᵀ's, so a
+    row's bits do not depend on which path its pass took."""
+    calls: list[int] = []
+    real = cpu_linear._weight_first
+    monkeypatch.setattr(
+        cpu_linear, "_weight_first", lambda *a: calls.append(a[0].shape[-2]) or real(*a)
+    )
+    gen = torch.Generator().manual_seed(5)
+    layer = torch.nn.Linear(576, 192, bias=False).to(torch.bfloat16)
+    x = torch.randn(1, 40, 576, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode(), cpu_linears():
+        outs = {m: layer(x[:, :m]) for m in (1, 16, 17, 32, 33, 40)}
+    assert calls == [1, 16, 33, 40]
+    for m, out in outs.items():
+        assert torch.equal(out[0], outs[40][0, :m]), m
+
+
+def test_a_transposed_layer_gives_the_same_values_without_the_copy() -> None:
+    gen = torch.Generator().manual_seed(6)
+    head = torch.nn.Linear(64, 1000, bias=False).to(torch.bfloat16)
+    other = torch.nn.Linear(64, 1000, bias=False).to(torch.bfloat16)
+    other.weight.data.copy_(head.weight.data)
+    x = torch.randn(1, 5, 64, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode(), cpu_linears(transposed=(head,)):
+        loose, tight = head(x), other(x)
+    assert not loose.is_contiguous() and tight.is_contiguous()
+    assert torch.equal(loose, tight)

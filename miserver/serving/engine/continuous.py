@@ -362,7 +362,11 @@ class ContinuousEngine:
         if not to_sample:
             return
         seqs = [s for s, _, _ in to_sample]
-        rows = result.logits[[r for _, r, _ in to_sample]]
+        picks = [r for _, r, _ in to_sample]
+        if picks == list(range(len(result.logits))):
+            rows = result.logits  # every row once, in order (no siblings forked this step)
+        else:
+            rows = result.logits.index_select(0, torch.tensor(picks, device=result.logits.device))
         for (seq, _, out), picked in zip(to_sample, sample(seqs, rows), strict=True):
             outputs.append(out)
             if picked.error is not None:

@@ -31,7 +31,7 @@ floating dtype takes the path.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -41,6 +41,11 @@ import torch
 #: measured the same for every count of 1 to 129 columns with every weight shape of
 #: SmolLM2-135M (torch 2.13, 1 and 2 threads); from 200 columns on some shapes differ.
 MAX_ROWS = 128
+
+#: Row counts left to ``F.linear``: its products of 2 to 32 rows give a row the same bits as
+#: ``W @ Xᵀ`` does (tests/unit/test_cpu_linear.py), and from 17 rows on it is as fast or faster
+#: than ``W @ Xᵀ`` with the transpose made contiguous (``benchmarks/cpu_linear.py``).
+LINEAR_FIRST, LINEAR_LAST = 17, 32
 
 _local = threading.local()
 _lock = threading.Lock()
@@ -53,17 +58,21 @@ def _forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
         rows = input.numel() // max(input.shape[-1], 1)
         if (
             1 <= rows <= MAX_ROWS
+            and not LINEAR_FIRST <= rows <= LINEAR_LAST
             and input.device.type == "cpu"
             and weight.device.type == "cpu"
             and input.dtype == weight.dtype
             and weight.dtype.is_floating_point
         ):
-            return _weight_first(input, weight, self.bias)
+            return _weight_first(input, weight, self.bias, id(self) not in _local.transposed)
     return _original_forward(self, input)
 
 
 def _weight_first(
-    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    contiguous: bool = True,
 ) -> torch.Tensor:
     """``F.linear(input, weight, bias)`` computed as ``(weight @ inputᵀ)ᵀ``.
 
@@ -71,16 +80,20 @@ def _weight_first(
         input: ``[..., in_features]``, the weight's dtype, CPU.
         weight: ``[out_features, in_features]``, never modified.
         bias: ``[out_features]`` or None.
+        contiguous: False: return the transpose of the product as it is (same values; the
+            copy is left to the reader, as for the logits a sampler gathers row by row).
 
     Returns:
-        ``[..., out_features]``, contiguous.
+        ``[..., out_features]``, contiguous unless ``contiguous`` is False.
     """
     x = input.reshape(-1, input.shape[-1])
     if bias is None:
-        out = torch.mm(weight, x.t())
+        out = torch.mm(weight, x.t()).t()
     else:
-        out = torch.addmm(bias[:, None], weight, x.t())
-    return out.t().contiguous().view(*input.shape[:-1], weight.shape[0])
+        out = torch.addmm(bias[:, None], weight, x.t()).t()
+    if contiguous:
+        out = out.contiguous()
+    return out.view(*input.shape[:-1], weight.shape[0])
 
 
 def install() -> None:
@@ -94,17 +107,21 @@ def install() -> None:
 
 
 @contextmanager
-def cpu_linears(on: bool = True) -> Iterator[None]:
+def cpu_linears(on: bool = True, transposed: Iterable[torch.nn.Module] = ()) -> Iterator[None]:
     """Within the block, this thread's CPU ``torch.nn.Linear`` layers of up to
     :data:`MAX_ROWS` rows compute ``weight @ inputᵀ`` (module docstring); ``on=False`` leaves
-    them as they are. Nests; restores the thread's previous state on exit."""
+    them as they are. The layers in ``transposed`` (the output embedding, whose logits the
+    runner gathers row by row anyway) return the product's transpose without making it
+    contiguous: the same values, one copy fewer of ``[rows, vocab]``. Nests; restores the
+    thread's previous state on exit."""
     if not on:
         yield
         return
     install()
-    before = getattr(_local, "on", False)
+    before = getattr(_local, "on", False), getattr(_local, "transposed", frozenset())
     _local.on = True
+    _local.transposed = frozenset(id(m) for m in transposed)
     try:
         yield
     finally:
-        _local.on = before
+        _local.on, _local.transposed = before

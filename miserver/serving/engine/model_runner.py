@@ -177,6 +177,9 @@ class ModelRunner:
         #: several prefill chunks of a step in one attention call a layer (CUDA by default;
         #: never on the CPU by default, where each chunk's bits must not depend on the others)
         self.packed_prefill = not cpu if packed_prefill is None else packed_prefill
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        #: the output embedding: its logits may stay transposed (read row by row below)
+        self._head = (head,) if isinstance(head, torch.nn.Module) else ()
         self.graphs = graphs
         self.forward_passes = 0
         #: whether the last step ran through :class:`DecodeGraphs` (its fixed-shape path)
@@ -184,7 +187,7 @@ class ModelRunner:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: Any, meta: PagedMetadata):
         kwargs = {ATTENTION_NAME: meta}
-        with use_paged_attention(self.configs), cpu_linears(self.weight_first):
+        with use_paged_attention(self.configs), cpu_linears(self.weight_first, self._head):
             out = self.model(
                 input_ids=ids[None],
                 position_ids=pos[None],
@@ -312,7 +315,7 @@ class ModelRunner:
         keep_t = torch.tensor(keep, dtype=torch.long, device=device)
         logits = self._forward(ids, pos, keep_t, meta)
         for key, first, count in echo:
-            prompt[key] = logits[first : first + count]
+            prompt[key] = logits[first : first + count].contiguous()
         for key, index in samplers:
             sampled[key] = logits[index]
 

@@ -425,6 +425,20 @@ def test_cpu_forward_passes_put_each_prefill_chunk_alone_and_at_most_max_rows_ro
         [(0, 42, 8, True), (1, 7, 1, True), (2, 7, 1, True), (3, 7, 1, True)],
     ]
     assert [all(u.rows for u in g) for g in groups] == [True, False, True]
+    # sharing (the weight-first linear layers): a chunk joins a pass that has room for all of
+    # it, a chunk longer than a pass is alone, and rows still split where a pass is full
+    other_chunk = seq(5, 30, 0)
+    shared = _cpu_groups([*units, _Unit(other_chunk, 0, 30, True)], 32, share_chunks=True)
+    assert [[(u.seq.seq_id, u.start, u.num_new) for u in g] for g in shared] == [
+        [(0, 10, 32)],
+        [(4, 0, 50)],  # longer than a pass: alone
+        [(0, 42, 8), (1, 7, 1), (2, 7, 1), (3, 7, 1)],  # 11 rows: no room for 30 more
+        [(5, 0, 30)],
+    ]
+    small = _cpu_groups([_Unit(chunk, 0, 20, True), *units[1:4]], 32, share_chunks=True)
+    assert [[(u.seq.seq_id, u.num_new) for u in g] for g in small] == [
+        [(4, 20), (1, 1), (2, 1), (3, 1)]
+    ]
 
 
 def test_a_recompute_computes_the_prompt_as_a_chunk_and_the_generated_tokens_as_rows(

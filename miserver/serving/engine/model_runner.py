@@ -215,7 +215,7 @@ class ModelRunner:
             for s in batch
         ]
         one_pass = self.max_rows is None or self.packed_prefill
-        groups = [units] if one_pass else _cpu_groups(units, self.max_rows)
+        groups = [units] if one_pass else _cpu_groups(units, self.max_rows, self.weight_first)
         sampled: dict[int, torch.Tensor] = {}
         prompt: dict[int, torch.Tensor] = {}
         for group in groups:
@@ -336,17 +336,28 @@ class _Unit:
         return self.num_new == 1 or self.start >= self.seq.num_prefill_tokens
 
 
-def _cpu_groups(units: list[_Unit], max_rows: int) -> list[list[_Unit]]:
-    """The CPU's forward passes of one step: every prefill chunk alone, the one-query rows in
-    passes of at most ``max_rows`` (a sequence's rows in position order, split where a pass is
-    full; only the last piece samples). Row-for-row the arithmetic is then the same whatever
-    else the step holds (module docstring)."""
+def _cpu_groups(units: list[_Unit], max_rows: int, share_chunks: bool = False) -> list[list[_Unit]]:
+    """The CPU's forward passes of one step, each of at most ``max_rows`` rows: the one-query
+    rows in passes of at most ``max_rows`` (a sequence's rows in position order, split where a
+    pass is full; only the last piece samples); a prefill chunk whole, alone in its pass, or
+    (``share_chunks``, when the linear layers give a row the same bits in any pass of up to
+    ``max_rows`` rows: :mod:`~miserver.serving.engine.cpu_linear`) beside other chunks and rows
+    where the pass has room for all of it. A chunk of more than ``max_rows`` tokens is always
+    alone. Row-for-row the arithmetic is then the same whatever else the step holds (module
+    docstring)."""
     groups: list[list[_Unit]] = []
     rows: list[_Unit] = []
     room = max_rows
     for unit in units:
         if not unit.rows:
-            groups.append([unit])
+            if not share_chunks or unit.num_new > max_rows:
+                groups.append([unit])
+                continue
+            if unit.num_new > room:
+                groups.append(rows)
+                rows, room = [], max_rows
+            rows.append(unit)
+            room -= unit.num_new
             continue
         start, left = unit.start, unit.num_new
         while left:

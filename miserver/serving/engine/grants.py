@@ -115,7 +115,8 @@ class Unit:
 
 
 class SlotBatch:
-    """The work one grant of a slot runs together: one holder of the slot (a static batch).
+    """The work one grant of a slot runs together: one holder of the slot (the resident's
+    running batch).
 
     Attributes:
         grants: every member's :class:`Grant`, in the order they were taken (the leader first).
@@ -158,7 +159,7 @@ class SlotBatch:
             try:
                 callback()
             except Exception:  # noqa: BLE001 - one member's failure must not strand the others
-                log.exception("static batch: a when_ready callback raised")
+                log.exception("slot batch: a when_ready callback raised")
 
 
 class Grant:

@@ -162,9 +162,7 @@ async def test_a_served_cuda_resident_runs_the_continuous_engine(tmp_path, tiny_
     health route and ``/metrics`` show the paged cache, and the engine replayed graphs."""
     from tests.unit.test_weights_routes import make_client
 
-    client = await make_client(
-        tmp_path, tiny_model_dir, DEVICE="cuda:0", KV_CACHE_BYTES="64MiB"
-    )
+    client = await make_client(tmp_path, tiny_model_dir, DEVICE="cuda:0", KV_CACHE_BYTES="64MiB")
     try:
         r = await client.post(
             "/v1/chat/completions",

@@ -82,6 +82,20 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     log_level: str = "info"
     log_format: str = "json"
 
+    def __post_init__(self) -> None:
+        """Settings made in code are held to the one engine too (:data:`ENGINE_REMOVED`).
+
+        Raises:
+            ConfigError: ``engine`` is not ``continuous`` (naming ``ENGINE``).
+        """
+        if self.engine != "continuous":
+            raise ConfigError(
+                "ENGINE",
+                ENGINE_REMOVED
+                if self.engine.strip().lower() == "static"
+                else f"expected continuous, got {self.engine!r}",
+            )
+
     def __repr__(self) -> str:
         fields = {f: getattr(self, f) for f in self.__struct_fields__}
         fields["weights_tokens"] = [f"{t.label}:{t.role}:***" for t in self.weights_tokens]

@@ -92,3 +92,41 @@ def test_the_host_closes_a_dropped_residents_engine(tmp_path) -> None:
     host._drop_resident()
     assert loop.calls == ["close"]
     assert host.resident is None
+
+
+def test_the_decode_graph_gauges_and_cuda_memory_read_the_engines_graphs() -> None:
+    """``/metrics``' decode-graph gauges and ``cuda_memory[].decode_graphs_mb`` read the
+    continuous engine's graphs (``stats()["decode_graphs"]``); 0 without an engine."""
+    import torch
+
+    from miserver.serving.metrics import Metrics
+    from miserver.serving.weights.views import _with_decode_memory
+
+    def gauges(metrics: Metrics) -> dict[str, float]:
+        text = metrics.render()[0].decode()
+        names = ("graph_pool_bytes", "graphs_captured", "graph_replays")
+        return {
+            line.split()[0]: float(line.split()[1])
+            for line in text.splitlines()
+            if line.startswith(tuple(f"miserver_decode_{n} " for n in names))
+        }
+
+    metrics = Metrics()
+    assert set(gauges(metrics).values()) == {0.0}
+    graphs = {"mode": "captured", "captured": [[1, 16], [8, 16]], "replays": 7, "bytes": 3 << 20}
+    loop = SimpleNamespace(
+        closed=False,
+        engine=SimpleNamespace(device=torch.device("cuda:0")),
+        stats=lambda: {"cache_bytes": 64 << 20, "decode_graphs": graphs},
+    )
+    metrics.set_engine_loop(loop)
+    assert gauges(metrics) == {
+        "miserver_decode_graph_pool_bytes": float(3 << 20),
+        "miserver_decode_graphs_captured": 2.0,
+        "miserver_decode_graph_replays": 7.0,
+    }
+    cards = _with_decode_memory(
+        [{"device_index": 0, "allocated_mb": 1.0, "reserved_mb": 2.0}],
+        SimpleNamespace(engine_loop=loop),
+    )
+    assert cards[0]["kv_cache_mb"] == 64.0 and cards[0]["decode_graphs_mb"] == 3.0

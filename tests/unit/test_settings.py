@@ -240,6 +240,15 @@ def test_engine_static_is_refused_saying_the_static_batch_was_removed(value):
     assert "continuous engine serves every sequence" in message
 
 
+def test_settings_made_in_code_refuse_the_static_engine_too():
+    from miserver.spec.settings import Settings
+
+    with pytest.raises(ConfigError) as err:
+        Settings(home="/tmp/x", engine="static")
+    assert err.value.variable == "ENGINE" and "static batch was removed" in str(err.value)
+    assert Settings(home="/tmp/x").engine == "continuous"
+
+
 def test_engine_accepts_only_continuous():
     env = {"MISERVER_HOME": "/tmp/x"}
     assert load_settings(env).engine == "continuous"

@@ -10,9 +10,8 @@ is granted to a grouped waiter, the waiting work of that group joins it, in prio
 (interactive first, then batch chunks; first come first served within a priority), up to
 ``max_batch_size`` sequences: one :class:`SlotBatch`, one holder of the slot. Every member gets
 its own :class:`Grant`; the slot is free again when the last member released its grant. A
-member tells the batch it is ready with :meth:`Grant.join` (or leaves it by releasing); once
-every member has joined or left, the batch's ``when_ready`` callbacks run (the generation
-starts). Without ``join_running`` or ``fill_running``, work that arrives meanwhile waits for
+member tells the scheduler it has handed its sequences to the engine with :meth:`Grant.join`.
+Without ``join_running`` or ``fill_running``, work that arrives meanwhile waits for
 the next grant, as it waits for the slot.
 
 **Joining the running batch** (``join_running``, issue 29; the server always sets it: the
@@ -377,7 +376,6 @@ class Scheduler:
         self._running_requests += 1
         grant = self._track(Grant(batch, size, priority))
         batch._add(grant)
-        batch._settle(grant)  # already running: nothing to wait for
         return grant
 
     def _grant_into_open(self) -> None:
@@ -417,7 +415,6 @@ class Scheduler:
             self._running_requests -= 1
             batch = grant.batch
             batch._holding.discard(id(grant))
-            batch._settle(grant)
             if batch._holding:
                 if batch.bounded:  # room for a waiter of the group (fill_running)
                     self._grant_into_open()

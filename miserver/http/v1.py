@@ -16,8 +16,9 @@ The path of one request:
    sequences, so it is computed on one parameter set;
 5. its sequences join the resident's continuous engine
    (:mod:`miserver.serving.engine.engine_loop`; llama.cpp on a GGUF resident), whose events
-   it reads (:mod:`miserver.serving.engine.generation`); a failure before the first token is a JSON 500, after a stream opened it is one ``error`` event and no
-   ``[DONE]``; a client that goes away cancels it within a decode step.
+   it reads (:mod:`miserver.serving.engine.generation`); a failure before the first token is a
+   JSON 500, after a stream opened it is one ``error`` event and no ``[DONE]``; a client that
+   goes away cancels it within a decode step.
 
 Every successful response carries ``X-miLLM-Model`` (:func:`miserver.http.model_header.model_header`)
 and a stream's terminal chunk (and its usage chunk) carries the same value as ``millm_model``.

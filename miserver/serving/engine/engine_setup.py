@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from miserver.serving.engine.engine_loop import EngineLoop
+from miserver.spec import codes
+from miserver.spec.errors import ApiError
 
 log = logging.getLogger("miserver.engine")
 
@@ -24,8 +26,17 @@ log = logging.getLogger("miserver.engine")
 CUDA_STEP_TOKENS = {"max_num_batched_tokens": 2048, "prefill_chunk": 512}
 
 
-class EngineUnavailable(RuntimeError):
-    """The continuous engine cannot be built for a model (:func:`build`): its load fails."""
+class EngineUnavailable(ApiError):
+    """The continuous engine cannot be built for the model ``name`` (:func:`build`): its load
+    fails, 500 ``MODEL_LOAD_FAILED`` naming the model and the engine's error (``details``:
+    ``name``)."""
+
+    def __init__(self, name: str, exc: BaseException) -> None:
+        super().__init__(
+            codes.MODEL_LOAD_FAILED,
+            f"the continuous engine cannot serve {name}: {type(exc).__name__}: {str(exc)[:300]}",
+            details={"name": name},
+        )
 
 
 def build(
@@ -69,9 +80,7 @@ def build(
             **(CUDA_STEP_TOKENS if device.type == "cuda" else {}),
         )
     except Exception as exc:  # noqa: BLE001 - the load fails, saying why
-        raise EngineUnavailable(
-            f"the continuous engine cannot serve {name}: {type(exc).__name__}: {str(exc)[:300]}"
-        ) from exc
+        raise EngineUnavailable(name, exc) from exc
     stats = engine.stats()
     log.info(
         "continuous engine for %s: KV cache %.1f MiB (KV_CACHE_BYTES %s), %d blocks of %d "

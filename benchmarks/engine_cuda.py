@@ -1,14 +1,16 @@
-"""The continuous engine beside the static batch on one card, the same requests (issue 34).
+"""The continuous engine on one card, beside a baseline tree's server, the same requests (issue 34).
 
-For each model shape (``--shapes``) the benchmark starts two ``miserver serve``, one at a time,
-on the same ``MISERVER_HOME`` (``--home``), ``--device`` (default ``cuda``) and
+For each model shape (``--shapes``) the benchmark starts one ``miserver serve`` per engine, one at
+a time, on the same ``MISERVER_HOME`` (``--home``), ``--device`` (default ``cuda``) and
 ``DECODE_GRAPHS`` (``--decode-graphs``, default ``captured``), each on a port of its own:
 
-- ``baseline``: ``--baseline static`` serves this working tree with ``ENGINE=static``;
-  ``--baseline-tree PATH`` serves another source tree (a directory holding a ``miserver/``
-  package, e.g. ``git worktree add /tmp/old <commit>`` of the commit before the engine issue),
-  started from that directory with it first on ``PYTHONPATH`` and ``ENGINE`` unset;
-- ``continuous``: this working tree with ``ENGINE=continuous``.
+- ``baseline`` (with ``--baseline-tree PATH`` only): another source tree (a directory holding a
+  ``miserver/`` package, e.g. ``git worktree add /tmp/old <commit>`` of a commit before the
+  static batch was removed, whose default was the static batch before the engine issue), started
+  from that directory with it first on ``PYTHONPATH`` and ``ENGINE`` unset;
+- ``continuous``: this working tree (its continuous engine, the only one).
+
+Without ``--baseline-tree`` only ``continuous`` runs (``--engines``).
 
 Each server answers one untimed chat and one untimed burst (``--warm-chats`` chats of 32 tokens
 at once: the first-use captures), then the workloads (``--only``, by number):
@@ -39,13 +41,13 @@ the ratio with above 1 meaning the continuous engine is better (tokens a second:
 baseline; ms a token: baseline / continuous), then TTFT p50/p99 of each.
 
 Settings: both servers get ``MAX_QUEUED_REQUESTS`` 1024 (the 256 chats wait, never 503) and
-otherwise their defaults (``MAX_BATCH_SIZE`` auto: 64 sequences on CUDA, the static batch's
-batch and the continuous engine's sequences a step alike; ``KV_CACHE_BYTES`` auto);
+otherwise their defaults (``MAX_BATCH_SIZE`` auto: 64 sequences on CUDA, an old tree's batch
+and the continuous engine's sequences a step alike; ``KV_CACHE_BYTES`` auto);
 ``--env KEY=VALUE`` adds a setting to both, ``--baseline-env`` / ``--continuous-env`` to one.
 
 Shapes: ``135m`` (the embedded SmolLM2-135M-Instruct, real weights), ``0.5b`` (random
-Qwen2.5-0.5B layers, SmolLM2's vocabulary: :data:`static_batch.SHAPE_05B`), ``8b`` (random
-Llama-3-8B layers, vocabulary 128256: :data:`static_batch.SHAPE_8B`), ``tiny`` (2 random layers,
+Qwen2.5-0.5B layers, SmolLM2's vocabulary: :data:`bench_models.SHAPE_05B`), ``8b`` (random
+Llama-3-8B layers, vocabulary 128256: :data:`bench_models.SHAPE_8B`), ``tiny`` (2 random layers,
 for a CPU check). The random models are drawn on ``--device`` in a child process, saved into the
 home and registered (once; a later run on the same home reuses them).
 
@@ -75,10 +77,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # The sibling benchmarks' helpers: the request body and max_tokens draw (peers), the server
-# start (serving), the random shapes (static_batch).
+# start (serving), the random shapes (bench_models).
+from bench_models import SHAPE_05B, SHAPE_8B, make_shape  # noqa: E402
 from peers import chat_body, long_tailed, stop  # noqa: E402
 from serving import start_server  # noqa: E402
-from static_batch import SHAPE_05B, SHAPE_8B, make_shape  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -378,7 +380,7 @@ def server_env(args: argparse.Namespace, engine: str, model: str) -> tuple[dict,
             [tree] + [p for p in inherited if p and Path(p).resolve() != REPO]
         )
         return env, tree
-    env["ENGINE"] = "static" if engine == "baseline" else "continuous"
+    env["ENGINE"] = "continuous"
     env["PYTHONPATH"] = _env_here()["PYTHONPATH"]
     return env, str(REPO)
 
@@ -548,7 +550,7 @@ def warm(run: Run, shape: str, engine: str, base: str, model: str, deadline: flo
 
 def step_times(base: str) -> dict[str, Any] | None:
     """The engine's ``step_times`` (``kv_cache`` of ``/api/health/detailed``), None where the
-    server has none (the static batch) or the read failed."""
+    server has none (an older tree's engine without them) or the read failed."""
     try:
         cache = get_json(f"{base}/api/health/detailed").get("kv_cache")
     except Exception:  # noqa: BLE001 - a diagnostic; the workload's numbers stand without it
@@ -613,7 +615,7 @@ def _fmt(value: Any, digits: int = 1) -> str:
 
 def table(run: Run, plan: list) -> str:
     """The one table: shape x workload rows; baseline, continuous, better x, TTFT p50/p99."""
-    base_name = f"static of {run.args.baseline_tree}" if run.args.baseline_tree else "ENGINE=static"
+    base_name = f"the server of {run.args.baseline_tree}" if run.args.baseline_tree else "none"
     lines = [
         f"baseline: {base_name}; continuous: ENGINE=continuous of this tree; "
         f"device {run.args.device} ({run.gpu or 'no nvidia-smi'}), "
@@ -671,19 +673,18 @@ def main() -> int:
     )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--decode-graphs", default="captured", help="DECODE_GRAPHS of both servers")
-    group = ap.add_mutually_exclusive_group()
-    group.add_argument(
-        "--baseline", choices=("static",), default="static", help="ENGINE=static of this tree"
+    ap.add_argument(
+        "--baseline-tree", help="the baseline: another source tree (a miserver/ package inside)"
     )
-    group.add_argument("--baseline-tree", help="another source tree (a miserver/ package inside)")
     ap.add_argument("--shape", default="135m", choices=sorted(SHAPES))
     ap.add_argument("--shapes", help="comma-separated shapes run in turn (overrides --shape)")
     ap.add_argument("--only", default="1,2,3,4", help="workload numbers, e.g. 1,2,4")
     ap.add_argument(
         "--engines",
-        default="baseline,continuous",
-        help="which servers run (e.g. continuous: only this tree's engine, against a baseline "
-        "measured in an earlier run on the same card kind)",
+        default=None,
+        help="which servers run (default: baseline,continuous with --baseline-tree, else "
+        "continuous; continuous alone: against a baseline measured in an earlier run on the same "
+        "card kind)",
     )
     ap.add_argument("--chats", type=int, default=4, help="workload 1: chats one after another")
     ap.add_argument("--tokens", type=int, default=128, help="workload 1: tokens a chat")
@@ -719,6 +720,10 @@ def main() -> int:
     ap.add_argument("--server-log", help="append the servers' logs here (default: in the home)")
     ap.add_argument("--make-shape", help=argparse.SUPPRESS)  # the child that draws a model
     args = ap.parse_args()
+    if args.engines is None:
+        args.engines = "baseline,continuous" if args.baseline_tree else "continuous"
+    if "baseline" in args.engines.split(",") and not args.baseline_tree:
+        ap.error("the baseline is another source tree: give --baseline-tree PATH")
 
     if args.make_shape:
         name, spec = SHAPES[args.make_shape]

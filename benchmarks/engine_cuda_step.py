@@ -1,20 +1,21 @@
-"""The decode step in process on CUDA: the continuous engine's graphs against the one-sequence
-graph engine it replaces (issues 29 and 34), one run.
+"""The decode step in process on CUDA: the continuous engine with its decode graphs against the
+same engine without them (issues 29 and 34), one run.
 
-For each model shape (:func:`benchmarks.decode_graphs.build_model`: the embedded SmolLM2-135M
-when imported, random Qwen2.5-0.5B and Llama-3-8B shapes), bfloat16 on one CUDA card, greedy:
+For each model shape (:func:`bench_models.build_model`: the embedded SmolLM2-135M when imported,
+random Qwen2.5-0.5B and Llama-3-8B shapes), bfloat16 on one CUDA card, greedy:
 
-- ``old 1``: :class:`~miserver.serving.engine.decode_graphs.DecodeEngine` (``captured``), one
-  sequence through its session: a replay and the host's argmax read a token (what
-  ``DECODE_GRAPHS=captured`` served a lone request with before the continuous engine);
-- ``new B``: :class:`~miserver.serving.engine.continuous.ContinuousEngine` with
-  ``decode_graphs=captured``, ``B`` sequences (``--batches``, default 1, 8, 64) decoding
-  together: ``engine.step()`` whole (scheduling, the graph's replay, sampling, bookkeeping).
+- ``eager 1``: :class:`~miserver.serving.engine.continuous.ContinuousEngine` with
+  ``decode_graphs=off`` (``DECODE_GRAPHS=off``), one sequence: ``engine.step()`` whole;
+- ``graphs B``: the same engine with ``decode_graphs=captured``, ``B`` sequences
+  (``--batches``, default 1, 8, 64) decoding together: ``engine.step()`` whole (scheduling,
+  the graph's replay, sampling, bookkeeping).
 
 Columns: ms a step (median of the timed steps, after ``--warm`` untimed ones), ms a token (a step
-/ B), tokens/s, and for ``new 1`` its ratio to ``old 1`` (issue 29: at most 1.05). Then the
-engine's graph buckets captured and the bytes they allocated, the paged cache's size, and the
-greedy tokens of ``--prompts`` prompts, new against old (counted: equal to rounding).
+/ B), tokens/s, and for ``graphs 1`` its speed-up over ``eager 1``. Then the engine's graph
+buckets captured and the bytes they allocated, the paged cache's size, and the greedy tokens of
+``--prompts`` prompts, graphs against eager (counted: equal to rounding). The one-sequence graph
+engine measured before the continuous engine was removed (docs/benchmarks.md holds its figures);
+to measure it again, run an older tree's copy of this script.
 
 ``--prefill N`` instead: the step that admits ``N`` prompts at once (lengths 8 to about 300,
 the prompts above), each prompt's chunk attended alone (one attention call a chunk and a layer)
@@ -42,23 +43,25 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from decode_graphs import build_model, greedy, prompts  # noqa: E402
+from bench_models import build_model, prompts  # noqa: E402
 
 
-def new_engine(model: Any, rows: int, budget: int) -> Any:
+def new_engine(model: Any, rows: int, budget: int, graphs: str = "captured") -> Any:
     from miserver.serving.engine.continuous import ContinuousEngine
 
-    return ContinuousEngine(model, budget, max_num_seqs=max(rows, 1), decode_graphs="captured")
+    return ContinuousEngine(model, budget, max_num_seqs=max(rows, 1), decode_graphs=graphs)
 
 
-def run_new(model: Any, ps: list[list[int]], tokens: int, warm: int, budget: int) -> dict:
+def run_new(
+    model: Any, ps: list[list[int]], tokens: int, warm: int, budget: int, graphs: str = "captured"
+) -> dict:
     """``len(ps)`` sequences decoding together: per-step seconds once all run, their tokens."""
     import torch
 
     from miserver.serving.engine.generation import SamplingParams
     from miserver.serving.engine.sequence import Sequence
 
-    engine = new_engine(model, len(ps), budget)
+    engine = new_engine(model, len(ps), budget, graphs)
     for i, p in enumerate(ps):
         engine.add(Sequence(i, p, SamplingParams(max_tokens=tokens + warm, temperature=0)))
     out: dict[Any, list[int]] = {i: [] for i in range(len(ps))}
@@ -191,8 +194,7 @@ def main() -> int:
 
     import torch
 
-    from miserver.serving.engine.decode_graphs import DecodeEngine
-    from miserver.serving.engine.generation import _GraphDecoder, context_length
+    from miserver.serving.engine.generation import context_length
 
     budget = args.budget_mib << 20
     rows: list[dict[str, Any]] = []
@@ -202,31 +204,22 @@ def main() -> int:
         ps = prompts(max(args.prompts, max(int(b) for b in args.batches.split(","))), 32000)
         ps = [[t % model.config.vocab_size for t in p] for p in ps]
         print(f"{shape}: {label}, context {context}", flush=True)
-        with torch.inference_mode():
-            old = DecodeEngine(model, "captured", context)
-            old.warm()
-            with old.session(model) as s:
-                dec = _GraphDecoder(s)
-                greedy(dec, ps[0], 8)
-                old_ms = statistics.median(greedy(dec, ps[0], args.tokens)[1]) * 1000
-                old_tokens = [greedy(dec, p, 16)[0] for p in ps[: args.prompts]]
-            old.close()
-            del old
-            torch.cuda.empty_cache()
-        rows.append({"shape": shape, "path": "old", "B": 1, "step_ms": old_ms})
-        print(f"  old 1: {old_ms:.2f} ms a token", flush=True)
-        # greedy agreement, 16 tokens, the continuous engine with the prompts side by side
-        agree = run_new(model, ps[: args.prompts], 16, 0, budget)
-        same = sum(a == b for a, b in zip(agree["tokens"], old_tokens, strict=True))
+        eager = run_new(model, ps[:1], args.tokens, args.warm, budget, graphs="off")
+        rows.append({"shape": shape, "path": "eager", "B": 1, "step_ms": eager["step_ms"]})
+        print(f"  eager 1: {eager['step_ms']:.2f} ms a step", flush=True)
+        # greedy agreement, 16 tokens, the prompts side by side, without and with graphs
+        plain = run_new(model, ps[: args.prompts], 16, 0, budget, graphs="off")
+        graphed = run_new(model, ps[: args.prompts], 16, 0, budget)
+        same = sum(a == b for a, b in zip(graphed["tokens"], plain["tokens"], strict=True))
         for b in (int(x) for x in args.batches.split(",")):
             try:
                 res = run_new(model, ps[:b], args.tokens, args.warm, budget)
             except Exception as exc:  # noqa: BLE001 - a row fails, the table goes on
-                print(f"  new {b}: failed: {type(exc).__name__}: {exc}", flush=True)
+                print(f"  graphs {b}: failed: {type(exc).__name__}: {exc}", flush=True)
                 continue
             row = {
                 "shape": shape,
-                "path": "new",
+                "path": "graphs",
                 "B": b,
                 "step_ms": res["step_ms"],
                 "graphs": res["graphs"],
@@ -234,24 +227,30 @@ def main() -> int:
                 "blocks": res["blocks"],
             }
             rows.append(row)
-            print(f"  new {b}: {res['step_ms']:.2f} ms a step; graphs {res['graphs']}", flush=True)
+            print(f"  graphs {b}: {res['step_ms']:.2f} ms a step; {res['graphs']}", flush=True)
         rows.append({"shape": shape, "path": "agree", "same": same, "of": args.prompts})
         del model
         torch.cuda.empty_cache()
     print()
-    print(f"{'shape':<9}{'path':<6}{'B':>4}{'ms/step':>9}{'ms/tok':>9}{'tok/s':>9}{'old/new':>9}")
-    olds = {r["shape"]: r["step_ms"] for r in rows if r["path"] == "old"}
+    print(
+        f"{'shape':<9}{'path':<8}{'B':>4}{'ms/step':>9}{'ms/tok':>9}{'tok/s':>9}"
+        f"{'eager/graphs':>13}"
+    )
+    eagers = {r["shape"]: r["step_ms"] for r in rows if r["path"] == "eager"}
     for r in rows:
         if r["path"] == "agree":
-            print(f"{r['shape']:<9}greedy 16 tokens: new = old for {r['same']}/{r['of']} prompts")
+            print(
+                f"{r['shape']:<9}greedy 16 tokens: graphs = eager for {r['same']}/{r['of']} prompts"
+            )
             continue
         ms, b = r["step_ms"], r["B"]
-        ratio = f"{olds[r['shape']] / ms:9.2f}" if r["path"] == "new" and b == 1 else ""
+        ratio = f"{eagers[r['shape']] / ms:13.2f}" if r["path"] == "graphs" and b == 1 else ""
         print(
-            f"{r['shape']:<9}{r['path']:<6}{b:>4}{ms:>9.2f}{ms / b:>9.3f}{1000 * b / ms:>9.0f}{ratio}"
+            f"{r['shape']:<9}{r['path']:<8}{b:>4}{ms:>9.2f}{ms / b:>9.3f}{1000 * b / ms:>9.0f}"
+            f"{ratio}"
         )
     for r in rows:
-        if r["path"] == "new":
+        if r["path"] == "graphs":
             g = r["graphs"] or {}
             print(
                 f"{r['shape']} B={r['B']}: cache {r['cache_mb']:.0f} MiB ({r['blocks']} blocks), "

@@ -1,11 +1,12 @@
-"""Per-token decode time by thread: why miserver's generations run on reused worker threads.
+"""Per-token decode time by thread: why miserver's engine runs on one long-lived thread.
 
 On the H200 (2026-11-30) the same KV-cache decode loop took 17-19 ms a token in the main thread
 and 57-67 ms in a freshly started thread, for that thread's whole first generation; a reused
 thread ran at main-thread speed. miserver used to start a thread per request, which made every
-answer about three times slower than ``transformers`` ``generate`` on that machine; generations
-now run on reused worker threads (``miserver.serving.engine.generation``). This script measures it all
-in one run, side by side:
+answer about three times slower than ``transformers`` ``generate`` on that machine; every
+sequence now runs on its resident's continuous engine, whose one thread lives as long as the
+resident (``miserver.serving.engine.engine_loop``). This script measures it all in one run,
+side by side:
 
 - ``transformers generate``: ``model.generate`` in the main thread (greedy, a fixed count);
 - ``decode loop, main thread``: prefill, then one token a step with the KV cache;
@@ -14,18 +15,20 @@ in one run, side by side:
   loop, then the timed one, without waiting in between (does a warm-up in the thread help?);
 - ``decode loop, fresh thread, 4n tokens: quarter q``: one long loop in a fresh thread, timed by
   quarter (does the slowness wear off with time or work?);
-- ``miserver Generation #k``: :class:`miserver.serving.engine.generation.Generation` in an asyncio loop,
-  k-th generation in a row (the worker threads are reused, so #1 pays the new-thread cost once);
-- ``miserver Generation on a new thread``, with and without a 2-token warm-up generation on that
-  thread first (a new worker pool each time, the two interleaved).
+- ``miserver engine #k``: one request on the continuous engine
+  (:class:`miserver.serving.engine.engine_loop.EngineLoop`, no decode graphs) from an asyncio
+  loop, the k-th in a row on one engine (its thread is reused, so #1 pays the new-thread cost
+  once);
+- ``miserver engine on a new engine thread``, with and without a 2-token warm-up request on
+  that thread first (a new engine each time, the two interleaved).
 
 The model is SmolLM2-135M-shaped (the embedded default's architecture) with random bfloat16
 weights, so no download or import is needed; the tokenizer is a stand-in that names token ids
 (the decode loop, not text, is measured). On the H200 (2026-11-30 second run) neither a warm-up
 in the thread (1 or 8 tokens) nor 256 tokens of work made a fresh thread fast (3.0-4.1x
-``generate``), while miserver's reused worker threads ran at 0.92x; a 2-token warm-up
-generation on a new worker thread did not help either (75.9 against 80.6 ms a token,
-interleaved). Medians of ``--repeats`` runs, ms a token (``--quick``: only ``generate`` and the
+``generate``), while miserver's reused worker threads (the engine before the continuous one) ran
+at 0.92x; a 2-token warm-up generation on a new worker thread did not help either (75.9 against
+80.6 ms a token, interleaved). Medians of ``--repeats`` runs, ms a token (``--quick``: only ``generate`` and the
 miserver rows, the warm-up ones included)::
 
     python benchmarks/generation_threads.py [--device auto] [--tokens 64] [--repeats 3] [--quick]
@@ -61,15 +64,16 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, default=30, help="decoder layers (30: SmolLM2-135M)")
     ap.add_argument(
-        "--quick", action="store_true", help="only generate and the miserver Generation rows"
+        "--quick", action="store_true", help="only generate and the miserver engine rows"
     )
     args = ap.parse_args()
 
     import torch
     import transformers
 
-    from miserver.serving.engine import generation as generation_module
-    from miserver.serving.engine.generation import Generation, SamplingParams
+    from miserver.serving.engine.continuous import ContinuousEngine
+    from miserver.serving.engine.engine_loop import EngineLoop
+    from miserver.serving.engine.generation import SamplingParams
 
     device = args.device
     if device == "auto":
@@ -152,17 +156,24 @@ def main() -> int:
         q = len(marks) // 4
         return [(marks[(i + 1) * q - 1] - marks[i * q]) / (q - 1) * 1000.0 for i in range(4)]
 
+    def new_engine() -> EngineLoop:
+        """A continuous engine (64 MiB of paged cache, no graphs) and its new thread."""
+        engine = ContinuousEngine(model, 64 << 20, prefix_cache=False)
+        return EngineLoop(engine, model, NamingTokenizer(), cross_request_prefix_cache=False)
+
+    engine = [new_engine()]
+
     async def one_generation(max_tokens: int = n) -> None:
-        gen = Generation(
-            model,
-            NamingTokenizer(),
-            prompt[0].tolist(),
-            SamplingParams(max_tokens=max_tokens, temperature=0),
+        (gen,) = engine[0].submit(
+            prompt[0].tolist(), SamplingParams(max_tokens=max_tokens, temperature=0)
         )
-        gen.start()
         async for _ in gen.events():
             pass
         await gen.wait()
+
+    def fresh_engine() -> None:
+        engine[0].close(wait_s=10.0)
+        engine[0] = new_engine()
 
     def per_token(fn: Callable[[], None]) -> float:
         sync()
@@ -173,10 +184,10 @@ def main() -> int:
 
     rows: dict[str, list[float]] = {}
     generate()  # warm-up in the main thread: the process's first CUDA work is not measured
-    # miserver's first generation starts its worker thread; the later ones reuse it.
+    # the engine's first request runs on its new thread; the later ones on the same thread
     gens = [per_token(lambda: asyncio.run(one_generation())) for _ in range(args.repeats + 1)]
-    rows["miserver Generation #1 (its worker thread is new)"] = gens[:1]
-    rows[f"miserver Generation #2..#{len(gens)} (reused)"] = gens[1:]
+    rows["miserver engine #1 (its engine thread is new)"] = gens[:1]
+    rows[f"miserver engine #2..#{len(gens)} (same engine thread)"] = gens[1:]
     if not args.quick:
         for name, fn in (
             ("transformers generate", generate),
@@ -186,20 +197,21 @@ def main() -> int:
             rows[name] = [per_token(fn) for _ in range(args.repeats)]
     else:
         rows["transformers generate"] = [per_token(generate) for _ in range(args.repeats)]
-    # A warm-up: a new worker pool (so a new thread) first runs a 2-token generation, then the
-    # timed one on the same thread. Does a short generation at load time spare the first request?
+    # A warm-up: a new engine (so a new thread) first runs a 2-token request, then the timed
+    # one on the same thread. Does a short request at load time spare the first request?
     # Interleaved with the same thing without the warm-up, so drift hits both alike.
     after_warm_up: list[float] = []
     cold: list[float] = []
     for _ in range(args.repeats):
-        generation_module._WORKERS = generation_module._WorkerThreads()
+        fresh_engine()
         cold.append(per_token(lambda: asyncio.run(one_generation())))
-        generation_module._WORKERS = generation_module._WorkerThreads()
+        fresh_engine()
         asyncio.run(one_generation(2))
         time.sleep(0.05)
         after_warm_up.append(per_token(lambda: asyncio.run(one_generation())))
-    rows["miserver Generation on a new thread, no warm-up (interleaved)"] = cold
-    rows["miserver Generation on a new thread after a 2-token warm-up generation"] = after_warm_up
+    rows["miserver engine on a new engine thread, no warm-up (interleaved)"] = cold
+    rows["miserver engine on a new engine thread after a 2-token warm-up request"] = after_warm_up
+    engine[0].close(wait_s=10.0)
     for warm in () if args.quick else (1, 8):
         rows[f"decode loop, fresh thread, after a {warm}-token warm-up in it"] = [
             warmed_then_timed(warm) for _ in range(args.repeats)

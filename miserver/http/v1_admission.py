@@ -221,9 +221,11 @@ async def acquire_slot(
 ) -> tuple[Grant, Resident]:
     """Wait for a slot at ``priority``, giving up (and leaving no trace) once ``cancelled()``.
 
-    The request waits in the static batch's group of ``resident``
-    (:class:`~miserver.serving.engine.slot.SlotBatch`): a grant takes the group's waiting
-    requests along, up to ``MAX_BATCH_SIZE`` sequences; ``size`` is this request's (its ``n``).
+    The request waits in the group of ``resident``
+    (:class:`~miserver.serving.engine.slot.SlotBatch`): it is granted into the resident's
+    running batch (the continuous engine admits it at its next step), and a grant of a free
+    slot takes the group's waiting requests along, up to ``MAX_BATCH_SIZE`` sequences;
+    ``size`` is this request's (its ``n``).
     On a GGUF resident it is granted into the group's running batch while that has room
     (``fill_running``: llama.cpp's slots take it at their next step).
     ``unit``: the :class:`~miserver.serving.engine.slot.Unit` (a Batch API chunk) the request

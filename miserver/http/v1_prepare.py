@@ -211,8 +211,8 @@ def _completion_prompt(resident: Resident, prompt: schema.PromptSpec) -> list[in
 
 
 def check_n(app: web.Application, req: Any) -> None:
-    """``n`` within 1..``MAX_BATCH_SIZE`` (contract 4: the choices of one request decode in one
-    static batch), checked before admission.
+    """``n`` within 1..``MAX_BATCH_SIZE`` (contract 4: the choices of one request are granted
+    together and share one prefill), checked before admission.
 
     Raises:
         ApiError: 400 INVALID_REQUEST naming ``n``.

@@ -70,13 +70,6 @@ class Metrics:
             buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
-        self.batch_sequences = Histogram(
-            "miserver_static_batch_sequences",
-            "Sequences each static batch decoded together (one grant of the slot; MAX_BATCH_SIZE"
-            " bounds it)",
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
-            registry=r,
-        )
         self.generation_failures = Counter(
             "miserver_generation_failures",
             "Generations that failed (500 GENERATION_FAILED), by reason: non_finite_logits"
@@ -165,38 +158,25 @@ class Metrics:
             "Bytes received into the arena through an attachment's process group",
             registry=r,
         )
-        # The decode engine (issue 13): CUDA graphs over a static KV cache.
-        self.decode_graph_fallbacks = Counter(
-            "miserver_decode_graph_fallbacks",
-            "Decode-graph builds or captures that fell back to eager decoding, by reason",
-            ["reason"],
-            registry=r,
-        )
-        self._engine: Any = None
-        self.decode_cache_bytes = Gauge(
-            "miserver_decode_cache_bytes",
-            "Bytes of the decode engine's static KV cache (0: no engine)",
-            registry=r,
-        )
-        self.decode_cache_bytes.set_function(lambda: self._engine_stat("cache_bytes"))
+        # The continuous engine's CUDA decode graphs (issue 13, DECODE_GRAPHS).
         self.decode_graph_pool_bytes = Gauge(
             "miserver_decode_graph_pool_bytes",
-            "Bytes the decode graphs' private memory pool took when they were captured",
+            "Bytes the continuous engine's decode graphs allocated when they were captured",
             registry=r,
         )
-        self.decode_graph_pool_bytes.set_function(lambda: self._engine_stat("graph_pool_bytes"))
+        self.decode_graph_pool_bytes.set_function(lambda: self._graphs_stat("bytes"))
         self.decode_graphs_captured = Gauge(
             "miserver_decode_graphs_captured",
-            "Length buckets whose decode step is a captured CUDA graph now",
+            "Decode graphs (batch-size x block-table width buckets) captured now",
             registry=r,
         )
-        self.decode_graphs_captured.set_function(lambda: self._engine_stat("captured"))
+        self.decode_graphs_captured.set_function(lambda: self._graphs_stat("captured"))
         self.decode_graph_replays = Gauge(
             "miserver_decode_graph_replays",
             "Decode steps run as a replayed CUDA graph since the resident's engine was built",
             registry=r,
         )
-        self.decode_graph_replays.set_function(lambda: self._engine_stat("replays"))
+        self.decode_graph_replays.set_function(lambda: self._graphs_stat("replays"))
         # The continuous engine (issue 29): its paged KV cache and what runs in it.
         self._engine_loop: Any = None
         self.kv_cache_bytes = Gauge(
@@ -287,15 +267,6 @@ class Metrics:
         if ok:
             self.process_group_received_bytes.inc(nbytes)
 
-    def decode_graph_fallback(self, reason: str) -> None:
-        """Count one fallback of the decode engine to eager decoding (``reason``: cpu, off,
-        memory, layout, build, capture)."""
-        self.decode_graph_fallbacks.labels(reason=reason).inc()
-
-    def set_decode_engine(self, engine: Any) -> None:
-        """The resident's decode engine, read by the decode gauges (None: no engine)."""
-        self._engine = engine
-
     def set_engine_loop(self, loop: Any) -> None:
         """The resident's continuous engine thread, read by the engine gauges (None: none)."""
         self._engine_loop = loop
@@ -309,12 +280,17 @@ class Metrics:
         except Exception:  # noqa: BLE001 - a scrape never fails for a gauge
             return 0.0
 
-    def _engine_stat(self, name: str) -> float:
-        engine = self._engine
-        if engine is None or engine.closed:
+    def _graphs_stat(self, name: str) -> float:
+        """A figure of the engine's decode graphs (``stats()["decode_graphs"]``; a list counts
+        its entries); 0 without an engine or graphs."""
+        loop = self._engine_loop
+        if loop is None or loop.closed:
             return 0.0
-        value = getattr(engine.stats, name)
-        return float(len(value) if isinstance(value, dict) else value)
+        try:
+            value = (loop.stats().get("decode_graphs") or {}).get(name, 0)
+            return float(len(value) if isinstance(value, list | dict) else value)
+        except Exception:  # noqa: BLE001 - a scrape never fails for a gauge
+            return 0.0
 
     def set_resident(self, name: str | None) -> None:
         """Record the resident row's name (None: nothing resident)."""

@@ -62,10 +62,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     max_concurrent_requests: int = 1
     #: None: ``auto``, the measured default of the device (8 on the CPU, 64 on CUDA).
     max_batch_size: int | None = None
-    #: None: ``auto``, the measured default of the device (0 on both: no delay).
+    #: None: ``auto``, the measured default of the device (10 on CUDA, 0 on the CPU).
     max_batch_delay_ms: float | None = None
     decode_graphs: str = "captured"
-    #: ``continuous`` (the continuous engine, issue 29) or ``static`` (the static batch).
+    #: ``continuous``, the only engine (issue 29; ``static`` was removed: :data:`ENGINE_REMOVED`).
     engine: str = "continuous"
     #: None: ``auto``, the device's default (:data:`DEFAULT_KV_CACHE_BYTES_CPU`).
     kv_cache_bytes: int | None = None
@@ -83,6 +83,20 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     v1_load_policy: str = "auto"
     log_level: str = "info"
     log_format: str = "json"
+
+    def __post_init__(self) -> None:
+        """Settings made in code are held to the one engine too (:data:`ENGINE_REMOVED`).
+
+        Raises:
+            ConfigError: ``engine`` is not ``continuous`` (naming ``ENGINE``).
+        """
+        if self.engine != "continuous":
+            raise ConfigError(
+                "ENGINE",
+                ENGINE_REMOVED
+                if self.engine.strip().lower() == "static"
+                else f"expected continuous, got {self.engine!r}",
+            )
 
     def __repr__(self) -> str:
         fields = {f: getattr(self, f) for f in self.__struct_fields__}
@@ -177,7 +191,7 @@ KIND_FORMATS: dict[str, str] = {
     "threads": "`auto` or an integer 1 to 1024",
     "batch_delay": "`auto` or a number of milliseconds, 0 to 1000 (0: no delay)",
     "nonneg_float": "a number, at least 0",
-    "engine": "`static` or `continuous` (case-insensitive)",
+    "engine": "`continuous` (case-insensitive)",
     "memory_bytes": "`auto`, or a size in bytes: an integer, optionally with a unit `KiB`, "
     "`MiB`, `GiB` (powers of 1024) or `KB`, `MB`, `GB` (powers of 1000), at least 1 MiB",
     "management_auth": "`none` or `operator`",
@@ -275,7 +289,8 @@ def default_home() -> str:
 
 #: The largest ``MAX_BATCH_SIZE`` accepted.
 MAX_BATCH_SIZE_LIMIT = 256
-#: ``MAX_BATCH_SIZE=auto`` on each device type (measured: docs/benchmarks.md, "Static batch").
+#: ``MAX_BATCH_SIZE=auto`` on each device type for the largest ``n``, the slot's grants and a
+#: GGUF resident's parallel slots (measured before the continuous engine: docs/benchmarks.md).
 DEFAULT_MAX_BATCH_SIZE = {"cpu": 8, "cuda": 64}
 #: ``MAX_BATCH_SIZE=auto`` for the continuous engine's sequences a step, on every device.
 DEFAULT_ENGINE_MAX_SEQS = 64
@@ -339,8 +354,9 @@ def resolved_kv_cache_bytes(
 
 #: The largest ``MAX_BATCH_DELAY_MS`` accepted.
 MAX_BATCH_DELAY_LIMIT_MS = 1000.0
-#: ``MAX_BATCH_DELAY_MS=auto`` on each device type (docs/benchmarks.md, "The static batch": 10 ms
-#: made 64 clients sending together one batch on an H200, 28.3x the chats at 1 against 19.3x).
+#: ``MAX_BATCH_DELAY_MS=auto`` on each device type (measured before the continuous engine,
+#: docs/benchmarks.md: 10 ms made 64 clients sending together one batch on an H200, 28.3x the
+#: chats at 1 against 19.3x; the settings reference says what it does now).
 DEFAULT_MAX_BATCH_DELAY_MS = {"cpu": 0.0, "cuda": 10.0}
 
 
@@ -384,6 +400,14 @@ def resolved_max_batch_size(settings: Settings, device_type: str) -> int:
     if settings.max_batch_size is not None:
         return settings.max_batch_size
     return DEFAULT_MAX_BATCH_SIZE.get(device_type, DEFAULT_MAX_BATCH_SIZE["cpu"])
+
+
+#: Why ``ENGINE=static`` is refused at start (issue 29: one engine for every sequence).
+ENGINE_REMOVED = (
+    "static is no longer available: the static batch was removed, and the continuous engine "
+    "serves every sequence of a transformers resident (set ENGINE=continuous, or leave ENGINE "
+    "unset)"
+)
 
 
 def _convert(variable: str, kind: str, raw: str) -> object:
@@ -490,9 +514,11 @@ def _convert(variable: str, kind: str, raw: str) -> object:
         return parse_memory_bytes(variable, raw)
     if kind == "engine":
         low = raw.lower()
-        if low in ("static", "continuous"):
+        if low == "continuous":
             return low
-        raise ConfigError(variable, f"expected static or continuous, got {raw!r}")
+        if low == "static":
+            raise ConfigError(variable, ENGINE_REMOVED)
+        raise ConfigError(variable, f"expected continuous, got {raw!r}")
     if kind == "decode_graphs":
         low = raw.lower()
         if low in ("captured", "compiled", "off"):

@@ -250,9 +250,8 @@ class CudaMemory(_Body):
     device_index: int
     allocated_mb: float
     reserved_mb: float
-    #: The decode engine's static KV cache and CUDA-graph pool on this card (issue 13); 0 when
-    #: the resident decodes eagerly. Both are included in allocated/reserved.
-    decode_cache_mb: float = 0.0
+    #: What the continuous engine's CUDA decode graphs allocated on this card when they were
+    #: captured (issue 13; ``DECODE_GRAPHS``); 0 without graphs. Included in allocated/reserved.
     decode_graphs_mb: float = 0.0
     #: The continuous engine's paged KV cache on this card (``KV_CACHE_BYTES``, issue 29),
     #: allocated once at load; included in allocated/reserved. 0 without an engine.

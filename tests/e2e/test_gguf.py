@@ -372,8 +372,8 @@ def test_the_queue_and_queue_full_hold_on_a_gguf_resident(q4: Server) -> None:
             outcomes = [first.result()] + [f.result() for f in rest]
     finally:
         q4.call("PATCH", "/api/settings", json={"max_queued_requests": 64})
-    # three joined the running work and one waited for room (a static batch would have run one
-    # request and queued one: two answers); the others were refused
+    # three joined the running work and one waited for room (a batch that took no one after it
+    # started would have run one request and queued one: two answers); the others were refused
     assert outcomes[0] == "ok" and outcomes.count("ok") >= 5, outcomes
     assert "queue_full" in outcomes, outcomes
     metrics = requests.get(f"{q4.base}/metrics", timeout=10).text

@@ -284,9 +284,8 @@ async def test_queue_full_is_503(aclient: openai.AsyncOpenAI, server: Server) ->
 async def test_two_streams_decode_at_once_in_the_running_batch(
     aclient: openai.AsyncOpenAI, server: Server
 ) -> None:
-    # The continuous engine (the default) decodes both in the same steps while holding the one
-    # slot (MAX_CONCURRENT_REQUESTS stays 1; two slots are the static batch's, tested in
-    # tests/unit/test_v1_api.py with ENGINE=static).
+    # The continuous engine decodes both in the same steps while holding the one slot
+    # (MAX_CONCURRENT_REQUESTS stays 1).
     streams = await asyncio.wait_for(
         asyncio.gather(_open_stream(aclient), _open_stream(aclient)), 60
     )

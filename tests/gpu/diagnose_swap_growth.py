@@ -4,11 +4,11 @@ after a swap than after the first load, with no live tensor found by ``gc``).
 
 Loads ``smol-a`` then swaps between two catalogue rows of the default model six times and
 unloads, printing the bytes allocated on card 0 after each step (synchronized, ``empty_cache``
-first), for ``MAX_BATCH_SIZE`` 64 and 1 (no batch cache, no batched graphs), attach off and on.
+first), for ``MAX_BATCH_SIZE`` 64 and 1 (one decode bucket), attach off and on.
 Run on the GPU machine: ``python tests/gpu/diagnose_swap_growth.py``. Not a test (no asserts):
 a diagnosis printed for the notes. The last line clears cuBLAS's per-stream workspaces after the
 unload: what it frees is what they held (the cause found on 2026-12-03: a new warm-up stream per
-capture, fixed by one warm-up stream per device in ``decode_graphs.warmup_stream``).
+capture, fixed by one warm-up stream per device, now ``devices.warmup_stream``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The continuous engine on a real CUDA card (issues 29 and 34): the decode graphs per (rows,
 width) bucket over the paged cache against the same engine without graphs, a trainer's in-place
-write seen by graphs captured before it, and a served CUDA resident with ``ENGINE=continuous``.
+write seen by graphs captured before it, and a served CUDA resident.
 Skipped without CUDA (run on the GPU machine); tests/unit/test_engine_core.py covers the same
 code on the CPU with a fake graph."""
 
@@ -20,7 +20,7 @@ pytestmark = [
 ]
 
 DEVICE = torch.device("cuda:0")
-# the static batch's chats, the last one long: a wider block table
+# the shared chats, the last one long: a wider block table
 CHATS = [*SHARED_CHATS[:-1], (SHARED_CHATS[-1] + " ") * 30]
 
 
@@ -66,21 +66,23 @@ def _greedy(engine: Any, prompts: list[list[int]], lengths: list[int]) -> list[l
     return [out[i] for i in range(len(prompts))]
 
 
-def test_decode_graphs_follow_the_engine_without_graphs(default_model) -> None:
+@pytest.mark.parametrize("mode", ["captured", "compiled"])
+def test_decode_graphs_follow_the_engine_without_graphs(default_model, mode) -> None:
     """Eight prompts (one of about 400 tokens), staggered lengths 8-36: the captured graphs
-    against the same engine's eager per-step path. Equal to rounding (other kernels per bucket):
+    (``compiled``: of the ``torch.compile``'d forward) against the same engine's eager
+    per-step path. Equal to rounding (other kernels per bucket):
     every first token and most sequences agree; graphs were replayed; the narrowest width that
     holds the longest sequence was used; the served parameters did not move."""
     model, prompts = default_model
     ptrs = [p.data_ptr() for p in model.parameters()]
     lengths = [8 + 4 * i for i in range(len(prompts))]
     eager = _greedy(_engine(model, "off"), prompts, lengths)
-    graphed_engine = _engine(model, "captured")
+    graphed_engine = _engine(model, mode)
     graphed = _greedy(graphed_engine, prompts, lengths)
     graphs = graphed_engine.runner.graphs
     same = sum(a == b for a, b in zip(eager, graphed, strict=True))
     print(
-        f"continuous engine, captured graphs: {same}/{len(prompts)} sequences as without graphs;"
+        f"continuous engine, {mode} graphs: {same}/{len(prompts)} sequences as without graphs;"
         f" buckets captured {graphs.captured}, replays {graphs.replays}, failed {graphs.failed}"
     )
     assert not graphs.failed and graphs.replays > 0
@@ -156,13 +158,11 @@ def test_decode_graphs_serve_an_in_place_write(default_model) -> None:
 
 
 async def test_a_served_cuda_resident_runs_the_continuous_engine(tmp_path, tiny_model_dir) -> None:
-    """``ENGINE=continuous`` on ``cuda:0``: a chat with ``n`` = 4 answers four choices, the
+    """The continuous engine on ``cuda:0``: a chat with ``n`` = 4 answers four choices, the
     health route and ``/metrics`` show the paged cache, and the engine replayed graphs."""
     from tests.unit.test_weights_routes import make_client
 
-    client = await make_client(
-        tmp_path, tiny_model_dir, DEVICE="cuda:0", ENGINE="continuous", KV_CACHE_BYTES="64MiB"
-    )
+    client = await make_client(tmp_path, tiny_model_dir, DEVICE="cuda:0", KV_CACHE_BYTES="64MiB")
     try:
         r = await client.post(
             "/v1/chat/completions",

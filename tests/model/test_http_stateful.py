@@ -21,8 +21,9 @@ What a step covers:
 - fake-clock jumps biased to a timer's exact deadline and just either side of it, after which
   the runtime's own timer pump is woken and must fire what the shadow fires;
 - quiesces ``{"running": "hold"}`` (contract 4b), alone, in write cycles and before held
-  requests: accepted on the continuous engine (the default; the state machine runs on it), 409
-  BARRIER_UNAVAILABLE hold_unsupported on the static batch (its own shorter run).
+  requests: accepted on the continuous engine (it parks what runs), 409 BARRIER_UNAVAILABLE
+  hold_unsupported on a resident whose engine cannot park (as a GGUF resident's; its own
+  shorter run).
 
 The test then fails if any code or reason of the weights page that the server can produce over
 HTTP here was never produced (:data:`NOT_PRODUCIBLE_HERE` lists the others and why).
@@ -193,9 +194,10 @@ class HttpDriver:
     timing: tuple[float, float, float, float] = TIMINGS[0]
     max_queued: int = 2
     table: tuple[Row, ...] = TABLE
-    #: ``ENGINE``: ``continuous`` (the default) parks running sequences on a ``{"running":
-    #: "hold"}`` quiesce (the shadow's ``hold_supported``); ``static`` cannot (refused).
-    engine: str = "continuous"
+    #: Whether the resident's engine parks running sequences on a ``{"running": "hold"}``
+    #: quiesce (the shadow's ``hold_supported``): the continuous engine does; a resident
+    #: without one (a GGUF resident's llama.cpp) cannot (refused).
+    parks: bool = True
     log: list[str] = field(default_factory=list)
     seen: set[str] = field(default_factory=set)
 
@@ -229,9 +231,6 @@ class HttpDriver:
             "WEIGHTS_HEARTBEAT_INTERVAL_HINT_S": str(min(5.0, heartbeat / 5)),
             "WEIGHTS_QUIESCE_DRAIN_TIMEOUT_S": str(drain),
             "MAX_QUEUED_REQUESTS": str(self.max_queued),
-            # the continuous engine (the default) parks running sequences on a hold; the
-            # static batch cannot (the shadow's hold_supported False)
-            "ENGINE": self.engine,
         }
         self.settings = load_settings(env)
         self.app = create_app(self.settings, clock=self.clock)
@@ -409,7 +408,7 @@ class HttpDriver:
             fields["queue_full"] = self._held_count() >= self.max_queued
             if json_body is not None:  # only the continuous engine parks running sequences
                 fields["running"] = json_body["running"]
-                fields["hold_supported"] = self.engine == "continuous"
+                fields["hold_supported"] = self.parks
         if trigger == "attach" and got.status == 200:
             self._next_id = body["data"]["attachment_id"]
             self.issued.add(self._next_id)
@@ -672,9 +671,7 @@ WHO = ("trn+att",) * 6 + CALLERS
 RUNNING: tuple[dict[str, Any] | None, ...] = (None, None, {"running": "hold"})
 
 
-def make_machine(
-    model_dir: str, table: tuple[Row, ...] = TABLE, engine: str = "continuous"
-) -> type[RuleBasedStateMachine]:
+def make_machine(model_dir: str, table: tuple[Row, ...] = TABLE) -> type[RuleBasedStateMachine]:
     class WeightsOverHttp(RuleBasedStateMachine):
         """Rules are HTTP calls and clock jumps; the shadow table predicts every answer."""
 
@@ -694,7 +691,7 @@ def make_machine(
 
         @initialize(timing=st.sampled_from((TIMINGS[0], TIMINGS[1], TIMINGS[1], TIMINGS[2])))
         def start(self, timing: tuple[float, float, float, float]) -> None:
-            self.d = HttpDriver(model_dir, timing=timing, table=table, engine=engine)
+            self.d = HttpDriver(model_dir, timing=timing, table=table)
             self.run(self.d.open())
 
         def teardown(self) -> None:
@@ -720,8 +717,7 @@ def make_machine(
         @rule(who=st.sampled_from(WHO))
         def quiesce_hold(self, who: str) -> None:
             """A quiesce ``{"running": "hold"}`` (contract 4b): every refusal of quiesce in its
-            order, then accepted on the continuous engine (it parks what runs) and 409
-            BARRIER_UNAVAILABLE hold_unsupported on the static batch (it cannot park)."""
+            order, then accepted: the continuous engine parks what runs."""
             if who == "trn+att":
                 who = self.holder
             self.run(self.d.gated("quiesce", who, json_body={"running": "hold"}))
@@ -858,13 +854,21 @@ def make_machine(
     return WeightsOverHttp
 
 
-async def _static_batch_scenario(d: HttpDriver) -> None:
-    """The static batch (``ENGINE=static``), each answer compared with the table: a hold is
-    409 BARRIER_UNAVAILABLE hold_unsupported (it cannot park), a burst of
+async def _no_parking_scenario(d: HttpDriver) -> None:
+    """Each answer compared with the table: on a resident whose engine cannot park (the
+    continuous engine taken away, as a GGUF resident has none of ours), a hold is 409
+    BARRIER_UNAVAILABLE hold_unsupported; with the engine back, a burst of
     MAX_QUEUED_REQUESTS + 1 into the idle server is served, and a quiesce then holds that many
     requests and refuses the next (503 QUEUE_FULL) until resumed."""
     await d.gated("attach", "trn")
-    await d.gated("quiesce", "trn+att", json_body={"running": "hold"})
+    assert d.app is not None
+    resident = d.app[keys.HOST].resident
+    loop, resident.engine_loop = resident.engine_loop, None
+    d.parks = False
+    try:
+        await d.gated("quiesce", "trn+att", json_body={"running": "hold"})
+    finally:
+        resident.engine_loop, d.parks = loop, True
     await d.v1("resident", d.max_queued + 1)
     await d.gated("quiesce", "trn+att")
     await d.v1("resident", d.max_queued + 1)
@@ -875,21 +879,21 @@ async def _static_batch_scenario(d: HttpDriver) -> None:
 @pytest.mark.slow
 def test_weights_over_http_agree_with_the_table(tiny_model_dir: str) -> None:
     """Every answer over HTTP equals the table's, and every producible code is produced: the
-    state machine on the continuous engine (the default: a hold is accepted and parks), and
-    a short scenario on the static batch (a hold is refused)."""
+    state machine on the continuous engine (a hold is accepted and parks), and a short
+    scenario on a resident whose engine cannot park (a hold is refused)."""
     SEEN.clear()
     wanted = weights_page_pairs() - set(NOT_PRODUCIBLE_HERE)
 
-    async def static_batch() -> None:
-        d = HttpDriver(tiny_model_dir, timing=TIMINGS[0], engine="static")
+    async def no_parking() -> None:
+        d = HttpDriver(tiny_model_dir, timing=TIMINGS[0])
         await d.open()
         try:
-            await _static_batch_scenario(d)
+            await _no_parking_scenario(d)
         finally:
             SEEN.update(d.seen)
             await d.close()
 
-    asyncio.run(static_batch())
+    asyncio.run(no_parking())
     assert "BARRIER_UNAVAILABLE:hold_unsupported" in SEEN
     holds = 0
 
@@ -906,15 +910,6 @@ def test_weights_over_http_agree_with_the_table(tiny_model_dir: str) -> None:
     missing = sorted(wanted - SEEN)
     assert not missing, f"never produced over HTTP: {missing} (seen: {sorted(SEEN)})"
     assert holds > 0, "no quiesce {'running': 'hold'} was accepted on the continuous engine"
-
-
-@pytest.mark.slow
-def test_the_static_batch_over_http_agrees_with_the_table(tiny_model_dir: str) -> None:
-    """The same state machine on the static batch (``ENGINE=static``): every hold it draws is
-    refused (409 BARRIER_UNAVAILABLE hold_unsupported: it cannot park), and every answer,
-    the queue's included, equals the table's. One seed: the codes are the test above's."""
-    machine = make_machine(tiny_model_dir, engine="static")
-    run_state_machine_as_test(seed(SEEDS[0])(machine), settings=_profile())
 
 
 def test_not_producible_list_names_real_codes() -> None:

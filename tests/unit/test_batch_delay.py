@@ -1,5 +1,5 @@
 """The batch delay (``MAX_BATCH_DELAY_MS``, contract 1 and 4): a free slot gathers grouped work
-for a quiet gap before it is granted, so requests that arrive together share one static batch.
+for a quiet gap before it is granted, so requests that arrive together join the engine together.
 
 Timer margins are wide (gaps of 0.5 s against arrivals 10-20 ms apart) so a loaded CI
 machine does not change the outcome; what each test checks is which requests share a batch and

@@ -1016,17 +1016,17 @@ def _spy_arrivals(scheduler: Any) -> list[Any]:
 
 
 @pytest.fixture
-def static_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sequences of every static batch that starts."""
+def engine_batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sequences of every batch that starts (a busy period of the continuous engine)."""
     from tests.unit.v1_fixtures import spy_batch_starts
 
     return spy_batch_starts(monkeypatch)
 
 
-async def test_a_chunks_rows_decode_in_one_static_batch_on_an_idle_server(live, static_batches):
+async def test_a_chunks_rows_join_the_engine_together_on_an_idle_server(live, engine_batches):
     """The chunk's rows reach the scheduler at different moments (each tokenizes in a thread);
-    the chunk's Unit keeps the free slot from the first until all are waiting, so they decode
-    in one pass, not the first alone and the rest after. Each answer is the one the same row
+    the chunk's Unit keeps the free slot from the first until all are waiting, so they join the
+    engine together, not the first alone and the rest after. Each answer is the one the same row
     gets alone over /v1 (greedy)."""
     from miserver.http import keys
 
@@ -1035,7 +1035,9 @@ async def test_a_chunks_rows_decode_in_one_static_batch_on_an_idle_server(live, 
     rows = [_tiny_chat(f"r{i}", max_tokens=2 + i) for i in range(5)]
     b = await _start(live, rows)
     done = await _poll(live, b["id"], lambda x: x["status"] == "completed")
-    assert static_batches == [5], static_batches  # one pass decoded the whole chunk
+    assert engine_batches == [5], (
+        engine_batches
+    )  # one busy period of the engine took the whole chunk
     out = await _lines(live, done["output_file_id"])
     assert [x["custom_id"] for x in out] == [f"r{i}" for i in range(5)]
     for row, x in zip(rows, out, strict=True):
@@ -1237,11 +1239,11 @@ async def test_the_real_lifecycle_quiesce_then_torn_then_recovered(
 
 
 async def test_a_quiesce_reports_a_held_chunk_of_five_rows_as_one(
-    tmp_path: Path, tiny_model_dir: str, static_batches: list[int]
+    tmp_path: Path, tiny_model_dir: str, engine_batches: list[int]
 ):
     """POST /api/weights/quiesce sent while a chunk of five rows waits for the slot answers
     held_batch_chunks 1 (chunks, not rows; companion contract 7); after resume the five rows
-    decode in one static batch."""
+    join the engine together."""
     from miserver.http import keys
     from miserver.serving.engine.slot import Priority
     from tests.unit.test_weights_routes import TRN, make_client
@@ -1272,11 +1274,11 @@ async def test_a_quiesce_reports_a_held_chunk_of_five_rows_as_one(
         assert (data["held_batch_chunks"], data["held_requests"]) == (1, 0)
         health = await (await client.get("/api/health/detailed")).json()
         assert health["data"]["queue"]["held_batch_chunks"] == 1
-        assert static_batches == []  # nothing ran inside the hold
+        assert engine_batches == []  # nothing ran inside the hold
         assert (await client.post("/api/weights/resume", headers=h)).status == 200
         done = await _poll(client, b["id"], lambda x: x["status"] == "completed")
         assert done["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
-        assert static_batches == [5]
+        assert engine_batches == [5]
     finally:
         await client.close()
 

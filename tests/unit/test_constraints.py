@@ -1,6 +1,6 @@
 """Constrained decoding (issue 33): the grammar side of the sampler's constraint hook
-(:mod:`miserver.serving.engine.constraints`) and its wiring into today's decode loop
-(:mod:`miserver.serving.engine.generation`), on the tiny random-weight Llama (its output is
+(:mod:`miserver.serving.engine.constraints`) and its wiring into the continuous engine's
+sampler (:mod:`miserver.serving.engine.sampler`), on the tiny random-weight Llama (its output is
 noise, so whatever it emits was shaped by the grammar alone), and the backend-independent
 ``response_format`` checks.
 """
@@ -21,7 +21,6 @@ from miserver.serving.engine.constraints import (
 from miserver.serving.engine.generation import (
     Finished,
     SamplingParams,
-    StaticBatch,
     TextDelta,
 )
 from miserver.serving.structured.response_format import (
@@ -161,14 +160,14 @@ def test_a_schema_the_library_refuses_raises_constraint_error(tiny: Any) -> None
 
 # --- the decode loop ------------------------------------------------------------------------------
 async def _run(model: Any, tok: Any, requests: list[tuple[SamplingParams, int]]) -> list[Any]:
-    batch = StaticBatch()
+    from tests.unit.v1_fixtures import engine_events
+
     prompt = tok.encode("Describe a person as JSON:", add_special_tokens=False)
-    gens = [g for params, n in requests for g in batch.join(model, tok, prompt, params, n=n)]
-    batch.start()
+    choices = await engine_events(model, tok, [(prompt, params, n) for params, n in requests])
     out = []
-    for gen in gens:
+    for events in choices:
         text, finish, lps = "", None, []
-        async for event in gen.events():
+        for event in events:
             if isinstance(event, TextDelta):
                 text += event.text
                 lps.extend(event.logprobs)

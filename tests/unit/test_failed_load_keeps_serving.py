@@ -179,3 +179,43 @@ def test_a_header_length_past_the_end_is_named(tmp_path) -> None:
     f.write_bytes(struct.pack("<Q", 10_000) + b"{}")
     with pytest.raises(ValueError, match="does not fit the file"):
         loader_module.read_safetensors_header(f)
+
+
+async def test_a_model_the_engine_cannot_hold_fails_its_load_and_the_previous_comes_back(
+    tmp_path, tiny_model_dir, monkeypatch
+) -> None:
+    """The continuous engine serves every sequence (the static batch it fell back to is gone):
+    a model it cannot be built for fails its load, 500 MODEL_LOAD_FAILED naming the engine's
+    error, and the previous row is loaded back and serves."""
+    from miserver.serving.engine import continuous
+
+    c = await make_client(tmp_path, tiny_model_dir)
+    try:
+        copy = c.app[keys.CATALOGUE].register(
+            name="copy", format="safetensors", dtype="bfloat16", path=tiny_model_dir
+        )
+        real = continuous.ContinuousEngine
+        fails = [1]
+
+        def engine(model, *args, **kwargs):  # the first build fails: the copy's
+            if fails:
+                fails.pop()
+                raise ValueError("an attention layout the engine does not hold, say")
+            return real(model, *args, **kwargs)
+
+        monkeypatch.setattr(continuous, "ContinuousEngine", engine)
+        resp = await c.post(f"/api/models/{copy.id}/load")
+        err = (await resp.json())["error"]
+        assert resp.status == 500, err
+        assert err["code"] == "MODEL_LOAD_FAILED"
+        assert (
+            "the continuous engine cannot serve copy: ValueError: an attention layout"
+            in (err["message"])
+        )
+        assert err["details"]["restored"] == "tiny"
+        assert await resident_name(c) == "tiny"
+        assert c.app[keys.HOST].resident.engine_loop is not None
+        resp = await c.post(CHAT, json=chat("tiny"))
+        assert resp.status == 200, await resp.text()
+    finally:
+        await c.close()

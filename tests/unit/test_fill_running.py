@@ -39,7 +39,7 @@ async def test_a_request_joins_the_running_work_at_once_while_it_has_room() -> N
     assert scheduler.counts().running == 0 and scheduler.running_requests() == 0
 
 
-async def test_without_fill_running_the_static_batch_keeps_later_requests_waiting() -> None:
+async def test_without_fill_or_join_running_a_batch_keeps_later_requests_waiting() -> None:
     scheduler = Scheduler(max_batch_size=3)
     first = await scheduler.acquire(I, group="g")
     later = asyncio.ensure_future(scheduler.acquire(I, group="g"))
@@ -104,7 +104,7 @@ async def test_a_full_batch_leaves_requests_queued_and_the_queue_bounded() -> No
 
 
 async def test_a_gguf_resident_is_bounded_also_when_the_engine_joins_running_batches() -> None:
-    # ENGINE=continuous sets join_running for every group; a GGUF resident has no engine of
+    # the server sets join_running for every group; a GGUF resident has no engine of
     # ours to queue its requests, so its running work still takes only MAX_BATCH_SIZE
     scheduler = Scheduler(max_batch_size=2, join_running=True, max_concurrent=2)
     engine = await scheduler.acquire(I, group="engine")

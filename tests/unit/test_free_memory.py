@@ -42,7 +42,7 @@ class _Row:
 
 
 class _Resident:
-    row, engine, arena = _Row(), None, None
+    row, engine_loop, arena = _Row(), None, None
 
 
 class _Catalogue:

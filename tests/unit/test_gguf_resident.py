@@ -63,7 +63,7 @@ def test_a_request_turns_llama_cpps_other_samplers_off_and_keeps_seeds_32_bit(
 
 
 async def test_a_request_refuses_prompt_logprobs_and_seeds_each_choice() -> None:
-    from miserver.serving.engine.static_batch import choice_seed
+    from miserver.serving.engine.sampling import choice_seed
 
     with pytest.raises(ValueError, match="prompt logprobs"):
         gguf.choices(None, None, [1], SamplingParams(max_tokens=1, logprobs=1, echo=True))  # type: ignore[arg-type]

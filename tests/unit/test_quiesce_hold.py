@@ -3,9 +3,10 @@ a real app serving a tiny Llama on the CPU.
 
 The table decides (miserver/fsm/table.py); these tests pin what reaches the wire and what the
 effects ask of the engine. The engine's side of a hold is the
-:class:`~miserver.serving.engine.parking.Parking` interface: an engine without it (the
-static batch, ``ENGINE=static``) refuses a hold with 409 BARRIER_UNAVAILABLE ``hold_unsupported``; a
-recording engine that has it shows which calls each lifecycle step makes.
+:class:`~miserver.serving.engine.parking.Parking` interface: a resident without it (a GGUF
+resident: llama.cpp decodes, no engine of ours) refuses a hold with 409 BARRIER_UNAVAILABLE
+``hold_unsupported``; a recording engine that has it, put in the place of the resident's
+continuous engine, shows which calls each lifecycle step makes.
 """
 
 from __future__ import annotations
@@ -50,29 +51,49 @@ class RecordingParkingEngine:
         n, self.parked = self.parked, 0
         return n
 
-    # what the decode effects ask of any engine (DROP_CACHE, a model transition)
-    def reset(self) -> None:
-        self.calls.append("reset")
+    # what the decode effects ask of the engine (DROP_CACHE, a model transition)
+    def drop_prefix_cache(self) -> int:
+        self.calls.append("drop_prefix_cache")
+        return 0
 
-    def invalidate(self) -> None:
-        self.calls.append("invalidate")
+    def drop_graphs(self) -> None:
+        self.calls.append("drop_graphs")
 
-    def close(self) -> None:  # the host closes its resident's engine at unload
+    # what the status and health routes read
+    closed = False
+    engine = None
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self, wait_s: float = 0.0) -> None:  # the host closes its resident's engine
         self.calls.append("close")
+
+
+def _replace_engine(resident, engine) -> None:
+    """Put ``engine`` in the place of ``resident``'s continuous engine, whose thread ends."""
+    if resident.engine_loop is not None:
+        resident.engine_loop.close(wait_s=5.0)
+    resident.engine_loop = engine
+
+
+def without_parking(client) -> None:
+    """The resident has no engine that parks, as a GGUF resident has none."""
+    _replace_engine(client.app[keys.HOST].resident, None)
 
 
 def install(client, running: int = 3) -> RecordingParkingEngine:
     engine = RecordingParkingEngine(running)
-    client.app[keys.HOST].resident.engine = engine
+    _replace_engine(client.app[keys.HOST].resident, engine)
     assert parking_of(client.app[keys.HOST]) is engine and isinstance(engine, Parking)
     return engine
 
 
 @pytest.fixture
 async def client(tmp_path, tiny_model_dir):
-    # the static batch, which cannot park (pinned: the continuous engine, the default, can;
-    # test_engine_hold.py parks it); the recording engine stands in where a hold succeeds
-    c = await make_client(tmp_path, tiny_model_dir, ENGINE="static")
+    # the continuous engine parks (test_engine_hold.py parks it); here the recording engine
+    # stands in where a hold succeeds, and no engine where it cannot
+    c = await make_client(tmp_path, tiny_model_dir)
     yield c
     await c.close()
 
@@ -125,7 +146,9 @@ async def test_a_bodyless_and_a_finish_quiesce_are_the_drain_and_park_nothing(cl
 
 
 async def test_hold_is_refused_409_hold_unsupported_while_the_engine_cannot_park(client) -> None:
-    assert parking_of(client.app[keys.HOST]) is None  # the static batch: no Parking
+    assert parking_of(client.app[keys.HOST]) is not None  # the continuous engine parks
+    without_parking(client)
+    assert parking_of(client.app[keys.HOST]) is None
     att = await attach(client)
     code, answer, headers = await post(
         client, "/api/weights/quiesce", auth(TRN, att), {"running": "hold"}
@@ -159,7 +182,7 @@ async def test_hold_parks_counts_and_resume_continues_the_parked(client) -> None
     )
     assert code == 200, answer
     assert answer["data"]["parked_sequences"] == 3
-    assert engine.calls[:1] == ["park_running"] and "reset" in engine.calls  # DROP_CACHE
+    assert engine.calls[:1] == ["park_running"] and "drop_prefix_cache" in engine.calls
     seen = await status(client)
     assert seen["barrier"] == "quiesced" and seen["parked_sequences"] == 3
     # a commit while parked; nothing is resumed until resume
@@ -177,9 +200,7 @@ async def test_hold_parks_counts_and_resume_continues_the_parked(client) -> None
 async def test_a_hold_past_the_hold_timeout_resumes_the_parked_on_its_own(
     tmp_path, tiny_model_dir
 ) -> None:
-    client = await make_client(
-        tmp_path, tiny_model_dir, WEIGHTS_HOLD_TIMEOUT_S="0.2", ENGINE="static"
-    )
+    client = await make_client(tmp_path, tiny_model_dir, WEIGHTS_HOLD_TIMEOUT_S="0.2")
     try:
         engine = install(client, running=2)
         att = await attach(client)
@@ -198,9 +219,7 @@ async def test_a_hold_past_the_hold_timeout_resumes_the_parked_on_its_own(
 async def test_a_tear_while_parked_ends_the_parked_with_weights_torn(
     tmp_path, tiny_model_dir
 ) -> None:
-    client = await make_client(
-        tmp_path, tiny_model_dir, WEIGHTS_COMMIT_WATCHDOG_MS="100", ENGINE="static"
-    )
+    client = await make_client(tmp_path, tiny_model_dir, WEIGHTS_COMMIT_WATCHDOG_MS="100")
     try:
         engine = install(client, running=4)
         att = await attach(client)

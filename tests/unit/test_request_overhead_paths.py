@@ -21,14 +21,12 @@ from miserver.http import v1
 from miserver.serving.engine.detokenize import IncrementalDetokenizer, backend_decoder
 from miserver.serving.engine.generation import (
     Finished,
-    Generation,
     GenerationError,
     SamplingParams,
     Started,
-    StaticBatch,
     TextDelta,
 )
-from tests.unit.v1_fixtures import cached_tokenizer, tiny_model
+from tests.unit.v1_fixtures import cached_tokenizer, engine_events, engine_loop_for, tiny_model
 
 MIXED = "Café ☕ naïve 日本語 emoji 🦙🎉 — done."
 
@@ -41,15 +39,6 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(scope="module")
 def model(tokenizer: Any) -> Any:
     return tiny_model(tokenizer)
-
-
-async def _events(gens: list[Generation]) -> list[list[Any]]:
-    async def read(gen: Generation) -> list[Any]:
-        out = [e async for e in gen.events()]
-        await gen.wait()
-        return out
-
-    return list(await asyncio.gather(*(read(g) for g in gens)))
 
 
 def _summary(events: list[Any]) -> tuple[Any, ...]:
@@ -73,11 +62,10 @@ PARAMS = [
 @pytest.mark.parametrize("kw", PARAMS, ids=["greedy", "stops", "logprobs", "echo", "seeded"])
 async def test_a_sequence_read_whole_equals_the_streamed_one(model, tokenizer, kw) -> None:
     ids = tokenizer(MIXED)["input_ids"]
-    streamed = Generation(model, tokenizer, ids, SamplingParams(**kw))
-    whole = Generation(model, tokenizer, ids, SamplingParams(**kw), stream=False)
-    for g in (streamed, whole):
-        g.start()
-    (s_events,), (w_events,) = await _events([streamed]), await _events([whole])
+    (s_events,) = await engine_events(model, tokenizer, [(ids, SamplingParams(**kw), 1)])
+    (w_events,) = await engine_events(
+        model, tokenizer, [(ids, SamplingParams(**kw), 1)], stream=False
+    )
     assert isinstance(w_events[0], Started) and isinstance(w_events[-1], Finished)
     assert len([e for e in w_events if isinstance(e, TextDelta)]) <= 1  # one delta, at the end
     assert len(w_events) <= 3
@@ -86,23 +74,20 @@ async def test_a_sequence_read_whole_equals_the_streamed_one(model, tokenizer, k
         assert len([e for e in s_events if isinstance(e, TextDelta)]) > 1
 
 
-async def test_a_static_batch_read_whole_equals_the_streamed_batch(model, tokenizer) -> None:
+async def test_requests_read_whole_equal_the_same_requests_streamed(model, tokenizer) -> None:
     prompts = ["Hello", MIXED, "Numbers: 1, 2, 3,", "A"]
     params = [
         SamplingParams(max_tokens=n, temperature=0, stop=stop)
         for n, stop in ((9, ()), (14, ("e",)), (5, ()), (11, (",",)))
     ]
+    requests = [
+        (tokenizer(prompt)["input_ids"], p, 2) for prompt, p in zip(prompts, params, strict=True)
+    ]
     answers = []
     for stream in (True, False):
-        batch = StaticBatch()
-        gens = []
-        for prompt, p in zip(prompts, params, strict=True):
-            gens += batch.join(
-                model, tokenizer, tokenizer(prompt)["input_ids"], p, n=2, stream=stream
-            )
-        batch.start()
-        answers.append([_summary(events) for events in await _events(gens)])
-    assert answers[0] == answers[1]
+        events = await engine_events(model, tokenizer, requests, stream=stream)
+        answers.append([_summary(e) for e in events])
+    assert len(answers[0]) == 8 and answers[0] == answers[1]
 
 
 async def test_a_sequence_read_whole_that_fails_raises(model, tokenizer) -> None:
@@ -117,34 +102,32 @@ async def test_a_sequence_read_whole_that_fails_raises(model, tokenizer) -> None
                 raise RuntimeError("injected failure")
             return self.inner(**kw)
 
-    gen = Generation(
-        Exploding(),
+    (seen,) = await engine_events(
+        model,
         tokenizer,
-        [1, 2, 3],
-        SamplingParams(max_tokens=10, temperature=0),
+        [([1, 2, 3], SamplingParams(max_tokens=10, temperature=0), 1)],
         stream=False,
+        wrap=lambda _m: Exploding(),
     )
-    gen.start()
-    seen = []
-    with pytest.raises(GenerationError, match="injected failure"):
-        async for e in gen.events():
-            seen.append(e)
-    await asyncio.wait_for(gen.wait(), 5)
     assert isinstance(seen[0], Started)
+    assert isinstance(seen[-1], GenerationError) and "injected failure" in str(seen[-1])
     assert all(not isinstance(e, Finished) for e in seen)
 
 
 async def test_a_cancelled_sequence_read_whole_ends_cancelled(model, tokenizer) -> None:
-    gen = Generation(
-        model, tokenizer, [1, 2, 3], SamplingParams(max_tokens=100_000, temperature=0), stream=False
-    )
-    gen.start()
-    async for e in gen.events():
-        if isinstance(e, Started):
-            gen.cancel()
-        last = e
-    assert isinstance(last, Finished) and last.finish_reason == "cancelled"
-    await asyncio.wait_for(gen.wait(), 5)
+    loop = engine_loop_for(model, tokenizer)
+    try:
+        (gen,) = loop.submit(
+            [1, 2, 3], SamplingParams(max_tokens=100_000, temperature=0), stream=False
+        )
+        async for e in gen.events():
+            if isinstance(e, Started):
+                gen.cancel()
+            last = e
+        assert isinstance(last, Finished) and last.finish_reason == "cancelled"
+        await asyncio.wait_for(gen.wait(), 5)
+    finally:
+        loop.close(wait_s=5.0)
 
 
 # --- the detokenizer's direct decode -----------------------------------------------------------

@@ -308,7 +308,7 @@ async def test_held_batch_counts_a_unit_once_and_a_waiter_without_one_alone() ->
     assert s.counts() == HeldCounts(1, 4, 0, 0)  # chunk, other and the two alone; six rows
     s.barrier_release()
     await _spin()
-    assert s.counts() == HeldCounts(0, 0, 1, 0)  # one static batch took all seven
+    assert s.counts() == HeldCounts(0, 0, 1, 0)  # one batch took all seven
     grants = [t.result() for t in tasks]
     assert len({id(g.batch) for g in grants}) == 1 and grants[0].batch.sequences == 7
     for grant in grants:

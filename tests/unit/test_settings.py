@@ -248,3 +248,46 @@ def test_continuous_batching_1_starts_with_pauses_unavailable_as_cbm() -> None:
     assert Lifecycle.from_settings(both).state.avail == "cbm"
     off = load_settings({"MISERVER_HOME": "/x"})
     assert Lifecycle.from_settings(off).state.avail == "ok"
+
+
+# --- ENGINE: the static batch was removed (issue 29) -----------------------------------------
+@pytest.mark.parametrize("value", ["static", "STATIC", " Static "])
+def test_engine_static_is_refused_saying_the_static_batch_was_removed(value):
+    with pytest.raises(ConfigError) as err:
+        load_settings({"MISERVER_HOME": "/tmp/x", "ENGINE": value})
+    assert err.value.variable == "ENGINE"
+    message = str(err.value)
+    assert "static batch was removed" in message
+    assert "continuous engine serves every sequence" in message
+
+
+def test_settings_made_in_code_refuse_the_static_engine_too():
+    from miserver.spec.settings import Settings
+
+    with pytest.raises(ConfigError) as err:
+        Settings(home="/tmp/x", engine="static")
+    assert err.value.variable == "ENGINE" and "static batch was removed" in str(err.value)
+    assert Settings(home="/tmp/x").engine == "continuous"
+
+
+def test_engine_accepts_only_continuous():
+    env = {"MISERVER_HOME": "/tmp/x"}
+    assert load_settings(env).engine == "continuous"
+    assert load_settings({**env, "ENGINE": "Continuous"}).engine == "continuous"
+    with pytest.raises(ConfigError) as err:
+        load_settings({**env, "ENGINE": "paged"})
+    assert err.value.variable == "ENGINE" and "expected continuous" in str(err.value)
+
+
+def test_cli_refuses_engine_static_at_start_with_exit_2(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "miserver.cli", "serve", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"MISERVER_HOME": str(tmp_path), "PATH": "/usr/bin", "ENGINE": "static"},
+    )
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert "ENGINE" in lines[0] and "static batch was removed" in lines[0]

@@ -8,7 +8,6 @@ import asyncio
 
 import torch
 
-from miserver.serving.engine import generation as gen_module
 from miserver.serving.engine import sampler as sampler_module
 from tests.unit.test_hardening_answers import client, failures, poison  # noqa: F401
 
@@ -36,7 +35,7 @@ async def test_a_stream_failing_at_its_first_token_is_a_json_500(client):  # noq
 
 
 async def test_a_failure_after_the_first_token_ends_the_open_stream(client, monkeypatch):  # noqa: F811
-    real = gen_module.pick_token
+    real = sampler_module.pick_token
     calls = [0]
 
     def fail_third(logits: torch.Tensor, *args, **kwargs):
@@ -45,7 +44,6 @@ async def test_a_failure_after_the_first_token_ends_the_open_stream(client, monk
             logits = torch.full_like(logits, float("nan"))
         return real(logits, *args, **kwargs)
 
-    monkeypatch.setattr(gen_module, "pick_token", fail_third)  # the static batch's
     monkeypatch.setattr(sampler_module, "pick_token", fail_third)  # the continuous engine's
     resp = await client.post("/v1/chat/completions", json=BODY)
     text = await resp.text()

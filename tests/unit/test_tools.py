@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from miserver.serving.engine.generation import Finished, SamplingParams, StaticBatch, TextDelta
+from miserver.serving.engine.generation import Finished, SamplingParams, TextDelta
 from miserver.serving.engine.prompts import chat_prompt_ids, render_chat
 from miserver.serving.structured.request import check_for_model, check_request, request_constraint
 from miserver.serving.structured.tools import (
@@ -205,14 +205,13 @@ def test_history_with_calls_and_tool_results_renders_through_the_template(tiny: 
 
 async def _decode(model: Any, tok: Any, constraint: Any, n: int, seed: int | None) -> list[str]:
     prompt = chat_prompt_ids(tok, [{"role": "user", "content": "Weather?"}], tools=[WEATHER, TIME])
-    batch = StaticBatch()
+    from tests.unit.v1_fixtures import engine_events
+
     params = SamplingParams(max_tokens=300, temperature=1.0, seed=seed, constraint=constraint)
-    gens = batch.join(model, tok, prompt, params, n=n)
-    batch.start()
     texts = []
-    for gen in gens:
+    for events in await engine_events(model, tok, [(prompt, params, n)]):
         text, finish = "", None
-        async for event in gen.events():
+        for event in events:
             if isinstance(event, TextDelta):
                 text += event.text
             elif isinstance(event, Finished):

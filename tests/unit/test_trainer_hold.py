@@ -2,7 +2,7 @@
 ``quiesce(running=...)`` and the ``WeightsClient(running=...)`` default, against the real app
 on the CPU. The server's engine side is the recording
 :class:`~tests.unit.test_quiesce_hold.RecordingParkingEngine` where a hold must succeed, and
-the static batch (``ENGINE=static``: no parking, 409 ``hold_unsupported``) where it must be
+no engine that parks (as on a GGUF resident: 409 ``hold_unsupported``) where it must be
 refused.
 """
 
@@ -15,24 +15,25 @@ import pytest
 from miserver import trainer
 from miserver.http import keys
 from miserver.trainer import WeightsClient
-from tests.unit.test_quiesce_hold import RecordingParkingEngine
+from tests.unit.test_quiesce_hold import RecordingParkingEngine, _replace_engine
 from tests.unit.test_trainer_client import TRN, ThreadServer
 
 
 @pytest.fixture
 def server(tmp_path, tiny_model_dir):
-    # the static batch, which cannot park (pinned: the continuous engine, the default, can);
-    # where a hold must succeed the recording engine stands in for it
-    s = ThreadServer(tmp_path, tiny_model_dir, ENGINE="static")
+    # the continuous engine parks (test_engine_hold.py); here the recording engine stands in
+    # where a hold must succeed, and no engine (as on a GGUF resident) where it must not
+    s = ThreadServer(tmp_path, tiny_model_dir)
     yield s
     s.stop()
 
 
-def install(server: ThreadServer, running: int) -> RecordingParkingEngine:
-    engine = RecordingParkingEngine(running)
+def install(server: ThreadServer, running: int | None) -> RecordingParkingEngine | None:
+    """The recording engine in the place of the resident's engine (None: no engine)."""
+    engine = RecordingParkingEngine(running) if running is not None else None
 
     async def put() -> None:
-        server.app[keys.HOST].resident.engine = engine
+        _replace_engine(server.app[keys.HOST].resident, engine)
 
     asyncio.run_coroutine_threadsafe(put(), server.loop).result(10)
     return engine
@@ -84,6 +85,7 @@ def test_the_client_default_hold_applies_to_quiesce_and_commit(server) -> None:
 
 
 def test_hold_on_an_engine_that_cannot_park_is_barrier_unavailable(server) -> None:
+    install(server, None)
     with WeightsClient(server.url, TRN, heartbeat=False) as client:
         client.attach()
         with pytest.raises(trainer.BarrierUnavailable) as err, client.commit(running="hold"):

@@ -50,10 +50,10 @@ async def make_client(folder: Path, home: Path, **settings: Any) -> TestClient:
     return client
 
 
-@pytest.fixture(params=["static", "continuous"])
-async def client(folder: Path, tmp_path: Path, request: pytest.FixtureRequest):
-    # every /v1 behaviour on both engines (ENGINE; issue 29)
-    c = await make_client(folder, tmp_path / "home", engine=request.param)
+@pytest.fixture
+async def client(folder: Path, tmp_path: Path):
+    # every /v1 behaviour on the continuous engine (issue 29: the one engine)
+    c = await make_client(folder, tmp_path / "home")
     yield c
     await c.close()
 
@@ -269,17 +269,10 @@ def _slow(client: TestClient, delay: float, fail_at: int | None = None) -> Any:
     return slow_resident(client.app[keys.HOST].resident, delay, fail_at)
 
 
-@pytest.mark.parametrize(
-    "engine", ["static", "continuous"], ids=["static-batch", "engine-counts-no-place"]
-)
-async def test_queue_full_is_503_and_the_queue_drains(
-    folder: Path, tmp_path: Path, engine: str
-) -> None:
+async def test_queue_full_is_503_and_the_queue_drains(folder: Path, tmp_path: Path) -> None:
     """On the continuous engine a request the running batch has no place for counts as queued
     (one sequence a step here, so the second waits behind the first)."""
-    client = await make_client(
-        folder, tmp_path / "home", max_queued_requests=1, max_batch_size=1, engine=engine
-    )
+    client = await make_client(folder, tmp_path / "home", max_queued_requests=1, max_batch_size=1)
     try:
         _slow(client, 0.05)
         body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "temperature": 0}
@@ -302,21 +295,19 @@ async def test_queue_full_is_503_and_the_queue_drains(
         await client.close()
 
 
-@pytest.mark.parametrize("engine", ["static", "continuous"])
 @pytest.mark.parametrize("extra", [0, 1], ids=["queue-filled", "one-past"])
 async def test_a_burst_into_an_idle_server_queues_behind_the_one_served(
-    folder: Path, tmp_path: Path, engine: str, extra: int
+    folder: Path, tmp_path: Path, extra: int
 ) -> None:
     """MAX_QUEUED_REQUESTS counts the requests that wait, not the one being served (contract
     1: "waiting + held interactive requests"): with one sequence a step and a bound of 2, a
     burst of 3 into an idle server is all served (the first runs, two wait) and a burst of 4
-    gets exactly one 503 queue_full, on the static batch and on the continuous engine alike.
-    The continuous engine is kept from beginning any request until the whole burst has been
+    gets exactly one 503 queue_full. The continuous engine is kept from beginning any request until the whole burst has been
     answered or queued, so the first request is seen granted but not yet begun (the case that
     counted it as queued)."""
     bound = 2
     client = await make_client(
-        folder, tmp_path / "home", max_queued_requests=bound, max_batch_size=1, engine=engine
+        folder, tmp_path / "home", max_queued_requests=bound, max_batch_size=1
     )
     loop = client.app[keys.HOST].resident.engine_loop
     stopped = loop is not None and loop._step_lock.acquire(timeout=30)  # no step begins
@@ -409,45 +400,10 @@ async def test_generation_error_before_and_after_the_stream_opens(client: TestCl
     assert status == 200
 
 
-async def test_concurrent_requests_run_at_once(folder: Path, tmp_path: Path) -> None:
-    # two slots, each its own generation thread: the static batch's (ENGINE=static); the
-    # continuous engine is one holder of the slot whatever MAX_CONCURRENT_REQUESTS says
-    client = await make_client(
-        folder, tmp_path / "home", max_concurrent_requests=2, engine="static"
-    )
-    try:
-        slow = _slow(client, 0.03)
-        body = {"model": MODEL, "prompt": "x", "max_tokens": 6, "temperature": 0}
-        results = await asyncio.gather(*(post(client, "/v1/completions", body) for _ in range(2)))
-        assert all(r[0] == 200 for r in results)
-        threads = {w[2] for w in slow.windows}
-        assert len(threads) == 2
-        a, b = ([w for w in slow.windows if w[2] == t] for t in sorted(threads))
-        assert a[0][0] < b[-1][1] and b[0][0] < a[-1][1], "the two generations overlapped"
-    finally:
-        await client.close()
-
-
-async def test_one_slot_serialises_generations(folder: Path, tmp_path: Path) -> None:
-    # the static batch's slot (ENGINE=static); the engine's: the test below
-    client = await make_client(folder, tmp_path / "home", engine="static")
-    try:
-        slow = _slow(client, 0.02)
-        body = {"model": MODEL, "prompt": "x", "max_tokens": 4, "temperature": 0}
-        await asyncio.gather(*(post(client, "/v1/completions", body) for _ in range(2)))
-        # Generation threads are reused, so a generation is told apart by its prefill call: with one
-        # slot the second prefill comes only after every step of the first generation.
-        starts = [i for i, prefill in enumerate(slow.prefills) if prefill]
-        assert len(starts) == 2 and len(slow.windows) % 2 == 0
-        assert starts == [0, len(slow.windows) // 2], "the two generations interleaved"
-    finally:
-        await client.close()
-
-
 async def test_concurrent_requests_share_the_engines_steps(folder: Path, tmp_path: Path) -> None:
     # The continuous engine computes both requests in the same forward passes (issue 29): one
     # engine thread, each step a token for every running sequence.
-    client = await make_client(folder, tmp_path / "home", engine="continuous")
+    client = await make_client(folder, tmp_path / "home")
     try:
         slow = _slow(client, 0.03)
         body = {"model": MODEL, "prompt": "x", "max_tokens": 6, "temperature": 0}
@@ -463,7 +419,7 @@ async def test_concurrent_requests_share_the_engines_steps(folder: Path, tmp_pat
 async def test_one_sequence_a_step_serialises_the_engine(folder: Path, tmp_path: Path) -> None:
     # MAX_BATCH_SIZE 1: one sequence a step, so the engine runs the second request only once
     # the first has ended.
-    client = await make_client(folder, tmp_path / "home", max_batch_size=1, engine="continuous")
+    client = await make_client(folder, tmp_path / "home", max_batch_size=1)
     try:
         _slow(client, 0.02)
         steps: list[list[int]] = []
@@ -488,7 +444,7 @@ async def test_a_cache_drop_during_a_step_never_waits_for_it_and_lands_before_th
     request already gone) and take effect when that step ends, before the next one."""
     import threading
 
-    client = await make_client(folder, tmp_path / "home", engine="continuous")
+    client = await make_client(folder, tmp_path / "home")
     try:
         loop = client.app[keys.HOST].resident.engine_loop
         runner = loop.engine.runner

@@ -1,9 +1,9 @@
-"""Generation: the worker thread, incremental detokenization, stop sequences, cancellation."""
+"""Generation on the continuous engine (a tiny random Llama, no server): incremental
+detokenization, stop sequences, logprobs and echo, failures and cancellation."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -12,14 +12,13 @@ import torch
 from miserver.serving.engine.detokenize import IncrementalDetokenizer, StopMatcher, token_bytes
 from miserver.serving.engine.generation import (
     Finished,
-    Generation,
     GenerationError,
     SamplingParams,
     Started,
     TextDelta,
     pick_token,
 )
-from tests.unit.v1_fixtures import cached_tokenizer, tiny_model
+from tests.unit.v1_fixtures import cached_tokenizer, engine_events, engine_loop_for, tiny_model
 
 MIXED = "Café ☕ naïve 日本語 emoji 🦙🎉 — done."
 
@@ -36,10 +35,7 @@ def model(tokenizer):
 
 async def run(model, tokenizer, prompt: str, **kw) -> tuple[list, Finished]:
     ids = tokenizer(prompt)["input_ids"]
-    gen = Generation(model, tokenizer, ids, SamplingParams(**kw))
-    gen.start()
-    events = [e async for e in gen.events()]
-    await gen.wait()
+    (events,) = await engine_events(model, tokenizer, [(ids, SamplingParams(**kw), 1)])
     assert isinstance(events[0], Started)
     assert isinstance(events[-1], Finished)
     return events[1:-1], events[-1]
@@ -148,7 +144,7 @@ def test_pick_token_takes_the_smallest_values_the_contract_admits(temperature, t
     assert {pick_token(logits, params, g) for _ in range(20)} == {1}
 
 
-# --- the worker ---------------------------------------------------------------------------------
+# --- the engine ---------------------------------------------------------------------------------
 async def test_greedy_is_deterministic_and_counts_tokens(model, tokenizer) -> None:
     d1, f1 = await run(model, tokenizer, "The weather", max_tokens=12, temperature=0)
     d2, f2 = await run(model, tokenizer, "The weather", max_tokens=12, temperature=0)
@@ -201,11 +197,8 @@ async def test_logprobs_leave_out_the_tokens_of_a_stop_sequence(model, tokenizer
 async def test_logprobs_and_echo(model, tokenizer) -> None:
     prompt = "A short reference text"
     ids = tokenizer(prompt)["input_ids"]
-    gen = Generation(
-        model, tokenizer, ids, SamplingParams(max_tokens=3, temperature=0, logprobs=2, echo=True)
-    )
-    gen.start()
-    events = [e async for e in gen.events()]
+    params = SamplingParams(max_tokens=3, temperature=0, logprobs=2, echo=True)
+    (events,) = await engine_events(model, tokenizer, [(ids, params, 1)])
     started = events[0]
     assert isinstance(started, Started) and started.prompt_logprobs is not None
     plp = started.prompt_logprobs
@@ -239,20 +232,14 @@ class _Exploding(torch.nn.Module):
 
 
 @pytest.mark.parametrize("fail_at", [1, 3])
-async def test_exception_in_thread_reaches_the_caller(model, tokenizer, fail_at) -> None:
-    gen = Generation(
-        _Exploding(model, fail_at),
-        tokenizer,
-        [1, 2, 3],
-        SamplingParams(max_tokens=10, temperature=0),
+async def test_a_failed_forward_pass_reaches_the_caller(model, tokenizer, fail_at) -> None:
+    params = SamplingParams(max_tokens=10, temperature=0)
+    (events,) = await engine_events(
+        model, tokenizer, [([1, 2, 3], params, 1)], wrap=lambda m: _Exploding(m, fail_at)
     )
-    gen.start()
-    seen = []
-    with pytest.raises(GenerationError, match="injected failure"):
-        async for e in gen.events():
-            seen.append(e)
-    await asyncio.wait_for(gen.wait(), 2)
-    assert (len(seen) == 0) == (fail_at == 1)
+    assert isinstance(events[-1], GenerationError) and "injected failure" in str(events[-1])
+    # a failure in the prefill comes before any event; a later one after the Started
+    assert (len(events) == 1) == (fail_at == 1)
 
 
 class _Slow(torch.nn.Module):
@@ -261,50 +248,76 @@ class _Slow(torch.nn.Module):
         self.inner = inner
         self.delay = delay
         self.calls = 0
-        self.windows: list[tuple[float, float, str]] = []
 
     def forward(self, **kw):
         self.calls += 1
-        t0 = time.perf_counter()
         time.sleep(self.delay)
-        out = self.inner(**kw)
-        self.windows.append((t0, time.perf_counter(), threading.current_thread().name))
-        return out
+        return self.inner(**kw)
 
 
 async def test_cancel_stops_within_a_step(model, tokenizer) -> None:
-    slow = _Slow(model, 0.02)
-    gen = Generation(slow, tokenizer, [1, 2, 3], SamplingParams(max_tokens=10_000, temperature=0.0))
-    gen.start()
-    async for e in gen.events():
-        if isinstance(e, Started):
-            await asyncio.sleep(0.1)
-            gen.cancel()
-            calls_at_cancel = slow.calls
-        if isinstance(e, Finished):
-            assert e.finish_reason == "cancelled"
-    await asyncio.wait_for(gen.wait(), 1)
-    assert slow.calls <= calls_at_cancel + 1
+    loop = engine_loop_for(model, tokenizer)
+    slow = loop.engine.runner.model = _Slow(model, 0.02)
+    try:
+        (gen,) = loop.submit([1, 2, 3], SamplingParams(max_tokens=10_000, temperature=0.0))
+        calls_at_cancel = None
+        async for e in gen.events():
+            if isinstance(e, Started):
+                await asyncio.sleep(0.1)
+                gen.cancel()
+                calls_at_cancel = slow.calls
+            if isinstance(e, Finished):
+                assert e.finish_reason == "cancelled"
+        await asyncio.wait_for(gen.wait(), 1)
+        assert calls_at_cancel is not None and slow.calls <= calls_at_cancel + 1
+    finally:
+        loop.close(wait_s=5.0)
 
 
-async def test_two_generations_run_at_once(model, tokenizer) -> None:
-    """Two worker threads overlap in time (the GIL is released inside the forward passes)."""
-    slow = _Slow(model, 0.01)
-    gens = [
-        Generation(slow, tokenizer, [1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
-        for _ in range(2)
-    ]
-    for g in gens:
-        g.start()
+async def test_one_sequence_that_fails_ends_alone_and_the_others_go_on(
+    model, tokenizer, monkeypatch
+) -> None:
+    """A sequence whose sampling fails (here: non-finite logits in its row, injected) gets its
+    GenerationError; the sequence decoded beside it finishes as it does alone."""
+    from miserver.serving.engine import sampler
+    from miserver.serving.engine.generation import NonFiniteLogits
 
-    async def drain(g):
-        return [e async for e in g.events()]
+    real = sampler.pick_token
 
-    await asyncio.gather(*(drain(g) for g in gens))
-    for g in gens:
-        await asyncio.wait_for(g.wait(), 2)
-    a, b = ([w for w in slow.windows if w[2] == g.timing.thread] for g in gens)
-    assert gens[0].timing.thread != gens[1].timing.thread
-    assert len(a) == len(b) == 8  # each thread ran its own prefill and decode steps
-    # The threads' forward passes interleave in time: each started before the other ended.
-    assert a[0][0] < b[-1][1] and b[0][0] < a[-1][1]
+    def pick(logits, params, generator):  # noqa: ANN001, ANN202
+        if params.max_tokens == 7:
+            raise NonFiniteLogits()
+        return real(logits, params, generator)
+
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    (alone,) = await engine_events(model, tokenizer, [([5, 6, 7], greedy, 1)])
+    monkeypatch.setattr(sampler, "pick_token", pick)
+    ok, bad = await engine_events(
+        model,
+        tokenizer,
+        [([5, 6, 7], greedy, 1), ([8, 9], SamplingParams(max_tokens=7, temperature=0), 1)],
+    )
+    assert isinstance(bad[-1], GenerationError)
+    assert isinstance(bad[-1].__cause__, NonFiniteLogits)
+    assert ok == alone and ok[-1].finish_reason == "length"
+
+
+async def test_a_request_cancelled_before_the_engine_takes_it_costs_no_prefill(
+    model, tokenizer
+) -> None:
+    """A client gone before the engine thread took its request (it was still in the loop's
+    inbox) ends ``cancelled`` at once: no prefill for an answer nobody reads."""
+    loop = engine_loop_for(model, tokenizer)
+    try:
+        with loop._cv:  # the engine thread takes the add and the cancel together
+            gens = loop.submit([1, 2, 3], SamplingParams(max_tokens=50, temperature=0), n=2)
+            for gen in gens:
+                gen.cancel()
+        for gen in gens:
+            events = [e async for e in gen.events()]
+            assert isinstance(events[0], Started) and events[-1].finish_reason == "cancelled"
+            assert events[-1].completion_tokens == 0
+            await asyncio.wait_for(gen.wait(), 5)
+        assert loop.stats()["prefills"] == 0 and loop.steps == 0
+    finally:
+        loop.close(wait_s=5.0)

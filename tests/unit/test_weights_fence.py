@@ -84,32 +84,22 @@ async def test_a_cleared_trainer_that_wakes_up_cannot_write_what_is_served(clien
         holder.close()
 
 
-class _Engine:
-    """Stands in for the decode engine: records what the lifecycle's effects asked of it."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def invalidate(self) -> None:
-        self.calls.append("invalidate")
-
-    def reset(self) -> None:
-        self.calls.append("reset")
-
-    def close(self) -> None:
-        self.calls.append("close")
-
-
-async def test_the_engine_drops_its_graphs_and_cache_with_the_move(client):
+async def test_the_engine_drops_its_graphs_and_cache_with_the_move(client, monkeypatch):
+    """The move's ``FENCE_ARENA`` drops the continuous engine's decode graphs (they address the
+    old storages) and its ``DROP_CACHE`` the prefix cache (computed on them)."""
     _, holder = await _attach_and_go_stale(client)
-    resident = client.app[keys.HOST].resident
-    resident.engine = engine = _Engine()
+    loop = client.app[keys.HOST].resident.engine_loop
+    calls: list[str] = []
+    for name in ("drop_graphs", "drop_prefix_cache"):
+        real = getattr(loop, name)
+        monkeypatch.setattr(
+            loop, name, lambda real=real, name=name: (calls.append(name), real())[1]
+        )
     try:
         st, _, _ = await post(client, "/api/weights/clear-stale", auth(OPS))
         assert st == 200
-        assert "invalidate" in engine.calls and "reset" in engine.calls
+        assert "drop_graphs" in calls and "drop_prefix_cache" in calls
     finally:
-        resident.engine = None
         holder.close()
 
 

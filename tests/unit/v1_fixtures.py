@@ -110,22 +110,12 @@ class SlowModel:
 
 def spy_batch_starts(monkeypatch: Any) -> list[int]:
     """Record the sequences of every batch that starts, through ``monkeypatch``; returns the
-    list it appends to. A static batch (:meth:`miserver.serving.engine.generation.StaticBatch.
-    start`) counts its sequences; on the continuous engine a batch is a busy period of the
-    resident's engine: a request submitted while it computes nothing starts one, and every
-    request submitted while it runs adds its ``n`` to it."""
+    list it appends to. A batch is a busy period of the resident's continuous engine: a request
+    submitted while it computes nothing starts one, and every request submitted while it runs
+    adds its ``n`` to it."""
     from miserver.serving.engine.engine_loop import EngineLoop
-    from miserver.serving.engine.generation import StaticBatch
 
     sizes: list[int] = []
-    real = StaticBatch.start
-
-    def spy(self: StaticBatch) -> None:
-        if not self._started:
-            sizes.append(self.sequences)
-        real(self)
-
-    monkeypatch.setattr(StaticBatch, "start", spy)
     real_submit = EngineLoop.submit
 
     def submit(self: EngineLoop, *args: Any, **kwargs: Any) -> Any:
@@ -160,3 +150,58 @@ def unslow_resident(resident: Any) -> None:
     loop = getattr(resident, "engine_loop", None)
     if loop is not None:
         loop.engine.runner.model = resident.model
+
+
+def engine_loop_for(model: Any, tokenizer: Any, **engine_kw: Any) -> Any:
+    """A continuous engine (64 MiB of paged cache, the CPU's settings: no prefix cache across
+    requests) and its engine thread over ``model``, as a resident gets them
+    (:func:`~miserver.serving.engine.engine_setup.build`), without a server. Close it with
+    ``loop.close(wait_s=5)``."""
+    from miserver.serving.engine.continuous import ContinuousEngine
+    from miserver.serving.engine.engine_loop import EngineLoop
+
+    engine_kw.setdefault("prefix_cache", False)
+    engine = ContinuousEngine(model, 64 << 20, **engine_kw)
+    return EngineLoop(engine, model, tokenizer, cross_request_prefix_cache=False)
+
+
+async def engine_events(
+    model: Any,
+    tokenizer: Any,
+    requests: list[tuple[list[int], Any, int]],
+    *,
+    stream: bool = True,
+    wrap: Any = None,
+) -> list[list[Any]]:
+    """Submit ``requests`` (``(prompt_ids, SamplingParams, n)``) together to a fresh engine over
+    ``model`` and read every choice's events to its end; returns each choice's events (requests
+    in order, choices in order). A choice that fails ends its list with the
+    :class:`~miserver.serving.engine.generation.GenerationError` it raised. ``wrap``: called
+    with ``model``, returns what the engine's runner calls instead (fault or delay injection)."""
+    import asyncio
+
+    from miserver.serving.engine.generation import GenerationError
+
+    loop = engine_loop_for(model, tokenizer)
+    if wrap is not None:
+        loop.engine.runner.model = wrap(model)
+    try:
+        streams = [
+            s
+            for prompt, params, n in requests
+            for s in loop.submit(prompt, params, n=n, stream=stream)
+        ]
+
+        async def read(s: Any) -> list[Any]:
+            events: list[Any] = []
+            try:
+                async for event in s.events():
+                    events.append(event)
+            except GenerationError as exc:
+                events.append(exc)
+            await s.wait()
+            return events
+
+        return list(await asyncio.gather(*(read(s) for s in streams)))
+    finally:
+        loop.close(wait_s=5.0)

@@ -1,5 +1,5 @@
 """The Batch API's runner: runs the rows of every active batch through a :class:`RowExecutor`,
-a chunk at a time (the chunk's rows together, so they decode in one static batch), below
+a chunk at a time (the chunk's rows together, so they join the engine together), below
 interactive traffic, and never fails a row because the server cannot run it now (contract 7;
 the weights page: States, The write cycle 2).
 
@@ -152,8 +152,8 @@ class BatchRunner:
     row, re-checks the waiting reason, claims a chunk of up to ``chunk_size`` rows of one model
     and starts them all at once, each row its own task inside ``execute_row`` (each through
     the scheduler's slot at batch priority, the chunk one
-    :class:`~miserver.serving.engine.slot.Unit` whose rows are granted together, so they decode
-    in one static batch); the next chunk starts when every row of this one has ended. Each
+    :class:`~miserver.serving.engine.slot.Unit` whose rows are granted together, so they join
+    the engine's running batch together); the next chunk starts when every row of this one has ended. Each
     result is recorded as soon as its row finishes, in one transaction of the store (a crash
     loses no finished row and runs none twice; the rows still running then keep no result and
     run again). A row that is deferred (:class:`RowDeferred`, :func:`deferral_of`) keeps no

@@ -94,7 +94,7 @@ class SequenceStream(Generation):
         params: SamplingParams,
         stream: bool,
     ) -> None:
-        super().__init__(None, tokenizer, prompt_ids, params, stream=stream)
+        super().__init__(tokenizer, prompt_ids, params, stream=stream)
         self.seq_id = next(_SEQ_IDS)
         self._engine_loop = loop
         self._request: _Request | None = None  # set by EngineLoop.submit
@@ -266,7 +266,7 @@ class EngineLoop:
     ) -> list[SequenceStream]:
         """Add one request's ``n`` choices (call on the event loop); they join the running batch
         at the engine's next step. Choice ``i`` samples with
-        :func:`~miserver.serving.engine.static_batch.choice_seed` of ``params.seed``; the ``n``
+        :func:`~miserver.serving.engine.sampling.choice_seed` of ``params.seed``; the ``n``
         sequences share one prefill of the prompt (one group). ``stream`` False: each choice's
         text comes as one delta at its end. Returns the streams in choice order.
 
@@ -274,7 +274,7 @@ class EngineLoop:
             RuntimeError: the loop is closed (its resident was dropped).
             ValueError: ``n`` below 1 or an empty prompt.
         """
-        from miserver.serving.engine.static_batch import choice_seed
+        from miserver.serving.engine.sampling import choice_seed
 
         if n < 1:
             raise ValueError(f"n must be at least 1, got {n}")
@@ -306,7 +306,7 @@ class EngineLoop:
     ) -> int:
         """Requests of ``priority`` that wait for a place in the running batch: what the
         scheduler counts as queued (``MAX_QUEUED_REQUESTS`` bounds waiting requests, not the
-        ones being served; companion contract 1, the static batch's count).
+        ones being served; companion contract 1).
 
         The running batch has ``max_num_seqs`` places (``MAX_BATCH_SIZE`` sequences). A
         request none of whose choices is admitted yet (still waiting, or not yet handed to the
@@ -316,7 +316,7 @@ class EngineLoop:
         others fork from the first as places free up). Every choice of a request begun
         (decoding, prefilling, preempted or parked by a hold) holds a place. So a request
         submitted to an engine with room is being served (the engine admits it at its next
-        step), not queued, as a request granted a free slot of the static batch is; one past
+        step), not queued, as a request granted a free slot is; one past
         the places waits, and is counted, as is every one behind it (admission is in order).
 
         ``pending``: requests granted a share of the running batch's slot and not submitted

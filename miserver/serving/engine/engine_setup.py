@@ -5,12 +5,16 @@ and its wiring to the scheduler and the metrics."""
 from __future__ import annotations
 
 import logging
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from miserver.serving.engine.engine_loop import EngineLoop
+from miserver.spec import codes
+from miserver.spec.errors import ApiError
 
 log = logging.getLogger("miserver.engine")
 
@@ -22,17 +26,35 @@ log = logging.getLogger("miserver.engine")
 CUDA_STEP_TOKENS = {"max_num_batched_tokens": 2048, "prefill_chunk": 512}
 
 
+class EngineUnavailable(ApiError):
+    """The continuous engine cannot be built for the model ``name`` (:func:`build`): its load
+    fails, 500 ``MODEL_LOAD_FAILED`` naming the model and the engine's error (``details``:
+    ``name``)."""
+
+    def __init__(self, name: str, exc: BaseException) -> None:
+        super().__init__(
+            codes.MODEL_LOAD_FAILED,
+            f"the continuous engine cannot serve {name}: {type(exc).__name__}: {str(exc)[:300]}",
+            details={"name": name},
+        )
+
+
 def build(
     model: Any, tokenizer: Any, name: str, settings: Any, scheduler: Any = None, metrics: Any = None
-) -> EngineLoop | None:
+) -> EngineLoop:
     """The continuous engine of a freshly loaded model and its thread: its paged KV cache
     allocated once from ``KV_CACHE_BYTES`` (on CUDA ``auto`` takes a quarter of the card's free
     memory now, after the load; never more than twice what the engine's most sequences hold at
-    the model's full context), up to ``MAX_BATCH_SIZE`` sequences a step (``auto``: 64). None,
-    with a warning, when the engine cannot hold the model (the static batch serves it).
-    ``scheduler`` counts the engine's waiting requests; ``metrics`` reads its gauges."""
+    the model's full context), up to ``MAX_BATCH_SIZE`` sequences a step (``auto``: 64).
+    ``scheduler`` counts the engine's waiting requests; ``metrics`` reads its gauges.
+
+    Raises:
+        EngineUnavailable: the engine cannot hold the model (e.g. its attention layout or a
+            cache budget too small for one block a layer); the load fails with it (the
+            continuous engine serves every sequence of a transformers resident: there is no
+            other path)."""
     from miserver.serving.engine.continuous import ContinuousEngine
-    from miserver.serving.engine.decode_graphs import device_of
+    from miserver.serving.engine.devices import device_of
     from miserver.serving.engine.generation import context_length
     from miserver.serving.engine.kv_cache import cache_shape
     from miserver.spec.settings import (
@@ -42,6 +64,9 @@ def build(
     )
 
     device = device_of(model)
+    if device.type == "cuda" and settings.decode_graphs == "compiled":
+        # inductor's cache survives restarts under the home (docs/decisions.md)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(settings.home) / "compile-cache"))
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     budget = resolved_kv_cache_bytes(settings, device.type, free)
     max_seqs = settings.max_batch_size or DEFAULT_ENGINE_MAX_SEQS
@@ -58,14 +83,8 @@ def build(
             prefix_cache=device.type != "cpu",
             **(CUDA_STEP_TOKENS if device.type == "cuda" else {}),
         )
-    except Exception as exc:  # noqa: BLE001 - the model still serves, through the old path
-        log.warning(
-            "continuous engine unavailable for %s (%s: %s); serving it with the static batch",
-            name,
-            type(exc).__name__,
-            str(exc)[:300],
-        )
-        return None
+    except Exception as exc:  # noqa: BLE001 - the load fails, saying why
+        raise EngineUnavailable(name, exc) from exc
     stats = engine.stats()
     threads = resolved_cpu_threads(settings) if device.type == "cpu" else None
     log.info(

@@ -12,7 +12,6 @@ import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
 
 log = logging.getLogger("miserver.scheduler")
 
@@ -115,50 +114,25 @@ class Unit:
 
 
 class SlotBatch:
-    """The work one grant of a slot runs together: one holder of the slot (a static batch).
+    """The work one grant of a slot runs together: one holder of the slot (the resident's
+    running batch).
 
     Attributes:
         grants: every member's :class:`Grant`, in the order they were taken (the leader first).
         sequences: the sequences the members decode together (the sum of their sizes).
-        work: a place for the members' shared work (the generation that decodes them); the
-            scheduler never reads it.
     """
 
     def __init__(self) -> None:
         self.grants: list[Grant] = []
         self.sequences = 0
-        self.work: Any = None
         self.group: Hashable | None = None  # set when waiters may join it (join_running)
         self.bounded = False  # joined only while it has room (fill_running)
-        self._pending: set[int] = set()  # members that have neither joined nor left
         self._holding: set[int] = set()  # members that have not released their grant
-        self._ready_callbacks: list[Callable[[], None]] = []
-        self._ready = False
 
     def _add(self, grant: Grant) -> None:
         self.grants.append(grant)
         self.sequences += grant.size
-        self._pending.add(id(grant))
         self._holding.add(id(grant))
-
-    def when_ready(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` once every member has joined or left (at once if so already)."""
-        if self._ready:
-            callback()
-        else:
-            self._ready_callbacks.append(callback)
-
-    def _settle(self, grant: Grant) -> None:
-        self._pending.discard(id(grant))
-        if self._pending or self._ready:
-            return
-        self._ready = True
-        callbacks, self._ready_callbacks = self._ready_callbacks, []
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception:  # noqa: BLE001 - one member's failure must not strand the others
-                log.exception("static batch: a when_ready callback raised")
 
 
 class Grant:
@@ -181,9 +155,9 @@ class Grant:
         self.joined = False
 
     def join(self) -> None:
-        """This member is ready to decode with the batch (idempotent)."""
+        """This member has handed its sequences to the engine (idempotent): from now on the
+        engine counts it, not the scheduler (:meth:`Scheduler.counts`)."""
         self.joined = True
-        self.batch._settle(self)
 
 
 class _Waiter:

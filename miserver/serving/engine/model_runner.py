@@ -10,10 +10,9 @@ with the ``miserver_paged`` attention function; returns the logits of the positi
 CPU invariance (issue 29: a sequence's greedy text does not depend on its neighbours). The
 linear layers see the step's tokens as rows of one matrix; the CPU's matrix kernels give a row
 the same bits whatever the other rows are, as long as there are at least two (a product of one
-row takes another kernel that rounds otherwise: see
-:mod:`~miserver.serving.engine.static_batch`). So a step of one token is padded with a second
-row (it writes the cache's scratch block, never a sequence's), and so is a logits read of one
-row. Attention: one masked call for every one-query row, one call per prefill chunk
+row takes another kernel that rounds otherwise: docs/decisions.md). So a step of one token is
+padded with a second row (it writes the cache's scratch block, never a sequence's), and so is a
+logits read of one row. Attention: one masked call for every one-query row, one call per prefill chunk
 (:mod:`~miserver.serving.engine.paged_attention`). A sequence's positions past its
 ``num_prefill_tokens`` are always one-query rows, also when a preempted sequence recomputes
 several of them in one step, so a recompute gives the bits of the first computation.
@@ -24,7 +23,7 @@ paged cache (whose tensors never move: a graph stays valid across weight commits
 fixed-shape ``batched`` attention path. The width bucket (a power of two of blocks, at least
 :data:`SMALLEST_WIDTH`, at most the context's) bounds what a step gathers to about twice the
 longest running sequence instead of the model's whole context for every row.
-``DECODE_GRAPHS`` modes as :mod:`~miserver.serving.engine.decode_graphs`: ``captured`` (eager
+``DECODE_GRAPHS`` modes: ``captured`` (eager
 forward captured), ``compiled`` (``torch.compile``, then captured), ``off``.
 """
 
@@ -517,7 +516,7 @@ class DecodeGraphs:
         self._flat[:end].copy_(self._host[:end], non_blocking=True)
 
     def _capture(self, key: tuple[int, int]) -> None:
-        from miserver.serving.engine.decode_graphs import warmup_stream
+        from miserver.serving.engine.devices import warmup_stream
 
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

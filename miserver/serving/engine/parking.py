@@ -2,7 +2,7 @@
 
 The lifecycle table decides when (``PARK_RUNNING``, ``RESUME_PARKED``, ``END_PARKED_TORN``);
 :class:`~miserver.serving.weights.effects.EffectPerformer` calls these methods on the resident's
-engine when the engine offers them. An engine that does not (the static batch engine) makes a
+engine when the engine offers them. A resident without one (a GGUF resident, llama.cpp) makes a
 ``{"running": "hold"}`` quiesce a 409 ``BARRIER_UNAVAILABLE`` reason ``hold_unsupported``: a
 hold is never faked by a drain.
 """
@@ -49,17 +49,11 @@ def parking_of(host: Any) -> Parking | None:
     """The resident's engine when it can park running sequences, else ``None``.
 
     ``host``: a :class:`~miserver.serving.models.host.ModelHost`: its resident's ``engine_loop``
-    (:class:`~miserver.serving.engine.engine_loop.EngineLoop`, ``ENGINE=continuous``), else
-    its ``engine``.
+    (:class:`~miserver.serving.engine.engine_loop.EngineLoop`; None on a GGUF resident).
     """
     resident = getattr(host, "resident", None)
-    if resident is None:
-        return None
-    for name in ("engine_loop", "engine"):  # the continuous engine's thread parks (issue 30)
-        engine = getattr(resident, name, None)
-        if isinstance(engine, Parking):
-            return engine
-    return None
+    engine = getattr(resident, "engine_loop", None) if resident is not None else None
+    return engine if isinstance(engine, Parking) else None  # issue 30
 
 
 class EngineHold:

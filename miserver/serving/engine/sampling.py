@@ -1,11 +1,12 @@
 """How a token is picked from a decode step's logits (contract 4): the sampling parameters of a
 request, its seeded stream of draws, and the greedy / temperature / top-p choice of one row
-(:func:`pick_token`) or of a batch's rows at once (:func:`pick_tokens`). Used by the static
-batch's decode loop (:mod:`miserver.serving.engine.generation`) and the continuous engine's
-sampler."""
+(:func:`pick_token`) or of a batch's rows at once (:func:`pick_tokens`), and the seed of each of
+a request's ``n`` choices (:func:`choice_seed`). Used by the continuous engine's sampler
+(:mod:`miserver.serving.engine.sampler`) and, for the seeds, by a GGUF resident."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections.abc import Sequence
@@ -13,6 +14,23 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request with ``seed`` (contract 4, ``n``).
+
+    Choice 0 samples with ``seed`` itself, so ``n=1`` and the first choice of any ``n`` give the
+    same answer. Choice ``i > 0`` samples with the integer whose big-endian bytes are the first
+    eight of ``sha256(b"miserver-choice:<seed>:<i>")`` (decimal ``seed`` and ``i``): a request
+    with that seed and ``n=1`` reproduces choice ``i``. None (no seed) stays None.
+
+    >>> choice_seed(7, 0), choice_seed(None, 3)
+    (7, None)
+    """
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.sha256(f"miserver-choice:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big")
 
 
 @dataclass(frozen=True)

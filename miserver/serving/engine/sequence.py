@@ -50,7 +50,7 @@ class Sequence:
         seq_id: the caller's id (any hashable; unique among live sequences of an engine).
         prompt_token_ids: the prompt (at least one token).
         params: sampling (:class:`~miserver.serving.engine.generation.SamplingParams`; its
-            ``seed`` is this choice's own seed, see ``static_batch.choice_seed``).
+            ``seed`` is this choice's own seed, see :func:`~miserver.serving.engine.sampling.choice_seed`).
         priority: :data:`INTERACTIVE` (1) before :data:`BATCH` (2); FCFS within a priority.
         group: an object shared by the ``n`` choices of one request (the prompt is prefilled
             once for the group); None for a lone sequence.

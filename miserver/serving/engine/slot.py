@@ -4,17 +4,18 @@ Companion contract 1 and 4, weights page "The write cycle" 2. A forward pass run
 caller holds a slot. Waiters are granted in priority order (:class:`Priority`: the barrier first,
 then interactive requests, then batch chunks), first come first served within a priority.
 
-**The static batch** (contract 4, issue 14). A waiter may name a ``group`` (the resident and
-adapter it is computed on) and a ``size`` (the sequences it decodes: a request's ``n``). When a
-slot is granted to a grouped waiter, the waiting work of that group joins it, in priority order
+**Batches** (contract 4, issue 14). A waiter may name a ``group`` (the resident and adapter it
+is computed on) and a ``size`` (the sequences it decodes: a request's ``n``). When a free slot
+is granted to a grouped waiter, the waiting work of that group joins it, in priority order
 (interactive first, then batch chunks; first come first served within a priority), up to
 ``max_batch_size`` sequences: one :class:`SlotBatch`, one holder of the slot. Every member gets
 its own :class:`Grant`; the slot is free again when the last member released its grant. A
-member tells the batch it is ready with :meth:`Grant.join` (or leaves it by releasing); once
-every member has joined or left, the batch's ``when_ready`` callbacks run (the generation
-starts). Work that arrives meanwhile waits for the next grant, as it waits for the slot.
+member tells the scheduler it has handed its sequences to the engine with :meth:`Grant.join`.
+Without ``join_running`` or ``fill_running``, work that arrives meanwhile waits for
+the next grant, as it waits for the slot.
 
-**Joining the running batch** (``join_running``, issue 29): a grouped waiter is granted at once
+**Joining the running batch** (``join_running``, issue 29; the server always sets it: the
+continuous engine serves every transformers resident): a grouped waiter is granted at once
 into its group's running batch (one holder) unless the barrier holds or drains or a waiter as
 good waits; the engine admits it at its next step; a drain waits for every member. A member is
 queued (counted toward ``max_queued``) only while the engine has no place for it in the running
@@ -219,7 +220,7 @@ class Scheduler:
         """Wait for a slot. Pair with :meth:`release`; prefer :meth:`slot`.
 
         ``group`` (any hashable: the resident a request is computed on) lets the
-        grant join a static batch: a grouped waiter granted a slot takes the waiting work of its
+        grant join a batch: a grouped waiter granted a free slot takes the waiting work of its
         group along, up to ``max_batch_size`` sequences; ``size`` is how many sequences this
         waiter decodes (1..``max_batch_size``). Without a group the grant is a batch of one.
         ``unit`` (a :class:`Unit`, a Batch API chunk): the waiter is counted once with the
@@ -336,7 +337,7 @@ class Scheduler:
             self._grant()
 
     def running_requests(self) -> int:
-        """Requests inside the slots now: the members of the running static batches that have
+        """Requests inside the slots now: the members of the running batches that have
         not released their grant (a batch of eight requests is one running slot, eight running
         requests). What a drain waits for, counted as the drain timeout's message counts it."""
         return self._running_requests
@@ -375,7 +376,6 @@ class Scheduler:
         self._running_requests += 1
         grant = self._track(Grant(batch, size, priority))
         batch._add(grant)
-        batch._settle(grant)  # already running: nothing to wait for
         return grant
 
     def _grant_into_open(self) -> None:
@@ -415,7 +415,6 @@ class Scheduler:
             self._running_requests -= 1
             batch = grant.batch
             batch._holding.discard(id(grant))
-            batch._settle(grant)
             if batch._holding:
                 if batch.bounded:  # room for a waiter of the group (fill_running)
                     self._grant_into_open()

@@ -25,7 +25,7 @@ OpenAI fields describe. ``logprobs`` come from llama.cpp's ``n_probs``; prompt l
 with ``logprobs``) are not given by llama.cpp and are refused 400 naming ``echo``. The ``n``
 choices of a request run as ``n`` requests on llama.cpp's parallel slots (``n_parallel`` is
 ``MAX_BATCH_SIZE``), choice ``i`` seeded like the engine's
-(:func:`~miserver.serving.engine.static_batch.choice_seed`).
+(:func:`~miserver.serving.engine.sampling.choice_seed`).
 
 What a GGUF resident cannot do (attach, save, in-place weights load, adapters) is refused by the
 lifecycle table before anything is touched (weights page: Which models can be attached, reason
@@ -580,7 +580,7 @@ def choices(
     Raises:
         ValueError: ``n`` below 1, an empty prompt, prompt logprobs asked for.
     """
-    from miserver.serving.engine.static_batch import choice_seed
+    from miserver.serving.engine.sampling import choice_seed
 
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")

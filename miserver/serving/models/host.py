@@ -30,7 +30,6 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -42,7 +41,7 @@ from miserver.serving.models.catalogue import Catalogue, CatalogueRow
 from miserver.serving.models.loader import LoadedModel
 from miserver.spec import codes
 from miserver.spec.errors import ApiError
-from miserver.spec.settings import Settings, resolved_max_batch_size
+from miserver.spec.settings import Settings
 
 log = logging.getLogger("miserver.host")
 
@@ -102,13 +101,9 @@ class Resident:
     arena: Any = None  # the miserver.ipc ParameterArena of an attachable load
     adapter_block: dict[str, Any] | None = None  # contract 6, while an adapter is applied
     base_served_name: str | None = None
-    #: The decode engine (CUDA graphs over a static KV cache, miserver.serving.engine.decode_graphs)
-    #: of a CUDA resident with ``DECODE_GRAPHS`` captured or compiled; None decodes eagerly.
-    engine: Any = None
-    #: Why ``engine`` is None (a sentence; None when there is an engine).
-    engine_off_reason: str | None = None
     #: The continuous engine's thread (:class:`~miserver.serving.engine.engine_loop.EngineLoop`)
-    #: that runs every forward pass of requests on this resident; None: the static batch.
+    #: that runs every forward pass of requests on a transformers resident (its CUDA decode
+    #: graphs included); None on a GGUF resident (llama.cpp decodes).
     engine_loop: Any = None
 
     @property
@@ -219,10 +214,6 @@ class ModelHost:
         #: memory is freed: a part that keeps state about the served model (an applied adapter
         #: holds the model) forgets it here, or the unload frees nothing.
         self.drop_hooks: list[Callable[[Resident], None]] = []
-        self._said_cpu_eager = False
-        #: Serve through the continuous engine (:meth:`_build_engine_loop`); False: the static
-        #: batch (a model the engine cannot hold falls back to it with a warning).
-        self.use_engine = settings.engine == "continuous"
         #: The server's scheduler (set by the app): counts the engine's waiting requests.
         self.scheduler: Any = None
         catalogue.set_resident(None)
@@ -426,19 +417,18 @@ class ModelHost:
             self._replacing = None
 
     async def _load_resident(self, row: CatalogueRow) -> Resident:
-        """Read ``row`` (worker threads), build its decode engine, make it :attr:`resident`."""
+        """Read ``row`` (worker threads), build its continuous engine, make it :attr:`resident`.
+
+        Raises:
+            EngineUnavailable: the continuous engine cannot hold the model (the load fails;
+                :func:`~miserver.serving.engine.engine_setup.build`).
+        """
         loaded = await run_without_keeping(self._loader, row, self.settings)
         engine_loop = None
-        if row.format == "gguf":  # llama.cpp decodes (contract 4a): no engine of ours
-            engine, engine_off = None, "a GGUF resident is decoded by llama.cpp"
-        else:
+        if row.format != "gguf":  # a GGUF resident: llama.cpp decodes (contract 4a)
             engine_loop = await run_without_keeping(
                 self._build_engine_loop, loaded.model, loaded.tokenizer, row.name
             )
-            if engine_loop is not None:  # the continuous engine decodes every sequence
-                engine, engine_off = None, "the continuous engine decodes (its own graphs)"
-            else:
-                engine, engine_off = await run_without_keeping(self._build_engine, loaded.model)
         origin = "checkpoint" if row.origin == "checkpoint" else "model"
         self.resident = Resident(
             row=msgspec.structs.replace(row, resident=True),
@@ -452,11 +442,9 @@ class ModelHost:
             attachable=loaded.attachable,
             loaded_at=time.time(),
             arena=getattr(loaded, "arena", None),
-            engine=engine,
-            engine_off_reason=engine_off,
             engine_loop=engine_loop,
         )
-        del loaded, engine, engine_loop
+        del loaded, engine_loop
         self.catalogue.set_resident(row.id)
         if self.metrics:
             self.metrics.set_resident(row.name)
@@ -525,58 +513,11 @@ class ModelHost:
         )
 
     def _build_engine_loop(self, model: torch.nn.Module, tokenizer: Any, name: str) -> Any:
-        """The continuous engine's thread for a freshly loaded model, or None when
-        :attr:`use_engine` is off (:func:`~miserver.serving.engine.engine_setup.build`)."""
-        if not self.use_engine:
-            return None
+        """The continuous engine's thread for a freshly loaded model
+        (:func:`~miserver.serving.engine.engine_setup.build`; raises ``EngineUnavailable``)."""
         from miserver.serving.engine.engine_setup import build
 
         return build(model, tokenizer, name, self.settings, self.scheduler, self.metrics)
-
-    def _build_engine(self, model: torch.nn.Module) -> tuple[Any, str | None]:
-        """The decode engine for a freshly loaded model (``DECODE_GRAPHS``), or None and why:
-        graphs off, a CPU resident (said once in the log), too little memory, an unsupported
-        layout. Never fails the load (a failure falls back to eager with one warning)."""
-        from miserver.serving.engine import decode_graphs
-        from miserver.serving.engine.generation import context_length
-
-        on_fallback = self.metrics.decode_graph_fallback if self.metrics else None
-        started = time.perf_counter()
-        engine, why = decode_graphs.engine_for(
-            model,
-            self.settings.decode_graphs,
-            context_length(model),
-            on_fallback=on_fallback,
-            compile_cache_dir=str(Path(self.settings.home) / "compile-cache"),
-            max_rows=resolved_max_batch_size(self.settings, decode_graphs.device_of(model).type),
-        )
-        if engine is None:
-            if decode_graphs.device_of(model).type == "cuda":
-                log.warning("decode graphs off: %s", why)
-            elif not self._said_cpu_eager:
-                self._said_cpu_eager = True
-                log.info("decode graphs off: %s", why)
-        else:
-            stats = engine.stats
-            log.info(
-                "decode graphs %s: %d buckets up to %d positions in %.2f s "
-                "(KV cache %.1f MiB, of it %.1f MiB for static batches of up to %d sequences; "
-                "graphs %.1f MiB, %d buckets eager)",
-                engine.mode,
-                len(stats.buckets),
-                engine.context,
-                time.perf_counter() - started,
-                stats.cache_bytes / 2**20,
-                stats.batch_cache_bytes / 2**20,
-                stats.batch_rows,
-                stats.graph_pool_bytes / 2**20,
-                len(stats.eager_buckets),
-            )
-            if stats.batch_note:
-                log.warning("decode graphs: %s", stats.batch_note)
-        if self.metrics:
-            self.metrics.set_decode_engine(engine)
-        return engine, why
 
     def _note_replacing(self) -> None:
         """Remember the resident's row id and names (not the model) for :meth:`answers_to`."""
@@ -601,11 +542,6 @@ class ModelHost:
             dropped.engine_loop = None
             if self.metrics:
                 self.metrics.set_engine_loop(None)
-        if dropped.engine is not None:
-            dropped.engine.close()  # its graphs and cache are freed with the model
-            dropped.engine = None
-            if self.metrics:
-                self.metrics.set_decode_engine(None)
         if getattr(dropped.row, "format", None) == "gguf":
             close = getattr(dropped.model, "close", None)
             if close is not None:

@@ -35,45 +35,34 @@ PauseJob = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 def decode_engine_effect(host: Any, effect: Effect) -> None:
-    """What a lifecycle effect means for the resident's decode graphs (issue 13) and its
-    continuous engine (issue 29: ``DROP_CACHE`` forgets its prefix cache, so nothing computed
-    on old weights is reused; the effects that drop graphs drop its graphs).
+    """What a lifecycle effect means for the resident's continuous engine (issue 29):
+    ``DROP_CACHE`` forgets its prefix cache, so nothing computed on old weights is reused (the
+    engine's only state between requests); the effects below drop its CUDA decode graphs.
 
     The graphs replay kernels over the served storages, which never move: a commit, a save
     and an in-place weights load keep them (``BEGIN_SAVE``, ``BEGIN_WEIGHTS_LOAD``; a full
     reload makes a new resident, whose engine is new, and the old one is closed by the
-    host). ``DROP_CACHE`` empties the static KV cache, the engine's only state between
-    requests. An adapter change (``BEGIN_ADAPTER_CHANGE``) changes which modules compute,
+    host). An adapter change (``BEGIN_ADAPTER_CHANGE``) changes which modules compute,
     and a model transition (``START_MODEL_LOAD``, ``START_MODEL_UNLOAD``) and the fence of a
     holder removed without its own detach (``FENCE_ARENA``, issue 32 item 8: the served set
     moved to fresh storages) the storages: their graphs are dropped, captured again at next
-    use over the model of that time. An engine must keep nothing else that addresses the old
-    storages past ``invalidate`` (a generation already running may finish on them).
+    use over the model of that time (at the engine's next step boundary: a step in flight may
+    finish on them). The engine keeps nothing else that addresses the old storages.
     ``host``: the :class:`~miserver.serving.models.host.ModelHost` (its resident's engine).
     """
     resident = host.resident
     loop = getattr(resident, "engine_loop", None) if resident is not None else None
-    if loop is not None:  # the continuous engine: its prefix cache, its graphs
-        if effect is Effect.DROP_CACHE:
-            loop.drop_prefix_cache()
-        elif effect in (
-            Effect.BEGIN_ADAPTER_CHANGE,
-            Effect.START_MODEL_LOAD,
-            Effect.START_MODEL_UNLOAD,
-        ):
-            loop.drop_graphs()
-    engine = getattr(resident, "engine", None) if resident is not None else None
-    if engine is None:
+    if loop is None:  # nothing resident, or a GGUF resident (llama.cpp keeps its own)
         return
     if effect is Effect.DROP_CACHE:
-        engine.reset()
+        loop.drop_prefix_cache()
     elif effect in (
         Effect.BEGIN_ADAPTER_CHANGE,
         Effect.START_MODEL_LOAD,
         Effect.START_MODEL_UNLOAD,
         Effect.FENCE_ARENA,
     ):
-        engine.invalidate()
+        loop.drop_graphs()
 
 
 class EffectPerformer:

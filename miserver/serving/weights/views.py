@@ -132,22 +132,17 @@ class StatusViews:
 def _with_decode_memory(
     cards: list[dict[str, Any]] | None, resident: Any
 ) -> list[dict[str, Any]] | None:
-    """``cuda_memory`` with the resident's engines on its card: the continuous engine's paged
-    KV cache (``kv_cache_mb``, issue 29), the old decode engine's static KV cache and the
-    graphs' private pool, MiB with 3 decimals (issue 13: memory is visible)."""
+    """``cuda_memory`` with the resident's continuous engine on its card: its paged KV cache
+    (``kv_cache_mb``, issue 29) and what its decode graphs' captures allocated
+    (``decode_graphs_mb``), MiB with 3 decimals (issue 13: memory is visible)."""
     loop = getattr(resident, "engine_loop", None) if resident is not None else None
     if cards is not None and loop is not None and not loop.closed:
         device = getattr(loop.engine, "device", None)
         if device is not None and device.type == "cuda":
+            stats = loop.stats()
+            graphs = stats.get("decode_graphs") or {}
             for card in cards:
                 if card["device_index"] == (device.index or 0):
-                    card["kv_cache_mb"] = round(loop.stats().get("cache_bytes", 0) / 2**20, 3)
-    engine = getattr(resident, "engine", None) if resident is not None else None
-    if cards is None or engine is None or engine.closed:
-        return cards
-    index = engine.device.index or 0
-    for card in cards:
-        if card["device_index"] == index:
-            card["decode_cache_mb"] = round(engine.stats.cache_bytes / 2**20, 3)
-            card["decode_graphs_mb"] = round(engine.stats.graph_pool_bytes / 2**20, 3)
+                    card["kv_cache_mb"] = round(stats.get("cache_bytes", 0) / 2**20, 3)
+                    card["decode_graphs_mb"] = round(graphs.get("bytes", 0) / 2**20, 3)
     return cards

@@ -1,24 +1,24 @@
-"""The static batch (issue 14; companion contract 4): the scheduler's grants, and the default
-model decoding several requests in one pass exactly as it decodes each alone.
+"""Batches (issue 14; companion contract 4): the scheduler's grants of a group's work, the
+seeds of a request's ``n`` choices, and the default model decoding several requests at once on
+the continuous engine (issue 29) exactly as it decodes each alone.
 
 The scheduler tests need no model. The others serve SmolLM2-135M-Instruct (bfloat16, CPU) with
-``MAX_BATCH_SIZE=8``; a batch is forced by holding the slot while the requests queue, then
-releasing it, so every queued request joins one grant.
+``MAX_BATCH_SIZE=8``; requests are made to arrive together by holding the slot while they
+queue, then releasing it, so every queued request joins one grant (one busy period of the
+engine: :func:`~tests.unit.v1_fixtures.spy_batch_starts`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 import pytest
 
 from miserver.http import keys
-from miserver.serving.engine.generation import StaticBatch
+from miserver.serving.engine.sampling import choice_seed
 from miserver.serving.engine.slot import Priority, Scheduler
-from miserver.serving.engine.static_batch import choice_seed
 from tests.unit.v1_fixtures import spy_batch_starts
 from tests.waiting import eventually
 
@@ -110,20 +110,13 @@ async def test_a_size_beyond_the_batch_is_refused_and_a_batch_of_one_takes_nobod
     single.release(b.result())
 
 
-async def test_when_ready_waits_for_every_member_to_join_or_leave() -> None:
+async def test_the_barrier_drains_a_batch_once_its_last_member_released() -> None:
     scheduler = Scheduler(max_batch_size=8)
     grants = await _one_batch_of(scheduler, 3)
-    batch = grants[0].batch
-    ready: list[int] = []
-    batch.when_ready(lambda: ready.append(1))
     grants[0].join()
-    assert not ready
     scheduler.release(grants[1])  # leaves without joining (a refusal inside the slot)
-    assert not ready
     grants[2].join()
-    assert ready == [1]
-    batch.when_ready(lambda: ready.append(2))  # already ready: at once
-    assert ready == [1, 2]
+    assert scheduler.counts().running == 1 and scheduler.running_requests() == 2
     # the barrier drains the whole batch: it holds only once the last member released
     scheduler.barrier_begin()
     drained = asyncio.ensure_future(scheduler.barrier_wait_drained())
@@ -163,10 +156,8 @@ async def test_a_member_cancelled_as_it_is_granted_leaves_the_batch() -> None:
     with pytest.raises(asyncio.CancelledError):
         await gone
     grant = await kept
-    ready: list[int] = []
-    grant.batch.when_ready(lambda: ready.append(1))
+    assert scheduler.running_requests() == 1  # the cancelled one's share went back
     grant.join()
-    assert ready == [1]
     scheduler.release(grant)
     assert scheduler.counts().running == 0
 
@@ -186,10 +177,7 @@ async def client(default_home: str, tmp_path):
     from miserver.serving.models.default_model import model_dir
     from tests.unit.test_weights_routes import make_client
 
-    # the static batch's own behaviour: pinned (the continuous engine is the default)
-    c = await make_client(
-        tmp_path, str(model_dir(default_home)), MAX_BATCH_SIZE="8", ENGINE="static"
-    )
+    c = await make_client(tmp_path, str(model_dir(default_home)), MAX_BATCH_SIZE="8")
     assert c.server.app[keys.SCHEDULER].max_batch_size == 8
     yield c
     await c.close()
@@ -197,7 +185,7 @@ async def client(default_home: str, tmp_path):
 
 @pytest.fixture
 def batches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sequences of every static batch that starts."""
+    """The sequences of every batch (busy period of the engine) that starts."""
     return spy_batch_starts(monkeypatch)
 
 
@@ -210,7 +198,7 @@ async def post(client: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 async def together(client: Any, calls: list[Any]) -> list[Any]:
     """Run ``calls`` (coroutine functions) with the slot held until all of them wait, so they
-    form one static batch when it is released."""
+    are granted together when it is released."""
     scheduler = client.server.app[keys.SCHEDULER]
     held = await scheduler.acquire(Priority.INTERACTIVE)
     try:
@@ -266,13 +254,18 @@ def answer(body: dict[str, Any]) -> list[tuple[str, str]]:
 async def test_batched_greedy_answers_equal_the_same_requests_run_alone(
     client: Any, batches: list[int]
 ) -> None:
-    alone = [answer(await post(client, path, body)) for path, body in REQUESTS]
+    loop = client.server.app[keys.HOST].resident.engine_loop
+    alone = []
+    for path, body in REQUESTS:
+        alone.append(answer(await post(client, path, body)))
+        # a sequence its stop string ended leaves the engine at its next step: idle first
+        await eventually(lambda: not loop._has_work(), "the engine is idle")
     assert batches == [1] * len(REQUESTS)  # each ran by itself
     batches.clear()
     together_bodies = await together(
         client, [lambda p=p, b=b: post(client, p, b) for p, b in REQUESTS]
     )
-    assert batches == [len(REQUESTS)], batches  # one pass decoded all of them
+    assert batches == [len(REQUESTS)], batches  # one busy period of the engine took them all
     assert [answer(b) for b in together_bodies] == alone
     # the stop sequences and lengths really ended them differently
     assert {a[0][1] for a in alone} >= {"stop", "length"}
@@ -293,9 +286,6 @@ async def test_n_gives_n_choices_each_reproducible_with_its_seed(
     out = await post(client, "/v1/chat/completions", body)
     assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
     assert batches == [4]
-    metric = client.server.app[keys.METRICS].batch_sequences.collect()[0]
-    sums = {s.name: s.value for s in metric.samples}
-    assert sums["miserver_static_batch_sequences_sum"] == 4  # one batch of four observed
     texts = [c["message"]["content"] for c in out["choices"]]
     assert len(set(texts)) > 1  # sampled: the choices differ
     usage = out["usage"]
@@ -376,214 +366,3 @@ async def test_a_client_that_disconnects_ends_only_its_own_sequence(
     assert answer(results[1]) == alone
     scheduler = client.server.app[keys.SCHEDULER]
     await eventually(lambda: scheduler.counts().running == 0, "the slot is free")
-
-
-async def test_a_quiesce_sent_during_a_batch_returns_after_the_whole_batch(
-    client: Any, batches: list[int], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from miserver.serving.engine import generation
-    from tests.unit.test_weights_routes import TRN, auth
-    from tests.unit.test_weights_routes import post as wpost
-
-    st, body, _ = await wpost(client, "/api/weights/attach", auth(TRN))
-    assert st == 200, body
-    h = auth(TRN, body["data"]["attachment_id"])
-    # when each token is taken, on the decoding thread: what the server did, not when this
-    # loaded event loop got round to reading it
-    tokens: list[float] = []
-    advance = generation._Sequence.advance
-
-    def timed(self: Any, *args: Any) -> int | None:
-        tokens.append(time.monotonic())
-        return advance(self, *args)
-
-    monkeypatch.setattr(generation._Sequence, "advance", timed)
-    first_token = asyncio.Event()
-
-    async def stream(max_tokens: int) -> None:
-        body = chat("Count slowly from one to fifty.", max_tokens=max_tokens, stream=True)
-        resp = await client.post("/v1/chat/completions", json=body)
-        async for line in resp.content:
-            if line.startswith(b"data: {") and b'"content"' in line:
-                first_token.set()
-
-    async def quiesce_when_serving() -> tuple[float, int]:
-        await first_token.wait()
-        st, _b, _h = await wpost(client, "/api/weights/quiesce", h)
-        return time.monotonic(), st
-
-    quiesce = asyncio.ensure_future(quiesce_when_serving())
-    await together(client, [lambda n=n: stream(n) for n in (8, 24, 48)])
-    assert batches[-1] == 3
-    answered, st = await quiesce
-    assert st == 200
-    assert max(tokens) <= answered  # every sequence of the batch ended before the quiesce
-    # nothing is produced inside the write; a chat sent meanwhile waits, then is answered
-    assert (await wpost(client, "/api/weights/commit-begin", h))[0] == 200
-    begun = time.monotonic()
-    held = asyncio.ensure_future(post(client, "/v1/chat/completions", chat("Hi", max_tokens=3)))
-    await asyncio.sleep(0.3)
-    assert not held.done()
-    ended = time.monotonic()
-    assert (await wpost(client, "/api/weights/commit-end", h))[0] == 200
-    assert not any(begun <= t <= ended for t in tokens)
-    assert (await wpost(client, "/api/weights/resume", h))[0] == 200
-    assert (await held)["choices"][0]["finish_reason"] in ("stop", "length")
-    assert (await wpost(client, "/api/weights/detach", h))[0] == 200
-
-
-# --- the decoder, on a tiny float32 model (no server) ------------------------------------------
-@pytest.mark.parametrize("by_row", [True, False], ids=["attention-by-row", "padding-mask"])
-def test_the_batch_decoder_follows_each_sequence_as_it_decodes_alone(
-    tmp_path, monkeypatch: pytest.MonkeyPatch, by_row: bool
-) -> None:
-    """Rows of different lengths, rows leaving (the cache shrinks and its shared padding is
-    cropped): every row's logits stay those of its sequence decoded alone (float32 products are
-    not batch-invariant on the CPU, so to rounding here; the default model's bfloat16 test above
-    checks the bits)."""
-    import torch
-
-    from miserver.serving.engine import static_batch
-    from miserver.serving.engine.generation import _EagerDecoder, cache_kwarg
-    from tests.unit.v1_fixtures import cached_tokenizer, tiny_model
-
-    model = tiny_model(cached_tokenizer(tmp_path.parent / "miserver-v1-cache"))
-    monkeypatch.setattr(static_batch, "_by_row_ok", lambda m, d: by_row)
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17], [18]]
-    forced = [[20 + i + r for i in range(6)] for r in range(len(prompts))]  # tokens fed per row
-    with torch.inference_mode():
-        alone = []
-        for prompt, tokens in zip(prompts, forced, strict=True):
-            dec = _EagerDecoder(model, torch.device("cpu"))
-            rows = [dec.prefill(prompt, all_logits=False)[-1].float()]
-            rows += [dec.step(t).clone() for t in tokens]
-            alone.append(rows)
-        batch = static_batch.BatchDecoder(model, torch.device("cpu"), cache_kwarg(model))
-        firsts = [batch.prefill(p, all_logits=False)[-1].float() for p in prompts]
-        batch.begin([0, 1, 2, 3])
-        live = [0, 1, 2, 3]
-        for r in live:
-            torch.testing.assert_close(firsts[r], alone[r][0], rtol=0, atol=0)  # prefill alone
-        for step in range(6):
-            logits = batch.step([forced[r][step] for r in live])
-            for i, r in enumerate(live):
-                torch.testing.assert_close(logits[i], alone[r][step + 1], rtol=1e-4, atol=1e-4)
-            if step == 1:  # the longest prompt leaves: the padding all rows share is cropped
-                batch.keep([1, 2, 3])
-                live = [1, 2, 3]
-            if step == 3:  # down to one sequence (computed as two rows)
-                batch.keep([1])
-                live = [2]
-        assert batch.rows == 1
-
-
-async def test_one_sequence_that_fails_ends_alone_and_the_batch_goes_on(
-    tmp_path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A sequence whose sampling fails (here: non-finite logits in its row, injected) gets its
-    GenerationError; the other sequences of the batch finish as they would have alone."""
-    from miserver.serving.engine import generation
-    from miserver.serving.engine.generation import (
-        Finished,
-        GenerationError,
-        NonFiniteLogits,
-        SamplingParams,
-        TextDelta,
-    )
-    from tests.unit.v1_fixtures import cached_tokenizer, tiny_model
-
-    tok = cached_tokenizer(tmp_path.parent / "miserver-v1-cache")
-    model = tiny_model(tok)
-    real = generation.pick_token
-
-    def pick(logits, params, generator):  # noqa: ANN001, ANN202
-        if params.max_tokens == 7:
-            raise NonFiniteLogits()
-        return real(logits, params, generator)
-
-    async def text_of(gen) -> tuple[str, str]:  # noqa: ANN001
-        parts, finish = [], None
-        async for ev in gen.events():
-            if isinstance(ev, TextDelta):
-                parts.append(ev.text)
-            elif isinstance(ev, Finished):
-                finish = ev.finish_reason
-        return "".join(parts), finish
-
-    greedy = SamplingParams(max_tokens=12, temperature=0)
-    batch = StaticBatch()
-    (ok,) = batch.join(model, tok, [5, 6, 7], greedy)
-    (bad,) = batch.join(model, tok, [8, 9], SamplingParams(max_tokens=7, temperature=0))
-    monkeypatch.setattr(generation, "pick_token", pick)
-    batch.start()
-    with pytest.raises(GenerationError) as info:
-        await text_of(bad)
-    assert isinstance(info.value.__cause__, NonFiniteLogits)
-    batched = await text_of(ok)
-    await ok.wait()
-    alone = StaticBatch()
-    (again,) = alone.join(model, tok, [5, 6, 7], greedy)
-    alone.start()
-    assert await text_of(again) == batched and batched[1] == "length"
-
-
-async def test_a_request_cancelled_before_the_batch_starts_costs_no_prefill(tmp_path) -> None:
-    """A client gone while its request waited for the batch to start (the others' prefill):
-    its sequences end ``cancelled`` without a prefill of their own, and the others' answers are
-    what they would have been (breaker14: the prompt was prefilled anyway, a whole prefill of
-    the shared thread spent on an answer nobody reads before anyone's next token)."""
-    from miserver.serving.engine.generation import Finished, SamplingParams, Started, TextDelta
-    from tests.unit.v1_fixtures import SlowModel, cached_tokenizer, tiny_model
-
-    tok = cached_tokenizer(tmp_path.parent / "miserver-v1-cache")
-    model = SlowModel(tiny_model(tok))
-
-    async def run(gen) -> tuple[str, str]:  # noqa: ANN001
-        parts, finish = [], None
-        async for ev in gen.events():
-            if isinstance(ev, TextDelta):
-                parts.append(ev.text)
-            elif isinstance(ev, Finished):
-                finish = ev.finish_reason
-            else:
-                assert isinstance(ev, Started)
-        return "".join(parts), finish
-
-    greedy = SamplingParams(max_tokens=6, temperature=0)
-    batch = StaticBatch()
-    (ok,) = batch.join(model, tok, [5, 6, 7], greedy)
-    gone = batch.join(model, tok, list(range(10, 60)), greedy, n=2)
-    for gen in gone:
-        gen.cancel()
-    batch.start()
-    answered = await run(ok)
-    assert [await run(gen) for gen in gone] == [("", "cancelled")] * 2
-    assert sum(model.prefills) == 1  # the cancelled request's 50-token prompt was not prefilled
-    alone = StaticBatch()
-    (again,) = alone.join(model, tok, [5, 6, 7], greedy)
-    alone.start()
-    assert await run(again) == answered
-
-
-async def test_a_sequence_that_ends_at_its_first_token_is_done_before_the_next_prefill(
-    tmp_path,
-) -> None:
-    """``max_tokens=1`` in a batch: its answer is complete once its own prefill gave its token;
-    the request is done then (its share of the slot given back, its answer sent), not after
-    the prefills of every other member (breaker14)."""
-    from miserver.serving.engine.generation import SamplingParams
-    from tests.unit.v1_fixtures import SlowModel, cached_tokenizer, tiny_model
-
-    tok = cached_tokenizer(tmp_path.parent / "miserver-v1-cache")
-    model = SlowModel(tiny_model(tok), delay=0.2)
-    batch = StaticBatch()
-    (short,) = batch.join(model, tok, [5, 6, 7], SamplingParams(max_tokens=1, temperature=0))
-    for i in range(3):
-        batch.join(model, tok, [8 + i, 9, 10], SamplingParams(max_tokens=2, temperature=0))
-    done_at: list[int] = []
-    short.add_done_callback(lambda: done_at.append(model.calls))
-    batch.start()
-    await short.wait()
-    assert done_at and done_at[0] <= 2, done_at  # before the third prefill, not after all four
-    for gen in batch._sequences:
-        await gen.wait()

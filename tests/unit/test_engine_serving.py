@@ -31,6 +31,28 @@ async def client(default_home: str, tmp_path):
     await c.close()
 
 
+async def test_closing_the_server_ends_the_engine_thread_and_lets_go_of_its_cache(
+    default_home: str, tmp_path
+) -> None:
+    """Whoever still holds the app or its engine loop after the server closes (aiohttp's
+    middleware cache keeps applications; the scheduler a bound method), the engine thread has
+    ended and the engine (its KV cache, its model) is gone: a test suite or a process that
+    starts servers one after another does not keep a cache per server."""
+    from miserver.serving.engine.continuous import ContinuousEngine
+    from miserver.serving.models.default_model import model_dir
+    from tests.unit.test_weights_routes import make_client
+
+    c = await make_client(tmp_path, str(model_dir(default_home)))
+    loop = engine_loop(c)
+    assert isinstance(loop.engine, ContinuousEngine)
+    cache = loop.engine.cache
+    await post(c, chat("Hi", max_tokens=2))
+    await c.close()
+    assert not loop._thread.is_alive()
+    assert not isinstance(loop.engine, ContinuousEngine)
+    assert cache.keys == [] and cache.values == []
+
+
 async def test_the_engine_thread_computes_on_cpu_threads_and_the_event_loop_keeps_its_own(
     default_home: str, tmp_path
 ) -> None:

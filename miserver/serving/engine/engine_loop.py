@@ -441,10 +441,8 @@ class EngineLoop:
         if wait_s > 0 and self._thread is not threading.current_thread():
             self._thread.join(wait_s)
         if not self._thread.is_alive():
-            close = getattr(self.engine, "close", None)
-            if close is not None:
-                close()  # ends anything left, lets go of the cache tensors
-            self.engine = _Closed()
+            self._release_engine()
+        # else the thread releases the engine as it ends (:meth:`_run`)
 
     @property
     def closed(self) -> bool:
@@ -452,6 +450,22 @@ class EngineLoop:
 
     # --- engine thread ------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:  # closed (or failed for good): the engine's cache and model go with the thread,
+            # whoever still holds this loop (an app kept alive by a cache, a bound method)
+            self._release_engine()
+
+    def _release_engine(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            try:
+                close()  # ends anything left, lets go of the cache tensors
+            except Exception:  # noqa: BLE001 - the engine goes either way
+                log.exception("engine: close failed")
+        self.engine = _Closed()
+
+    def _serve(self) -> None:
         if self.threads is not None:  # per thread under OpenMP: the event loop keeps its own
             torch.set_num_threads(self.threads)
         with torch.inference_mode():

@@ -538,7 +538,10 @@ class ModelHost:
             self.metrics.model_unloads.inc()
             self.metrics.set_resident(None)
         if getattr(dropped, "engine_loop", None) is not None:  # a GGUF resident has none
-            dropped.engine_loop.close(wait_s=5.0 if drained else 0.0)  # its cache goes too
+            # its cache goes too; at shutdown a short wait lets the thread end (and free the
+            # cache) before the interpreter does, whose teardown would abort a thread still
+            # freeing it
+            dropped.engine_loop.close(wait_s=5.0 if drained else 2.0)
             dropped.engine_loop = None
             if self.metrics:
                 self.metrics.set_engine_loop(None)

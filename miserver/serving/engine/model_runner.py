@@ -8,11 +8,14 @@ with the ``miserver_paged`` attention function; returns the logits of the positi
 (each sampling sequence's last position; every prompt position of an ``echo`` sequence).
 
 CPU invariance (issue 29: a sequence's greedy text does not depend on its neighbours). The
-linear layers see the step's tokens as rows of one matrix; the CPU's matrix kernels give a row
-the same bits whatever the other rows are, as long as there are at least two (a product of one
-row takes another kernel that rounds otherwise: docs/decisions.md). So a step of one token is
-padded with a second row (it writes the cache's scratch block, never a sequence's), and so is a
-logits read of one row. Attention: one masked call for every one-query row, one call per prefill chunk
+linear layers see the step's tokens as rows of one matrix; on the CPU they compute
+``weight @ inputᵀ`` (:mod:`~miserver.serving.engine.cpu_linear`), whose columns keep their bits
+in any product of 1 to :data:`MAX_ROWS` columns, so a pass holds up to that many rows: one-query
+rows and whole prefill chunks together (a chunk longer than a pass is alone). Without it
+(``weight_first=False``) ``F.linear`` keeps a row's bits for 2 to :data:`LINEAR_MAX_ROWS` rows
+only: a step of one token is padded with a second row (it writes the cache's scratch block,
+never a sequence's), and so is a logits read of one row; each prefill chunk is a pass of its
+own. Attention: one masked call for every one-query row, one call per prefill chunk
 (:mod:`~miserver.serving.engine.paged_attention`). A sequence's positions past its
 ``num_prefill_tokens`` are always one-query rows, also when a preempted sequence recomputes
 several of them in one step, so a recompute gives the bits of the first computation.
@@ -199,8 +202,8 @@ class ModelRunner:
 
     def run(self, batch: list[ScheduledSeq]) -> StepResult:
         """One step over ``batch`` (non-empty). The caller has made every position writable
-        (blocks allocated, copies on write done). On CUDA one forward pass; on the CPU one per
-        prefill chunk and one per :data:`MAX_ROWS` one-query rows (module docstring)."""
+        (blocks allocated, copies on write done). On CUDA one forward pass; on the CPU passes
+        of at most :data:`MAX_ROWS` rows (:func:`_cpu_groups`; module docstring)."""
         if (
             self.graphs is not None
             and all(s.num_new == 1 and s.sample and not s.prompt_logits for s in batch)

@@ -236,8 +236,8 @@ class EngineLoop:
         #: Work for the step boundary, asked for while a step ran (engine thread runs it).
         self._deferred: list[Callable[[], Any]] = []
         self._closed = False
-        #: Steps run since the start (each one scheduler step: one forward pass, on the CPU one
-        #: per prefill chunk and per 32 decode rows).
+        #: Steps run since the start (each one scheduler step: one forward pass, on the CPU
+        #: passes of up to 128 rows: model_runner.MAX_ROWS).
         self.steps = 0
         #: Submitted requests with a choice not ended yet, in submission order (the places of
         #: the running batch they take or wait for: :meth:`waiting`).

@@ -133,3 +133,16 @@ def test_a_transposed_layer_gives_the_same_values_without_the_copy() -> None:
         loose, tight = head(x), other(x)
     assert not loose.is_contiguous() and tight.is_contiguous()
     assert torch.equal(loose, tight)
+
+
+def test_a_compiled_module_traces_torch_s_own_linear_after_the_wrapper_is_installed() -> None:
+    """Once installed (a CPU engine ran in this process), ``torch.compile`` of a model still
+    traces ``F.linear`` without a graph break: the wrapper is folded away while compiling."""
+    import torch._dynamo
+
+    cpu_linear.install()
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    x = torch.randn(3, 8)
+    explained = torch._dynamo.explain(layer)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    assert torch.allclose(torch.compile(layer, backend="eager")(x), layer(x))

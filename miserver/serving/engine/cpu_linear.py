@@ -53,7 +53,14 @@ _original_forward: Any = None
 
 
 def _forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    if getattr(_local, "on", False) and type(self) is torch.nn.Linear:
+    # torch.compile traces torch's own forward (``is_compiling`` is folded to True there, so
+    # the thread-local flag is never traced: a CUDA step compiled in a process where a CPU
+    # engine once ran stays one graph)
+    if (
+        not torch.compiler.is_compiling()
+        and getattr(_local, "on", False)
+        and type(self) is torch.nn.Linear
+    ):
         weight = self.weight
         rows = input.numel() // max(input.shape[-1], 1)
         if (

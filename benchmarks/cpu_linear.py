@@ -55,8 +55,8 @@ def _set(engine: ContinuousEngine, on: bool) -> None:
     engine.runner.max_rows = MAX_ROWS if on else LINEAR_MAX_ROWS
 
 
-def _engine(model: Any, rows: int, prompt: list[int], total: int) -> ContinuousEngine:
-    engine = ContinuousEngine(model, 512 << 20, max_num_seqs=max(rows, 2))
+def _engine(model: Any, rows: int, prompt: list[int], total: int, budget: int) -> ContinuousEngine:
+    engine = ContinuousEngine(model, budget, max_num_seqs=max(rows, 2))
     for i in range(rows):
         params = SamplingParams(max_tokens=total + 8, temperature=0)
         engine.add(Sequence(i, [t + i for t in prompt], params))
@@ -73,6 +73,43 @@ def _timed(engine: ContinuousEngine, steps: int) -> tuple[float, float, list[Any
     return time.perf_counter() - wall, time.process_time() - cpu, outs
 
 
+def measure(
+    model: Any,
+    batches: list[int],
+    prompt: list[int],
+    steps: int,
+    rounds: int,
+    budget: int = 512 << 20,
+) -> list[tuple[int, tuple[float, float], tuple[float, float], bool]]:
+    """For each batch size: (batch, (wall ms, CPU ms) a step off, the same on, whether both
+    sides produced the same tokens). Off and on alternate ``rounds`` times, ``steps`` steps
+    each; each side keeps its median round. ``budget``: each engine's KV cache, bytes."""
+    total = steps * rounds
+    table = []
+    with torch.inference_mode():
+        for batch in batches:
+            sides = {on: _engine(model, batch, prompt, total, budget) for on in (True, False)}
+            for on, engine in sides.items():
+                _set(engine, on)
+                engine.step()  # warm
+            times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+            tokens: dict[bool, list[Any]] = {True: [], False: []}
+            for _ in range(rounds):
+                for on in (False, True):
+                    wall, cpu, outs = _timed(sides[on], steps)
+                    times[on].append((wall, cpu))
+                    tokens[on].extend(outs)
+            med = {
+                on: (
+                    statistics.median(w for w, _ in v) / steps * 1e3,
+                    statistics.median(c for _, c in v) / steps * 1e3,
+                )
+                for on, v in times.items()
+            }
+            table.append((batch, med[False], med[True], tokens[True] == tokens[False]))
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -85,30 +122,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = _model(args.model)
     prompt = [int(t) for t in torch.randint(100, 40000, (args.prompt,), generator=None)]
-    total = args.steps * args.rounds
-    table = []
-    with torch.inference_mode():
-        for batch in [int(b) for b in args.batches.split(",")]:
-            sides = {on: _engine(model, batch, prompt, total) for on in (True, False)}
-            for on, engine in sides.items():
-                _set(engine, on)
-                engine.step()  # warm
-            times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
-            tokens: dict[bool, list[Any]] = {True: [], False: []}
-            for _ in range(args.rounds):
-                for on in (False, True):
-                    wall, cpu, outs = _timed(sides[on], args.steps)
-                    times[on].append((wall, cpu))
-                    tokens[on].extend(outs)
-            med = {
-                on: (
-                    statistics.median(w for w, _ in v) / args.steps * 1e3,
-                    statistics.median(c for _, c in v) / args.steps * 1e3,
-                )
-                for on, v in times.items()
-            }
-            same = tokens[True] == tokens[False]
-            table.append((batch, med[False], med[True], same))
+    batches = [int(b) for b in args.batches.split(",")]
+    table = measure(model, batches, prompt, args.steps, args.rounds)
     print(
         f"\nthreads {args.threads}, {args.steps} steps x {args.rounds} rounds a side\n"
         f"{'batch':>5} | {'F.linear ms':>11} {'W@xT ms':>9} | {'F.linear cpu':>12} "

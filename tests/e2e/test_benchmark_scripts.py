@@ -376,3 +376,22 @@ def test_kv_budget_cache_follows_the_budget_not_rows_times_context() -> None:
     assert table[2].startswith("| 0.05 MiB | 0.05 MiB | 5 | 80 | 2 |")
     assert table[4].split("|")[10].strip() == "reference"
     assert table[2].split("|")[10].strip() == f"{requests}/{requests}"
+
+
+def test_cpu_linear_compares_both_paths_with_the_same_tokens() -> None:
+    """benchmarks/cpu_linear.py's core on a tiny random Llama in bfloat16, in process: both
+    sides (F.linear, weight @ inputᵀ) run every batch size, alternating, and decode the same
+    greedy tokens (a batch of 40 takes the 128-row pass, the other side two passes)."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import cpu_linear
+
+    from tests.tiny_llama import sharp_tiny_llama
+
+    model = sharp_tiny_llama().to(torch.bfloat16)
+    table = cpu_linear.measure(model, [1, 40], list(range(3, 12)), 2, 2, budget=8 << 20)
+    assert [row[0] for row in table] == [1, 40]
+    for _batch, off, on, same in table:
+        assert same
+        assert all(t > 0 for t in (*off, *on))

@@ -567,3 +567,31 @@ def test_packed_prefill_matches_alone_with_decode_rows_in_the_same_step(model: A
         outs[packed]["early"] = first + outs[packed]["early"]
     assert outs[True] == outs[False]
     assert outs[True]["early"] == reference_greedy(model, [1, 2, 3], 20)
+
+
+def test_a_sequence_the_whole_cache_cannot_hold_ends_with_length_instead_of_looping(
+    model: Any,
+) -> None:
+    """A cache of 3 blocks of 4 positions holds 12 positions: a sequence that would need more
+    is not preempted and recomputed for ever (it would never fit) but ends ``length`` with what
+    it produced, as at the end of a context; a prompt longer than the cache ends at once; a
+    sequence that fits beside them completes."""
+    engine = make_engine(model, blocks=3, prefix_cache=False)
+    engine.add(Sequence("long", [5, 17, 3, 9, 2], greedy(40)))
+    engine.add(Sequence("huge", list(range(1, 21)), greedy(5)))
+    ended: dict[Any, tuple[str | None, int]] = {}
+    tokens: dict[Any, int] = {}
+    for _ in range(200):
+        if not engine.has_work():
+            break
+        for o in engine.step():
+            tokens[o.seq_id] = tokens.get(o.seq_id, 0) + len(o.new_token_ids)
+            if o.finished:
+                ended[o.seq_id] = (o.finish_reason, tokens[o.seq_id])
+    assert not engine.has_work()
+    assert ended["huge"] == ("length", 0)
+    reason, produced = ended["long"]
+    assert (reason, produced) == ("length", 12 - 5 + 1)  # the last from position 11
+    engine.add(Sequence("fits", [5, 17, 3], greedy(4)))
+    assert run(engine)["fits"] == reference_greedy(model, [5, 17, 3], 4)
+    assert engine.stats()["blocks_free"] == engine.stats()["blocks_total"]

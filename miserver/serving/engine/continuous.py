@@ -275,6 +275,17 @@ class ContinuousEngine:
         outputs: list[SequenceOutput] = []
         self._intake(outputs)
         batch, copies = self.scheduler.schedule()
+        for seq in self.scheduler.overlong:
+            log.warning(
+                "engine: sequence %s ends (length): its %d tokens need more than the KV "
+                "cache's %d blocks of %d positions (raise KV_CACHE_BYTES)",
+                seq.seq_id,
+                seq.num_tokens,
+                self.blocks.num_blocks,
+                self.blocks.block_size,
+            )
+            self._finish(seq, "length", outputs)
+        self.scheduler.overlong.clear()
         if not batch:
             return outputs
         self.counters["steps"] += 1

@@ -79,6 +79,9 @@ class StepScheduler:
         self.running: list[Sequence] = []
         self.admission_open = True
         self.preemptions = 0
+        #: Sequences set aside by :meth:`schedule` because the whole cache cannot hold their
+        #: next position (:meth:`overflows`); the engine ends them (``length``) and clears this.
+        self.overlong: list[Sequence] = []
 
     # --- membership ---------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -144,6 +147,21 @@ class StepScheduler:
         if keep < taken:
             self.blocks.keep_prefix(seq, keep)
 
+    def overflows(self, seq: Sequence, target: int) -> bool:
+        """Whether ``target`` positions of ``seq`` need more blocks than the whole cache has:
+        alone in the cache it could never run (preempting it and recomputing it would loop
+        for ever), so it ends as at the end of a context (``length``)."""
+        return -(-target // self.blocks.block_size) > self.blocks.num_blocks
+
+    def _set_aside(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_table:
+            self.blocks.free(seq)
+        self.overlong.append(seq)
+
     def _prefilling_sibling(self, seq: Sequence) -> bool:
         if seq.group is None or seq.output_token_ids:
             return False
@@ -167,6 +185,10 @@ class StepScheduler:
                 i += 1
                 continue
             target = seq.num_computed_tokens + n
+            if self.overflows(seq, target):
+                order.pop(i)
+                self._set_aside(seq)
+                continue
             while self.blocks.append_cost(seq, target) > self.blocks.num_free_blocks:
                 victim = order.pop()
                 self.preempt(victim)
@@ -194,6 +216,9 @@ class StepScheduler:
                     self._align_match(seq)
             n = self._chunk(seq, budget)
             target = seq.num_computed_tokens + n
+            if self.overflows(seq, max(target, seq.num_tokens)):
+                self._set_aside(seq)
+                continue
             if n > budget or self.blocks.append_cost(seq, target) > self.blocks.num_free_blocks:
                 self.blocks.free(seq)
                 break

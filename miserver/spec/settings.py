@@ -513,9 +513,9 @@ def _convert(variable: str, kind: str, raw: str) -> object:
     if kind == "memory_bytes":
         return parse_memory_bytes(variable, raw)
     if kind == "engine":
-        low = raw.lower()
-        if low == "continuous":
-            return low
+        low = raw.strip().lower()
+        if low in ("", "continuous"):  # empty (``ENGINE=`` in an env file): as if unset
+            return "continuous"
         if low == "static":
             raise ConfigError(variable, ENGINE_REMOVED)
         raise ConfigError(variable, f"expected continuous, got {raw!r}")

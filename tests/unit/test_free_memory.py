@@ -73,3 +73,20 @@ def test_a_drop_clears_the_workspaces_and_a_shutdown_does_not(monkeypatch) -> No
     host = bare_host()
     host.shutdown()
     assert frees == [True, False] and host.resident is None
+
+
+def test_every_drop_trims_the_c_heap_and_the_trim_works_on_this_libc(monkeypatch) -> None:
+    """A dropped model's cache and weights are freed into glibc's arenas, which keep the pages
+    (a trial: 2.1 -> 5.3 GB RSS over 9 swaps, 1.9 GB once trimmed): free_memory trims them."""
+    import ctypes.util
+    import platform
+
+    trims: list[int] = []
+    real = host_module.trim_heap
+    monkeypatch.setattr(host_module, "trim_heap", lambda: trims.append(1) or True)
+    free_memory()
+    free_memory(nothing_resident=True)
+    assert trims == [1, 1]
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert ctypes.util.find_library("c") is not None
+        assert real() is True

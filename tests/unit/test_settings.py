@@ -273,6 +273,7 @@ def test_settings_made_in_code_refuse_the_static_engine_too():
 def test_engine_accepts_only_continuous():
     env = {"MISERVER_HOME": "/tmp/x"}
     assert load_settings(env).engine == "continuous"
+    assert load_settings({**env, "ENGINE": ""}).engine == "continuous"  # ENGINE= : unset
     assert load_settings({**env, "ENGINE": "Continuous"}).engine == "continuous"
     with pytest.raises(ConfigError) as err:
         load_settings({**env, "ENGINE": "paged"})

@@ -67,6 +67,23 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+def bfloat16_model(folder: str | None) -> Any:
+    """The transformers model in ``folder`` in bfloat16, eval mode; None: the embedded default
+    (SmolLM2-135M-Instruct), imported into a temporary ``MISERVER_HOME``."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if folder is None:
+        from miserver.serving.models.default_model import import_default, model_dir
+
+        home = tempfile.mkdtemp(prefix="miserver-bench-")
+        import_default(home, progress=False)
+        folder = str(model_dir(home))
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+
+
 def build_model(shape: str, device: str, context: int | None) -> tuple[Any, str]:
     """A bfloat16 model of ``shape`` on ``device``: the real default for smollm2 when it is
     imported (``MISERVER_HOME``), else random weights (lm_head sharpened so greedy decoding is
@@ -108,17 +125,9 @@ def prompts(n: int, vocab: int, seed: int = 1) -> list[list[int]]:
     return out
 
 
-SHAPE_05B = dict(
-    model_type="qwen2",
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    vocab_size=49152,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-)
+#: Qwen2.5-0.5B's layers with SmolLM2's vocabulary and a 4096-token context (``SHAPES``): served
+#: with the default model's tokenizer.
+SHAPE_05B = dict(SHAPES["0.5b"], vocab_size=49152, max_position_embeddings=4096)
 
 
 #: Llama-3-8B's layers (32 x 4096, 32 heads, 8 key-value heads, vocabulary 128256: ``SHAPES``):

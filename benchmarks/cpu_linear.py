@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,23 +30,14 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_models import bfloat16_model  # noqa: E402
 
 from miserver.serving.engine.continuous import ContinuousEngine  # noqa: E402
 from miserver.serving.engine.model_runner import LINEAR_MAX_ROWS, MAX_ROWS  # noqa: E402
 from miserver.serving.engine.sampling import SamplingParams  # noqa: E402
 from miserver.serving.engine.sequence import Sequence  # noqa: E402
-
-
-def _model(folder: str | None) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    if folder is None:
-        from miserver.serving.models.default_model import import_default, model_dir
-
-        home = tempfile.mkdtemp(prefix="miserver-bench-")
-        import_default(home, progress=False)
-        folder = str(model_dir(home))
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
 
 
 def _set(engine: ContinuousEngine, on: bool) -> None:
@@ -120,7 +110,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = _model(args.model)
+    model = bfloat16_model(args.model)
     prompt = [int(t) for t in torch.randint(100, 40000, (args.prompt,), generator=None)]
     batches = [int(b) for b in args.batches.split(",")]
     table = measure(model, batches, prompt, args.steps, args.rounds)

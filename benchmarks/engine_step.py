@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,22 +30,13 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_models import bfloat16_model  # noqa: E402
 
 from miserver.serving.engine.continuous import ContinuousEngine  # noqa: E402
 from miserver.serving.engine.generation import SamplingParams  # noqa: E402
 from miserver.serving.engine.sequence import Sequence  # noqa: E402
-
-
-def _model(folder: str | None) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    if folder is None:
-        from miserver.serving.models.default_model import import_default, model_dir
-
-        home = tempfile.mkdtemp(prefix="miserver-bench-")
-        import_default(home, progress=False)
-        folder = str(model_dir(home))
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
 
 
 def _timed(fn: Any, steps: int) -> tuple[float, float]:
@@ -77,7 +67,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    model = _model(args.model)
+    model = bfloat16_model(args.model)
     prompt = [
         int(t)
         for t in torch.randint(

@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine_step import _model  # noqa: E402 - the sibling benchmark's default-model loader
+from bench_models import bfloat16_model  # noqa: E402
 
 from miserver.serving.engine.continuous import DEFAULT_BLOCK_SIZE, ContinuousEngine  # noqa: E402
 from miserver.serving.engine.engine_setup import CUDA_STEP_TOKENS  # noqa: E402
@@ -244,7 +244,7 @@ def main() -> int:
         parser.error(str(exc))
     if min(args.prompt, args.tokens, args.requests) < 1:
         parser.error("--prompt, --tokens and --requests must be at least 1")
-    model = _model(args.model).to(args.device)
+    model = bfloat16_model(args.model).to(args.device)
     try:
         rows = measure(model, budgets, args.prompt, args.tokens, args.requests, args.decode_graphs)
     except ValueError as exc:  # a budget of fewer than two blocks of this model

@@ -48,7 +48,7 @@ async def test_closing_the_server_ends_the_engine_thread_and_lets_go_of_its_cach
     cache = loop.engine.cache
     await post(c, chat("Hi", max_tokens=2))
     await c.close()
-    assert not loop._thread.is_alive()
+    await eventually(lambda: not loop._thread.is_alive(), "the engine thread ends", timeout=60)
     assert not isinstance(loop.engine, ContinuousEngine)
     assert cache.keys == [] and cache.values == []
 

@@ -19,6 +19,9 @@ import pytest
 from miserver.http import keys
 from miserver.serving.engine.sampling import choice_seed
 from miserver.serving.engine.slot import Priority, Scheduler
+from tests.unit.test_engine_serving import REQUESTS as ENGINE_REQUESTS
+from tests.unit.test_engine_serving import chat
+from tests.unit.test_engine_serving import texts as answer
 from tests.unit.v1_fixtures import spy_batch_starts
 from tests.waiting import eventually
 
@@ -209,27 +212,8 @@ async def together(client: Any, calls: list[Any]) -> list[Any]:
     return await asyncio.gather(*tasks)
 
 
-def chat(text: str, **kw: Any) -> dict[str, Any]:
-    return {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": text}],
-        "temperature": 0,
-        **kw,
-    }
-
-
-REQUESTS = [  # mixed prompt lengths, stops, max_tokens, both routes
-    ("/v1/chat/completions", chat("What is the capital of France?", max_tokens=20)),
-    ("/v1/chat/completions", chat("Hi", max_tokens=32)),
-    (
-        "/v1/chat/completions",
-        chat("Explain recursion to a five year old child in a few simple words.", max_tokens=28),
-    ),
-    ("/v1/chat/completions", chat("List three colors.", max_tokens=24, stop=["\n2"])),
-    (
-        "/v1/completions",
-        {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 30, "temperature": 0},
-    ),
+REQUESTS = [  # mixed prompt lengths, stops, max_tokens, both routes, and a stop on a completion
+    *ENGINE_REQUESTS,
     (
         "/v1/completions",
         {
@@ -241,14 +225,6 @@ REQUESTS = [  # mixed prompt lengths, stops, max_tokens, both routes
         },
     ),
 ]
-
-
-def answer(body: dict[str, Any]) -> list[tuple[str, str]]:
-    out = []
-    for choice in body["choices"]:
-        text = choice["message"]["content"] if "message" in choice else choice["text"]
-        out.append((text, choice["finish_reason"]))
-    return out
 
 
 async def test_batched_greedy_answers_equal_the_same_requests_run_alone(

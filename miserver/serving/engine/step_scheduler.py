@@ -154,12 +154,7 @@ class StepScheduler:
         return -(-target // self.blocks.block_size) > self.blocks.num_blocks
 
     def _set_aside(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        if seq.block_table:
-            self.blocks.free(seq)
+        self.remove(seq)
         self.overlong.append(seq)
 
     def _prefilling_sibling(self, seq: Sequence) -> bool:

@@ -81,7 +81,11 @@ def bfloat16_model(folder: str | None) -> Any:
         home = tempfile.mkdtemp(prefix="miserver-bench-")
         import_default(home, progress=False)
         folder = str(model_dir(home))
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    from miserver.serving.models.loader import own_cpu_storages
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    own_cpu_storages(model)  # as the server's load does (not the file's memory mapping)
+    return model
 
 
 def build_model(shape: str, device: str, context: int | None) -> tuple[Any, str]:

@@ -103,11 +103,11 @@ def test_a_wrong_shape_fails_as_torch_s_own_layer_does() -> None:
         layer(torch.randn(2, 7))
 
 
-def test_17_to_32_rows_go_through_f_linear_with_the_same_bits(
+def test_every_row_count_up_to_max_rows_takes_the_path_with_the_same_bits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """F.linear is kept where it is as fast (17..32 rows); its bits there are W @ Xᵀ's, so a
-    row's bits do not depend on which path its pass took."""
+    """1 to MAX_ROWS rows compute ``weight @ inputᵀ`` (one row as a matrix-vector product), and
+    a row's bits do not depend on how many rows its pass holds."""
     calls: list[int] = []
     real = cpu_linear._weight_first
     monkeypatch.setattr(
@@ -115,12 +115,13 @@ def test_17_to_32_rows_go_through_f_linear_with_the_same_bits(
     )
     gen = torch.Generator().manual_seed(5)
     layer = torch.nn.Linear(576, 192, bias=False).to(torch.bfloat16)
-    x = torch.randn(1, 40, 576, generator=gen).to(torch.bfloat16)
+    x = torch.randn(1, MAX_ROWS, 576, generator=gen).to(torch.bfloat16)
+    counts = (1, 2, 16, 17, 32, 33, 40, MAX_ROWS)
     with torch.inference_mode(), cpu_linears():
-        outs = {m: layer(x[:, :m]) for m in (1, 16, 17, 32, 33, 40)}
-    assert calls == [1, 16, 33, 40]
+        outs = {m: layer(x[:, :m]) for m in counts}
+    assert calls == list(counts)
     for m, out in outs.items():
-        assert torch.equal(out[0], outs[40][0, :m]), m
+        assert torch.equal(out[0], outs[MAX_ROWS][0, :m]), m
 
 
 def test_a_transposed_layer_gives_the_same_values_without_the_copy() -> None:
@@ -146,3 +147,107 @@ def test_a_compiled_module_traces_torch_s_own_linear_after_the_wrapper_is_instal
     explained = torch._dynamo.explain(layer)(x)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
     assert torch.allclose(torch.compile(layer, backend="eager")(x), layer(x))
+
+
+# --- sibling projections in one product (place_fused_projections) ----------------------------
+
+
+class _Block(torch.nn.Module):
+    """An attention's q/k/v and a gated MLP's gate/up, SmolLM2-135M's shapes (Qwen2's q/k/v
+    biases when ``bias``), plus an o_proj that stays alone."""
+
+    def __init__(self, bias: bool = False) -> None:
+        super().__init__()
+        self.q_proj = torch.nn.Linear(576, 576, bias=bias)
+        self.k_proj = torch.nn.Linear(576, 192, bias=bias)
+        self.v_proj = torch.nn.Linear(576, 192, bias=bias)
+        self.o_proj = torch.nn.Linear(576, 576, bias=False)
+        self.gate_proj = torch.nn.Linear(576, 1536, bias=False)
+        self.up_proj = torch.nn.Linear(576, 1536, bias=False)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
+        return [getattr(self, n)(x) for n in names]
+
+
+def _pair(bias: bool) -> tuple[_Block, _Block]:
+    torch.manual_seed(7)
+    block = _Block(bias).to(torch.bfloat16)
+    alone = _Block(bias).to(torch.bfloat16)
+    alone.load_state_dict(block.state_dict())
+    return block, alone
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_fused_group_gives_each_member_the_bits_of_its_own_product(bias: bool) -> None:
+    """The placement keeps every parameter's name, shape and values; each member's output is
+    bit-identical to its own ``weight @ inputᵀ`` for 1 to MAX_ROWS rows."""
+    block, alone = _pair(bias)
+    before = {k: v.clone() for k, v in block.state_dict().items()}
+    groups = cpu_linear.place_fused_projections(block)
+    assert [g.weight.shape[0] for g in groups] == [960, 3072]
+    assert [g.bias is not None for g in groups] == [bias, False]
+    after = block.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    storage = block.q_proj.weight.untyped_storage().data_ptr()
+    assert block.v_proj.weight.untyped_storage().data_ptr() == storage
+    assert block.o_proj.weight.untyped_storage().data_ptr() != storage
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(1, MAX_ROWS, 576, generator=gen).to(torch.bfloat16)
+    with torch.inference_mode(), cpu_linears():
+        for m in (1, 2, 17, 64, MAX_ROWS):
+            fused, own = block(x[:, :m]), alone(x[:, :m])
+            for a, b in zip(fused, own, strict=True):
+                assert a.shape == b.shape and a.is_contiguous()
+                assert torch.equal(a, b), m
+
+
+def test_a_group_is_one_product_and_a_new_input_is_computed_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    block, alone = _pair(False)
+    cpu_linear.place_fused_projections(block)
+    products: list[int] = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda w, x: products.append(w.shape[0]) or real_mm(w, x))
+    gen = torch.Generator().manual_seed(9)
+    x, y = (torch.randn(3, 576, generator=gen).to(torch.bfloat16) for _ in range(2))
+    with torch.inference_mode(), cpu_linears():
+        q, k = block.q_proj(x), block.k_proj(x)
+        assert products == [960]  # one product for the group, k from it
+        k_other = block.k_proj(y)  # another input: never a sibling's kept output
+        assert products == [960, 960]
+        v = block.v_proj(x)  # x's kept output was dropped when y's product was made
+        assert products == [960, 960, 960]
+    monkeypatch.setattr(torch, "mm", real_mm)
+    with torch.inference_mode(), cpu_linears():
+        assert torch.equal(q, alone.q_proj(x)) and torch.equal(k, alone.k_proj(x))
+        assert torch.equal(k_other, alone.k_proj(y)) and torch.equal(v, alone.v_proj(x))
+
+
+def test_a_write_into_a_member_is_read_by_the_next_product() -> None:
+    """A trainer's in-place write to ``k_proj.weight`` lands in the group's tensor; a member
+    given a new weight (not in the group's tensor any more) is computed alone."""
+    block, alone = _pair(False)
+    cpu_linear.place_fused_projections(block)
+    x = torch.randn(2, 576).to(torch.bfloat16)
+    with torch.no_grad():
+        block.k_proj.weight.mul_(-1)
+        alone.k_proj.weight.mul_(-1)
+        block.v_proj.weight = torch.nn.Parameter(block.v_proj.weight.detach().clone() * 2)
+        alone.v_proj.weight.mul_(2)
+    with torch.inference_mode(), cpu_linears():
+        assert torch.equal(block.k_proj(x), alone.k_proj(x))
+        assert torch.equal(block.v_proj(x), alone.v_proj(x))
+        assert torch.equal(block.q_proj(x), alone.q_proj(x))
+
+
+def test_groups_are_placed_only_where_every_member_fits() -> None:
+    block = _Block().to(torch.bfloat16)
+    block.k_proj = torch.nn.Linear(576, 192, bias=True).to(torch.bfloat16)  # bias mismatch
+    block.up_proj = torch.nn.Linear(576, 1536, bias=False)  # float32 beside bfloat16
+    assert cpu_linear.place_fused_projections(block) == []
+    again = _Block()
+    assert len(cpu_linear.place_fused_projections(again)) == 2
+    assert cpu_linear.place_fused_projections(again) == []  # placed once

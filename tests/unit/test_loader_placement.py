@@ -131,3 +131,54 @@ def test_a_placement_failure_is_model_load_failed_naming_the_device(
         load_model(row, settings(tmp_path, weights_tokens=(TOKEN,), weights_cpu_attach=True))
     assert info.value.code == codes.MODEL_LOAD_FAILED
     assert "onto cpu" in str(info.value) and "OutOfMemoryError" in str(info.value)
+
+
+def _mapped_files(pointers: list[int]) -> set[str]:
+    """The files whose memory mappings hold any of ``pointers`` (Linux ``/proc/self/maps``)."""
+    files: set[str] = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            low, high = (int(v, 16) for v in fields[0].split("-"))
+            mapped = len(fields) >= 6 and fields[5].startswith("/")
+            if mapped and any(low <= p < high for p in pointers):
+                files.add(fields[5])
+    return files
+
+
+def test_a_cpu_load_owns_its_storages_out_of_the_file_mapping(tmp_path, tiny_model_dir):
+    """transformers maps the safetensors file; a CPU load copies every tensor out of the
+    mapping (the decode step reads them faster from process memory) and lays q/k/v and
+    gate/up out as one tensor each, with the file's values."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from miserver.serving.models.catalogue import Catalogue
+    from miserver.serving.models.loader import load_model
+
+    mapped = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    weights = [str(p.resolve()) for p in Path(tiny_model_dir).glob("*.safetensors")]
+    pointers = [p.data_ptr() for p in mapped.parameters()]
+    if not set(weights) & _mapped_files(pointers):
+        pytest.skip("this transformers reads the file into memory: nothing to copy out")
+    row = Catalogue(tmp_path).register(
+        name="tiny", format="safetensors", dtype="bfloat16", path=tiny_model_dir
+    )
+    loaded = load_model(row, settings(tmp_path)).model
+    assert not set(weights) & _mapped_files([p.data_ptr() for p in loaded.parameters()])
+    saved = {}
+    for file in weights:
+        saved.update(load_file(file))
+    state = loaded.state_dict()
+    for name, tensor in saved.items():
+        assert torch.equal(state[name], tensor), name
+    attn, mlp = loaded.model.layers[0].self_attn, loaded.model.layers[0].mlp
+    storage = attn.q_proj.weight.untyped_storage().data_ptr()
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == storage
+    assert attn.v_proj.weight.untyped_storage().data_ptr() == storage
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == (
+        mlp.gate_proj.weight.untyped_storage().data_ptr()
+    )
+    assert attn.o_proj.weight.untyped_storage().data_ptr() != storage

@@ -12,11 +12,17 @@ they are (the arena invariant), so a trainer's in-place commit is seen by the ne
 Measured on the 2-core CPU machine (torch 2.13, bfloat16, SmolLM2-135M's weight shapes,
 ``benchmarks/cpu_linear.py``): see docs/decisions.md, "The CPU's linear layers".
 
+One row is a matrix-vector product (``torch.mv``: the same bits as the one-column product,
+which torch computes on a slower path). Sibling projections that read the same input (queries,
+keys and values; a gated MLP's gate and up) are laid out as row slices of one tensor at load
+(:func:`place_fused_projections`) and computed as one product: fewer, longer reads.
+
 Bits. In a product ``W @ Xᵀ`` a column's bits do not depend on how many columns there are, from
 1 to :data:`MAX_ROWS` (and they equal ``F.linear``'s bits of that row in a product of 2 to 32
-rows: the kernel oneDNN picks for those is the same arithmetic). The engine's CPU invariance
-(a sequence's greedy text does not depend on its neighbours) rests on that property;
-tests/unit/test_cpu_linear.py checks it on the running torch. More rows than
+rows: the kernel oneDNN picks for those is the same arithmetic), nor on the other rows of ``W``
+(a fused group gives each member the bits of its own product). The engine's CPU invariance
+(a sequence's greedy text does not depend on its neighbours) rests on these properties;
+tests/unit/test_cpu_linear.py checks them on the running torch. More rows than
 :data:`MAX_ROWS` (a long prefill chunk, computed in a forward pass of its own) go through
 ``F.linear`` as before.
 
@@ -33,6 +39,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,10 +49,37 @@ import torch
 #: SmolLM2-135M (torch 2.13, 1 and 2 threads); from 200 columns on some shapes differ.
 MAX_ROWS = 128
 
-#: Row counts left to ``F.linear``: its products of 2 to 32 rows give a row the same bits as
-#: ``W @ Xᵀ`` does (tests/unit/test_cpu_linear.py), and from 17 rows on it is as fast or faster
-#: than ``W @ Xᵀ`` with the transpose made contiguous (``benchmarks/cpu_linear.py``).
-LINEAR_FIRST, LINEAR_LAST = 17, 32
+#: Sibling projections that read the same input: attention's queries, keys and values, a
+#: gated MLP's gate and up projections (by their module names, as Llama, Qwen2, Mistral and
+#: SmolLM name them). :func:`place_fused_projections` lays each group's weights out as row
+#: slices of one tensor at load, and a CPU pass computes the group in one product.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+#: The attribute of a member module holding its :class:`FusedGroup` (a plain attribute: not a
+#: parameter, buffer or submodule, so state dicts and checkpoints never see it).
+FUSED_ATTR = "_miserver_fused"
+
+
+@dataclass(frozen=True)
+class FusedGroup:
+    """One group of sibling projections whose weights are row slices of ``weight``.
+
+    Attributes:
+        weight: ``[sum of out_features, in_features]``, CPU; member ``i``'s weight is the view
+            ``weight[bounds[i][0]:bounds[i][1]]`` (the member's parameter is that view).
+        bias: ``[sum of out_features]`` likewise, or None when no member has a bias.
+        members: ``id()`` of each member module, in row order.
+        bounds: each member's ``(first row, end row)``.
+        pointers: each member weight's ``data_ptr()`` at placement: a member whose weight no
+            longer lies there (moved, replaced) is computed alone.
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    members: tuple[int, ...]
+    bounds: tuple[tuple[int, int], ...]
+    pointers: tuple[int, ...]
+
 
 _local = threading.local()
 _lock = threading.Lock()
@@ -57,22 +91,63 @@ def _forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
     # the thread-local flag is never traced: a CUDA step compiled in a process where a CPU
     # engine once ran stays one graph)
     if (
-        not torch.compiler.is_compiling()
-        and getattr(_local, "on", False)
+        getattr(_local, "on", False)
         and type(self) is torch.nn.Linear
+        and not torch.compiler.is_compiling()
     ):
         weight = self.weight
         rows = input.numel() // max(input.shape[-1], 1)
         if (
             1 <= rows <= MAX_ROWS
-            and not LINEAR_FIRST <= rows <= LINEAR_LAST
             and input.device.type == "cpu"
             and weight.device.type == "cpu"
             and input.dtype == weight.dtype
             and weight.dtype.is_floating_point
         ):
+            group = self.__dict__.get(FUSED_ATTR)
+            if group is not None:
+                out = _fused_forward(self, group, input, rows)
+                if out is not None:
+                    return out
             return _weight_first(input, weight, self.bias, id(self) not in _local.transposed)
     return _original_forward(self, input)
+
+
+def _fused_forward(
+    module: torch.nn.Linear, group: FusedGroup, input: torch.Tensor, rows: int
+) -> torch.Tensor | None:
+    """``module``'s output from one product over its whole group (the siblings' outputs are
+    kept for their calls with the same input tensor), or None when the member's weight no
+    longer lies in the group's tensor. A row's bits are those of the member's own
+    ``weight @ inputᵀ``: each output element is the same dot product whatever the other rows
+    of the weight (tests/unit/test_cpu_linear.py checks it on the running torch)."""
+    me = id(module)
+    index = group.members.index(me)
+    if module.weight.data_ptr() != group.pointers[index]:
+        return None
+    kept = _local.kept.pop(me, None)
+    if kept is not None and kept[0] is input:
+        return kept[1]
+    shape = input.shape[:-1]
+    x = input.reshape(-1, input.shape[-1])
+    if rows == 1:
+        full = (
+            torch.mv(group.weight, x[0])
+            if group.bias is None
+            else torch.addmv(group.bias, group.weight, x[0])
+        )
+        outs = [full[a:b].view(*shape, b - a) for a, b in group.bounds]
+    else:
+        full = (
+            torch.mm(group.weight, x.t())
+            if group.bias is None
+            else torch.addmm(group.bias[:, None], group.weight, x.t())
+        )  # [total, rows]
+        outs = [full[a:b].t().contiguous().view(*shape, b - a) for a, b in group.bounds]
+    for member, out in zip(group.members, outs, strict=True):
+        if member != me:
+            _local.kept[member] = (input, out)
+    return outs[index]
 
 
 def _weight_first(
@@ -94,6 +169,11 @@ def _weight_first(
         ``[..., out_features]``, contiguous unless ``contiguous`` is False.
     """
     x = input.reshape(-1, input.shape[-1])
+    if x.shape[0] == 1:
+        # one row: a matrix-vector product (the same bits as the product's one column; torch's
+        # one-column ``mm`` takes a slower path: 40 against 29 ms for SmolLM2's weights)
+        out = torch.mv(weight, x[0]) if bias is None else torch.addmv(bias, weight, x[0])
+        return out.view(*input.shape[:-1], weight.shape[0])
     if bias is None:
         out = torch.mm(weight, x.t()).t()
     else:
@@ -125,10 +205,78 @@ def cpu_linears(on: bool = True, transposed: Iterable[torch.nn.Module] = ()) -> 
         yield
         return
     install()
-    before = getattr(_local, "on", False), getattr(_local, "transposed", frozenset())
+    before = (
+        getattr(_local, "on", False),
+        getattr(_local, "transposed", frozenset()),
+        getattr(_local, "kept", {}),
+    )
     _local.on = True
     _local.transposed = frozenset(id(m) for m in transposed)
+    _local.kept = {}  # a fused group's outputs awaiting their sibling's call (by id(module))
     try:
         yield
     finally:
-        _local.on, _local.transposed = before
+        _local.on, _local.transposed, _local.kept = before
+
+
+def place_fused_projections(model: torch.nn.Module) -> list[FusedGroup]:
+    """Lay out each group of sibling projections (:data:`FUSED_GROUPS`: plain CPU
+    ``torch.nn.Linear`` layers of one floating dtype, the same ``in_features`` and all with or
+    all without a bias) as row slices of one new tensor, at load, before anything is served:
+    each member's parameter becomes a view of it with the same shape, dtype and values (a
+    trainer's in-place write to ``q_proj.weight`` lands in the group's tensor, which the next
+    step reads). Within :func:`cpu_linears` the group is then one product of up to
+    :data:`MAX_ROWS` rows instead of one per member: fewer, longer reads of the weights
+    (SmolLM2-135M, one sequence, 1 thread: q/k/v as three products 5.9 + 2.9 ms a step at
+    6.8 and 4.7 GB/s, the gate and up projections 11.1 ms at 9.5 GB/s; docs/decisions.md,
+    "Sibling projections in one product"). Returns the groups placed."""
+    groups: list[FusedGroup] = []
+    with torch.no_grad():
+        for module in model.modules():
+            for names in FUSED_GROUPS:
+                members = [module._modules.get(name) for name in names]
+                if not _fusable(members):
+                    continue
+                linears: list[torch.nn.Linear] = members  # type: ignore[assignment]
+                first = linears[0].weight
+                total = sum(m.out_features for m in linears)
+                weight = torch.empty(total, first.shape[1], dtype=first.dtype)
+                with_bias = linears[0].bias is not None
+                bias = torch.empty(total, dtype=first.dtype) if with_bias else None
+                bounds: list[tuple[int, int]] = []
+                start = 0
+                for m in linears:
+                    end = start + m.out_features
+                    weight[start:end].copy_(m.weight)
+                    m.weight.data = weight[start:end]
+                    if bias is not None:
+                        bias[start:end].copy_(m.bias)
+                        m.bias.data = bias[start:end]
+                    bounds.append((start, end))
+                    start = end
+                group = FusedGroup(
+                    weight,
+                    bias,
+                    tuple(id(m) for m in linears),
+                    tuple(bounds),
+                    tuple(m.weight.data_ptr() for m in linears),
+                )
+                for m in linears:
+                    m.__dict__[FUSED_ATTR] = group
+                groups.append(group)
+    return groups
+
+
+def _fusable(members: list[Any]) -> bool:
+    if not all(type(m) is torch.nn.Linear for m in members):
+        return False
+    first = members[0].weight
+    return first.dtype.is_floating_point and all(
+        m.weight.device.type == "cpu"
+        and m.weight.dtype == first.dtype
+        and m.weight.shape[1] == first.shape[1]
+        and (m.bias is None) == (members[0].bias is None)
+        and (m.bias is None or m.bias.dtype == first.dtype)
+        and FUSED_ATTR not in m.__dict__
+        for m in members
+    )

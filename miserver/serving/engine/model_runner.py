@@ -172,9 +172,10 @@ class ModelRunner:
         self.device = cache.device
         self.configs = model_configs(model)
         cpu = self.device.type == "cpu"
-        self.min_rows = MIN_ROWS if cpu else 1
         #: the CPU's linear layers as ``weight @ inputᵀ`` (:mod:`cpu_linear`); None: on the CPU
         self.weight_first = cpu if weight_first is None else weight_first
+        # a column of ``weight @ inputᵀ`` has the same bits alone: no padding row then
+        self.min_rows = MIN_ROWS if cpu and not self.weight_first else 1
         self.max_rows = (MAX_ROWS if self.weight_first else LINEAR_MAX_ROWS) if cpu else None
         #: several prefill chunks of a step in one attention call a layer (CUDA by default;
         #: never on the CPU by default, where each chunk's bits must not depend on the others)

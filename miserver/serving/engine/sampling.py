@@ -127,7 +127,13 @@ def _sample(probs: torch.Tensor, generator: torch.Generator | SeedStream | None)
         target = cumulative[-1:] * generator.uniform()  # on the logits' device, no copy
         index = torch.searchsorted(cumulative, target, right=True)
         return min(int(index), probs.shape[-1] - 1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    # Unseeded: the same inverse CDF with a draw of torch's generator (``generator``, or the
+    # global one). ``torch.multinomial`` draws from the same distribution but took 887 us a row
+    # of SmolLM2's 49,152 tokens on the CPU against 31 us for this (2-core machine, 1 thread).
+    cumulative = torch.cumsum(probs, dim=-1)
+    draw = torch.rand(1, dtype=cumulative.dtype, device=probs.device, generator=generator)
+    index = torch.searchsorted(cumulative, cumulative[-1:] * draw, right=True)
+    return min(int(index), probs.shape[-1] - 1)
 
 
 def pick_tokens(
@@ -137,7 +143,7 @@ def pick_tokens(
 ) -> list[int | NonFiniteLogits]:
     """:func:`pick_token` for every row of ``logits`` (float32 ``[rows, vocab]``) at once: the
     same arithmetic (float64 after subtracting each row's maximum, the top-p cut over the sorted
-    probabilities, the inverse CDF of a :class:`SeedStream` draw or ``torch.multinomial``), done
+    probabilities, the inverse CDF of a :class:`SeedStream` draw or of one of torch's), done
     as a few batched operations and one read to the host instead of several synchronisations a
     row. Row ``r`` takes ``params[r]`` and ``generators[r]`` (a ``SeedStream`` draws once, as
     ``pick_token`` would). A row whose maximum is not finite gets a :class:`NonFiniteLogits`
@@ -191,9 +197,12 @@ def pick_tokens(
             target = cumulative[:, -1:] * draws
             found = torch.searchsorted(cumulative, target, right=True)[:, 0]
             picked[at] = found.clamp(max=probs.shape[-1] - 1)
-        if free:
+        if free:  # torch's global generator, the inverse CDF as pick_token's
             at = torch.tensor(free, dtype=torch.long, device=device)
-            picked[at] = torch.multinomial(probs.index_select(0, at), 1)[:, 0]
+            cumulative = torch.cumsum(probs.index_select(0, at), dim=-1)
+            draws = torch.rand(len(free), 1, dtype=cumulative.dtype, device=device)
+            found = torch.searchsorted(cumulative, cumulative[:, -1:] * draws, right=True)[:, 0]
+            picked[at] = found.clamp(max=probs.shape[-1] - 1)
         if order is not None:
             picked = order.gather(1, picked[:, None])[:, 0]
         for r, token in zip(members, picked.tolist(), strict=True):

@@ -124,16 +124,20 @@ def test_every_row_count_up_to_max_rows_takes_the_path_with_the_same_bits(
         assert torch.equal(out[0], outs[MAX_ROWS][0, :m]), m
 
 
-def test_a_transposed_layer_gives_the_same_values_without_the_copy() -> None:
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_head_is_computed_by_chunks_with_the_same_bits(bias: bool) -> None:
+    """The output embedding's product a chunk of outputs at a time: contiguous ``[rows,
+    vocab]``, the same bits as the whole product, for 1 to MAX_ROWS rows."""
     gen = torch.Generator().manual_seed(6)
-    head = torch.nn.Linear(64, 1000, bias=False).to(torch.bfloat16)
-    other = torch.nn.Linear(64, 1000, bias=False).to(torch.bfloat16)
-    other.weight.data.copy_(head.weight.data)
-    x = torch.randn(1, 5, 64, generator=gen).to(torch.bfloat16)
-    with torch.inference_mode(), cpu_linears(transposed=(head,)):
-        loose, tight = head(x), other(x)
-    assert not loose.is_contiguous() and tight.is_contiguous()
-    assert torch.equal(loose, tight)
+    head = torch.nn.Linear(64, 5000, bias=bias).to(torch.bfloat16)
+    other = torch.nn.Linear(64, 5000, bias=bias).to(torch.bfloat16)
+    other.load_state_dict(head.state_dict())
+    x = torch.randn(1, MAX_ROWS, 64, generator=gen).to(torch.bfloat16)
+    for m in (1, 2, 33, MAX_ROWS):
+        with torch.inference_mode(), cpu_linears(heads=(head,)):
+            chunked, whole = head(x[:, :m]), other(x[:, :m])
+        assert chunked.shape == (1, m, 5000) and chunked.is_contiguous()
+        assert torch.equal(chunked, whole), m
 
 
 def test_a_compiled_module_traces_torch_s_own_linear_after_the_wrapper_is_installed() -> None:

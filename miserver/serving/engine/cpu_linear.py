@@ -109,7 +109,9 @@ def _forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
                 out = _fused_forward(self, group, input, rows)
                 if out is not None:
                     return out
-            return _weight_first(input, weight, self.bias, id(self) not in _local.transposed)
+            if rows > 1 and id(self) in _local.heads:
+                return _by_chunks(input, weight, self.bias)
+            return _weight_first(input, weight, self.bias)
     return _original_forward(self, input)
 
 
@@ -151,10 +153,7 @@ def _fused_forward(
 
 
 def _weight_first(
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    contiguous: bool = True,
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``F.linear(input, weight, bias)`` computed as ``(weight @ inputᵀ)ᵀ``.
 
@@ -162,11 +161,9 @@ def _weight_first(
         input: ``[..., in_features]``, the weight's dtype, CPU.
         weight: ``[out_features, in_features]``, never modified.
         bias: ``[out_features]`` or None.
-        contiguous: False: return the transpose of the product as it is (same values; the
-            copy is left to the reader, as for the logits a sampler gathers row by row).
 
     Returns:
-        ``[..., out_features]``, contiguous unless ``contiguous`` is False.
+        ``[..., out_features]``, contiguous.
     """
     x = input.reshape(-1, input.shape[-1])
     if x.shape[0] == 1:
@@ -178,9 +175,37 @@ def _weight_first(
         out = torch.mm(weight, x.t()).t()
     else:
         out = torch.addmm(bias[:, None], weight, x.t()).t()
-    if contiguous:
-        out = out.contiguous()
-    return out.view(*input.shape[:-1], weight.shape[0])
+    return out.contiguous().view(*input.shape[:-1], weight.shape[0])
+
+
+#: Bytes of one chunk's product ``[chunk, rows]`` in :func:`_by_chunks`: it stays in the core's
+#: L2 cache while it is copied into place (1 MiB: a 4,096-row chunk of 128 rows in bfloat16).
+HEAD_CHUNK_BYTES = 1 << 20
+
+
+def _by_chunks(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """:func:`_weight_first` for a layer with many outputs (the output embedding: 49,152 for
+    SmolLM2), its rows of the weight taken a chunk at a time, each chunk's product ``[chunk,
+    rows]`` written into the ``[rows, out_features]`` output while it is still in the cache.
+    The same values and bits (a product's element does not depend on the weight's other rows),
+    without the transpose of the whole ``[out_features, rows]`` product, which reads it a
+    cache line a value: the logits of 64 rows, then gathered row by row and made float32, took
+    28.9 ms against 9.4 this way (the product included; 2-core machine, 1 thread)."""
+    x = input.reshape(-1, input.shape[-1])
+    rows, total = x.shape[0], weight.shape[0]
+    out = torch.empty(rows, total, dtype=weight.dtype, device=weight.device)
+    chunk = max(256, HEAD_CHUNK_BYTES // (rows * weight.element_size()))
+    xt = x.t()
+    for start in range(0, total, chunk):
+        end = min(start + chunk, total)
+        if bias is None:
+            part = torch.mm(weight[start:end], xt)
+        else:
+            part = torch.addmm(bias[start:end, None], weight[start:end], xt)
+        out[:, start:end].copy_(part.t())
+    return out.view(*input.shape[:-1], total)
 
 
 def install() -> None:
@@ -194,29 +219,28 @@ def install() -> None:
 
 
 @contextmanager
-def cpu_linears(on: bool = True, transposed: Iterable[torch.nn.Module] = ()) -> Iterator[None]:
+def cpu_linears(on: bool = True, heads: Iterable[torch.nn.Module] = ()) -> Iterator[None]:
     """Within the block, this thread's CPU ``torch.nn.Linear`` layers of up to
     :data:`MAX_ROWS` rows compute ``weight @ inputᵀ`` (module docstring); ``on=False`` leaves
-    them as they are. The layers in ``transposed`` (the output embedding, whose logits the
-    runner gathers row by row anyway) return the product's transpose without making it
-    contiguous: the same values, one copy fewer of ``[rows, vocab]``. Nests; restores the
-    thread's previous state on exit."""
+    them as they are. The layers in ``heads`` (the output embedding) compute their product a
+    chunk of outputs at a time (:func:`_by_chunks`). Nests; restores the thread's previous
+    state on exit."""
     if not on:
         yield
         return
     install()
     before = (
         getattr(_local, "on", False),
-        getattr(_local, "transposed", frozenset()),
+        getattr(_local, "heads", frozenset()),
         getattr(_local, "kept", {}),
     )
     _local.on = True
-    _local.transposed = frozenset(id(m) for m in transposed)
+    _local.heads = frozenset(id(m) for m in heads)
     _local.kept = {}  # a fused group's outputs awaiting their sibling's call (by id(module))
     try:
         yield
     finally:
-        _local.on, _local.transposed, _local.kept = before
+        _local.on, _local.heads, _local.kept = before
 
 
 def place_fused_projections(model: torch.nn.Module) -> list[FusedGroup]:

@@ -181,7 +181,7 @@ class ModelRunner:
         #: never on the CPU by default, where each chunk's bits must not depend on the others)
         self.packed_prefill = not cpu if packed_prefill is None else packed_prefill
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        #: the output embedding: its logits may stay transposed (read row by row below)
+        #: the output embedding: its product computed a chunk of the vocabulary at a time
         self._head = (head,) if isinstance(head, torch.nn.Module) else ()
         self.graphs = graphs
         self.forward_passes = 0

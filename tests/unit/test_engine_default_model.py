@@ -143,3 +143,28 @@ def test_logprobs_are_bit_identical_alone_together_and_after_a_recompute(
     got = _scored(small)
     assert small.stats()["preemptions"] > 0 and small.stats()["recomputes"] > 0
     assert [got[i] for i in range(3)] == alone
+
+
+@pytest.mark.timeout(1500)
+def test_speculation_keeps_the_default_models_greedy_text(loaded: tuple[Any, Any]) -> None:
+    """Prompt-lookup speculation on the default model: the same tokens as the engine without
+    it (bit-identical rows in bfloat16), for a lone story and for three beside each other, with
+    drafts kept (the story repeats itself) and some rejected."""
+    from miserver.serving.engine import speculation
+
+    model, tok = loaded
+    chat = [{"role": "user", "content": "Write a long story about the sea."}]
+    story = tok(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+    prompts = [story["input_ids"], *(tok(p)["input_ids"] for p in PROMPTS[1:])]
+    for count in (1, 3):
+        got, stats = [], []
+        for tokens in (speculation.DRAFT_TOKENS, 0):
+            budget = cache_shape(model).bytes_per_token * 16 * 65
+            engine = ContinuousEngine(model, budget, speculative_tokens=tokens)
+            for i in range(count):
+                engine.add(Sequence(i, prompts[i], SamplingParams(max_tokens=96, temperature=0)))
+            got.append(_drain(engine))
+            stats.append(engine.stats())
+        assert got[0] == got[1], count
+        assert stats[0]["accepted_draft_tokens"] > 0
+        assert stats[0]["steps"] < stats[1]["steps"]

@@ -23,6 +23,7 @@ parks every running sequence (their tokens kept; they re-prefill once admission 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -30,10 +31,12 @@ from typing import Any
 
 import torch
 
+from miserver.serving.engine import speculation
 from miserver.serving.engine.block_manager import BlockManager
 from miserver.serving.engine.kv_cache import PagedKVCache, blocks_for_budget, cache_shape
 from miserver.serving.engine.model_runner import DecodeGraphs, ModelRunner, ScheduledSeq
 from miserver.serving.engine.sampler import prompt_logprobs, sample
+from miserver.serving.engine.sampling import NonFiniteLogits, pick_token
 from miserver.serving.engine.sequence import Sequence, SequenceOutput, SequenceStatus
 from miserver.serving.engine.step_scheduler import SchedulerConfig, StepScheduler
 
@@ -68,6 +71,10 @@ class ContinuousEngine:
         prefix_cache: take blocks from the cross-request prefix cache at admission
             (:class:`SchedulerConfig`; the server turns it off on the CPU).
         packed_prefill: :class:`ModelRunner`'s (None: on CUDA only).
+        speculative_tokens: the most draft tokens a greedy sequence gets a step
+            (:mod:`~miserver.serving.engine.speculation`); 0: none; None:
+            :data:`~miserver.serving.engine.speculation.DRAFT_TOKENS` on the CPU, 0 on CUDA
+            (where the decode graphs replay one-token steps).
 
     Raises:
         ValueError: the budget holds fewer than two blocks, or a limit is invalid.
@@ -86,6 +93,7 @@ class ContinuousEngine:
         max_model_len: int | None = None,
         prefix_cache: bool = True,
         packed_prefill: bool | None = None,
+        speculative_tokens: int | None = None,
     ) -> None:
         shape = cache_shape(model)
         total = blocks_for_budget(cache_budget_bytes, shape, block_size)
@@ -109,6 +117,13 @@ class ContinuousEngine:
             max_blocks = -(-self.max_model_len // block_size)
             graphs = DecodeGraphs(model, self.cache, max_num_seqs, max_blocks, decode_graphs)
         self.runner = ModelRunner(model, self.cache, graphs, packed_prefill)
+        if speculative_tokens is None:
+            speculative_tokens = speculation.DRAFT_TOKENS if self.device.type == "cpu" else 0
+        if speculative_tokens < 0:
+            raise ValueError("speculative_tokens must be >= 0")
+        self.speculative_tokens = speculative_tokens
+        #: this step's drafted sequences: id(seq) -> (seq, draft tokens appended)
+        self._drafts: dict[int, tuple[Sequence, int]] = {}
         self._lock = threading.Lock()
         self._pending: list[Sequence] = []
         self._aborts: dict[Any, str] = {}
@@ -127,6 +142,8 @@ class ContinuousEngine:
             "prefill_tokens": 0,
             "decode_tokens": 0,
             "steps": 0,
+            "draft_tokens": 0,
+            "accepted_draft_tokens": 0,
         }
 
     # --- any thread ---------------------------------------------------------------------------
@@ -210,7 +227,8 @@ class ContinuousEngine:
         """Counts: ``blocks_total``, ``blocks_free``, ``block_size``, ``cache_bytes``,
         ``running``, ``waiting``, ``prefix_cache_hits`` (blocks taken from the cache),
         ``prefix_cached_blocks``, ``prefills``, ``recomputes``, ``forks``, ``preemptions``,
-        ``prefill_tokens``, ``decode_tokens``, ``steps``, ``forward_passes``, ``peak_batch`` (the
+        ``prefill_tokens``, ``decode_tokens``, ``steps``, ``draft_tokens`` and
+        ``accepted_draft_tokens`` (speculation), ``forward_passes``, ``peak_batch`` (the
         most sequences one step computed), ``step_times`` (:meth:`step_summary`), and with
         decode graphs ``decode_graphs``
         (:meth:`DecodeGraphs.summary`)."""
@@ -275,6 +293,8 @@ class ContinuousEngine:
         outputs: list[SequenceOutput] = []
         self._intake(outputs)
         batch, copies = self.scheduler.schedule()
+        if self.speculative_tokens:
+            copies += self._draft(batch)
         for seq in self.scheduler.overlong:
             log.warning(
                 "engine: sequence %s ends (length): its %d tokens need more than the KV "
@@ -297,12 +317,98 @@ class ContinuousEngine:
                 result = self.runner.run(batch)
         except Exception as exc:  # noqa: BLE001 - the step's sequences fail; the engine goes on
             log.warning("engine step failed: %s: %s", type(exc).__name__, exc)
+            for seq, k in self._drafts.values():  # never reported as the sequence's tokens
+                del seq.output_token_ids[-k:]
+            self._drafts.clear()
             for item in batch:
                 self._finish(item.seq, "error", outputs, error=exc)
             return outputs
         self._after(batch, result, outputs)
         self._time_step(time.perf_counter() - t0)
         return outputs
+
+    def _draft(self, batch: list[ScheduledSeq]) -> list[tuple[int, int]]:
+        """Give the greedy sequences of a step of decodes alone, with at most
+        ``speculation.MAX_SEQS`` sequences and nothing waiting, draft tokens
+        (:mod:`~miserver.serving.engine.speculation`): each drafted sequence's item in
+        ``batch`` then computes its last token and its drafts, on blocks taken from the free
+        ones (never by preemption: a sequence the free blocks cannot extend gets no drafts).
+        Returns the block copies (copy on write) the extension needs. :meth:`_verify` settles
+        the drafts after the forward."""
+        if len(batch) > speculation.MAX_SEQS or self.scheduler.waiting:
+            return []
+        if any(item.num_new != 1 or not item.sample for item in batch):
+            return []  # a prefill or a recompute shares the step
+        config = self.scheduler.config
+        room = min(config.max_num_batched_tokens, self.runner.max_rows or config.prefill_chunk)
+        rows = len(batch)
+        copies: list[tuple[int, int]] = []
+        for index, item in enumerate(batch):
+            seq = item.seq
+            if not speculation.eligible(seq):
+                continue
+            limit = min(
+                self.speculative_tokens,
+                seq.params.max_tokens - len(seq.output_token_ids) - 1,
+                self.max_model_len - seq.num_tokens - 1,
+                config.prefill_chunk - 1,
+                room - rows,
+            )
+            draft = speculation.propose(seq.token_ids(), limit)
+            while draft:
+                target = seq.num_tokens + len(draft)
+                if self.blocks.append_cost(seq, target) <= self.blocks.num_free_blocks:
+                    break
+                draft.pop()
+            if not draft:
+                continue
+            seq.output_token_ids.extend(draft)
+            copies += self.blocks.prepare_append(seq, seq.num_tokens)
+            self._drafts[id(seq)] = (seq, len(draft))
+            batch[index] = dataclasses.replace(item, num_new=1 + len(draft), draft=len(draft))
+            rows += len(draft)
+        return copies
+
+    def _verify(
+        self, item: ScheduledSeq, logits: torch.Tensor, row: int, outputs: list[SequenceOutput]
+    ) -> int:
+        """Keep the drafts of ``item`` the model agrees with (greedy), append the next token,
+        end the sequence as a decode would (stop token, ``max_tokens``, context); returns the
+        next row of ``logits``."""
+        seq, k = item.seq, item.draft
+        del self._drafts[id(seq)]
+        before = seq.num_computed_tokens
+        drafts = seq.output_token_ids[-k:]
+        del seq.output_token_ids[-k:]
+        out = SequenceOutput(seq.seq_id)
+        outputs.append(out)
+        self.counters["draft_tokens"] += k
+        accepted, reason, error = 0, None, None
+        for j in range(k + 1):
+            try:
+                token = pick_token(logits[row + j], seq.params, None)
+            except NonFiniteLogits as exc:
+                reason, error = "error", exc
+                break
+            seq.output_token_ids.append(token)
+            out.new_token_ids.append(token)
+            self.counters["decode_tokens"] += 1
+            if token in seq.stop_token_ids:
+                reason = "stop"
+            elif (
+                len(seq.output_token_ids) >= seq.params.max_tokens
+                or seq.num_tokens >= self.max_model_len
+            ):
+                reason = "length"
+            if reason is not None or j == k or token != drafts[j]:
+                break
+            accepted += 1
+        self.counters["accepted_draft_tokens"] += accepted
+        seq.num_computed_tokens = before + 1 + accepted  # the drafts' positions kept
+        self.blocks.register_full_blocks(seq)
+        if reason is not None:
+            self._finish(seq, reason, None, out, error)
+        return row + k + 1
 
     def _time_step(self, seconds: float) -> None:
         kind = "graph" if self.runner.last_graphed else "eager"
@@ -330,6 +436,9 @@ class ContinuousEngine:
         to_sample: list[tuple[Sequence, int, SequenceOutput]] = []
         for item in batch:
             seq = item.seq
+            if item.draft:
+                row = self._verify(item, result.logits, row, outputs)
+                continue
             before = seq.num_computed_tokens
             seq.num_computed_tokens += item.num_new
             if item.num_new > 1 or before < seq.num_prompt_tokens:

@@ -75,17 +75,21 @@ class ScheduledSeq:
     """One sequence's work in a step: compute positions ``num_computed_tokens ..
     num_computed_tokens + num_new - 1``; ``sample``: those reach the sequence's end (its next
     token is sampled from the last one's logits); ``prompt_logits``: also return the logits of
-    its prompt positions in the run (``echo`` with ``logprobs``)."""
+    its prompt positions in the run (``echo`` with ``logprobs``); ``draft``: the last
+    ``draft`` positions are draft tokens (:mod:`~miserver.serving.engine.speculation`), and the
+    logits of the last ``draft + 1`` positions are returned."""
 
     seq: Sequence
     num_new: int
     sample: bool
     prompt_logits: bool = False
+    draft: int = 0
 
 
 @dataclass
 class StepResult:
-    """``logits``: ``[number of sampling sequences, vocab]`` float32, in schedule order;
+    """``logits``: ``[rows, vocab]`` float32, in schedule order, one row per sampling
+    sequence (``1 + draft`` rows for a drafted one);
     ``prompt_logits``: per echo sequence (by ``id``), ``[positions, vocab]`` of its prompt
     positions in this run."""
 
@@ -214,7 +218,7 @@ class ModelRunner:
             return StepResult(self.graphs.run([s.seq for s in batch]), {})
         self.last_graphed = False
         units = [
-            _Unit(s.seq, s.seq.num_computed_tokens, s.num_new, s.sample, s.prompt_logits)
+            _Unit(s.seq, s.seq.num_computed_tokens, s.num_new, s.sample, s.prompt_logits, s.draft)
             for s in batch
         ]
         one_pass = self.max_rows is None or self.packed_prefill
@@ -226,7 +230,7 @@ class ModelRunner:
         order = [sampled[id(s.seq)] for s in batch if s.sample]
         if not order:
             return StepResult(torch.empty(0, 0), prompt)
-        return StepResult(torch.stack(order).float(), prompt)
+        return StepResult(torch.cat(order).float(), prompt)
 
     def _run_group(
         self,
@@ -235,7 +239,8 @@ class ModelRunner:
         prompt: dict[int, torch.Tensor],
     ) -> None:
         """One forward pass over ``units``: fills ``sampled`` (by ``id(seq)``: the logits
-        ``[vocab]`` of each sampling unit's last position) and ``prompt`` (echo positions)."""
+        ``[1 + draft, vocab]`` of each sampling unit's last ``1 + draft`` positions) and
+        ``prompt`` (echo positions)."""
         bs = self.cache.block_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -243,7 +248,7 @@ class ModelRunner:
         spans: list[SeqSpan] = []
         keep: list[int] = []
         echo: list[tuple[int, int, int]] = []  # (id(seq), first keep index, count)
-        samplers: list[tuple[int, int]] = []  # (id(seq), keep index)
+        samplers: list[tuple[int, int, int]] = []  # (id(seq), keep index, rows)
         decode_rows: list[int] = []  # flattened index of each one-query row
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
@@ -277,8 +282,9 @@ class ModelRunner:
                     echo.append((id(seq), len(keep), last - start))
                     keep.extend(range(q_start, q_start + last - start))
             if unit.sample:
-                samplers.append((id(seq), len(keep)))
-                keep.append(q_start + unit.num_new - 1)
+                count = unit.draft + 1
+                samplers.append((id(seq), len(keep), count))
+                keep.extend(range(q_start + unit.num_new - count, q_start + unit.num_new))
         real = len(tokens)
         scratch = self.cache.scratch_block
         while len(tokens) < self.min_rows:  # a padding row: one query over the scratch block
@@ -319,8 +325,8 @@ class ModelRunner:
         logits = self._forward(ids, pos, keep_t, meta)
         for key, first, count in echo:
             prompt[key] = logits[first : first + count].contiguous()
-        for key, index in samplers:
-            sampled[key] = logits[index]
+        for key, index, count in samplers:
+            sampled[key] = logits[index : index + count]
 
 
 @dataclass
@@ -333,6 +339,7 @@ class _Unit:
     num_new: int
     sample: bool
     prompt_logits: bool = False
+    draft: int = 0
 
     @property
     def rows(self) -> bool:
@@ -369,9 +376,11 @@ def _cpu_groups(units: list[_Unit], max_rows: int, share_chunks: bool = False) -
                 rows, room = [], max_rows
             take = min(left, room)
             last = take == left
-            rows.append(
-                _Unit(unit.seq, start, take, unit.sample and last, unit.prompt_logits and last)
-            )
+            piece = _Unit(unit.seq, start, take, unit.sample and last, unit.prompt_logits and last)
+            if last and unit.draft:  # a draft's rows are never split (the engine sees to it)
+                assert take > unit.draft, "a drafted sequence's rows were split between passes"
+                piece.draft = unit.draft
+            rows.append(piece)
             start, left, room = start + take, left - take, room - take
     if rows:
         groups.append(rows)

@@ -342,19 +342,24 @@ class ContinuousEngine:
         config = self.scheduler.config
         room = min(config.max_num_batched_tokens, self.runner.max_rows or config.prefill_chunk)
         rows = len(batch)
+        alone = rows == 1
+        most = self.speculative_tokens
+        if alone and most == speculation.DRAFT_TOKENS:
+            most = speculation.DRAFT_TOKENS_ALONE
+        ngram_min = speculation.NGRAM_MIN_ALONE if alone else speculation.NGRAM_MIN
         copies: list[tuple[int, int]] = []
         for index, item in enumerate(batch):
             seq = item.seq
             if not speculation.eligible(seq):
                 continue
             limit = min(
-                self.speculative_tokens,
+                most,
                 seq.params.max_tokens - len(seq.output_token_ids) - 1,
                 self.max_model_len - seq.num_tokens - 1,
                 config.prefill_chunk - 1,
                 room - rows,
             )
-            draft = speculation.propose(seq.token_ids(), limit)
+            draft = speculation.propose(seq.token_ids(), limit, ngram_min=ngram_min)
             while draft:
                 target = seq.num_tokens + len(draft)
                 if self.blocks.append_cost(seq, target) <= self.blocks.num_free_blocks:

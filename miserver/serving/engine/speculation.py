@@ -42,6 +42,10 @@ NGRAM_MIN = 2
 #: Speculation runs only while at most this many sequences run.
 MAX_SEQS = 8
 
+#: A lone sequence's drafts (the step's rows are nearly free then): up to this many tokens,
+#: from a recurrence of at least :data:`NGRAM_MIN_ALONE` tokens.
+DRAFT_TOKENS_ALONE, NGRAM_MIN_ALONE = 8, 1
+
 
 def propose(
     tokens: list[int], limit: int, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN

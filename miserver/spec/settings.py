@@ -74,6 +74,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     gguf_threads: int | None = None
     #: None: ``auto``, one fewer than the CPU cores this process may run on (at least 1).
     cpu_threads: int | None = None
+    #: None: ``auto``, the device's default (:data:`DEFAULT_SPECULATIVE_TOKENS`).
+    speculative_tokens: int | None = None
     max_queued_requests: int = 64
     max_request_bytes: int = 8 * 1024 * 1024
     header_read_timeout_s: float = 20.0
@@ -160,6 +162,7 @@ VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("CONTINUOUS_BATCHING", "continuous_batching", "bool"),
     ("GGUF_THREADS", "gguf_threads", "threads"),
     ("CPU_THREADS", "cpu_threads", "threads"),
+    ("SPECULATIVE_TOKENS", "speculative_tokens", "draft_tokens"),
     ("MAX_QUEUED_REQUESTS", "max_queued_requests", "pos_int"),
     ("MAX_REQUEST_BYTES", "max_request_bytes", "pos_int"),
     ("HEADER_READ_TIMEOUT_S", "header_read_timeout_s", "pos_float"),
@@ -189,6 +192,7 @@ KIND_FORMATS: dict[str, str] = {
     "decode_graphs": "`captured`, `compiled` or `off` (case-insensitive)",
     "batch_size": "`auto` or an integer 1 to 256",
     "threads": "`auto` or an integer 1 to 1024",
+    "draft_tokens": "`auto` or an integer 0 to 16 (0: off)",
     "batch_delay": "`auto` or a number of milliseconds, 0 to 1000 (0: no delay)",
     "nonneg_float": "a number, at least 0",
     "engine": "`continuous` (case-insensitive)",
@@ -241,7 +245,7 @@ def format_default(field: str, kind: str) -> str:
     if field == "home":
         return "the platform's user data dir + `/miserver`"
     value = setting_default(field)
-    if value is None and kind in ("batch_size", "threads", "memory_bytes"):
+    if value is None and kind in ("batch_size", "threads", "memory_bytes", "draft_tokens"):
         return "auto"
     if value is None or value == "":
         return "empty"
@@ -294,6 +298,21 @@ MAX_BATCH_SIZE_LIMIT = 256
 DEFAULT_MAX_BATCH_SIZE = {"cpu": 8, "cuda": 64}
 #: ``MAX_BATCH_SIZE=auto`` for the continuous engine's sequences a step, on every device.
 DEFAULT_ENGINE_MAX_SEQS = 64
+
+
+#: The most ``SPECULATIVE_TOKENS`` accepted.
+MAX_SPECULATIVE_TOKENS = 16
+#: ``SPECULATIVE_TOKENS=auto`` on each device type: prompt-lookup drafts a greedy sequence gets a
+#: step on the CPU (docs/decisions.md, "Prompt-lookup speculation"); none on CUDA, whose decode
+#: graphs replay one-token steps.
+DEFAULT_SPECULATIVE_TOKENS = {"cpu": 4, "cuda": 0}
+
+
+def resolved_speculative_tokens(settings: Settings, device_type: str) -> int:
+    """``SPECULATIVE_TOKENS``: the setting, or (``auto``) the default of ``device_type``."""
+    if settings.speculative_tokens is not None:
+        return settings.speculative_tokens
+    return DEFAULT_SPECULATIVE_TOKENS.get(device_type, 0)
 
 
 #: ``KV_CACHE_BYTES=auto`` on the CPU, bytes (see its description in :data:`DESCRIPTIONS`).
@@ -495,6 +514,18 @@ def _convert(variable: str, kind: str, raw: str) -> object:
             raise ConfigError(variable, f"expected auto or an integer, got {raw!r}") from None
         if not 1 <= value <= 1024:
             raise ConfigError(variable, f"must be auto or 1 to 1024, got {value}")
+        return value
+    if kind == "draft_tokens":
+        if raw.strip().lower() in ("", "auto"):
+            return None
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ConfigError(variable, f"expected auto or an integer, got {raw!r}") from None
+        if not 0 <= value <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                variable, f"must be auto or 0 to {MAX_SPECULATIVE_TOKENS}, got {value}"
+            )
         return value
     if kind == "batch_delay":
         if raw.strip().lower() in ("", "auto"):

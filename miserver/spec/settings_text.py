@@ -149,6 +149,13 @@ DESCRIPTIONS: dict[str, str] = {
     "process may run on (its CPU affinity), at least 1, leaving a core to the event loop that "
     "parses requests and streams answers. Measured on 2 cores: 1 thread served every workload "
     '1.2-1.4x faster than 2 (docs/decisions.md, "Threads"). Read at each load.',
+    "SPECULATIVE_TOKENS": "The most draft tokens a greedy sequence (temperature 0, no "
+    "logprobs, echo or `response_format`) gets a step from prompt lookup: the tokens that "
+    "followed an earlier occurrence of its last tokens in its prompt or answer, checked by the "
+    "model in the same step, kept only where they are what it would have produced (the answer "
+    "is the same with and without; a lone sequence gets up to twice as many). Only while at "
+    "most 8 sequences run, all decoding. `auto`: 4 on the CPU, where a step is bound by reading "
+    "the weights and the extra rows are nearly free; 0 (off) on CUDA. Read at each load.",
     "MAX_QUEUED_REQUESTS": "Interactive requests that may wait (queued plus held by the "
     "barrier); beyond it a request is 503 QUEUE_FULL with `Retry-After`. A request being "
     "served does not count: a request waits only while the engine's running batch has no "

@@ -76,6 +76,29 @@ async def test_the_engine_thread_computes_on_cpu_threads_and_the_event_loop_keep
         await c.close()
 
 
+async def test_speculative_tokens_reaches_the_engine_and_0_turns_it_off(
+    default_home: str, tmp_path
+) -> None:
+    from miserver.serving.models.default_model import model_dir
+    from tests.unit.test_weights_routes import make_client
+
+    story = chat("Write a long story about the sea.", max_tokens=48)
+    answers = []
+    for value, expected in (("0", 0), ("auto", 4)):
+        home = tmp_path / value
+        home.mkdir()
+        c = await make_client(home, str(model_dir(default_home)), SPECULATIVE_TOKENS=value)
+        try:
+            engine = engine_loop(c).engine
+            assert engine.speculative_tokens == expected
+            answers.append((await post(c, story))["choices"][0]["message"]["content"])
+            drafted = engine.stats()["draft_tokens"]
+            assert (drafted > 0) == bool(expected)
+        finally:
+            await c.close()
+    assert answers[0] == answers[1]
+
+
 class StepLog:
     """What each engine step produced: ``(step, time, {seq_id: tokens})``, and the engine's
     stats after it; filled on the engine thread."""

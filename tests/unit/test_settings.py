@@ -292,3 +292,19 @@ def test_cli_refuses_engine_static_at_start_with_exit_2(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, lines
     assert "ENGINE" in lines[0] and "static batch was removed" in lines[0]
+
+
+def test_speculative_tokens_is_auto_or_0_to_16_and_auto_is_4_on_the_cpu_only() -> None:
+    from miserver.spec.settings import resolved_speculative_tokens
+
+    auto = load_settings({"MISERVER_HOME": "/x"})
+    assert auto.speculative_tokens is None
+    assert resolved_speculative_tokens(auto, "cpu") == 4
+    assert resolved_speculative_tokens(auto, "cuda") == 0
+    off = load_settings({"MISERVER_HOME": "/x", "SPECULATIVE_TOKENS": "0"})
+    assert resolved_speculative_tokens(off, "cpu") == 0
+    six = load_settings({"MISERVER_HOME": "/x", "SPECULATIVE_TOKENS": "6"})
+    assert resolved_speculative_tokens(six, "cuda") == 6
+    for bad in ("17", "-1", "four"):
+        with pytest.raises(ConfigError, match="SPECULATIVE_TOKENS"):
+            load_settings({"MISERVER_HOME": "/x", "SPECULATIVE_TOKENS": bad})

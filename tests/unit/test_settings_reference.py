@@ -38,7 +38,9 @@ def test_every_setting_has_a_row_with_its_real_default_format_and_effect() -> No
                 assert shown == ("1" if value else "0")
             elif value is None:
                 assert shown == (
-                    "auto" if kind in ("batch_size", "threads", "memory_bytes") else "empty"
+                    "auto"
+                    if kind in ("batch_size", "threads", "memory_bytes", "draft_tokens")
+                    else "empty"
                 )
             elif isinstance(value, float):
                 assert float(shown) == value

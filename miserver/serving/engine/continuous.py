@@ -344,8 +344,8 @@ class ContinuousEngine:
         rows = len(batch)
         alone = rows == 1
         most = self.speculative_tokens
-        if alone and most == speculation.DRAFT_TOKENS:
-            most = speculation.DRAFT_TOKENS_ALONE
+        if alone:  # its extra rows are nearly free
+            most *= 2
         ngram_min = speculation.NGRAM_MIN_ALONE if alone else speculation.NGRAM_MIN
         copies: list[tuple[int, int]] = []
         for index, item in enumerate(batch):

@@ -61,6 +61,7 @@ def build(
         DEFAULT_ENGINE_MAX_SEQS,
         resolved_cpu_threads,
         resolved_kv_cache_bytes,
+        resolved_speculative_tokens,
     )
 
     device = device_of(model)
@@ -81,6 +82,7 @@ def build(
             max_num_seqs=max_seqs,
             decode_graphs=settings.decode_graphs if device.type == "cuda" else "off",
             prefix_cache=device.type != "cpu",
+            speculative_tokens=resolved_speculative_tokens(settings, device.type),
             **(CUDA_STEP_TOKENS if device.type == "cuda" else {}),
         )
     except Exception as exc:  # noqa: BLE001 - the load fails, saying why

@@ -129,7 +129,8 @@ class SequenceOutput:
 
     Attributes:
         seq_id: the sequence's id.
-        new_token_ids: tokens sampled this step (0 or 1; an end token included).
+        new_token_ids: tokens this step produced (usually 0 or 1; more when speculation kept
+            drafts: :mod:`~miserver.serving.engine.speculation`; an end token included).
         logprobs: one :class:`TokenLogprobIds` per new token when ``params.logprobs`` is set.
         prompt_logprobs: for ``echo`` with ``logprobs``, once, when the prompt is prefilled:
             entry ``i`` scores prompt token ``i + 1`` (the first prompt token has none).

@@ -28,9 +28,10 @@ weights, and the drafts' rows are nearly free; a full batch is not. Measured: do
 from __future__ import annotations
 
 from miserver.serving.engine.sequence import Sequence
+from miserver.spec.settings import DEFAULT_SPECULATIVE_TOKENS
 
-#: The most draft tokens a sequence gets a step.
-DRAFT_TOKENS = 4
+#: The most draft tokens a sequence gets a step on the CPU (``SPECULATIVE_TOKENS=auto``).
+DRAFT_TOKENS = DEFAULT_SPECULATIVE_TOKENS["cpu"]
 
 #: The longest suffix looked up (then shorter ones, down to :data:`NGRAM_MIN` tokens).
 NGRAM_MAX = 3
@@ -42,9 +43,9 @@ NGRAM_MIN = 2
 #: Speculation runs only while at most this many sequences run.
 MAX_SEQS = 8
 
-#: A lone sequence's drafts (the step's rows are nearly free then): up to this many tokens,
-#: from a recurrence of at least :data:`NGRAM_MIN_ALONE` tokens.
-DRAFT_TOKENS_ALONE, NGRAM_MIN_ALONE = 8, 1
+#: A lone sequence (the step's extra rows nearly free) gets twice the drafts, from a recurrence
+#: of at least this many tokens.
+NGRAM_MIN_ALONE = 1
 
 
 def propose(

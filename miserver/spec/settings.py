@@ -303,8 +303,9 @@ DEFAULT_ENGINE_MAX_SEQS = 64
 #: The most ``SPECULATIVE_TOKENS`` accepted.
 MAX_SPECULATIVE_TOKENS = 16
 #: ``SPECULATIVE_TOKENS=auto`` on each device type: prompt-lookup drafts a greedy sequence gets a
-#: step on the CPU (docs/decisions.md, "Prompt-lookup speculation"); none on CUDA, whose decode
-#: graphs replay one-token steps.
+#: step on the CPU (docs/decisions.md, "Prompt-lookup speculation"); none on CUDA (the engine
+#: speculates only where a drafted step's rows are bit-identical to plain decodes: the CPU, in
+#: bfloat16 or float16).
 DEFAULT_SPECULATIVE_TOKENS = {"cpu": 4, "cuda": 0}
 
 

@@ -155,7 +155,9 @@ DESCRIPTIONS: dict[str, str] = {
     "model in the same step, kept only where they are what it would have produced (the answer "
     "is the same with and without; a lone sequence gets up to twice as many). Only while at "
     "most 8 sequences run, all decoding. `auto`: 4 on the CPU, where a step is bound by reading "
-    "the weights and the extra rows are nearly free; 0 (off) on CUDA. Read at each load.",
+    "the weights and the extra rows are nearly free. Only on a CPU resident in bfloat16 or "
+    "float16, where a drafted step's rows are bit-identical to plain decodes (on CUDA and for "
+    "float32 it stays off whatever the value). Read at each load.",
     "MAX_QUEUED_REQUESTS": "Interactive requests that may wait (queued plus held by the "
     "barrier); beyond it a request is 503 QUEUE_FULL with `Retry-After`. A request being "
     "served does not count: a request waits only while the engine's running batch has no "

@@ -21,14 +21,15 @@ LOOPS = [[5, 6, 7, 8] * 6, [9, 2, 44, 9, 2, 44, 9, 2], list(range(20, 40)) * 2, 
 
 @pytest.fixture(scope="module")
 def model() -> Any:
-    """The sharp tiny Llama with its attention outputs scaled by 0.02: its greedy text falls
-    into short loops (so drafts are proposed, some kept, some not) while attention still
+    """The sharp tiny Llama in bfloat16 (speculation runs where a drafted step's rows are
+    bit-identical to plain decodes), its attention outputs scaled by 0.02: its greedy text
+    falls into short loops (so drafts are proposed, some kept, some not) while attention still
     shapes every token."""
     looping = sharp_tiny_llama(VOCAB)
     with torch.no_grad():
         for layer in looping.model.layers:
             layer.self_attn.o_proj.weight.mul_(0.02)
-    return looping
+    return looping.to(torch.bfloat16)
 
 
 def test_propose_takes_what_followed_the_latest_longest_recurrence() -> None:
@@ -118,6 +119,8 @@ def test_only_greedy_sequences_without_logprobs_or_echo_are_drafted(model: Any) 
         run(engine)
         assert engine.stats()["draft_tokens"] == 0, sp
     assert make_engine(model).speculative_tokens == speculation.DRAFT_TOKENS  # on the CPU
+    float32 = copy.deepcopy(model).float()  # its rows are not bit-identical across pass sizes
+    assert make_engine(float32, speculative_tokens=4).speculative_tokens == 0
     with pytest.raises(ValueError, match="speculative_tokens"):
         make_engine(model, speculative_tokens=-1)
 
@@ -168,11 +171,9 @@ def test_a_failed_step_leaves_no_draft_in_the_tokens(model: Any, monkeypatch) ->
 
 
 def test_kept_drafts_leave_the_cache_as_plain_decodes_do(model: Any) -> None:
-    """In bfloat16 (what the CPU serves; its products give a row the same bits in any pass:
-    cpu_linear) the cached keys and values of every computed position after speculation are
+    """The cached keys and values of every computed position after speculation are
     bit-identical to the engine's without it (a rejected draft's position is computed again
-    with the right token). In float32 they agree to rounding, as a batch's rows do."""
-    model = copy.deepcopy(model).to(torch.bfloat16)
+    with the right token)."""
     engines = {}
     for tokens in (speculation.DRAFT_TOKENS, 0):
         engine = make_engine(model, speculative_tokens=tokens, block_size=16)
@@ -194,3 +195,43 @@ def test_kept_drafts_leave_the_cache_as_plain_decodes_do(model: Any) -> None:
             kb = torch.cat([pool_b[layer][blk] for blk in sb.block_table]).flatten(1)[:n]
             assert ka.shape[0] == n
             assert torch.equal(ka, kb), layer
+
+
+def test_a_non_finite_draft_row_ends_the_step_there_not_the_sequence(
+    model: Any, monkeypatch
+) -> None:
+    """A later row of a drafted step that cannot be sampled ends the verification there: the
+    tokens before it are the sequence's, and its position is decoded plainly next step (where
+    a real non-finite row then fails the sequence, after those tokens reached the client)."""
+    from miserver.serving.engine import continuous
+    from miserver.serving.engine.sampling import NonFiniteLogits
+
+    plain = make_engine(model, speculative_tokens=0)
+    plain.add(Sequence(0, LOOPS[1], greedy(30)))
+    expected = run(plain)[0]
+    real = continuous.pick_token
+    calls = {"row": 0, "failed": 0}
+
+    def flaky(*args: Any) -> int:
+        calls["row"] += 1
+        if calls["row"] == 2 and not calls["failed"]:  # a drafted step's second row, once
+            calls["failed"] += 1
+            raise NonFiniteLogits()
+        return real(*args)
+
+    monkeypatch.setattr(continuous, "pick_token", flaky)
+    engine = make_engine(model)
+    real_verify = engine._verify
+
+    def verify(*args: Any) -> int:
+        calls["row"] = 0  # rows counted per drafted step
+        return real_verify(*args)
+
+    monkeypatch.setattr(engine, "_verify", verify)
+    engine.add(Sequence(0, LOOPS[1], greedy(30)))
+    outputs: list[Any] = []
+    while engine.has_work():
+        outputs += engine.step()
+    assert calls["failed"] == 1
+    assert [t for o in outputs for t in o.new_token_ids] == expected
+    assert outputs[-1].finish_reason == "length" and outputs[-1].error is None

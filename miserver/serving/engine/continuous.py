@@ -35,7 +35,7 @@ from miserver.serving.engine import speculation
 from miserver.serving.engine.block_manager import BlockManager
 from miserver.serving.engine.kv_cache import PagedKVCache, blocks_for_budget, cache_shape
 from miserver.serving.engine.model_runner import DecodeGraphs, ModelRunner, ScheduledSeq
-from miserver.serving.engine.sampler import prompt_logprobs, sample
+from miserver.serving.engine.sampler import one_thread, prompt_logprobs, sample
 from miserver.serving.engine.sampling import NonFiniteLogits, pick_token
 from miserver.serving.engine.sequence import Sequence, SequenceOutput, SequenceStatus
 from miserver.serving.engine.step_scheduler import SchedulerConfig, StepScheduler
@@ -48,6 +48,10 @@ DEFAULT_BLOCK_SIZE = 16
 
 def _device_of(model: Any) -> torch.device:
     return next(model.parameters()).device
+
+
+def _dtype_name(model: Any) -> str:
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def _context_length(model: Any) -> int:
@@ -73,8 +77,9 @@ class ContinuousEngine:
         packed_prefill: :class:`ModelRunner`'s (None: on CUDA only).
         speculative_tokens: the most draft tokens a greedy sequence gets a step
             (:mod:`~miserver.serving.engine.speculation`); 0: none; None:
-            :data:`~miserver.serving.engine.speculation.DRAFT_TOKENS` on the CPU, 0 on CUDA
-            (where the decode graphs replay one-token steps).
+            :data:`~miserver.serving.engine.speculation.DRAFT_TOKENS`. Always 0 unless the
+            runner's rows are bit-identical across pass sizes (``ModelRunner.rows_exact``: the
+            CPU, bfloat16 or float16), so a greedy answer never depends on speculation.
 
     Raises:
         ValueError: the budget holds fewer than two blocks, or a limit is invalid.
@@ -118,9 +123,20 @@ class ContinuousEngine:
             graphs = DecodeGraphs(model, self.cache, max_num_seqs, max_blocks, decode_graphs)
         self.runner = ModelRunner(model, self.cache, graphs, packed_prefill)
         if speculative_tokens is None:
-            speculative_tokens = speculation.DRAFT_TOKENS if self.device.type == "cpu" else 0
+            speculative_tokens = speculation.DRAFT_TOKENS
         if speculative_tokens < 0:
             raise ValueError("speculative_tokens must be >= 0")
+        if not self.runner.rows_exact:
+            # only where a drafted step's rows have the bits of plain decodes (the CPU, in
+            # bfloat16 or float16): elsewhere speculation could change a greedy answer
+            if speculative_tokens:
+                log.info(
+                    "engine: no speculation for this model (%s, %s): its rows are not "
+                    "bit-identical across pass sizes",
+                    self.device.type,
+                    _dtype_name(model),
+                )
+            speculative_tokens = 0
         self.speculative_tokens = speculative_tokens
         #: this step's drafted sequences: id(seq) -> (seq, draft tokens appended)
         self._drafts: dict[int, tuple[Sequence, int]] = {}
@@ -317,15 +333,22 @@ class ContinuousEngine:
                 result = self.runner.run(batch)
         except Exception as exc:  # noqa: BLE001 - the step's sequences fail; the engine goes on
             log.warning("engine step failed: %s: %s", type(exc).__name__, exc)
-            for seq, k in self._drafts.values():  # never reported as the sequence's tokens
-                del seq.output_token_ids[-k:]
-            self._drafts.clear()
+            self._drop_drafts()
             for item in batch:
                 self._finish(item.seq, "error", outputs, error=exc)
             return outputs
-        self._after(batch, result, outputs)
+        try:
+            self._after(batch, result, outputs)
+        finally:
+            self._drop_drafts()  # any left unverified (an error while settling the step)
         self._time_step(time.perf_counter() - t0)
         return outputs
+
+    def _drop_drafts(self) -> None:
+        """Take every unsettled draft off its sequence (never reported as its tokens)."""
+        for seq, k in self._drafts.values():
+            del seq.output_token_ids[-k:]
+        self._drafts.clear()
 
     def _draft(self, batch: list[ScheduledSeq]) -> list[tuple[int, int]]:
         """Give the greedy sequences of a step of decodes alone, with at most
@@ -388,12 +411,16 @@ class ContinuousEngine:
         out = SequenceOutput(seq.seq_id)
         outputs.append(out)
         self.counters["draft_tokens"] += k
-        accepted, reason, error = 0, None, None
+        reason, error = None, None
         for j in range(k + 1):
             try:
-                token = pick_token(logits[row + j], seq.params, None)
+                with one_thread(not logits.is_cuda):  # as the sampler runs (sampler.one_thread)
+                    token = pick_token(logits[row + j], seq.params, None)
             except NonFiniteLogits as exc:
-                reason, error = "error", exc
+                if j == 0:
+                    reason, error = "error", exc
+                # a later row: its position is decoded plainly next step (and fails there,
+                # after the tokens kept so far reach the client, as without speculation)
                 break
             seq.output_token_ids.append(token)
             out.new_token_ids.append(token)
@@ -407,9 +434,11 @@ class ContinuousEngine:
                 reason = "length"
             if reason is not None or j == k or token != drafts[j]:
                 break
-            accepted += 1
-        self.counters["accepted_draft_tokens"] += accepted
-        seq.num_computed_tokens = before + 1 + accepted  # the drafts' positions kept
+        # the rows up to the last token produced were computed from the right tokens
+        # (the last real token, then the drafts equal to the tokens produced after it)
+        produced = len(out.new_token_ids)
+        self.counters["accepted_draft_tokens"] += max(0, produced - 1)
+        seq.num_computed_tokens = before + produced
         self.blocks.register_full_blocks(seq)
         if reason is not None:
             self._finish(seq, reason, None, out, error)

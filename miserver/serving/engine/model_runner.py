@@ -178,8 +178,13 @@ class ModelRunner:
         cpu = self.device.type == "cpu"
         #: the CPU's linear layers as ``weight @ inputᵀ`` (:mod:`cpu_linear`); None: on the CPU
         self.weight_first = cpu if weight_first is None else weight_first
-        # a column of ``weight @ inputᵀ`` has the same bits alone: no padding row then
-        self.min_rows = MIN_ROWS if cpu and not self.weight_first else 1
+        #: whether a row's bits are the same in a pass of 1 to MAX_ROWS rows (bfloat16 and
+        #: float16 under ``weight_first``: a one-row ``torch.mv`` equals a column of ``mm``;
+        #: in float32 it does not, so a float32 pass keeps the padding row as before)
+        self.rows_exact = (
+            cpu and self.weight_first and _dtype_of(model) in (torch.bfloat16, torch.float16)
+        )
+        self.min_rows = MIN_ROWS if cpu and not self.rows_exact else 1
         self.max_rows = (MAX_ROWS if self.weight_first else LINEAR_MAX_ROWS) if cpu else None
         #: several prefill chunks of a step in one attention call a layer (CUDA by default;
         #: never on the CPU by default, where each chunk's bits must not depend on the others)
@@ -327,6 +332,11 @@ class ModelRunner:
             prompt[key] = logits[first : first + count].contiguous()
         for key, index, count in samplers:
             sampled[key] = logits[index : index + count]
+
+
+def _dtype_of(model: Any) -> torch.dtype | None:
+    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    return None if param is None else param.dtype
 
 
 @dataclass

@@ -203,29 +203,31 @@ def test_a_non_finite_draft_row_ends_the_step_there_not_the_sequence(
     """A later row of a drafted step that cannot be sampled ends the verification there: the
     tokens before it are the sequence's, and its position is decoded plainly next step (where
     a real non-finite row then fails the sequence, after those tokens reached the client)."""
-    from miserver.serving.engine import continuous
-    from miserver.serving.engine.sampling import NonFiniteLogits
+    from miserver.serving.engine import sampler
 
     plain = make_engine(model, speculative_tokens=0)
     plain.add(Sequence(0, LOOPS[1], greedy(30)))
     expected = run(plain)[0]
-    real = continuous.pick_token
-    calls = {"row": 0, "failed": 0}
+    real = sampler.pick_token
+    calls = {"row": 0, "failed": 0, "verifying": 0}
 
-    def flaky(*args: Any) -> int:
-        calls["row"] += 1
+    def flaky(logits: torch.Tensor, *args: Any) -> int:
+        calls["row"] += calls["verifying"]
         if calls["row"] == 2 and not calls["failed"]:  # a drafted step's second row, once
             calls["failed"] += 1
-            raise NonFiniteLogits()
-        return real(*args)
+            logits = torch.full_like(logits, float("nan"))
+        return real(logits, *args)
 
-    monkeypatch.setattr(continuous, "pick_token", flaky)
+    monkeypatch.setattr(sampler, "pick_token", flaky)
     engine = make_engine(model)
     real_verify = engine._verify
 
     def verify(*args: Any) -> int:
-        calls["row"] = 0  # rows counted per drafted step
-        return real_verify(*args)
+        calls["row"], calls["verifying"] = 0, 1  # rows counted per drafted step
+        try:
+            return real_verify(*args)
+        finally:
+            calls["verifying"] = 0
 
     monkeypatch.setattr(engine, "_verify", verify)
     engine.add(Sequence(0, LOOPS[1], greedy(30)))

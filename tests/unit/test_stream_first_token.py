@@ -40,7 +40,7 @@ async def test_a_failure_after_the_first_token_ends_the_open_stream(client, monk
 
     def fail_third(logits: torch.Tensor, *args, **kwargs):
         calls[0] += 1
-        if calls[0] == 3:
+        if calls[0] >= 3:  # from the third token on, as non-finite weights would
             logits = torch.full_like(logits, float("nan"))
         return real(logits, *args, **kwargs)
 

@@ -35,8 +35,7 @@ from miserver.serving.engine import speculation
 from miserver.serving.engine.block_manager import BlockManager
 from miserver.serving.engine.kv_cache import PagedKVCache, blocks_for_budget, cache_shape
 from miserver.serving.engine.model_runner import DecodeGraphs, ModelRunner, ScheduledSeq
-from miserver.serving.engine.sampler import one_thread, prompt_logprobs, sample
-from miserver.serving.engine.sampling import NonFiniteLogits, pick_token
+from miserver.serving.engine.sampler import prompt_logprobs, sample
 from miserver.serving.engine.sequence import Sequence, SequenceOutput, SequenceStatus
 from miserver.serving.engine.step_scheduler import SchedulerConfig, StepScheduler
 
@@ -413,15 +412,15 @@ class ContinuousEngine:
         self.counters["draft_tokens"] += k
         reason, error = None, None
         for j in range(k + 1):
-            try:
-                with one_thread(not logits.is_cuda):  # as the sampler runs (sampler.one_thread)
-                    token = pick_token(logits[row + j], seq.params, None)
-            except NonFiniteLogits as exc:
+            picked = sample([seq], logits[row + j : row + j + 1])[0]  # the sampler's argmax
+            if picked.error is not None:
                 if j == 0:
-                    reason, error = "error", exc
+                    reason, error = "error", picked.error
                 # a later row: its position is decoded plainly next step (and fails there,
                 # after the tokens kept so far reach the client, as without speculation)
                 break
+            token = picked.token
+            assert token is not None
             seq.output_token_ids.append(token)
             out.new_token_ids.append(token)
             self.counters["decode_tokens"] += 1

@@ -430,6 +430,23 @@ ENGINE_REMOVED = (
 )
 
 
+def _auto_int(variable: str, raw: str, low: int, high: int) -> int | None:
+    """``auto`` (or empty): None; else an integer ``low`` to ``high``.
+
+    Raises:
+        ConfigError: anything else, naming ``variable``.
+    """
+    if raw.lower() in ("", "auto"):
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(variable, f"expected auto or an integer, got {raw!r}") from None
+    if not low <= value <= high:
+        raise ConfigError(variable, f"must be auto or {low} to {high}, got {value}")
+    return value
+
+
 def _convert(variable: str, kind: str, raw: str) -> object:
     raw = raw.strip()
     if kind in ("str", "path") and not raw:
@@ -497,37 +514,11 @@ def _convert(variable: str, kind: str, raw: str) -> object:
             variable, f"expected debug, info, warning, error or critical, got {raw!r}"
         )
     if kind == "batch_size":
-        if raw.lower() in ("", "auto"):
-            return None
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ConfigError(variable, f"expected auto or an integer, got {raw!r}") from None
-        if not 1 <= value <= MAX_BATCH_SIZE_LIMIT:
-            raise ConfigError(variable, f"must be auto or 1 to {MAX_BATCH_SIZE_LIMIT}, got {value}")
-        return value
+        return _auto_int(variable, raw, 1, MAX_BATCH_SIZE_LIMIT)
     if kind == "threads":
-        if raw.lower() in ("", "auto"):
-            return None
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ConfigError(variable, f"expected auto or an integer, got {raw!r}") from None
-        if not 1 <= value <= 1024:
-            raise ConfigError(variable, f"must be auto or 1 to 1024, got {value}")
-        return value
+        return _auto_int(variable, raw, 1, 1024)
     if kind == "draft_tokens":
-        if raw.strip().lower() in ("", "auto"):
-            return None
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ConfigError(variable, f"expected auto or an integer, got {raw!r}") from None
-        if not 0 <= value <= MAX_SPECULATIVE_TOKENS:
-            raise ConfigError(
-                variable, f"must be auto or 0 to {MAX_SPECULATIVE_TOKENS}, got {value}"
-            )
-        return value
+        return _auto_int(variable, raw, 0, MAX_SPECULATIVE_TOKENS)
     if kind == "batch_delay":
         if raw.strip().lower() in ("", "auto"):
             return None

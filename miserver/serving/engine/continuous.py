@@ -33,6 +33,7 @@ import torch
 
 from miserver.serving.engine import speculation
 from miserver.serving.engine.block_manager import BlockManager
+from miserver.serving.engine.devices import dtype_of
 from miserver.serving.engine.kv_cache import PagedKVCache, blocks_for_budget, cache_shape
 from miserver.serving.engine.model_runner import DecodeGraphs, ModelRunner, ScheduledSeq
 from miserver.serving.engine.sampler import prompt_logprobs, sample
@@ -47,10 +48,6 @@ DEFAULT_BLOCK_SIZE = 16
 
 def _device_of(model: Any) -> torch.device:
     return next(model.parameters()).device
-
-
-def _dtype_name(model: Any) -> str:
-    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def _context_length(model: Any) -> int:
@@ -133,7 +130,7 @@ class ContinuousEngine:
                     "engine: no speculation for this model (%s, %s): its rows are not "
                     "bit-identical across pass sizes",
                     self.device.type,
-                    _dtype_name(model),
+                    dtype_of(model),
                 )
             speculative_tokens = 0
         self.speculative_tokens = speculative_tokens

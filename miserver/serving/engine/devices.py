@@ -17,6 +17,14 @@ def device_of(model: Any) -> torch.device:
         return torch.device("cpu")
 
 
+def dtype_of(model: Any) -> torch.dtype | None:
+    """The dtype of ``model``'s first parameter (None for a module without any)."""
+    try:
+        return next(model.parameters()).dtype
+    except (StopIteration, AttributeError, TypeError):
+        return None
+
+
 #: The side stream every capture's warm-up runs on, one per device for the process's life. A new
 #: ``torch.cuda.Stream`` per capture came from PyTorch's pool of 32, and cuBLAS keeps a
 #: workspace for every stream it has run on (32 MiB on an H200, allocated through the caching

@@ -40,6 +40,7 @@ import torch
 
 from miserver.serving.engine.cpu_linear import MAX_ROWS as WEIGHT_FIRST_ROWS
 from miserver.serving.engine.cpu_linear import cpu_linears
+from miserver.serving.engine.devices import dtype_of
 from miserver.serving.engine.kv_cache import PagedKVCache
 from miserver.serving.engine.paged_attention import (
     ATTENTION_NAME,
@@ -182,7 +183,7 @@ class ModelRunner:
         #: float16 under ``weight_first``: a one-row ``torch.mv`` equals a column of ``mm``;
         #: in float32 it does not, so a float32 pass keeps the padding row as before)
         self.rows_exact = (
-            cpu and self.weight_first and _dtype_of(model) in (torch.bfloat16, torch.float16)
+            cpu and self.weight_first and dtype_of(model) in (torch.bfloat16, torch.float16)
         )
         self.min_rows = MIN_ROWS if cpu and not self.rows_exact else 1
         self.max_rows = (MAX_ROWS if self.weight_first else LINEAR_MAX_ROWS) if cpu else None
@@ -332,11 +333,6 @@ class ModelRunner:
             prompt[key] = logits[first : first + count].contiguous()
         for key, index, count in samplers:
             sampled[key] = logits[index : index + count]
-
-
-def _dtype_of(model: Any) -> torch.dtype | None:
-    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
-    return None if param is None else param.dtype
 
 
 @dataclass

@@ -120,18 +120,16 @@ class NonFiniteLogits(RuntimeError):
 
 def _sample(probs: torch.Tensor, generator: torch.Generator | SeedStream | None) -> int:
     """One index drawn from the (unnormalised, non-negative, 1-D) ``probs``."""
-    if isinstance(generator, SeedStream):
-        # Inverse CDF: the first index whose cumulative mass exceeds u * total (a token of
-        # probability 0 is never chosen: its cumulative mass equals its predecessor's).
-        cumulative = torch.cumsum(probs, dim=-1)
-        target = cumulative[-1:] * generator.uniform()  # on the logits' device, no copy
-        index = torch.searchsorted(cumulative, target, right=True)
-        return min(int(index), probs.shape[-1] - 1)
-    # Unseeded: the same inverse CDF with a draw of torch's generator (``generator``, or the
-    # global one). ``torch.multinomial`` draws from the same distribution but took 887 us a row
-    # of SmolLM2's 49,152 tokens on the CPU against 31 us for this (2-core machine, 1 thread).
+    # Inverse CDF: the first index whose cumulative mass exceeds u * total (a token of
+    # probability 0 is never chosen: its cumulative mass equals its predecessor's). Unseeded, u
+    # is a draw of torch's generator (``generator``, or the global one): ``torch.multinomial``
+    # draws from the same distribution but took 887 us a row of SmolLM2's 49,152 tokens on the
+    # CPU against 31 us for this (2-core machine, 1 thread).
     cumulative = torch.cumsum(probs, dim=-1)
-    draw = torch.rand(1, dtype=cumulative.dtype, device=probs.device, generator=generator)
+    if isinstance(generator, SeedStream):
+        draw: float | torch.Tensor = generator.uniform()  # on the logits' device, no copy
+    else:
+        draw = torch.rand(1, dtype=cumulative.dtype, device=probs.device, generator=generator)
     index = torch.searchsorted(cumulative, cumulative[-1:] * draw, right=True)
     return min(int(index), probs.shape[-1] - 1)
 
@@ -183,26 +181,18 @@ def pick_tokens(
             drop = cumulative - probs >= top_p
             drop[:, 0] = False  # always keeps the best token
             probs = probs.masked_fill(drop, 0.0)
+        # the inverse CDF of each row's draw: its SeedStream's, else torch's global generator
+        draws = torch.rand(len(members), 1, dtype=torch.float64, device=device)
         seeded = [i for i, r in enumerate(members) if isinstance(generators[r], SeedStream)]
-        free = [i for i, r in enumerate(members) if generators[r] is None]
-        picked = torch.zeros(len(members), dtype=torch.long, device=device)
         if seeded:
-            at = torch.tensor(seeded, dtype=torch.long, device=device)
-            cumulative = torch.cumsum(probs.index_select(0, at), dim=-1)
-            draws = torch.tensor(
+            draws[torch.tensor(seeded, dtype=torch.long, device=device)] = torch.tensor(
                 [generators[members[i]].uniform() for i in seeded],  # type: ignore[union-attr]
                 dtype=torch.float64,
                 device=device,
             )[:, None]
-            target = cumulative[:, -1:] * draws
-            found = torch.searchsorted(cumulative, target, right=True)[:, 0]
-            picked[at] = found.clamp(max=probs.shape[-1] - 1)
-        if free:  # torch's global generator, the inverse CDF as pick_token's
-            at = torch.tensor(free, dtype=torch.long, device=device)
-            cumulative = torch.cumsum(probs.index_select(0, at), dim=-1)
-            draws = torch.rand(len(free), 1, dtype=cumulative.dtype, device=device)
-            found = torch.searchsorted(cumulative, cumulative[:, -1:] * draws, right=True)[:, 0]
-            picked[at] = found.clamp(max=probs.shape[-1] - 1)
+        cumulative = torch.cumsum(probs, dim=-1)
+        found = torch.searchsorted(cumulative, cumulative[:, -1:] * draws, right=True)[:, 0]
+        picked = found.clamp(max=probs.shape[-1] - 1)
         if order is not None:
             picked = order.gather(1, picked[:, None])[:, 0]
         for r, token in zip(members, picked.tolist(), strict=True):

@@ -170,9 +170,12 @@ def pick_tokens(
             [params[r].temperature for r in members], dtype=torch.float64, device=device
         )[:, None]
         scaled = logits.index_select(0, sel).double() - best.index_select(0, sel).double()[:, None]
-        probs = torch.softmax(scaled / temperature, dim=-1)
+        scaled = scaled / temperature
         order = None
-        if cut:
+        if not cut:
+            probs = scaled.exp_()  # unnormalised, as pick_token's
+        else:
+            probs = torch.softmax(scaled, dim=-1)
             top_p = torch.tensor(
                 [params[r].top_p for r in members], dtype=torch.float64, device=device
             )[:, None]
@@ -215,21 +218,26 @@ def pick_token(
     Raises:
         NonFiniteLogits: the largest logit is NaN or infinite (any NaN, any +inf, or all -inf).
     """
-    best, index = torch.max(logits, dim=-1)
-    best_value = float(best)
-    if not math.isfinite(best_value):  # torch.max propagates NaN
-        raise NonFiniteLogits()
     if params.temperature == 0:
+        best, index = torch.max(logits, dim=-1)
+        if not math.isfinite(float(best)):  # torch.max propagates NaN
+            raise NonFiniteLogits()
         return int(index)
+    best_value = float(torch.max(logits))
+    if not math.isfinite(best_value):
+        raise NonFiniteLogits()
     # In float64 after subtracting the maximum: every scaled logit is <= 0 (the best is 0), so a
     # temperature as small as 5e-324 gives -inf for the others (a one-hot), never inf or nan.
-    scaled = (logits.double() - best_value) / params.temperature
+    scaled = (logits.double() - best_value).div_(params.temperature)
+    if params.top_p >= 1.0:
+        # no cut: the inverse CDF needs no normalisation, exp's unnormalised weights do (softmax
+        # divides them by their sum: a pass more; 221 against 96 us a row of 49,152 tokens,
+        # 2-core machine, 1 thread)
+        return _sample(scaled.exp_(), generator)
     probs = torch.softmax(scaled, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
-        drop = cumulative - sorted_probs >= params.top_p
-        drop[0] = False  # always keeps the best token (a top_p below the float's resolution too)
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        return int(order[_sample(sorted_probs, generator)])
-    return _sample(probs, generator)
+    sorted_probs, order = torch.sort(probs, descending=True)
+    cumulative = torch.cumsum(sorted_probs, dim=-1)
+    drop = cumulative - sorted_probs >= params.top_p
+    drop[0] = False  # always keeps the best token (a top_p below the float's resolution too)
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return int(order[_sample(sorted_probs, generator)])

@@ -81,10 +81,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"miserver: invalid configuration: {exc}", file=sys.stderr)
             return 2
         if args.command == "serve":
-            # Before torch loads: OpenMP threads that spin while idle take the CPU from the
-            # decode loop and the event loop on shared cores (measured: 79 ms against 640-990 ms
-            # of CPU per decode step on two cores). An explicit setting wins.
-            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+            # Before torch loads: torch's threads on one core for everything but the engine's
+            # products (CPU_THREADS and CPU_MATMUL_THREADS set the engine thread's own). A team
+            # made by this thread would count against the cores and make OpenMP stop spinning
+            # in the engine's product team, whose workers then sleep between products (44
+            # against 32 ms a token on 2 cores; docs/decisions.md, "Products on every core").
+            # An explicit setting wins.
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
             from miserver.server import serve
 
             return serve(settings)

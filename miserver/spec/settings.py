@@ -74,6 +74,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     gguf_threads: int | None = None
     #: None: ``auto``, one fewer than the CPU cores this process may run on (at least 1).
     cpu_threads: int | None = None
+    #: None: ``auto``, the CPU cores this process may run on (``os.sched_getaffinity``).
+    cpu_matmul_threads: int | None = None
     #: None: ``auto``, the device's default (:data:`DEFAULT_SPECULATIVE_TOKENS`).
     speculative_tokens: int | None = None
     max_queued_requests: int = 64
@@ -162,6 +164,7 @@ VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("CONTINUOUS_BATCHING", "continuous_batching", "bool"),
     ("GGUF_THREADS", "gguf_threads", "threads"),
     ("CPU_THREADS", "cpu_threads", "threads"),
+    ("CPU_MATMUL_THREADS", "cpu_matmul_threads", "threads"),
     ("SPECULATIVE_TOKENS", "speculative_tokens", "draft_tokens"),
     ("MAX_QUEUED_REQUESTS", "max_queued_requests", "pos_int"),
     ("MAX_REQUEST_BYTES", "max_request_bytes", "pos_int"),
@@ -412,6 +415,15 @@ def resolved_cpu_threads(settings: Settings) -> int:
     if settings.cpu_threads is not None:
         return settings.cpu_threads
     return max(1, usable_cores() - 1)
+
+
+def resolved_cpu_matmul_threads(settings: Settings) -> int:
+    """``CPU_MATMUL_THREADS``: the setting, or (``auto``) the CPU cores this process may run on:
+    the engine's linear products (reads of the weights) on every core, its other operations on
+    ``CPU_THREADS`` (docs/decisions.md, "Products on every core")."""
+    if settings.cpu_matmul_threads is not None:
+        return settings.cpu_matmul_threads
+    return usable_cores()
 
 
 def resolved_max_batch_size(settings: Settings, device_type: str) -> int:

@@ -149,6 +149,13 @@ DESCRIPTIONS: dict[str, str] = {
     "process may run on (its CPU affinity), at least 1, leaving a core to the event loop that "
     "parses requests and streams answers. Measured on 2 cores: 1 thread served every workload "
     '1.2-1.4x faster than 2 (docs/decisions.md, "Threads"). Read at each load.',
+    "CPU_MATMUL_THREADS": "Threads of the linear layers' products (the reads of the weights) in "
+    "the continuous engine's forward passes on a CPU resident in bfloat16 or float16; every other "
+    "operation of a pass keeps `CPU_THREADS`. `auto` is the cores this process may run on. "
+    "Measured on 2 cores: a lone chat 44 -> 32 ms a token over HTTP with 2. The extra threads "
+    "wait for work by spinning briefly (`miserver serve` leaves OpenMP's default wait policy and "
+    "starts torch with `OMP_NUM_THREADS=1` unless they are set): on a CPU shared with other busy "
+    'processes set 1 (docs/decisions.md, "Products on every core"). Read at each load.',
     "SPECULATIVE_TOKENS": "The most draft tokens a greedy sequence (temperature 0, no "
     "logprobs, echo or `response_format`) gets a step from prompt lookup: the tokens that "
     "followed an earlier occurrence of its last tokens in its prompt or answer, checked by the "

@@ -76,6 +76,8 @@ class ContinuousEngine:
             :data:`~miserver.serving.engine.speculation.DRAFT_TOKENS`. Always 0 unless the
             runner's rows are bit-identical across pass sizes (``ModelRunner.rows_exact``: the
             CPU, bfloat16 or float16), so a greedy answer never depends on speculation.
+        matmul_threads: :class:`ModelRunner`'s (``CPU_MATMUL_THREADS``; None: the engine
+            thread's own count).
 
     Raises:
         ValueError: the budget holds fewer than two blocks, or a limit is invalid.
@@ -95,6 +97,7 @@ class ContinuousEngine:
         prefix_cache: bool = True,
         packed_prefill: bool | None = None,
         speculative_tokens: int | None = None,
+        matmul_threads: int | None = None,
     ) -> None:
         shape = cache_shape(model)
         total = blocks_for_budget(cache_budget_bytes, shape, block_size)
@@ -117,7 +120,9 @@ class ContinuousEngine:
         if decode_graphs != "off":
             max_blocks = -(-self.max_model_len // block_size)
             graphs = DecodeGraphs(model, self.cache, max_num_seqs, max_blocks, decode_graphs)
-        self.runner = ModelRunner(model, self.cache, graphs, packed_prefill)
+        self.runner = ModelRunner(
+            model, self.cache, graphs, packed_prefill, matmul_threads=matmul_threads
+        )
         if speculative_tokens is None:
             speculative_tokens = speculation.DRAFT_TOKENS
         if speculative_tokens < 0:

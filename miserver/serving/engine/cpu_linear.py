@@ -37,6 +37,7 @@ floating dtype takes the path.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -104,14 +105,24 @@ def _forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
             and input.dtype == weight.dtype
             and weight.dtype.is_floating_point
         ):
-            group = self.__dict__.get(FUSED_ATTR)
-            if group is not None:
-                out = _fused_forward(self, group, input, rows)
-                if out is not None:
-                    return out
-            if rows > 1 and id(self) in _local.heads:
-                return _by_chunks(input, weight, self.bias)
-            return _weight_first(input, weight, self.bias)
+            threads = _local.matmul_threads
+            before = torch.get_num_threads() if threads else 0
+            if threads and threads != before:
+                torch.set_num_threads(threads)  # the calling thread's team only (OpenMP)
+            started = time.perf_counter()
+            try:
+                group = self.__dict__.get(FUSED_ATTR)
+                if group is not None:
+                    out = _fused_forward(self, group, input, rows)
+                    if out is not None:
+                        return out
+                if rows > 1 and id(self) in _local.heads:
+                    return _by_chunks(input, weight, self.bias)
+                return _weight_first(input, weight, self.bias)
+            finally:
+                if threads and threads != before:
+                    torch.set_num_threads(before)
+                _local.timing.seconds += time.perf_counter() - started
     return _original_forward(self, input)
 
 
@@ -218,29 +229,134 @@ def install() -> None:
             torch.nn.Linear.forward = _forward  # type: ignore[method-assign]
 
 
+@dataclass
+class ProductTime:
+    """Wall seconds the products of a :func:`cpu_linears` block took (its linear layers on the
+    ``weight @ inputᵀ`` path, transposes included)."""
+
+    seconds: float = 0.0
+
+
 @contextmanager
-def cpu_linears(on: bool = True, heads: Iterable[torch.nn.Module] = ()) -> Iterator[None]:
+def cpu_linears(
+    on: bool = True, heads: Iterable[torch.nn.Module] = (), matmul_threads: int | None = None
+) -> Iterator[ProductTime]:
     """Within the block, this thread's CPU ``torch.nn.Linear`` layers of up to
     :data:`MAX_ROWS` rows compute ``weight @ inputᵀ`` (module docstring); ``on=False`` leaves
     them as they are. The layers in ``heads`` (the output embedding) compute their product a
-    chunk of outputs at a time (:func:`_by_chunks`). Nests; restores the thread's previous
-    state on exit."""
+    chunk of outputs at a time (:func:`_by_chunks`). ``matmul_threads`` (>= 1, or None: the
+    thread's own count): torch's intra-op threads for those products only, every other
+    operation of the pass keeping the thread's count (``CPU_MATMUL_THREADS``; the products read
+    the weights, and a second core's memory bandwidth nearly halves them, while the hundreds of
+    small operations between them would only pay a team's synchronisation). Nests; restores the
+    thread's previous state on exit.
+
+    Raises:
+        ValueError: ``matmul_threads`` below 1.
+    """
+    if matmul_threads is not None and matmul_threads < 1:
+        raise ValueError(f"matmul_threads must be >= 1: {matmul_threads}")
+    timing = ProductTime()
     if not on:
-        yield
+        yield timing
         return
     install()
     before = (
         getattr(_local, "on", False),
         getattr(_local, "heads", frozenset()),
         getattr(_local, "kept", {}),
+        getattr(_local, "matmul_threads", None),
+        getattr(_local, "timing", None),
     )
     _local.on = True
     _local.heads = frozenset(id(m) for m in heads)
     _local.kept = {}  # a fused group's outputs awaiting their sibling's call (by id(module))
+    _local.matmul_threads = matmul_threads
+    _local.timing = timing
     try:
-        yield
+        yield timing
     finally:
-        _local.on, _local.heads, _local.kept = before
+        _local.on, _local.heads, _local.kept, _local.matmul_threads, _local.timing = before
+
+
+#: Passes of one size between probes of the thread count not in use (:class:`MatmulThreads`),
+#: doubled up to :data:`PROBE_MAX` while probes confirm the choice.
+PROBE_FIRST = 8
+PROBE_MAX = 128
+
+
+class MatmulThreads:
+    """The thread count of a CPU pass's products: ``threads`` or 1, per size of pass (its rows,
+    by powers of two), whichever computed them faster lately (docs/decisions.md, "Products on
+    every core").
+
+    On an idle core a second thread nearly halves the products (the weights' reads); but a
+    worker the OS keeps off its core, because another busy process has it, stalls every product
+    of the pass: measured 410 against 44 ms a token (SmolLM2, 2 cores, one busy process beside
+    the server). So both counts are timed. A size's first passes try each count once; from
+    then on a pass takes the count whose products took less time (an average weighting the
+    latest pass by a half), and every :data:`PROBE_FIRST` passes one probes the other count
+    (its time replaces that count's: conditions may have changed since).
+    A probe that loses doubles the interval, up to :data:`PROBE_MAX` passes (a busy neighbour
+    costs one slow pass in 128); one that wins switches, and the interval starts over.
+
+    Args:
+        threads: the count to try beside 1 (>= 1; 1 makes every pass one thread).
+
+    Raises:
+        ValueError: ``threads`` below 1.
+    """
+
+    def __init__(self, threads: int) -> None:
+        if threads < 1:
+            raise ValueError(f"matmul threads must be >= 1: {threads}")
+        self.threads = threads
+        self._seconds: dict[tuple[int, int], float] = {}  # (size, threads) -> recent seconds
+        self._probe: dict[int, list[int]] = {}  # size -> [passes until a probe, interval]
+        #: how many times a probe changed a size's choice
+        self.switches = 0
+
+    def _best(self, size: int) -> int | None:
+        many = self._seconds.get((size, self.threads))
+        one = self._seconds.get((size, 1))
+        if many is None or one is None:
+            return None
+        return self.threads if many <= one else 1
+
+    def choose(self, rows: int) -> int:
+        """The thread count for a pass of ``rows`` rows."""
+        if self.threads == 1:
+            return 1
+        size = rows.bit_length()
+        for count in (self.threads, 1):  # each count once before any choice
+            if (size, count) not in self._seconds:
+                return count
+        best = self._best(size)
+        probe = self._probe.setdefault(size, [PROBE_FIRST, PROBE_FIRST])
+        probe[0] -= 1
+        if probe[0] <= 0:
+            return 1 if best == self.threads else self.threads
+        return best or self.threads
+
+    def record(self, rows: int, threads: int, seconds: float) -> None:
+        """The products of a pass of ``rows`` rows on ``threads`` took ``seconds``."""
+        if self.threads == 1:
+            return
+        size = rows.bit_length()
+        before = self._best(size)
+        key = (size, threads)
+        last = self._seconds.get(key)
+        probe = self._probe.get(size)
+        if probe is None or probe[0] > 0 or before is None or threads == before:
+            self._seconds[key] = seconds if last is None else (last + seconds) / 2
+            return
+        self._seconds[key] = seconds  # a probe: what that count costs now, not before
+        if self._best(size) == before:  # the probe lost: wait longer for the next
+            probe[1] = min(2 * probe[1], PROBE_MAX)
+        else:
+            self.switches += 1
+            probe[1] = PROBE_FIRST
+        probe[0] = probe[1]
 
 
 def place_fused_projections(model: torch.nn.Module) -> list[FusedGroup]:

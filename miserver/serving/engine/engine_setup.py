@@ -59,6 +59,7 @@ def build(
     from miserver.serving.engine.kv_cache import cache_shape
     from miserver.spec.settings import (
         DEFAULT_ENGINE_MAX_SEQS,
+        resolved_cpu_matmul_threads,
         resolved_cpu_threads,
         resolved_kv_cache_bytes,
         resolved_speculative_tokens,
@@ -83,6 +84,9 @@ def build(
             decode_graphs=settings.decode_graphs if device.type == "cuda" else "off",
             prefix_cache=device.type != "cpu",
             speculative_tokens=resolved_speculative_tokens(settings, device.type),
+            matmul_threads=(
+                resolved_cpu_matmul_threads(settings) if device.type == "cpu" else None
+            ),
             **(CUDA_STEP_TOKENS if device.type == "cuda" else {}),
         )
     except Exception as exc:  # noqa: BLE001 - the load fails, saying why
@@ -91,7 +95,7 @@ def build(
     threads = resolved_cpu_threads(settings) if device.type == "cpu" else None
     log.info(
         "continuous engine for %s: KV cache %.1f MiB (KV_CACHE_BYTES %s), %d blocks of %d "
-        "positions, up to %d sequences a step%s, in %.2f s",
+        "positions, up to %d sequences a step%s%s, in %.2f s",
         name,
         stats["cache_bytes"] / 2**20,
         "auto" if settings.kv_cache_bytes is None else settings.kv_cache_bytes,
@@ -99,6 +103,9 @@ def build(
         stats["block_size"],
         max_seqs,
         "" if threads is None else f", {threads} CPU thread{'s' if threads > 1 else ''}",
+        ""
+        if not engine.runner.matmul_threads
+        else f" ({engine.runner.matmul_threads} for products)",
         time.perf_counter() - started,
     )
     # On the CPU a prompt whose head comes from the prefix cache is computed in another shape

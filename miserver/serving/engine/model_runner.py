@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from miserver.serving.engine.cpu_linear import MAX_ROWS as WEIGHT_FIRST_ROWS
-from miserver.serving.engine.cpu_linear import cpu_linears
+from miserver.serving.engine.cpu_linear import MatmulThreads, cpu_linears
 from miserver.serving.engine.devices import dtype_of
 from miserver.serving.engine.kv_cache import PagedKVCache
 from miserver.serving.engine.paged_attention import (
@@ -161,6 +161,8 @@ class ModelRunner:
         weight_first: the CPU's linear layers as ``weight @ inputᵀ``
             (:mod:`~miserver.serving.engine.cpu_linear`; faster, and a pass may hold
             :data:`MAX_ROWS` one-query rows); None: on the CPU.
+        matmul_threads: torch's intra-op threads for the linear products of a CPU pass in
+            bfloat16 or float16 (``CPU_MATMUL_THREADS``); None: the engine thread's own count.
     """
 
     def __init__(
@@ -170,6 +172,7 @@ class ModelRunner:
         graphs: DecodeGraphs | None = None,
         packed_prefill: bool | None = None,
         weight_first: bool | None = None,
+        matmul_threads: int | None = None,
     ):
         register()
         self.model = model
@@ -186,6 +189,13 @@ class ModelRunner:
             cpu and self.weight_first and dtype_of(model) in (torch.bfloat16, torch.float16)
         )
         self.min_rows = MIN_ROWS if cpu and not self.rows_exact else 1
+        #: torch's threads for the linear products of a CPU pass (``CPU_MATMUL_THREADS``;
+        #: :func:`cpu_linears`), or None: the engine thread's own. Only where ``rows_exact``: in
+        #: bfloat16 and float16 a product's bits were measured the same on 1 and 2 threads for
+        #: every row count, in float32 not (MKL splits the sum otherwise)
+        self.matmul_threads = matmul_threads if self.rows_exact else None
+        #: chooses each pass's product threads (``matmul_threads`` or 1), timing both
+        self.threads = MatmulThreads(matmul_threads) if self.matmul_threads else None
         self.max_rows = (MAX_ROWS if self.weight_first else LINEAR_MAX_ROWS) if cpu else None
         #: several prefill chunks of a step in one attention call a layer (CUDA by default;
         #: never on the CPU by default, where each chunk's bits must not depend on the others)
@@ -201,7 +211,12 @@ class ModelRunner:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: Any, meta: PagedMetadata):
         kwargs = {ATTENTION_NAME: meta}
-        with use_paged_attention(self.configs), cpu_linears(self.weight_first, self._head):
+        rows = int(ids.shape[0])
+        threads = self.threads.choose(rows) if self.threads is not None else None
+        with (
+            use_paged_attention(self.configs),
+            cpu_linears(self.weight_first, self._head, threads) as products,
+        ):
             out = self.model(
                 input_ids=ids[None],
                 position_ids=pos[None],
@@ -209,6 +224,8 @@ class ModelRunner:
                 logits_to_keep=keep,
                 **kwargs,
             )
+        if self.threads is not None and threads is not None:
+            self.threads.record(rows, threads, products.seconds)
         self.forward_passes += 1
         return out.logits[0]
 

@@ -255,3 +255,97 @@ def test_groups_are_placed_only_where_every_member_fits() -> None:
     again = _Block()
     assert len(cpu_linear.place_fused_projections(again)) == 2
     assert cpu_linear.place_fused_projections(again) == []  # placed once
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_product_has_the_same_bits_on_one_thread_and_on_two(dtype: torch.dtype) -> None:
+    """What lets a pass's products move between 1 and 2 threads (``CPU_MATMUL_THREADS``,
+    :class:`cpu_linear.MatmulThreads`) without a sequence's text depending on it: in bfloat16
+    and float16 each row of every product of 1 to MAX_ROWS rows (one row: ``torch.mv``) is the
+    same bits on 1 and on 2 threads, on the running torch (float32 is not: the engine keeps it
+    on the thread's own count)."""
+    before = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(9)
+    try:
+        for out_f, in_f in SHAPES:
+            w = (torch.randn(out_f, in_f, generator=gen) * 0.05).to(dtype)
+            x = torch.randn(MAX_ROWS, in_f, generator=gen).to(dtype)
+            got = {}
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                got[threads] = [
+                    cpu_linear._weight_first(x[:m], w, None) for m in (1, 2, 5, 32, 33, MAX_ROWS)
+                ]
+            for one, two in zip(got[1], got[2], strict=True):
+                assert torch.equal(one, two), (out_f, in_f, one.shape)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_products_run_on_matmul_threads_and_everything_else_on_the_thread_s_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``cpu_linears(matmul_threads=N)``: each product on N threads, the thread's own count
+    back around it (so every other operation of the pass keeps it) and after the block; the
+    block's products are timed."""
+    seen: list[int] = []
+    real = cpu_linear._weight_first
+    monkeypatch.setattr(
+        cpu_linear, "_weight_first", lambda *a: seen.append(torch.get_num_threads()) or real(*a)
+    )
+    mine = torch.get_num_threads()
+    other = 1 if mine > 1 else 2
+    layer = torch.nn.Linear(64, 32, bias=False).to(torch.bfloat16)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with torch.inference_mode(), cpu_linears(matmul_threads=other) as products:
+        expected = torch.nn.functional.linear(x, layer.weight)
+        assert torch.equal(layer(x), expected)
+        assert torch.get_num_threads() == mine
+        layer(x[:1])
+    assert seen == [other, other]
+    assert products.seconds > 0
+    assert torch.get_num_threads() == mine
+    with cpu_linears() as plain:
+        layer(x)
+    assert seen[-1] == mine and plain.seconds > 0
+    with pytest.raises(ValueError, match="matmul_threads"), cpu_linears(matmul_threads=0):
+        pass
+
+
+def test_matmul_threads_keeps_the_faster_count_and_probes_the_other() -> None:
+    """:class:`cpu_linear.MatmulThreads` with made-up timings: each count tried once per size of
+    pass, then the faster one; a probe of the other every PROBE_FIRST passes, a losing probe
+    doubling the interval up to PROBE_MAX, a winning one switching; sizes apart."""
+    from miserver.serving.engine.cpu_linear import PROBE_FIRST, PROBE_MAX, MatmulThreads
+
+    cost = {2: 0.010, 1: 0.030}  # two threads faster at first
+    chooser = MatmulThreads(2)
+
+    def passes(n: int, rows: int = 1) -> list[int]:
+        used = []
+        for _ in range(n):
+            threads = chooser.choose(rows)
+            chooser.record(rows, threads, cost[threads])
+            used.append(threads)
+        return used
+
+    assert passes(2) == [2, 1]  # each count once
+    used = passes(PROBE_FIRST * 3)
+    assert used.count(1) == 2  # probes only: after PROBE_FIRST passes, then 2 * PROBE_FIRST
+    assert used[PROBE_FIRST - 1] == 1 and used[3 * PROBE_FIRST - 1] == 1
+    cost[2] = 0.5  # a busy neighbour: the second thread's core is taken
+    used = passes(3)
+    assert used[-1] == 1  # the average of two slow passes loses at once
+    cost[2] = 0.010  # the neighbour is gone: a probe finds it and switches back
+    used = passes(PROBE_FIRST)
+    assert used[-1] == 2 and chooser.switches >= 1
+    intervals = chooser._probe[1]
+    assert intervals[1] == PROBE_FIRST  # the change of choice started the interval over
+    for _ in range(12):
+        passes(PROBE_MAX)
+    assert chooser._probe[1][1] == PROBE_MAX  # losing probes: the interval doubled up to its cap
+    assert passes(2, rows=40) == [2, 1]  # another size learns on its own
+    single = MatmulThreads(1)
+    assert {single.choose(r) for r in (1, 7, 128)} == {1}
+    with pytest.raises(ValueError):
+        MatmulThreads(0)

@@ -168,3 +168,36 @@ def test_speculation_keeps_the_default_models_greedy_text(loaded: tuple[Any, Any
         assert got[0] == got[1], count
         assert stats[0]["accepted_draft_tokens"] > 0
         assert stats[0]["steps"] < stats[1]["steps"]
+
+
+def test_products_moving_between_thread_counts_keep_the_greedy_text(
+    loaded: tuple[Any, Any],
+) -> None:
+    """``CPU_MATMUL_THREADS``: a pass's products on 2 threads or on 1, the count changing from
+    pass to pass (as :class:`~miserver.serving.engine.cpu_linear.MatmulThreads` may), give the
+    same tokens as every product on the thread's own count: three sequences beside each
+    other, and every pass's count recorded."""
+    model, tok = loaded
+    ids = [tok(p)["input_ids"] for p in PROMPTS[:3]]
+    got, counts = [], []
+    for threads in (None, 2):
+        budget = cache_shape(model).bytes_per_token * 16 * 65
+        engine = ContinuousEngine(model, budget, speculative_tokens=0, matmul_threads=threads)
+        chooser = engine.runner.threads
+        if chooser is not None:
+            turn = iter(range(10**6))
+            record = chooser.record
+
+            def choose(rows: int, turn: Any = turn) -> int:
+                return 2 if next(turn) % 2 else 1  # every other pass
+
+            def timed(rows: int, t: int, s: float, record: Any = record) -> None:
+                counts.append(t)
+                record(rows, t, s)
+
+            chooser.choose, chooser.record = choose, timed
+        for i, p in enumerate(ids):
+            engine.add(Sequence(i, p, SamplingParams(max_tokens=24, temperature=0)))
+        got.append(_drain(engine))
+    assert got[0] == got[1]
+    assert set(counts) == {1, 2}

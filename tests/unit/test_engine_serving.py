@@ -63,15 +63,27 @@ async def test_the_engine_thread_computes_on_cpu_threads_and_the_event_loop_keep
 
     mine = torch.get_num_threads()
     wanted = 1 if mine > 1 else 2
-    c = await make_client(tmp_path, str(model_dir(default_home)), CPU_THREADS=str(wanted))
+    c = await make_client(
+        tmp_path,
+        str(model_dir(default_home)),
+        CPU_THREADS=str(wanted),
+        CPU_MATMUL_THREADS="3",
+        SPECULATIVE_TOKENS="0",  # one-row decode passes
+    )
     try:
         loop = engine_loop(c)
         assert loop.threads == wanted
+        runner = loop.engine.runner
+        assert runner.matmul_threads == 3 and runner.threads.threads == 3
         seen: list[int] = []
         loop.on_step = lambda n, outputs: seen.append(torch.get_num_threads())
-        await post(c, chat("Hi", max_tokens=2))
+        await post(c, chat("Hi", max_tokens=6))
         assert seen and set(seen) == {wanted}
         assert torch.get_num_threads() == mine  # the event loop's thread is left alone
+        # the products were timed on both counts for the one-row passes (a size's first two)
+        timed = runner.threads._seconds
+        assert {t for _, t in timed} == {1, 3}
+        assert (1, 1) in timed and (1, 3) in timed
     finally:
         await c.close()
 

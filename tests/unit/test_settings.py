@@ -235,6 +235,27 @@ def test_cpu_threads_is_auto_or_a_count_and_auto_leaves_one_core(
             load_settings({"MISERVER_HOME": "/x", "CPU_THREADS": bad})
 
 
+def test_cpu_matmul_threads_is_auto_or_a_count_and_auto_is_every_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    from miserver.spec import settings as settings_module
+    from miserver.spec.settings import resolved_cpu_matmul_threads
+
+    auto = load_settings({"MISERVER_HOME": "/x"})
+    assert auto.cpu_matmul_threads is None
+    assert resolved_cpu_matmul_threads(auto) == len(os.sched_getaffinity(0))
+    for cores in (1, 2, 16):
+        monkeypatch.setattr(settings_module, "usable_cores", lambda c=cores: c)
+        assert resolved_cpu_matmul_threads(auto) == cores
+    set_ = load_settings({"MISERVER_HOME": "/x", "CPU_MATMUL_THREADS": "1"})
+    assert (set_.cpu_matmul_threads, resolved_cpu_matmul_threads(set_)) == (1, 1)
+    for bad in ("0", "1025", "-2", "two"):
+        with pytest.raises(ConfigError, match="CPU_MATMUL_THREADS"):
+            load_settings({"MISERVER_HOME": "/x", "CPU_MATMUL_THREADS": bad})
+
+
 def test_continuous_batching_1_starts_with_pauses_unavailable_as_cbm() -> None:
     from miserver.fsm.machine import Lifecycle
 

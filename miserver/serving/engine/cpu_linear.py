@@ -296,9 +296,10 @@ class MatmulThreads:
     the server). So both counts are timed. A size's first passes try each count once; from
     then on a pass takes the count whose products took less time (an average weighting the
     latest pass by a half), and every :data:`PROBE_FIRST` passes one probes the other count
-    (its time replaces that count's: conditions may have changed since).
-    A probe that loses doubles the interval, up to :data:`PROBE_MAX` passes (a busy neighbour
-    costs one slow pass in 128); one that wins switches, and the interval starts over.
+    (its time replaces that count's: conditions may have changed since). A probe that loses
+    doubles the interval, up to :data:`PROBE_MAX` passes (a busy neighbour costs one slow pass
+    in 128); a change of choice (a probe that wins, or the count in use growing slower) starts
+    the interval over.
 
     Args:
         threads: the count to try beside 1 (>= 1; 1 makes every pass one thread).
@@ -313,7 +314,7 @@ class MatmulThreads:
         self.threads = threads
         self._seconds: dict[tuple[int, int], float] = {}  # (size, threads) -> recent seconds
         self._probe: dict[int, list[int]] = {}  # size -> [passes until a probe, interval]
-        #: how many times a probe changed a size's choice
+        #: how many times a size's choice changed
         self.switches = 0
 
     def _best(self, size: int) -> int | None:
@@ -347,16 +348,17 @@ class MatmulThreads:
         key = (size, threads)
         last = self._seconds.get(key)
         probe = self._probe.get(size)
-        if probe is None or probe[0] > 0 or before is None or threads == before:
-            self._seconds[key] = seconds if last is None else (last + seconds) / 2
+        probing = probe is not None and probe[0] <= 0 and before not in (None, threads)
+        # a probe's time replaces its count's (what it costs now, not before)
+        self._seconds[key] = seconds if last is None or probing else (last + seconds) / 2
+        if probe is None or before is None:
             return
-        self._seconds[key] = seconds  # a probe: what that count costs now, not before
-        if self._best(size) == before:  # the probe lost: wait longer for the next
-            probe[1] = min(2 * probe[1], PROBE_MAX)
-        else:
+        if self._best(size) != before:  # a probe won, or the count in use got slower
             self.switches += 1
-            probe[1] = PROBE_FIRST
-        probe[0] = probe[1]
+            probe[:] = [PROBE_FIRST, PROBE_FIRST]
+        elif probing:  # the probe lost: wait longer for the next
+            probe[1] = min(2 * probe[1], PROBE_MAX)
+            probe[0] = probe[1]
 
 
 def place_fused_projections(model: torch.nn.Module) -> list[FusedGroup]:

@@ -152,10 +152,12 @@ DESCRIPTIONS: dict[str, str] = {
     "CPU_MATMUL_THREADS": "Threads of the linear layers' products (the reads of the weights) in "
     "the continuous engine's forward passes on a CPU resident in bfloat16 or float16; every other "
     "operation of a pass keeps `CPU_THREADS`. `auto` is the cores this process may run on. "
-    "Measured on 2 cores: a lone chat 44 -> 32 ms a token over HTTP with 2. The extra threads "
-    "wait for work by spinning briefly (`miserver serve` leaves OpenMP's default wait policy and "
-    "starts torch with `OMP_NUM_THREADS=1` unless they are set): on a CPU shared with other busy "
-    'processes set 1 (docs/decisions.md, "Products on every core"). Read at each load.',
+    "Measured on 2 cores: a lone chat 44 -> 32 ms a token over HTTP with 2. Each pass's count "
+    "(this one or 1) is chosen by timing both, so when another busy process takes a core the "
+    "engine falls back to one thread and returns when the core is free; set 1 to pin it. The "
+    "extra threads wait for work by spinning briefly (`miserver serve` starts torch with "
+    "`OMP_NUM_THREADS=1` and OpenMP's default wait policy unless they are set; under "
+    "`OMP_WAIT_POLICY=PASSIVE` one thread measures faster and is kept). Read at each load.",
     "SPECULATIVE_TOKENS": "The most draft tokens a greedy sequence (temperature 0, no "
     "logprobs, echo or `response_format`) gets a step from prompt lookup: the tokens that "
     "followed an earlier occurrence of its last tokens in its prompt or answer, checked by the "

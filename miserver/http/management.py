@@ -569,8 +569,10 @@ def kv_cache_summary(resident: Any) -> dict[str, Any] | None:
     (``bytes``: ``KV_CACHE_BYTES`` rounded down to whole blocks; ``peak_batch``: the most
     sequences one step computed; ``step_times``: ``{graph: {steps, ms}, eager: {steps, ms},
     slowest_ms}``, where the engine's time went), and on CUDA with graphs ``decode_graphs`` ``{mode, captured:
-    [[rows, width in blocks], ...], failed, replays, bytes}``; None with nothing resident or no
-    engine."""
+    [[rows, width in blocks], ...], failed, replays, bytes}``, and on a CPU resident
+    ``matmul_threads`` ``{threads, chosen: {rows: count in use}, switches}`` (the linear
+    products' thread count each size of pass uses now, ``CPU_MATMUL_THREADS``); None with
+    nothing resident or no engine."""
     loop = getattr(resident, "engine_loop", None) if resident is not None else None
     if loop is None or loop.closed:
         return None
@@ -588,6 +590,7 @@ def kv_cache_summary(resident: Any) -> dict[str, Any] | None:
         "peak_batch": stats.get("peak_batch"),
         "step_times": stats.get("step_times"),
         **({"decode_graphs": stats["decode_graphs"]} if "decode_graphs" in stats else {}),
+        **({"matmul_threads": stats["matmul_threads"]} if "matmul_threads" in stats else {}),
     }
 
 

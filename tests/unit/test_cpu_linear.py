@@ -345,6 +345,9 @@ def test_matmul_threads_keeps_the_faster_count_and_probes_the_other() -> None:
         passes(PROBE_MAX)
     assert chooser._probe[1][1] == PROBE_MAX  # losing probes: the interval doubled up to its cap
     assert passes(2, rows=40) == [2, 1]  # another size learns on its own
+    summary = chooser.summary()
+    assert summary["threads"] == 2 and summary["switches"] == chooser.switches
+    assert summary["chosen"] == {"1": 2, "32-63": 2}  # rows 1, and 40's size (32 to 63)
     single = MatmulThreads(1)
     assert {single.choose(r) for r in (1, 7, 128)} == {1}
     with pytest.raises(ValueError):

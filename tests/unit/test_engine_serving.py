@@ -11,6 +11,7 @@ steps, not seconds.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from typing import Any
@@ -84,6 +85,9 @@ async def test_the_engine_thread_computes_on_cpu_threads_and_the_event_loop_keep
         timed = runner.threads._seconds
         assert {t for _, t in timed} == {1, 3}
         assert (1, 1) in timed and (1, 3) in timed
+        health = await (await c.get("/api/health/detailed")).json()
+        shown = json.dumps(health)
+        assert '"matmul_threads": {"threads": 3' in shown and '"1": ' in shown
     finally:
         await c.close()
 

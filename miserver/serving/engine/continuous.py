@@ -246,9 +246,10 @@ class ContinuousEngine:
         ``prefix_cached_blocks``, ``prefills``, ``recomputes``, ``forks``, ``preemptions``,
         ``prefill_tokens``, ``decode_tokens``, ``steps``, ``draft_tokens`` and
         ``accepted_draft_tokens`` (speculation), ``forward_passes``, ``peak_batch`` (the
-        most sequences one step computed), ``step_times`` (:meth:`step_summary`), and with
-        decode graphs ``decode_graphs``
-        (:meth:`DecodeGraphs.summary`)."""
+        most sequences one step computed), ``step_times`` (:meth:`step_summary`), with
+        decode graphs ``decode_graphs`` (:meth:`DecodeGraphs.summary`), and on a CPU resident
+        with ``matmul_threads`` ``matmul_threads``
+        (:meth:`~miserver.serving.engine.cpu_linear.MatmulThreads.summary`)."""
         with self._lock:
             pending = len(self._pending)
         graphs = self.runner.graphs
@@ -256,6 +257,11 @@ class ContinuousEngine:
             "peak_batch": self.peak_batch,
             "step_times": self.step_summary(),
             **({"decode_graphs": graphs.summary()} if graphs is not None else {}),
+            **(
+                {"matmul_threads": self.runner.threads.summary()}
+                if self.runner.threads is not None
+                else {}
+            ),
             "blocks_total": self.blocks.num_blocks,
             "blocks_free": self.blocks.num_free_blocks,
             "block_size": self.blocks.block_size,

@@ -339,6 +339,16 @@ class MatmulThreads:
             return 1 if best == self.threads else self.threads
         return best or self.threads
 
+    def summary(self) -> dict[str, Any]:
+        """``{threads, chosen: {"LOW-HIGH" rows: count in use}, switches}`` (the health
+        route's view: which count each size of pass uses now)."""
+        chosen = {}
+        for size in sorted({size for size, _ in self._seconds}):
+            low, high = (1 << size) >> 1, (1 << size) - 1
+            best = self._best(size)
+            chosen[f"{low}-{high}" if high > low else str(low)] = best or self.threads
+        return {"threads": self.threads, "chosen": chosen, "switches": self.switches}
+
     def record(self, rows: int, threads: int, seconds: float) -> None:
         """The products of a pass of ``rows`` rows on ``threads`` took ``seconds``."""
         if self.threads == 1:

@@ -123,7 +123,10 @@ def child_main(profile_out: str | None, gc_out: str) -> int:
     (write), the garbage collector's collections and CPU time are counted (written to
     ``gc_out`` as JSON) and, with ``profile_out``, every thread is profiled (the merged stats
     written to ``profile_out``)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `miserver serve` sets it
+    from miserver.cli import set_thread_environment
+    from miserver.spec.settings import load_settings as _settings
+
+    set_thread_environment(_settings())  # as `miserver serve` sets it, before torch loads
     _install_marks(profile_out, gc_out)
     import miserver
     from miserver.server import serve

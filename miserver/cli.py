@@ -71,6 +71,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def serves_on_cpu(settings: settings_def.Settings) -> bool:
+    """Whether ``settings`` serve on the CPU, decided before torch loads: ``DEVICE=cpu``, or
+    ``auto`` on a machine without an NVIDIA device node (``/dev/nvidia0``...)."""
+    if settings.device != "auto":
+        return settings.device == "cpu"
+    import glob
+
+    return not glob.glob("/dev/nvidia[0-9]*")
+
+
+def set_thread_environment(settings: settings_def.Settings) -> None:
+    """OpenMP's environment for ``miserver serve``, set before torch loads; an explicit
+    environment wins.
+
+    - A CPU server (:func:`serves_on_cpu`): ``OMP_NUM_THREADS=1``, so torch's work outside the
+      engine thread (loading, the event loop) runs on one core, and OpenMP's default wait
+      policy. The engine thread sets its own counts (``CPU_THREADS``; ``CPU_MATMUL_THREADS``
+      for the linear products, whose extra threads spin briefly between products). A team made
+      by the main thread would count against the cores, and OpenMP would then put the product
+      team's threads to sleep between products (44 against 32 ms a token on 2 cores;
+      docs/decisions.md, "Products on every core").
+    - A CUDA server: ``OMP_WAIT_POLICY=PASSIVE`` as before (idle OpenMP threads sleep instead
+      of spinning on shared cores; its CPU work is small).
+    """
+    if serves_on_cpu(settings):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    else:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("serve", "import-default"):
@@ -81,13 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"miserver: invalid configuration: {exc}", file=sys.stderr)
             return 2
         if args.command == "serve":
-            # Before torch loads: torch's threads on one core for everything but the engine's
-            # products (CPU_THREADS and CPU_MATMUL_THREADS set the engine thread's own). A team
-            # made by this thread would count against the cores and make OpenMP stop spinning
-            # in the engine's product team, whose workers then sleep between products (44
-            # against 32 ms a token on 2 cores; docs/decisions.md, "Products on every core").
-            # An explicit setting wins.
-            os.environ.setdefault("OMP_NUM_THREADS", "1")
+            set_thread_environment(settings)
             from miserver.server import serve
 
             return serve(settings)

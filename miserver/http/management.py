@@ -570,7 +570,7 @@ def kv_cache_summary(resident: Any) -> dict[str, Any] | None:
     sequences one step computed; ``step_times``: ``{graph: {steps, ms}, eager: {steps, ms},
     slowest_ms}``, where the engine's time went), and on CUDA with graphs ``decode_graphs`` ``{mode, captured:
     [[rows, width in blocks], ...], failed, replays, bytes}``, and on a CPU resident
-    ``matmul_threads`` ``{threads, chosen: {rows: count in use}, switches}`` (the linear
+    ``matmul_threads`` ``{threads, fallback, chosen: {rows: count in use}, switches}`` (the linear
     products' thread count each size of pass uses now, ``CPU_MATMUL_THREADS``); None with
     nothing resident or no engine."""
     loop = getattr(resident, "engine_loop", None) if resident is not None else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -335,7 +336,7 @@ def test_matmul_threads_keeps_the_faster_count_and_probes_the_other() -> None:
     assert used[PROBE_FIRST - 1] == 1 and used[3 * PROBE_FIRST - 1] == 1
     cost[2] = 0.5  # a busy neighbour: the second thread's core is taken
     used = passes(3)
-    assert used[-1] == 1  # the average of two slow passes loses at once
+    assert used[-1] == 1  # one slow pass makes the average lose at once
     cost[2] = 0.010  # the neighbour is gone: a probe finds it and switches back
     used = passes(PROBE_FIRST)
     assert used[-1] == 2 and chooser.switches >= 1
@@ -346,9 +347,66 @@ def test_matmul_threads_keeps_the_faster_count_and_probes_the_other() -> None:
     assert chooser._probe[1][1] == PROBE_MAX  # losing probes: the interval doubled up to its cap
     assert passes(2, rows=40) == [2, 1]  # another size learns on its own
     summary = chooser.summary()
-    assert summary["threads"] == 2 and summary["switches"] == chooser.switches
+    assert summary["threads"] == 2 and summary["fallback"] == 1
+    assert summary["switches"] == chooser.switches
     assert summary["chosen"] == {"1": 2, "32-63": 2}  # rows 1, and 40's size (32 to 63)
-    single = MatmulThreads(1)
-    assert {single.choose(r) for r in (1, 7, 128)} == {1}
-    with pytest.raises(ValueError):
-        MatmulThreads(0)
+    single = MatmulThreads(3, fallback=3)  # one count: every pass takes it
+    assert {single.choose(r) for r in (1, 7, 128)} == {3}
+    many = MatmulThreads(8, fallback=7)  # the engine thread's own count is the other choice
+    assert many.choose(1) == 8
+    many.record(1, 8, 0.01)
+    assert many.choose(1) == 7
+    for bad in ((0, 1), (2, 0)):
+        with pytest.raises(ValueError):
+            MatmulThreads(*bad)
+
+
+def test_same_bits_compares_every_count_and_restores_the_thread_s_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """:func:`cpu_linear.same_bits`: True for SmolLM2's shapes on 1 and 2 threads in
+    bfloat16 (what the 2-core machine has); False as soon as one count rounds a row otherwise
+    (a product made to differ on 2 threads); the thread's count restored either way."""
+    mine = torch.get_num_threads()
+    assert cpu_linear.same_bits(SHAPES[:4], torch.bfloat16, (1, 2))
+    real = cpu_linear._weight_first
+
+    def off_on_two(x: torch.Tensor, w: torch.Tensor, b: Any) -> torch.Tensor:
+        out = real(x, w, b)
+        return out + 1 if torch.get_num_threads() == 2 and x.shape[0] == 33 else out
+
+    monkeypatch.setattr(cpu_linear, "_weight_first", off_on_two)
+    assert not cpu_linear.same_bits(SHAPES[:1], torch.bfloat16, (1, 2))
+    assert cpu_linear.same_bits(SHAPES[:1], torch.bfloat16, (1, 1))
+    assert torch.get_num_threads() == mine
+
+
+def test_a_runner_whose_products_round_otherwise_keeps_its_own_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``matmul_threads`` is left unused (None, no chooser) where :func:`same_bits` says the
+    model's products round otherwise on it than on the engine thread's count, or in float32,
+    or when it is that count already; used otherwise."""
+    from miserver.serving.engine.kv_cache import PagedKVCache, cache_shape
+    from miserver.serving.engine.model_runner import ModelRunner
+    from tests.tiny_llama import sharp_tiny_llama
+
+    def runner(model: Any, threads: int, own: int) -> ModelRunner:
+        cache = PagedKVCache(cache_shape(model), 4, 4, torch.device("cpu"))
+        made = ModelRunner(model, cache, matmul_threads=threads, own_threads=own)
+        assert made.matmul_threads is None and made.threads is None  # settled at a first pass
+        made.settle_matmul_threads()
+        return made
+
+    bf16 = sharp_tiny_llama(64).to(torch.bfloat16)
+    used = runner(bf16, 2, 1)
+    assert used.matmul_threads == 2 and used.threads is not None
+    assert used.threads.fallback == 1
+    assert runner(bf16, 2, 2).matmul_threads is None  # already the engine thread's count
+    assert runner(sharp_tiny_llama(64), 2, 1).matmul_threads is None  # float32
+    monkeypatch.setattr(cpu_linear, "same_bits", lambda *a: False)
+    from miserver.serving.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "same_bits", lambda *a: False)
+    refused = runner(bf16, 2, 1)
+    assert refused.matmul_threads is None and refused.threads is None

@@ -183,7 +183,9 @@ def test_products_moving_between_thread_counts_keep_the_greedy_text(
     for threads in (None, 2):
         budget = cache_shape(model).bytes_per_token * 16 * 65
         engine = ContinuousEngine(model, budget, speculative_tokens=0, matmul_threads=threads)
+        engine.runner.settle_matmul_threads()  # what the first pass does
         chooser = engine.runner.threads
+        assert (chooser is None) == (threads is None)
         if chooser is not None:
             turn = iter(range(10**6))
             record = chooser.record

@@ -329,3 +329,34 @@ def test_speculative_tokens_is_auto_or_0_to_16_and_auto_is_4_on_the_cpu_only() -
     for bad in ("17", "-1", "four"):
         with pytest.raises(ConfigError, match="SPECULATIVE_TOKENS"):
             load_settings({"MISERVER_HOME": "/x", "SPECULATIVE_TOKENS": bad})
+
+
+def test_serve_sets_openmp_for_its_device_and_an_explicit_environment_wins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``miserver serve``'s OpenMP environment (cli.set_thread_environment): a CPU server
+    ``OMP_NUM_THREADS=1`` (the engine thread sets its own counts), a CUDA server
+    ``OMP_WAIT_POLICY=PASSIVE``; ``auto`` is the CPU without an NVIDIA device node; a variable
+    already set is left as it is."""
+    import glob
+
+    from miserver import cli
+
+    for name in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    cpu = load_settings({"MISERVER_HOME": "/x", "DEVICE": "cpu"})
+    cuda = load_settings({"MISERVER_HOME": "/x", "DEVICE": "cuda"})
+    auto = load_settings({"MISERVER_HOME": "/x"})
+    assert cli.serves_on_cpu(cpu) and not cli.serves_on_cpu(cuda)
+    monkeypatch.setattr(glob, "glob", lambda pattern: ["/dev/nvidia0"])
+    assert not cli.serves_on_cpu(auto)
+    monkeypatch.setattr(glob, "glob", lambda pattern: [])
+    assert cli.serves_on_cpu(auto)
+    cli.set_thread_environment(cpu)
+    assert os.environ.get("OMP_NUM_THREADS") == "1" and "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    cli.set_thread_environment(cuda)
+    assert os.environ.get("OMP_WAIT_POLICY") == "PASSIVE" and "OMP_NUM_THREADS" not in os.environ
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    cli.set_thread_environment(cpu)
+    assert os.environ["OMP_NUM_THREADS"] == "4"

@@ -78,6 +78,8 @@ class ContinuousEngine:
             CPU, bfloat16 or float16), so a greedy answer never depends on speculation.
         matmul_threads: :class:`ModelRunner`'s (``CPU_MATMUL_THREADS``; None: the engine
             thread's own count).
+        cpu_threads: the count the engine thread computes on (``CPU_THREADS``, the products'
+            other count); None: the constructing thread's.
 
     Raises:
         ValueError: the budget holds fewer than two blocks, or a limit is invalid.
@@ -98,6 +100,7 @@ class ContinuousEngine:
         packed_prefill: bool | None = None,
         speculative_tokens: int | None = None,
         matmul_threads: int | None = None,
+        cpu_threads: int | None = None,
     ) -> None:
         shape = cache_shape(model)
         total = blocks_for_budget(cache_budget_bytes, shape, block_size)
@@ -121,7 +124,12 @@ class ContinuousEngine:
             max_blocks = -(-self.max_model_len // block_size)
             graphs = DecodeGraphs(model, self.cache, max_num_seqs, max_blocks, decode_graphs)
         self.runner = ModelRunner(
-            model, self.cache, graphs, packed_prefill, matmul_threads=matmul_threads
+            model,
+            self.cache,
+            graphs,
+            packed_prefill,
+            matmul_threads=matmul_threads,
+            own_threads=cpu_threads,
         )
         if speculative_tokens is None:
             speculative_tokens = speculation.DRAFT_TOKENS

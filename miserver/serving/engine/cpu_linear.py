@@ -279,6 +279,56 @@ def cpu_linears(
         _local.on, _local.heads, _local.kept, _local.matmul_threads, _local.timing = before
 
 
+#: Row counts :func:`same_bits` compares (a one-row ``torch.mv``, products of 2 to MAX_ROWS).
+CHECK_ROWS = (1, 2, 3, 17, 33, 64, MAX_ROWS)
+
+#: :func:`same_bits` takes at most this many rows of a weight (a larger layer, the output
+#: embedding above all, is checked on its first rows: the few-row products whose thread split
+#: may cut a row's sum are the narrow ones).
+CHECK_MAX_OUT = 8192
+
+
+def same_bits(
+    shapes: Iterable[tuple[int, int]], dtype: torch.dtype, counts: tuple[int, ...]
+) -> bool:
+    """Whether ``weight @ inputᵀ`` (:func:`_weight_first`) gives every row the same bits on
+    each thread count in ``counts``, for random weights of each ``(out_features,
+    in_features)`` in ``shapes`` (at most :data:`CHECK_MAX_OUT` rows of a weight) and inputs
+    of :data:`CHECK_ROWS` rows, in ``dtype``, on the running torch and CPU. What moving a
+    pass's products between thread counts needs so that a sequence's text does not depend on
+    the count (:class:`MatmulThreads`). Measured: in bfloat16 1 and 2 threads agree for
+    SmolLM2's shapes; 6 or more threads split some 128-row products' sums otherwise. The
+    calling thread's count is restored."""
+    before = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for out_f, in_f in sorted(set(shapes)):
+            w = (torch.randn(min(out_f, CHECK_MAX_OUT), in_f, generator=gen) * 0.05).to(dtype)
+            x = torch.randn(max(CHECK_ROWS), in_f, generator=gen).to(dtype)
+            for rows in CHECK_ROWS:
+                got = []
+                for count in counts:
+                    torch.set_num_threads(count)
+                    got.append(_weight_first(x[:rows], w, None))
+                if not all(torch.equal(got[0], g) for g in got[1:]):
+                    return False
+        return True
+    finally:
+        torch.set_num_threads(before)
+
+
+def product_shapes(model: torch.nn.Module) -> set[tuple[int, int]]:
+    """The ``(out, in)`` shapes of ``model``'s CPU products: each plain ``torch.nn.Linear``'s
+    weight, or its fused group's (:func:`place_fused_projections`)."""
+    shapes = set()
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module.weight.device.type == "cpu":
+            group = module.__dict__.get(FUSED_ATTR)
+            weight = group.weight if group is not None else module.weight
+            shapes.add((int(weight.shape[0]), int(weight.shape[1])))
+    return shapes
+
+
 #: Passes of one size between probes of the thread count not in use (:class:`MatmulThreads`),
 #: doubled up to :data:`PROBE_MAX` while probes confirm the choice.
 PROBE_FIRST = 8
@@ -286,8 +336,8 @@ PROBE_MAX = 128
 
 
 class MatmulThreads:
-    """The thread count of a CPU pass's products: ``threads`` or 1, per size of pass (its rows,
-    by powers of two), whichever computed them faster lately (docs/decisions.md, "Products on
+    """The thread count of a CPU pass's products: ``threads`` or ``fallback``, per size of pass
+    (its rows, by powers of two), whichever computed them faster lately (docs/decisions.md, "Products on
     every core").
 
     On an idle core a second thread nearly halves the products (the weights' reads); but a
@@ -302,56 +352,66 @@ class MatmulThreads:
     the interval over.
 
     Args:
-        threads: the count to try beside 1 (>= 1; 1 makes every pass one thread).
+        threads: the count to try (>= 1).
+        fallback: the count to try beside it (>= 1; the engine thread's own, ``CPU_THREADS``);
+            equal to ``threads``, every pass takes it.
 
     Raises:
-        ValueError: ``threads`` below 1.
+        ValueError: a count below 1.
     """
 
-    def __init__(self, threads: int) -> None:
-        if threads < 1:
-            raise ValueError(f"matmul threads must be >= 1: {threads}")
+    def __init__(self, threads: int, fallback: int = 1) -> None:
+        if threads < 1 or fallback < 1:
+            raise ValueError(f"matmul threads must be >= 1: {threads}, {fallback}")
         self.threads = threads
+        self.fallback = fallback
         self._seconds: dict[tuple[int, int], float] = {}  # (size, threads) -> recent seconds
         self._probe: dict[int, list[int]] = {}  # size -> [passes until a probe, interval]
         #: how many times a size's choice changed
         self.switches = 0
 
-    def _best(self, size: int) -> int | None:
-        many = self._seconds.get((size, self.threads))
-        one = self._seconds.get((size, 1))
-        if many is None or one is None:
+    def _best(self, size: int, seconds: dict[tuple[int, int], float] | None = None) -> int | None:
+        seconds = self._seconds if seconds is None else seconds
+        many = seconds.get((size, self.threads))
+        few = seconds.get((size, self.fallback))
+        if many is None or few is None:
             return None
-        return self.threads if many <= one else 1
+        return self.threads if many <= few else self.fallback
 
     def choose(self, rows: int) -> int:
         """The thread count for a pass of ``rows`` rows."""
-        if self.threads == 1:
-            return 1
+        if self.threads == self.fallback:
+            return self.threads
         size = rows.bit_length()
-        for count in (self.threads, 1):  # each count once before any choice
+        for count in (self.threads, self.fallback):  # each count once before any choice
             if (size, count) not in self._seconds:
                 return count
         best = self._best(size)
         probe = self._probe.setdefault(size, [PROBE_FIRST, PROBE_FIRST])
         probe[0] -= 1
         if probe[0] <= 0:
-            return 1 if best == self.threads else self.threads
+            return self.fallback if best == self.threads else self.threads
         return best or self.threads
 
     def summary(self) -> dict[str, Any]:
-        """``{threads, chosen: {"LOW-HIGH" rows: count in use}, switches}`` (the health
-        route's view: which count each size of pass uses now)."""
+        """``{threads, fallback, chosen: {"LOW-HIGH" rows: count in use}, switches}`` (the
+        health route's view: which count each size of pass uses now). Safe from any thread."""
+        seconds = dict(self._seconds)  # one copy under the GIL: the engine thread adds sizes
         chosen = {}
-        for size in sorted({size for size, _ in self._seconds}):
+        for size in sorted({size for size, _ in seconds}):
             low, high = (1 << size) >> 1, (1 << size) - 1
-            best = self._best(size)
+            best = self._best(size, seconds)
             chosen[f"{low}-{high}" if high > low else str(low)] = best or self.threads
-        return {"threads": self.threads, "chosen": chosen, "switches": self.switches}
+        return {
+            "threads": self.threads,
+            "fallback": self.fallback,
+            "chosen": chosen,
+            "switches": self.switches,
+        }
 
     def record(self, rows: int, threads: int, seconds: float) -> None:
         """The products of a pass of ``rows`` rows on ``threads`` took ``seconds``."""
-        if self.threads == 1:
+        if self.threads == self.fallback:
             return
         size = rows.bit_length()
         before = self._best(size)

@@ -87,6 +87,7 @@ def build(
             matmul_threads=(
                 resolved_cpu_matmul_threads(settings) if device.type == "cpu" else None
             ),
+            cpu_threads=resolved_cpu_threads(settings) if device.type == "cpu" else None,
             **(CUDA_STEP_TOKENS if device.type == "cuda" else {}),
         )
     except Exception as exc:  # noqa: BLE001 - the load fails, saying why

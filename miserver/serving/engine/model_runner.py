@@ -39,7 +39,12 @@ from typing import Any
 import torch
 
 from miserver.serving.engine.cpu_linear import MAX_ROWS as WEIGHT_FIRST_ROWS
-from miserver.serving.engine.cpu_linear import MatmulThreads, cpu_linears
+from miserver.serving.engine.cpu_linear import (
+    MatmulThreads,
+    cpu_linears,
+    product_shapes,
+    same_bits,
+)
 from miserver.serving.engine.devices import dtype_of
 from miserver.serving.engine.kv_cache import PagedKVCache
 from miserver.serving.engine.paged_attention import (
@@ -163,6 +168,8 @@ class ModelRunner:
             :data:`MAX_ROWS` one-query rows); None: on the CPU.
         matmul_threads: torch's intra-op threads for the linear products of a CPU pass in
             bfloat16 or float16 (``CPU_MATMUL_THREADS``); None: the engine thread's own count.
+        own_threads: the engine thread's own count (``CPU_THREADS``); None: the calling
+            thread's.
     """
 
     def __init__(
@@ -173,6 +180,7 @@ class ModelRunner:
         packed_prefill: bool | None = None,
         weight_first: bool | None = None,
         matmul_threads: int | None = None,
+        own_threads: int | None = None,
     ):
         register()
         self.model = model
@@ -190,12 +198,15 @@ class ModelRunner:
         )
         self.min_rows = MIN_ROWS if cpu and not self.rows_exact else 1
         #: torch's threads for the linear products of a CPU pass (``CPU_MATMUL_THREADS``;
-        #: :func:`cpu_linears`), or None: the engine thread's own. Only where ``rows_exact``: in
-        #: bfloat16 and float16 a product's bits were measured the same on 1 and 2 threads for
-        #: every row count, in float32 not (MKL splits the sum otherwise)
-        self.matmul_threads = matmul_threads if self.rows_exact else None
-        #: chooses each pass's product threads (``matmul_threads`` or 1), timing both
-        self.threads = MatmulThreads(matmul_threads) if self.matmul_threads else None
+        #: :func:`cpu_linears`), or None: the engine thread's own. Settled at the first pass,
+        #: on the thread that runs passes (:meth:`settle_matmul_threads`)
+        self.matmul_threads: int | None = None
+        #: chooses each pass's product threads (``matmul_threads`` or the engine thread's own),
+        #: timing both; None until settled, or without ``matmul_threads``
+        self.threads: MatmulThreads | None = None
+        self._matmul_wanted = matmul_threads
+        self._own_threads = own_threads
+        self._matmul_settled = False
         self.max_rows = (MAX_ROWS if self.weight_first else LINEAR_MAX_ROWS) if cpu else None
         #: several prefill chunks of a step in one attention call a layer (CUDA by default;
         #: never on the CPU by default, where each chunk's bits must not depend on the others)
@@ -209,8 +220,46 @@ class ModelRunner:
         #: whether the last step ran through :class:`DecodeGraphs` (its fixed-shape path)
         self.last_graphed = False
 
+    def settle_matmul_threads(self) -> None:
+        """Settle :attr:`matmul_threads` and :attr:`threads` once, on the calling thread (the
+        engine's, at its first pass). The check runs products on both counts, and on another
+        thread it would leave that thread an OpenMP team: with more OpenMP threads than cores,
+        the product team's threads stop spinning between products and two threads lose to one
+        (measured: a lone chat 46 against 31 ms a token when the check ran on the loading
+        thread; docs/decisions.md, "Products on every core")."""
+        if self._matmul_settled:
+            return
+        self._matmul_settled = True
+        own = self._own_threads or torch.get_num_threads()
+        self.matmul_threads = self._matmul_threads(self.model, self._matmul_wanted, own)
+        if self.matmul_threads:
+            self.threads = MatmulThreads(self.matmul_threads, own)
+
+    def _matmul_threads(self, model: Any, wanted: int | None, own: int) -> int | None:
+        """``wanted`` where a pass's products may move between it and the engine thread's own
+        count ``own``: a CPU pass in bfloat16 or float16 (``rows_exact``; in float32 MKL splits
+        a sum otherwise on another count) whose product shapes give every row the same bits on
+        both counts on this CPU (:func:`~miserver.serving.engine.cpu_linear.same_bits`:
+        measured equal on 1 and 2 threads, not on 6 or more for some 128-row products). Else
+        None, and the products keep the engine thread's count."""
+        if not wanted or not self.rows_exact or wanted == own:
+            return None
+        if not same_bits(product_shapes(model), dtype_of(model), (own, wanted)):
+            log.warning(
+                "engine: CPU_MATMUL_THREADS=%d left unused: this CPU's products round otherwise "
+                "on %d threads than on %d (CPU_THREADS), and a sequence's text would then depend "
+                "on the count",
+                wanted,
+                wanted,
+                own,
+            )
+            return None
+        return wanted
+
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: Any, meta: PagedMetadata):
         kwargs = {ATTENTION_NAME: meta}
+        if not self._matmul_settled:
+            self.settle_matmul_threads()
         rows = int(ids.shape[0])
         threads = self.threads.choose(rows) if self.threads is not None else None
         with (

@@ -154,7 +154,7 @@ DESCRIPTIONS: dict[str, str] = {
     "operation of a pass keeps `CPU_THREADS`. `auto` is the cores this process may run on. "
     "Measured on 2 cores: a lone chat 44 -> 32 ms a token over HTTP with 2. Used only where the "
     "model's products give every row the same bits on this count as on `CPU_THREADS` (checked at "
-    "load; otherwise a warning, and the products keep `CPU_THREADS`). Each pass's count (this one "
+    "the engine's first pass; otherwise a warning, and the products keep `CPU_THREADS`). Each pass's count (this one "
     "or `CPU_THREADS`) is chosen by timing both, so when another busy process takes a core the "
     "engine falls back and returns when the core is free; equal to `CPU_THREADS`, it is off. The "
     "extra threads wait for work by spinning briefly (`miserver serve` on the CPU starts torch "

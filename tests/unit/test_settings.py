@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -214,46 +215,36 @@ def test_gguf_threads_is_auto_or_a_count_and_auto_follows_the_cpu_affinity() -> 
             load_settings({"MISERVER_HOME": "/x", "GGUF_THREADS": bad})
 
 
-def test_cpu_threads_is_auto_or_a_count_and_auto_leaves_one_core(
+@pytest.mark.parametrize(
+    ("variable", "field", "resolve", "auto_for"),
+    [
+        # CPU_THREADS: auto leaves one core to the event loop
+        ("CPU_THREADS", "cpu_threads", "resolved_cpu_threads", lambda c: max(1, c - 1)),
+        # CPU_MATMUL_THREADS: auto is every core
+        ("CPU_MATMUL_THREADS", "cpu_matmul_threads", "resolved_cpu_matmul_threads", lambda c: c),
+    ],
+)
+def test_cpu_thread_counts_are_auto_or_a_count(
     monkeypatch: pytest.MonkeyPatch,
+    variable: str,
+    field: str,
+    resolve: str,
+    auto_for: Callable[[int], int],
 ) -> None:
-    import os
-
     from miserver.spec import settings as settings_module
-    from miserver.spec.settings import resolved_cpu_threads
 
+    resolved = getattr(settings_module, resolve)
     auto = load_settings({"MISERVER_HOME": "/x"})
-    assert auto.cpu_threads is None
-    assert resolved_cpu_threads(auto) == max(1, len(os.sched_getaffinity(0)) - 1)
-    for cores, threads in ((1, 1), (2, 1), (16, 15)):
+    assert getattr(auto, field) is None
+    assert resolved(auto) == auto_for(len(os.sched_getaffinity(0)))
+    for cores, threads in ((1, auto_for(1)), (2, auto_for(2)), (16, auto_for(16))):
         monkeypatch.setattr(settings_module, "usable_cores", lambda c=cores: c)
-        assert resolved_cpu_threads(auto) == threads
-    set_ = load_settings({"MISERVER_HOME": "/x", "CPU_THREADS": "2"})
-    assert (set_.cpu_threads, resolved_cpu_threads(set_)) == (2, 2)
+        assert resolved(auto) == threads
+    set_ = load_settings({"MISERVER_HOME": "/x", variable: "2"})
+    assert (getattr(set_, field), resolved(set_)) == (2, 2)
     for bad in ("0", "1025", "-2", "two"):
-        with pytest.raises(ConfigError, match="CPU_THREADS"):
-            load_settings({"MISERVER_HOME": "/x", "CPU_THREADS": bad})
-
-
-def test_cpu_matmul_threads_is_auto_or_a_count_and_auto_is_every_core(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import os
-
-    from miserver.spec import settings as settings_module
-    from miserver.spec.settings import resolved_cpu_matmul_threads
-
-    auto = load_settings({"MISERVER_HOME": "/x"})
-    assert auto.cpu_matmul_threads is None
-    assert resolved_cpu_matmul_threads(auto) == len(os.sched_getaffinity(0))
-    for cores in (1, 2, 16):
-        monkeypatch.setattr(settings_module, "usable_cores", lambda c=cores: c)
-        assert resolved_cpu_matmul_threads(auto) == cores
-    set_ = load_settings({"MISERVER_HOME": "/x", "CPU_MATMUL_THREADS": "1"})
-    assert (set_.cpu_matmul_threads, resolved_cpu_matmul_threads(set_)) == (1, 1)
-    for bad in ("0", "1025", "-2", "two"):
-        with pytest.raises(ConfigError, match="CPU_MATMUL_THREADS"):
-            load_settings({"MISERVER_HOME": "/x", "CPU_MATMUL_THREADS": bad})
+        with pytest.raises(ConfigError, match=variable):
+            load_settings({"MISERVER_HOME": "/x", variable: bad})
 
 
 def test_continuous_batching_1_starts_with_pauses_unavailable_as_cbm() -> None:

@@ -72,6 +72,8 @@ def build(
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     budget = resolved_kv_cache_bytes(settings, device.type, free)
     max_seqs = settings.max_batch_size or DEFAULT_ENGINE_MAX_SEQS
+    threads = resolved_cpu_threads(settings) if device.type == "cpu" else None
+    matmul = resolved_cpu_matmul_threads(settings) if device.type == "cpu" else None
     started = time.perf_counter()
     try:
         if settings.kv_cache_bytes is None:
@@ -84,16 +86,13 @@ def build(
             decode_graphs=settings.decode_graphs if device.type == "cuda" else "off",
             prefix_cache=device.type != "cpu",
             speculative_tokens=resolved_speculative_tokens(settings, device.type),
-            matmul_threads=(
-                resolved_cpu_matmul_threads(settings) if device.type == "cpu" else None
-            ),
-            cpu_threads=resolved_cpu_threads(settings) if device.type == "cpu" else None,
+            matmul_threads=matmul,
+            cpu_threads=threads,
             **(CUDA_STEP_TOKENS if device.type == "cuda" else {}),
         )
     except Exception as exc:  # noqa: BLE001 - the load fails, saying why
         raise EngineUnavailable(name, exc) from exc
     stats = engine.stats()
-    threads = resolved_cpu_threads(settings) if device.type == "cpu" else None
     log.info(
         "continuous engine for %s: KV cache %.1f MiB (KV_CACHE_BYTES %s), %d blocks of %d "
         "positions, up to %d sequences a step%s%s, in %.2f s",
@@ -104,9 +103,7 @@ def build(
         stats["block_size"],
         max_seqs,
         "" if threads is None else f", {threads} CPU thread{'s' if threads > 1 else ''}",
-        ""
-        if not engine.runner.matmul_threads
-        else f" ({engine.runner.matmul_threads} for products)",
+        "" if matmul in (None, threads) else f" ({matmul} for products where they round alike)",
         time.perf_counter() - started,
     )
     # On the CPU a prompt whose head comes from the prefix cache is computed in another shape

@@ -258,8 +258,7 @@ class ModelRunner:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, keep: Any, meta: PagedMetadata):
         kwargs = {ATTENTION_NAME: meta}
-        if not self._matmul_settled:
-            self.settle_matmul_threads()
+        self.settle_matmul_threads()
         rows = int(ids.shape[0])
         threads = self.threads.choose(rows) if self.threads is not None else None
         with (
@@ -273,7 +272,7 @@ class ModelRunner:
                 logits_to_keep=keep,
                 **kwargs,
             )
-        if self.threads is not None and threads is not None:
+        if self.threads is not None:
             self.threads.record(rows, threads, products.seconds)
         self.forward_passes += 1
         return out.logits[0]
